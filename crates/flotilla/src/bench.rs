@@ -1,0 +1,408 @@
+//! `flotilla bench-model`: prompt processing, single-stream decode and
+//! batched decode of the CPU backend, beside llama.cpp's `llama-bench` and
+//! `llama-batched-bench` on the same file and thread count, in one run.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::Instant;
+
+use anyhow::{Context, Result, bail};
+use flotilla_model::{CpuExecutor, Executor, OutputKind, SamplingParams, SeqInput, StepOutputs};
+
+use crate::ModelArgs;
+
+/// Arguments of `bench-model`.
+#[derive(clap::Args)]
+pub struct BenchArgs {
+    #[command(flatten)]
+    model: ModelArgs,
+    /// Prompt length of the prompt-processing test (llama-bench's -p).
+    #[arg(long, default_value_t = 512)]
+    pp: usize,
+    /// Tokens of the single-stream decode test (llama-bench's -n).
+    #[arg(long, default_value_t = 128)]
+    tg: usize,
+    /// Parallel sequences of the batched decode test (llama-batched-bench's -npl).
+    #[arg(long, value_delimiter = ',', default_value = "1,8,32")]
+    batches: Vec<usize>,
+    /// Prompt tokens per sequence before batched decode (-npp).
+    #[arg(long, default_value_t = 128)]
+    batch_prompt: usize,
+    /// Decode tokens per sequence in batched decode (-ntg).
+    #[arg(long, default_value_t = 128)]
+    batch_gen: usize,
+    /// Repetitions; the best and the mean are reported.
+    #[arg(long, default_value_t = 3)]
+    reps: usize,
+    /// Folder with llama.cpp's llama-bench and llama-batched-bench
+    /// (default: ~/.cache/flotilla-peers/llama.cpp/build/bin if present).
+    #[arg(long)]
+    llama_cpp: Option<PathBuf>,
+    /// Skip the llama.cpp runs.
+    #[arg(long)]
+    no_peer: bool,
+}
+
+struct Row {
+    name: String,
+    ours: f64,
+    peer: Option<f64>,
+    target: Option<f64>,
+}
+
+/// Deterministic pseudo-random token ids (llama-bench also uses random tokens).
+fn tokens(n: usize, seed: u64, vocab: usize) -> Vec<u32> {
+    let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    (0..n)
+        .map(|_| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            (x % vocab as u64) as u32
+        })
+        .collect()
+}
+
+pub fn run(a: &BenchArgs) -> Result<()> {
+    if a.pp == 0
+        || a.tg == 0
+        || a.reps == 0
+        || a.batches.contains(&0)
+        || a.batch_gen == 0
+        || a.batch_prompt == 0
+    {
+        bail!("--pp, --tg, --reps, --batches, --batch-prompt and --batch-gen must be positive");
+    }
+    let path = a.model.path()?;
+    let max_b = a.batches.iter().copied().max().unwrap_or(1);
+    let bs = a.model.block_size;
+    let per_seq = (a.batch_prompt + a.batch_gen).div_ceil(bs);
+    let blocks = (max_b * per_seq)
+        .max(a.pp.div_ceil(bs))
+        .max(a.tg.div_ceil(bs));
+    let budget = a.pp.max(max_b).max(a.batch_prompt);
+    let cfg = a.model.cpu_config(blocks, budget)?;
+    let t0 = Instant::now();
+    let mut e = CpuExecutor::load(&path, &cfg).context("loading the model")?;
+    let threads = e.threads();
+    let vocab = e.model_spec().vocab;
+    eprintln!(
+        "model {} ({:.1} MB of weights), {} threads, kernel {:?}, KV {:?} x {} blocks of {} ({:.0} MB), loaded in {:.2}s",
+        path.display(),
+        e.model_spec().weight_bytes as f64 / 1e6,
+        threads,
+        e.kernel(),
+        e.kv_spec().dtype,
+        blocks,
+        bs,
+        (e.kv_spec().bytes_per_block * blocks) as f64 / 1e6,
+        t0.elapsed().as_secs_f64()
+    );
+    let mut out = StepOutputs::default();
+    let table: Vec<u32> = (0..blocks as u32).collect();
+    let greedy = OutputKind::Sample(SamplingParams::greedy());
+
+    // pp: one step of `pp` prompt tokens, logits of the last.
+    let prompt = tokens(a.pp, 1, vocab);
+    let mut pp = Vec::new();
+    for rep in 0..=a.reps {
+        let t = Instant::now();
+        e.step(
+            &[SeqInput {
+                tokens: &prompt,
+                start_pos: 0,
+                block_table: &table,
+                output: OutputKind::Logits,
+            }],
+            &mut out,
+        )?;
+        if rep > 0 {
+            pp.push(a.pp as f64 / t.elapsed().as_secs_f64());
+        }
+    }
+    // tg: `tg` single-token steps from an empty context, greedy.
+    let mut tg = Vec::new();
+    for rep in 0..=a.reps.min(2) {
+        let mut tok = 1u32;
+        let t = Instant::now();
+        for pos in 0..a.tg {
+            e.step(
+                &[SeqInput {
+                    tokens: &[tok],
+                    start_pos: pos,
+                    block_table: &table,
+                    output: greedy,
+                }],
+                &mut out,
+            )?;
+            tok = out.token_of(0).unwrap_or(1);
+        }
+        if rep > 0 {
+            tg.push(a.tg as f64 / t.elapsed().as_secs_f64());
+        }
+    }
+    // Batched decode: B sequences, each prefilled with `batch_prompt` tokens
+    // (untimed), then `batch_gen` steps of B decode tokens.
+    let mut batched = Vec::new();
+    for &b in &a.batches {
+        let tables: Vec<&[u32]> = (0..b)
+            .map(|i| &table[i * per_seq..(i + 1) * per_seq])
+            .collect();
+        let prompts: Vec<Vec<u32>> = (0..b)
+            .map(|i| tokens(a.batch_prompt, 100 + i as u64, vocab))
+            .collect();
+        for (i, p) in prompts.iter().enumerate() {
+            e.step(
+                &[SeqInput {
+                    tokens: p,
+                    start_pos: 0,
+                    block_table: tables[i],
+                    output: greedy,
+                }],
+                &mut out,
+            )?;
+        }
+        let mut last: Vec<u32> = vec![1; b];
+        let t = Instant::now();
+        for g in 0..a.batch_gen {
+            let batch: Vec<SeqInput<'_>> = (0..b)
+                .map(|i| SeqInput {
+                    tokens: std::slice::from_ref(&last[i]),
+                    start_pos: a.batch_prompt + g,
+                    block_table: tables[i],
+                    output: greedy,
+                })
+                .collect();
+            e.step(&batch, &mut out)?;
+            drop(batch);
+            for (i, l) in last.iter_mut().enumerate() {
+                *l = out.token_of(i).unwrap_or(1);
+            }
+        }
+        batched.push((b, (b * a.batch_gen) as f64 / t.elapsed().as_secs_f64()));
+    }
+    let rss_mb = peak_rss_mb();
+    drop(e);
+
+    let peer = if a.no_peer {
+        None
+    } else {
+        peer_dir(a.llama_cpp.as_deref())
+    };
+    let (peer_pp, peer_tg, peer_batched) = match &peer {
+        Some(dir) => {
+            eprintln!(
+                "running llama.cpp from {} with {threads} threads ...",
+                dir.display()
+            );
+            let (p, t) = llama_bench(dir, &path, threads, a.pp, a.tg, a.reps).unwrap_or_else(|e| {
+                eprintln!("llama-bench failed: {e:#}");
+                (None, None)
+            });
+            let b =
+                llama_batched_bench(dir, &path, threads, a.batch_prompt, a.batch_gen, &a.batches)
+                    .unwrap_or_else(|e| {
+                        eprintln!("llama-batched-bench failed: {e:#}");
+                        Vec::new()
+                    });
+            (p, t, b)
+        }
+        None => (None, None, Vec::new()),
+    };
+    let best = |v: &[f64]| v.iter().cloned().fold(0.0, f64::max);
+    let mut rows = vec![
+        Row {
+            name: format!("pp{}", a.pp),
+            ours: best(&pp),
+            peer: peer_pp,
+            target: Some(2.0),
+        },
+        Row {
+            name: format!("tg{}", a.tg),
+            ours: best(&tg),
+            peer: peer_tg,
+            target: Some(1.2),
+        },
+    ];
+    for (b, v) in &batched {
+        let p = peer_batched.iter().find(|(pb, _)| pb == b).map(|(_, v)| *v);
+        let target = if *b == 32 { Some(4.0) } else { None };
+        rows.push(Row {
+            name: format!(
+                "decode batch {b} (npp {}, ntg {})",
+                a.batch_prompt, a.batch_gen
+            ),
+            ours: *v,
+            peer: p,
+            target,
+        });
+    }
+    println!();
+    println!("| test | flotilla tok/s | llama.cpp tok/s | ratio | target |");
+    println!("|---|---:|---:|---:|---:|");
+    for r in &rows {
+        let peer = r.peer.map_or("-".to_string(), |p| format!("{p:.1}"));
+        let ratio = r
+            .peer
+            .map_or("-".to_string(), |p| format!("{:.2}x", r.ours / p));
+        let target = r.target.map_or("-".to_string(), |t| format!(">= {t}x"));
+        println!(
+            "| {} | {:.1} | {} | {} | {} |",
+            r.name, r.ours, peer, ratio, target
+        );
+    }
+    let file_mb = std::fs::metadata(&path)
+        .map(|m| m.len() as f64 / 1e6)
+        .unwrap_or(0.0);
+    println!();
+    println!(
+        "threads {threads}; peak RSS {rss_mb:.0} MB (model file {file_mb:.0} MB, KV cache {:.0} MB)",
+        (cfg.num_blocks * bytes_per_block_hint(&path, &cfg)) as f64 / 1e6
+    );
+    Ok(())
+}
+
+/// Bytes of one KV block for this model and config (reads the header only).
+fn bytes_per_block_hint(path: &Path, cfg: &flotilla_model::CpuConfig) -> usize {
+    let g = match flotilla_model::gguf::GgufFile::open(path) {
+        Ok(g) => g,
+        Err(_) => return 0,
+    };
+    match flotilla_model::llama::LlamaConfig::from_gguf(&g) {
+        Ok(c) => c.n_layer * 2 * c.kv_dim() * cfg.block_size * cfg.kv_dtype.bytes(),
+        Err(_) => 0,
+    }
+}
+
+fn peak_rss_mb() -> f64 {
+    std::fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|s| {
+            s.lines().find(|l| l.starts_with("VmHWM:")).and_then(|l| {
+                l.split_whitespace()
+                    .nth(1)
+                    .and_then(|v| v.parse::<f64>().ok())
+            })
+        })
+        .map_or(0.0, |kb| kb / 1024.0)
+}
+
+fn peer_dir(given: Option<&Path>) -> Option<PathBuf> {
+    let dir = match given {
+        Some(d) => d.to_path_buf(),
+        None => PathBuf::from(std::env::var_os("HOME")?)
+            .join(".cache/flotilla-peers/llama.cpp/build/bin"),
+    };
+    if dir.join("llama-bench").is_file() {
+        Some(dir)
+    } else {
+        eprintln!(
+            "llama.cpp not found in {}: build it with ../shared/tools/build-llama-cpp or pass --llama-cpp DIR",
+            dir.display()
+        );
+        None
+    }
+}
+
+fn json_lines(out: &[u8]) -> Vec<serde_json::Value> {
+    String::from_utf8_lossy(out)
+        .lines()
+        .filter_map(|l| {
+            serde_json::from_str::<serde_json::Value>(l.trim().trim_end_matches(',')).ok()
+        })
+        .collect()
+}
+
+fn llama_bench(
+    dir: &Path,
+    model: &Path,
+    threads: usize,
+    pp: usize,
+    tg: usize,
+    reps: usize,
+) -> Result<(Option<f64>, Option<f64>)> {
+    let out = Command::new(dir.join("llama-bench"))
+        .args([
+            "-m",
+            &model.display().to_string(),
+            "-t",
+            &threads.to_string(),
+        ])
+        .args([
+            "-p",
+            &pp.to_string(),
+            "-n",
+            &tg.to_string(),
+            "-r",
+            &reps.to_string(),
+            "-o",
+            "jsonl",
+        ])
+        .output()
+        .context("running llama-bench")?;
+    if !out.status.success() {
+        bail!(
+            "llama-bench exited with {}: {}",
+            out.status,
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    let mut p = None;
+    let mut t = None;
+    for v in json_lines(&out.stdout) {
+        let ts = v["avg_ts"].as_f64();
+        if v["n_prompt"].as_u64() == Some(pp as u64) && v["n_gen"].as_u64() == Some(0) {
+            p = ts;
+        }
+        if v["n_gen"].as_u64() == Some(tg as u64) && v["n_prompt"].as_u64() == Some(0) {
+            t = ts;
+        }
+    }
+    Ok((p, t))
+}
+
+fn llama_batched_bench(
+    dir: &Path,
+    model: &Path,
+    threads: usize,
+    npp: usize,
+    ntg: usize,
+    npl: &[usize],
+) -> Result<Vec<(usize, f64)>> {
+    let max_pl = npl.iter().copied().max().unwrap_or(1);
+    let ctx = max_pl * (npp + ntg) + 16;
+    let npl_s: Vec<String> = npl.iter().map(|v| v.to_string()).collect();
+    let out = Command::new(dir.join("llama-batched-bench"))
+        .args([
+            "-m",
+            &model.display().to_string(),
+            "-t",
+            &threads.to_string(),
+            "-c",
+            &ctx.to_string(),
+        ])
+        .args([
+            "-b",
+            "2048",
+            "-ub",
+            "512",
+            "-npp",
+            &npp.to_string(),
+            "-ntg",
+            &ntg.to_string(),
+        ])
+        .args(["-npl", &npl_s.join(","), "--output-format", "jsonl"])
+        .output()
+        .context("running llama-batched-bench")?;
+    if !out.status.success() {
+        bail!(
+            "llama-batched-bench exited with {}: {}",
+            out.status,
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    Ok(json_lines(&out.stdout)
+        .into_iter()
+        .filter_map(|v| Some((v["pl"].as_u64()? as usize, v["speed_tg"].as_f64()?)))
+        .collect())
+}

@@ -1,0 +1,278 @@
+//! `flotilla`: the one binary. Today: `generate`, `bench-model`, `fetch-model`.
+
+mod bench;
+
+use std::io::Write;
+use std::path::PathBuf;
+use std::time::Instant;
+
+use anyhow::{Context, Result, bail};
+use clap::{Parser, Subcommand};
+use flotilla_model::chat::ChatMessage;
+use flotilla_model::generate::{Driver, Finish, Request};
+use flotilla_model::gguf::GgufFile;
+use flotilla_model::kernels::Kernel;
+use flotilla_model::llama::LlamaConfig;
+use flotilla_model::model::TextSide;
+use flotilla_model::{CpuConfig, CpuExecutor, KvDtype, SamplingParams};
+
+#[derive(Parser)]
+#[command(name = "flotilla", version, about = "Flotilla: an LLM serving cluster")]
+struct Cli {
+    #[command(subcommand)]
+    cmd: Cmd,
+}
+
+/// Options shared by the commands that load a model.
+#[derive(clap::Args, Clone)]
+struct ModelArgs {
+    /// GGUF model file; default: SmolLM2-135M-Instruct (Q4_1), fetched on first use.
+    #[arg(long)]
+    model: Option<PathBuf>,
+    /// Compute threads (default: all cores).
+    #[arg(long)]
+    threads: Option<usize>,
+    /// KV cache element type: f16 or f32.
+    #[arg(long, default_value = "f16")]
+    kv_cache_dtype: String,
+    /// Tokens per KV block.
+    #[arg(long, default_value_t = 16)]
+    block_size: usize,
+    /// Matrix kernels: auto (SIMD), scalar, or exact (f32 reference, slow).
+    #[arg(long, default_value = "auto")]
+    kernel: String,
+}
+
+impl ModelArgs {
+    fn path(&self) -> Result<PathBuf> {
+        match &self.model {
+            Some(p) => {
+                if !p.is_file() {
+                    bail!("model file {} does not exist", p.display());
+                }
+                Ok(p.clone())
+            }
+            None => Ok(flotilla_model::hub::ensure_default_model(true)?),
+        }
+    }
+
+    fn cpu_config(&self, num_blocks: usize, max_batch_tokens: usize) -> Result<CpuConfig> {
+        let kernel = match self.kernel.as_str() {
+            "auto" => Kernel::Auto,
+            "scalar" => Kernel::Scalar,
+            "exact" => Kernel::Exact,
+            k => bail!("unknown --kernel '{k}' (expected auto, scalar or exact)"),
+        };
+        let kv_dtype = KvDtype::parse(&self.kv_cache_dtype).map_err(anyhow::Error::msg)?;
+        let mut c = CpuConfig {
+            kernel,
+            kv_dtype,
+            block_size: self.block_size,
+            num_blocks,
+            max_batch_tokens,
+            ..Default::default()
+        };
+        if let Some(t) = self.threads {
+            if t == 0 {
+                bail!("--threads must be at least 1");
+            }
+            c.threads = t;
+        }
+        Ok(c)
+    }
+}
+
+#[derive(Subcommand)]
+enum Cmd {
+    /// Generate text from a prompt; only the generated text goes to stdout.
+    Generate {
+        /// The prompt.
+        #[arg(long)]
+        prompt: String,
+        /// Apply the model's chat template to the prompt as a user message.
+        #[arg(long)]
+        chat: bool,
+        /// System message (with --chat).
+        #[arg(long)]
+        system: Option<String>,
+        /// Most tokens to generate.
+        #[arg(long, default_value_t = 128)]
+        max_tokens: usize,
+        /// Sampling temperature; 0 is greedy.
+        #[arg(long, default_value_t = 0.0)]
+        temperature: f32,
+        /// Nucleus sampling threshold.
+        #[arg(long, default_value_t = 1.0)]
+        top_p: f32,
+        /// Keep only the k most likely tokens (0: off).
+        #[arg(long, default_value_t = 0)]
+        top_k: u32,
+        /// Random seed.
+        #[arg(long, default_value_t = 0)]
+        seed: u64,
+        /// Keep generating past end-of-sequence tokens.
+        #[arg(long)]
+        ignore_eos: bool,
+        #[command(flatten)]
+        model: ModelArgs,
+    },
+    /// Benchmark the CPU backend (pp512, tg128, batched decode) beside llama.cpp.
+    BenchModel(bench::BenchArgs),
+    /// Download the default model into the cache (if needed) and print its path.
+    FetchModel,
+}
+
+fn main() {
+    if let Err(e) = run() {
+        eprintln!("error: {e:#}");
+        std::process::exit(1);
+    }
+}
+
+fn run() -> Result<()> {
+    match Cli::parse().cmd {
+        Cmd::Generate {
+            prompt,
+            chat,
+            system,
+            max_tokens,
+            temperature,
+            top_p,
+            top_k,
+            seed,
+            ignore_eos,
+            model,
+        } => {
+            let params = SamplingParams {
+                temperature,
+                top_p,
+                top_k,
+                seed,
+                ..Default::default()
+            };
+            params.validate().map_err(anyhow::Error::msg)?;
+            generate(
+                &model, &prompt, chat, system, max_tokens, params, ignore_eos,
+            )
+        }
+        Cmd::BenchModel(args) => bench::run(&args),
+        Cmd::FetchModel => {
+            println!(
+                "{}",
+                flotilla_model::hub::ensure_default_model(true)?.display()
+            );
+            Ok(())
+        }
+    }
+}
+
+fn generate(
+    args: &ModelArgs,
+    prompt: &str,
+    chat: bool,
+    system: Option<String>,
+    max_tokens: usize,
+    params: SamplingParams,
+    ignore_eos: bool,
+) -> Result<()> {
+    let path = args.path()?;
+    let t0 = Instant::now();
+    let g = GgufFile::open(&path)?;
+    let text_side = TextSide::from_gguf(&g).context("loading the tokenizer")?;
+    let ctx = LlamaConfig::from_gguf(&g)?.ctx_len;
+    let text = if chat {
+        let tpl = text_side
+            .chat
+            .as_ref()
+            .context("the model has no chat template (tokenizer.chat_template); drop --chat")?;
+        let mut msgs = Vec::new();
+        if let Some(s) = system {
+            msgs.push(ChatMessage::new("system", s));
+        }
+        msgs.push(ChatMessage::new("user", prompt));
+        tpl.render(&msgs, true)?
+    } else {
+        prompt.to_string()
+    };
+    // Special tokens are recognised only in the rendered template, never in raw user text.
+    let ids = text_side.tokenizer.encode(&text, chat)?;
+    if ids.is_empty() {
+        bail!("the prompt is empty after tokenization");
+    }
+    if ids.len() >= ctx {
+        bail!(
+            "the prompt has {} tokens; the model's context is {ctx}",
+            ids.len()
+        );
+    }
+    let max_new = max_tokens.min(ctx - ids.len());
+    // A KV cache sized for this request, a step budget for its prompt.
+    let blocks = (ids.len() + max_new).div_ceil(args.block_size.max(1));
+    let exec = CpuExecutor::from_gguf(&g, &args.cpu_config(blocks, ids.len().clamp(1, 512))?)
+        .context("loading the model")?;
+    let load = t0.elapsed();
+    let TextSide {
+        tokenizer,
+        stop_tokens,
+        ..
+    } = text_side;
+    let stop = if ignore_eos { Vec::new() } else { stop_tokens };
+    let mut driver = Driver::new(exec);
+    let mut stream = tokenizer.stream(true);
+    let stdout = std::io::stdout();
+    let mut out = stdout.lock();
+    let t1 = Instant::now();
+    let mut first: Option<std::time::Duration> = None;
+    let mut n = 0usize;
+    let mut write_err = None;
+    let req = Request {
+        prompt: ids.clone(),
+        params,
+        max_new,
+        stop_tokens: stop.clone(),
+    };
+    let res = driver.run(&[req], |_, s| {
+        first.get_or_insert_with(|| t1.elapsed());
+        n += 1;
+        if stop.contains(&s.token) {
+            return;
+        }
+        match stream.push(s.token) {
+            Ok(Some(piece)) => {
+                if let Err(e) = out.write_all(piece.as_bytes()).and_then(|_| out.flush()) {
+                    write_err.get_or_insert(e);
+                }
+            }
+            Ok(None) => {}
+            Err(e) => eprintln!("warning: cannot decode token {}: {e}", s.token),
+        }
+    })?;
+    if let Ok(Some(rest)) = stream.flush() {
+        out.write_all(rest.as_bytes())?;
+    }
+    writeln!(out)?;
+    if let Some(e) = write_err {
+        return Err(e).context("writing to stdout");
+    }
+    let total = t1.elapsed();
+    let ttft = first.unwrap_or(total);
+    let decode_tps = if n > 1 {
+        (n - 1) as f64 / (total - ttft).as_secs_f64()
+    } else {
+        0.0
+    };
+    let reason = match res[0].1 {
+        Finish::Eos => "end of sequence",
+        Finish::Length => "length",
+    };
+    eprintln!(
+        "[{} prompt tokens, {n} generated ({reason}); load {:.2}s, prompt {:.0} ms ({:.0} tok/s), decode {:.1} tok/s, {} threads]",
+        ids.len(),
+        load.as_secs_f64(),
+        ttft.as_secs_f64() * 1e3,
+        ids.len() as f64 / ttft.as_secs_f64(),
+        decode_tps,
+        driver.executor().threads(),
+    );
+    Ok(())
+}

@@ -1,0 +1,220 @@
+//! The executor trait: the one interface between the GpuWorker actor and a
+//! backend (the CPU forward pass here; CUDA and the simulator's cost model
+//! later). It speaks of tokens, positions, block ids and sampling only: no
+//! CPU-specific type crosses it.
+
+use crate::sampling::{Sampled, SamplingParams};
+
+/// Element type of the paged KV cache.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum KvDtype {
+    /// 32-bit float: exact, twice the memory.
+    F32,
+    /// IEEE half (the default, as in llama.cpp and vLLM).
+    F16,
+}
+
+impl KvDtype {
+    /// Bytes per element.
+    pub fn bytes(self) -> usize {
+        match self {
+            KvDtype::F32 => 4,
+            KvDtype::F16 => 2,
+        }
+    }
+
+    /// Parses `f32`, `f16` / `auto`.
+    pub fn parse(s: &str) -> Result<KvDtype, String> {
+        match s {
+            "f32" | "float32" => Ok(KvDtype::F32),
+            "f16" | "float16" | "auto" => Ok(KvDtype::F16),
+            other => Err(format!(
+                "unknown KV cache dtype '{other}' (expected f16 or f32)"
+            )),
+        }
+    }
+}
+
+/// What a backend runs: the shape facts a scheduler and router need.
+#[derive(Clone, Debug, PartialEq)]
+pub struct ModelSpec {
+    /// Model name for `/v1/models`.
+    pub name: String,
+    /// Architecture (`llama`).
+    pub arch: String,
+    /// Transformer blocks.
+    pub n_layer: usize,
+    /// Residual width.
+    pub n_embd: usize,
+    /// Query heads.
+    pub n_head: usize,
+    /// KV heads.
+    pub n_head_kv: usize,
+    /// Head dimension.
+    pub head_dim: usize,
+    /// Vocabulary size.
+    pub vocab: usize,
+    /// Longest sequence (prompt + output) in tokens.
+    pub ctx_len: usize,
+    /// Bytes of weights held by the backend.
+    pub weight_bytes: usize,
+}
+
+/// Shape of the paged KV cache a backend holds.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct KvSpec {
+    /// Tokens per block.
+    pub block_size: usize,
+    /// Physical blocks.
+    pub num_blocks: usize,
+    /// Element type.
+    pub dtype: KvDtype,
+    /// Bytes of one block (all layers, K and V).
+    pub bytes_per_block: usize,
+}
+
+/// What a sequence wants back from a step.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum OutputKind {
+    /// Nothing: a prefill chunk that does not end the prompt.
+    None,
+    /// The logits of the last position.
+    Logits,
+    /// A token sampled from the last position's logits.
+    Sample(SamplingParams),
+}
+
+/// One sequence's part of a flat batch: a prefill chunk or one decode token.
+#[derive(Clone, Copy, Debug)]
+pub struct SeqInput<'a> {
+    /// Tokens to run, at positions `start_pos..start_pos + tokens.len()`.
+    pub tokens: &'a [u32],
+    /// Position of `tokens[0]`; positions before it are already in the cache.
+    pub start_pos: usize,
+    /// Physical block of each logical block of the sequence, covering at
+    /// least `start_pos + tokens.len()` positions; blocks may be in any order.
+    pub block_table: &'a [u32],
+    /// What to return.
+    pub output: OutputKind,
+}
+
+/// One sequence's result of a step.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct SeqOutput {
+    /// Row of [`StepOutputs::logits`] holding this sequence's logits.
+    pub logits_row: Option<usize>,
+    /// The sampled token.
+    pub sampled: Option<Sampled>,
+}
+
+/// Results of one step, reused across steps to avoid allocation.
+#[derive(Debug, Default)]
+pub struct StepOutputs {
+    /// Vocabulary size (row length of `logits`).
+    pub vocab: usize,
+    /// Logit rows of the sequences that asked for them (or sampled).
+    pub logits: Vec<f32>,
+    /// One entry per input sequence, in input order.
+    pub seqs: Vec<SeqOutput>,
+}
+
+impl StepOutputs {
+    /// The logits row of sequence `i`, if it asked for logits or a sample.
+    pub fn logits_of(&self, i: usize) -> Option<&[f32]> {
+        let r = self.seqs.get(i)?.logits_row?;
+        self.logits.get(r * self.vocab..(r + 1) * self.vocab)
+    }
+
+    /// The sampled token of sequence `i`.
+    pub fn token_of(&self, i: usize) -> Option<u32> {
+        self.seqs.get(i)?.sampled.as_ref().map(|s| s.token)
+    }
+}
+
+/// Why a step or a block operation was refused. A refused step changes
+/// nothing but the KV slots of the positions it was asked to write.
+#[derive(Debug, thiserror::Error, PartialEq)]
+pub enum ExecError {
+    /// The batch has no tokens or a sequence has none.
+    #[error("empty batch or empty sequence {0}")]
+    Empty(usize),
+    /// More tokens than the backend's per-step budget.
+    #[error("batch of {tokens} tokens exceeds the step budget of {max}")]
+    BatchTooLarge {
+        /// Tokens asked for.
+        tokens: usize,
+        /// Budget.
+        max: usize,
+    },
+    /// A sequence runs past the model's context.
+    #[error("sequence {seq} reaches position {end}, beyond the context of {ctx}")]
+    ContextOverflow {
+        /// Index in the batch.
+        seq: usize,
+        /// One past the last position.
+        end: usize,
+        /// Context length.
+        ctx: usize,
+    },
+    /// A token id outside the vocabulary.
+    #[error("sequence {seq}: token id {token} is outside the vocabulary of {vocab}")]
+    BadToken {
+        /// Index in the batch.
+        seq: usize,
+        /// The token.
+        token: u32,
+        /// Vocabulary size.
+        vocab: usize,
+    },
+    /// A block table too short for the positions or naming a missing block.
+    #[error("sequence {seq}: block table {reason}")]
+    BadBlockTable {
+        /// Index in the batch.
+        seq: usize,
+        /// What is wrong.
+        reason: String,
+    },
+    /// A block id outside the cache.
+    #[error("block {block} does not exist (cache has {num_blocks})")]
+    BadBlock {
+        /// The block.
+        block: u32,
+        /// Blocks in the cache.
+        num_blocks: usize,
+    },
+    /// A byte buffer of the wrong size for a block.
+    #[error("block buffer has {got} bytes, expected {expected}")]
+    BadBlockBytes {
+        /// Bytes given.
+        got: usize,
+        /// Bytes of one block.
+        expected: usize,
+    },
+    /// Invalid sampling parameters.
+    #[error("sequence {seq}: {reason}")]
+    BadSampling {
+        /// Index in the batch.
+        seq: usize,
+        /// What is wrong.
+        reason: String,
+    },
+}
+
+/// A model backend that runs flat mixed batches over a paged KV cache.
+pub trait Executor: Send {
+    /// What model this backend runs.
+    fn model_spec(&self) -> &ModelSpec;
+    /// The KV cache it holds.
+    fn kv_spec(&self) -> KvSpec;
+    /// Most tokens one step may carry.
+    fn max_batch_tokens(&self) -> usize;
+    /// Runs one step: writes K/V of every input position into its block and
+    /// returns logits or samples for the sequences that ask.
+    fn step(&mut self, batch: &[SeqInput<'_>], out: &mut StepOutputs) -> Result<(), ExecError>;
+    /// Copies one block's contents to another (prefix-cache copy-on-write).
+    fn copy_block(&mut self, src: u32, dst: u32) -> Result<(), ExecError>;
+    /// Reads one block's raw bytes (KV export for migration).
+    fn read_block(&self, block: u32, out: &mut [u8]) -> Result<(), ExecError>;
+    /// Overwrites one block's raw bytes (KV import for migration).
+    fn write_block(&mut self, block: u32, data: &[u8]) -> Result<(), ExecError>;
+}

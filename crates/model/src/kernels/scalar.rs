@@ -1,0 +1,105 @@
+//! Portable kernels: the reference that the SIMD versions are tested against.
+
+use std::cell::RefCell;
+use std::ops::Range;
+
+use super::{Acts, OutPtr, QMatrix};
+use crate::quant::{BlockQ8A, Q4_1_BYTES, Q8_0_BYTES, QK, f16_at};
+
+/// Integer dot of one Q4_1 row with one quantised activation row.
+pub fn dot_q4_1_q8a(w: &[u8], a: &[BlockQ8A]) -> f32 {
+    let mut sum = 0f32;
+    for (wb, ab) in w.chunks_exact(Q4_1_BYTES).zip(a) {
+        let (d, m) = (f16_at(wb, 0), f16_at(wb, 2));
+        let mut isum = 0i32;
+        for j in 0..16 {
+            isum += (wb[4 + j] & 0xF) as i32 * ab.qs[j] as i32;
+            isum += (wb[4 + j] >> 4) as i32 * ab.qs[j + 16] as i32;
+        }
+        sum += d * ab.d * isum as f32 + m * ab.s;
+    }
+    sum
+}
+
+/// Integer dot of one Q8_0 row with one quantised activation row.
+pub fn dot_q8_0_q8a(w: &[u8], a: &[BlockQ8A]) -> f32 {
+    let mut sum = 0f32;
+    for (wb, ab) in w.chunks_exact(Q8_0_BYTES).zip(a) {
+        let d = f16_at(wb, 0);
+        let mut isum = 0i32;
+        for j in 0..32 {
+            isum += (wb[2 + j] as i8) as i32 * ab.qs[j] as i32;
+        }
+        sum += d * ab.d * isum as f32;
+    }
+    sum
+}
+
+/// f32 dot product.
+pub fn dot_f32(a: &[f32], b: &[f32]) -> f32 {
+    // Eight partial sums: the same association as the AVX2 version, and it vectorises.
+    let mut acc = [0f32; 8];
+    let n8 = a.len() / 8 * 8;
+    for (ca, cb) in a[..n8].chunks_exact(8).zip(b[..n8].chunks_exact(8)) {
+        for i in 0..8 {
+            acc[i] += ca[i] * cb[i];
+        }
+    }
+    let mut s = acc.iter().sum::<f32>();
+    for i in n8..a.len() {
+        s += a[i] * b[i];
+    }
+    s
+}
+
+pub(super) fn q4_1_rows(w: &[u8], x: &Acts<'_>, rows: Range<usize>, out: OutPtr) {
+    let nb = x.k / QK;
+    let rb = nb * Q4_1_BYTES;
+    for r in rows {
+        let wr = &w[r * rb..(r + 1) * rb];
+        for t in 0..x.t {
+            out.put(t, r, dot_q4_1_q8a(wr, &x.q[t * nb..(t + 1) * nb]));
+        }
+    }
+}
+
+pub(super) fn q8_0_rows(w: &[u8], x: &Acts<'_>, rows: Range<usize>, out: OutPtr) {
+    let nb = x.k / QK;
+    let rb = nb * Q8_0_BYTES;
+    for r in rows {
+        let wr = &w[r * rb..(r + 1) * rb];
+        for t in 0..x.t {
+            out.put(t, r, dot_q8_0_q8a(wr, &x.q[t * nb..(t + 1) * nb]));
+        }
+    }
+}
+
+pub(super) fn f32_rows(w: &[f32], x: &Acts<'_>, rows: Range<usize>, out: OutPtr) {
+    for r in rows {
+        let wr = &w[r * x.k..(r + 1) * x.k];
+        for t in 0..x.t {
+            out.put(t, r, dot_f32(wr, &x.f[t * x.k..(t + 1) * x.k]));
+        }
+    }
+}
+
+thread_local! {
+    /// One dequantised weight row per thread, reused across calls.
+    static ROW: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
+}
+
+pub(super) fn exact_rows(w: &QMatrix, x: &Acts<'_>, rows: Range<usize>, out: OutPtr) {
+    ROW.with(|row| {
+        let mut row = row.borrow_mut();
+        row.resize(w.cols, 0.0);
+        for r in rows {
+            w.dequantize_row(r, &mut row);
+            for t in 0..x.t {
+                // f64 accumulation: this path is the tight reference.
+                let xr = &x.f[t * x.k..(t + 1) * x.k];
+                let s: f64 = row.iter().zip(xr).map(|(a, b)| *a as f64 * *b as f64).sum();
+                out.put(t, r, s as f32);
+            }
+        }
+    });
+}

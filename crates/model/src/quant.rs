@@ -1,0 +1,298 @@
+//! Block formats: GGUF dequantisation (the scalar reference for every type),
+//! repacking into the two layouts the kernels run on, and 8-bit activations.
+//!
+//! Kernel layouts (see `kernels`):
+//! - `Q4_1` blocks of 32: f16 scale `d`, f16 offset `m`, 16 bytes of nibbles;
+//!   byte j holds element j (low nibble) and element j+16 (high nibble);
+//!   value = d * q + m. Q4_0 (m = -8d, exact) and Q4_K (d = d*sc, m = -dmin*mn
+//!   per 32-element sub-block, rounded once to f16) are repacked into it.
+//! - `Q8_0` blocks of 32: f16 scale, 32 x i8; value = d * q. Q6_K is
+//!   re-quantised into it (8 bits per weight instead of 6.56, lossy but small).
+//! - F32 rows, for F32/F16/BF16 weights.
+
+use half::{bf16, f16};
+
+use crate::gguf::GgmlType;
+
+/// Elements in one kernel block.
+pub const QK: usize = 32;
+/// Bytes in one Q4_1 block.
+pub const Q4_1_BYTES: usize = 20;
+/// Bytes in one Q8_0 block.
+pub const Q8_0_BYTES: usize = 34;
+
+#[inline]
+pub(crate) fn f16_at(b: &[u8], i: usize) -> f32 {
+    f16::from_bits(u16::from_le_bytes([b[i], b[i + 1]])).to_f32()
+}
+
+/// Dequantises `out.len()` elements of type `ty` from `src` (whole blocks).
+pub fn dequantize(ty: GgmlType, src: &[u8], out: &mut [f32]) {
+    let n = out.len();
+    assert_eq!(
+        n as u64 % ty.block_elems(),
+        0,
+        "dequantize: length not a whole number of blocks"
+    );
+    let nb = n / ty.block_elems() as usize;
+    assert!(
+        src.len() >= nb * ty.block_bytes() as usize,
+        "dequantize: source too short"
+    );
+    match ty {
+        GgmlType::F32 => {
+            for (o, c) in out.iter_mut().zip(src.chunks_exact(4)) {
+                *o = f32::from_le_bytes([c[0], c[1], c[2], c[3]]);
+            }
+        }
+        GgmlType::F16 => {
+            for (i, o) in out.iter_mut().enumerate() {
+                *o = f16_at(src, 2 * i);
+            }
+        }
+        GgmlType::BF16 => {
+            for (o, c) in out.iter_mut().zip(src.chunks_exact(2)) {
+                *o = bf16::from_bits(u16::from_le_bytes([c[0], c[1]])).to_f32();
+            }
+        }
+        GgmlType::Q8_0 => {
+            for (b, o) in src.chunks_exact(34).zip(out.chunks_exact_mut(32)) {
+                let d = f16_at(b, 0);
+                for j in 0..32 {
+                    o[j] = d * (b[2 + j] as i8) as f32;
+                }
+            }
+        }
+        GgmlType::Q4_0 => {
+            for (b, o) in src.chunks_exact(18).zip(out.chunks_exact_mut(32)) {
+                let d = f16_at(b, 0);
+                for j in 0..16 {
+                    o[j] = d * ((b[2 + j] & 0xF) as i32 - 8) as f32;
+                    o[j + 16] = d * ((b[2 + j] >> 4) as i32 - 8) as f32;
+                }
+            }
+        }
+        GgmlType::Q4_1 => {
+            for (b, o) in src.chunks_exact(20).zip(out.chunks_exact_mut(32)) {
+                let (d, m) = (f16_at(b, 0), f16_at(b, 2));
+                for j in 0..16 {
+                    o[j] = d * (b[4 + j] & 0xF) as f32 + m;
+                    o[j + 16] = d * (b[4 + j] >> 4) as f32 + m;
+                }
+            }
+        }
+        GgmlType::Q4_K => {
+            for (b, o) in src.chunks_exact(144).zip(out.chunks_exact_mut(256)) {
+                let (d, dmin) = (f16_at(b, 0), f16_at(b, 2));
+                let scales = &b[4..16];
+                let qs = &b[16..144];
+                for sub in 0..8 {
+                    let (sc, mn) = scale_min_k4(sub, scales);
+                    let (dd, mm) = (d * sc as f32, dmin * mn as f32);
+                    let q = &qs[32 * (sub / 2)..32 * (sub / 2) + 32];
+                    let shift = 4 * (sub % 2);
+                    for l in 0..32 {
+                        o[32 * sub + l] = dd * ((q[l] >> shift) & 0xF) as f32 - mm;
+                    }
+                }
+            }
+        }
+        GgmlType::Q6_K => {
+            for (b, o) in src.chunks_exact(210).zip(out.chunks_exact_mut(256)) {
+                let d = f16_at(b, 208);
+                for half in 0..2 {
+                    let ql = &b[64 * half..64 * half + 64];
+                    let qh = &b[128 + 32 * half..128 + 32 * half + 32];
+                    let sc = &b[192 + 8 * half..192 + 8 * half + 8];
+                    let y = &mut o[128 * half..128 * half + 128];
+                    for l in 0..32 {
+                        let is = l / 16;
+                        let q1 = ((ql[l] & 0xF) | ((qh[l] & 3) << 4)) as i32 - 32;
+                        let q2 = ((ql[l + 32] & 0xF) | (((qh[l] >> 2) & 3) << 4)) as i32 - 32;
+                        let q3 = ((ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4)) as i32 - 32;
+                        let q4 = ((ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4)) as i32 - 32;
+                        y[l] = d * (sc[is] as i8) as f32 * q1 as f32;
+                        y[l + 32] = d * (sc[is + 2] as i8) as f32 * q2 as f32;
+                        y[l + 64] = d * (sc[is + 4] as i8) as f32 * q3 as f32;
+                        y[l + 96] = d * (sc[is + 6] as i8) as f32 * q4 as f32;
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// 6-bit scale and min of sub-block `j` of a Q4_K super-block.
+fn scale_min_k4(j: usize, q: &[u8]) -> (u8, u8) {
+    if j < 4 {
+        (q[j] & 63, q[j + 4] & 63)
+    } else {
+        (
+            (q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4),
+            (q[j + 4] >> 4) | ((q[j] >> 6) << 4),
+        )
+    }
+}
+
+/// Repacks Q4_0 blocks into Q4_1 blocks (m = -8d; exact unless 8d overflows f16).
+pub fn q4_0_to_q4_1(src: &[u8]) -> Vec<u8> {
+    let mut out = Vec::with_capacity(src.len() / 18 * 20);
+    for b in src.chunks_exact(18) {
+        let d = f16_at(b, 0);
+        out.extend_from_slice(&b[0..2]);
+        out.extend_from_slice(&f16::from_f32(-8.0 * d).to_bits().to_le_bytes());
+        out.extend_from_slice(&b[2..18]);
+    }
+    out
+}
+
+/// Repacks Q4_K super-blocks into Q4_1 blocks (sub-block scale and min rounded to f16).
+pub fn q4_k_to_q4_1(src: &[u8]) -> Vec<u8> {
+    let mut out = Vec::with_capacity(src.len() / 144 * 8 * 20);
+    for b in src.chunks_exact(144) {
+        let (d, dmin) = (f16_at(b, 0), f16_at(b, 2));
+        let scales = &b[4..16];
+        let qs = &b[16..144];
+        for sub in 0..8 {
+            let (sc, mn) = scale_min_k4(sub, scales);
+            out.extend_from_slice(&f16::from_f32(d * sc as f32).to_bits().to_le_bytes());
+            out.extend_from_slice(&f16::from_f32(-dmin * mn as f32).to_bits().to_le_bytes());
+            let q = &qs[32 * (sub / 2)..32 * (sub / 2) + 32];
+            let shift = 4 * (sub % 2);
+            for j in 0..16 {
+                let lo = (q[j] >> shift) & 0xF;
+                let hi = (q[j + 16] >> shift) & 0xF;
+                out.push(lo | (hi << 4));
+            }
+        }
+    }
+    out
+}
+
+/// Quantises f32 values (a whole number of 32-blocks) into Q8_0 blocks.
+pub fn quantize_q8_0(src: &[f32]) -> Vec<u8> {
+    let mut out = Vec::with_capacity(src.len() / 32 * 34);
+    for x in src.chunks_exact(32) {
+        let amax = x.iter().fold(0f32, |a, v| a.max(v.abs()));
+        let d = amax / 127.0;
+        let id = if d > 0.0 { 1.0 / d } else { 0.0 };
+        out.extend_from_slice(&f16::from_f32(d).to_bits().to_le_bytes());
+        for v in x {
+            out.push((v * id).round().clamp(-127.0, 127.0) as i8 as u8);
+        }
+    }
+    out
+}
+
+/// One block of 32 activations quantised to 8 bits, with its scale and the
+/// scaled sum that the Q4_1 offset term needs.
+#[derive(Clone, Copy, Debug, Default)]
+#[repr(C)]
+pub struct BlockQ8A {
+    /// Scale: value = d * q.
+    pub d: f32,
+    /// d * sum(q), so that sum(m * x) = m * s.
+    pub s: f32,
+    /// Quantised values in [-127, 127].
+    pub qs: [i8; 32],
+}
+
+/// Quantises one row of activations (length a multiple of 32) into `out`.
+pub fn quantize_row_q8a(x: &[f32], out: &mut [BlockQ8A]) {
+    debug_assert_eq!(x.len(), out.len() * QK);
+    #[cfg(target_arch = "x86_64")]
+    if crate::kernels::has_avx2() {
+        // SAFETY: AVX2 and FMA presence checked at run time.
+        unsafe { crate::kernels::avx2::quantize_row_q8a(x, out) };
+        return;
+    }
+    quantize_row_q8a_scalar(x, out);
+}
+
+/// Portable version of [`quantize_row_q8a`].
+pub fn quantize_row_q8a_scalar(x: &[f32], out: &mut [BlockQ8A]) {
+    for (xb, ob) in x.chunks_exact(QK).zip(out.iter_mut()) {
+        let amax = xb.iter().fold(0f32, |a, v| a.max(v.abs()));
+        let d = amax / 127.0;
+        let id = if d > 0.0 { 1.0 / d } else { 0.0 };
+        let mut sum = 0i32;
+        for (q, v) in ob.qs.iter_mut().zip(xb) {
+            // Ties to even, as the SIMD path rounds, so both give identical bytes.
+            *q = (v * id).round_ties_even() as i8;
+            sum += *q as i32;
+        }
+        ob.d = d;
+        ob.s = d * sum as f32;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn lcg(seed: &mut u64) -> u32 {
+        *seed = seed
+            .wrapping_mul(6364136223846793005)
+            .wrapping_add(1442695040888963407);
+        (*seed >> 33) as u32
+    }
+
+    #[test]
+    fn q4_0_repack_is_exact() {
+        let mut s = 7;
+        let src: Vec<u8> = (0..18 * 8)
+            .map(|i| {
+                if i % 18 < 2 {
+                    if i % 18 == 0 { 0x00 } else { 0x30 }
+                } else {
+                    lcg(&mut s) as u8
+                }
+            })
+            .collect();
+        let mut a = vec![0f32; 256];
+        let mut b = vec![0f32; 256];
+        dequantize(GgmlType::Q4_0, &src, &mut a);
+        dequantize(GgmlType::Q4_1, &q4_0_to_q4_1(&src), &mut b);
+        assert_eq!(a, b);
+    }
+
+    #[test]
+    fn q4_k_repack_matches_dequantize() {
+        let mut s = 11;
+        let mut src = vec![0u8; 144 * 2];
+        for (i, v) in src.iter_mut().enumerate() {
+            *v = lcg(&mut s) as u8;
+            // keep d and dmin modest, positive f16 values
+            if i % 144 == 1 || i % 144 == 3 {
+                *v = 0x2c;
+            }
+        }
+        let mut a = vec![0f32; 512];
+        let mut b = vec![0f32; 512];
+        dequantize(GgmlType::Q4_K, &src, &mut a);
+        dequantize(GgmlType::Q4_1, &q4_k_to_q4_1(&src), &mut b);
+        for (x, y) in a.iter().zip(&b) {
+            assert!((x - y).abs() <= 2e-3 * x.abs().max(1.0), "{x} vs {y}");
+        }
+    }
+
+    #[test]
+    fn q8a_roundtrip_is_close() {
+        let x: Vec<f32> = (0..64)
+            .map(|i| ((i * 37 % 19) as f32 - 9.0) * 0.37)
+            .collect();
+        let mut q = vec![BlockQ8A::default(); 2];
+        quantize_row_q8a(&x, &mut q);
+        let mut r = vec![BlockQ8A::default(); 2];
+        quantize_row_q8a_scalar(&x, &mut r);
+        for (b, c) in q.iter().zip(&r) {
+            assert_eq!(b.qs, c.qs);
+            assert_eq!(b.d, c.d);
+            assert!((b.s - c.s).abs() < 1e-5);
+        }
+        for (i, v) in x.iter().enumerate() {
+            let b = &q[i / 32];
+            assert!((b.d * b.qs[i % 32] as f32 - v).abs() <= b.d * 0.5 + 1e-6);
+        }
+    }
+}

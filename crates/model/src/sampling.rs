@@ -1,0 +1,391 @@
+//! Per-sequence sampling: greedy, temperature, top-k, top-p, seeded, with
+//! log-probabilities of the chosen token and the top alternatives.
+//!
+//! Randomness is a pure function of (seed, position of the token drawn): no
+//! sampler state lives between steps, so a sequence that is preempted and
+//! recomputed, or moved to another node, draws exactly the same tokens.
+
+/// How to pick the next token of one sequence.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct SamplingParams {
+    /// 0 means greedy (argmax); otherwise logits are divided by it.
+    pub temperature: f32,
+    /// Keep only the k most likely tokens; 0 disables.
+    pub top_k: u32,
+    /// Keep the smallest set of tokens whose probability reaches p; 1 disables.
+    pub top_p: f32,
+    /// Seed of this sequence's draws.
+    pub seed: u64,
+    /// Return the log-probability of the chosen token.
+    pub logprobs: bool,
+    /// Also return this many most likely alternatives (0..=20).
+    pub top_logprobs: u32,
+}
+
+impl Default for SamplingParams {
+    fn default() -> Self {
+        SamplingParams {
+            temperature: 0.0,
+            top_k: 0,
+            top_p: 1.0,
+            seed: 0,
+            logprobs: false,
+            top_logprobs: 0,
+        }
+    }
+}
+
+/// Largest `top_logprobs` accepted, as OpenAI's API allows.
+pub const MAX_TOP_LOGPROBS: u32 = 20;
+
+impl SamplingParams {
+    /// Greedy decoding.
+    pub fn greedy() -> Self {
+        Self::default()
+    }
+
+    /// Checks ranges; the message names the parameter.
+    pub fn validate(&self) -> Result<(), String> {
+        if !self.temperature.is_finite() || self.temperature < 0.0 {
+            return Err(format!(
+                "temperature must be a finite number >= 0, got {}",
+                self.temperature
+            ));
+        }
+        if !(self.top_p > 0.0 && self.top_p <= 1.0) {
+            return Err(format!("top_p must be in (0, 1], got {}", self.top_p));
+        }
+        if self.top_logprobs > MAX_TOP_LOGPROBS {
+            return Err(format!(
+                "top_logprobs must be at most {MAX_TOP_LOGPROBS}, got {}",
+                self.top_logprobs
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// The token picked for one sequence, with its log-probabilities.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Sampled {
+    /// Token id.
+    pub token: u32,
+    /// log p(token) under the model's (temperature 1) distribution; NaN unless requested.
+    pub logprob: f32,
+    /// The most likely tokens and their log-probabilities, best first.
+    pub top: Vec<(u32, f32)>,
+}
+
+/// Reusable buffers so that sampling allocates nothing per token.
+#[derive(Default)]
+pub struct SamplerScratch {
+    idx: Vec<u32>,
+    prob: Vec<f32>,
+}
+
+/// Tokens whose scaled logit is this far below the maximum carry less than
+/// e^-30 of its probability each; they are left out of top-p sorting.
+const TAIL_CUTOFF: f32 = 30.0;
+
+/// A uniform draw in [0, 1) from (seed, position): SplitMix64 finalisation.
+pub fn uniform(seed: u64, position: u64) -> f64 {
+    let mut z = seed
+        ^ position
+            .wrapping_mul(0x9E37_79B9_7F4A_7C15)
+            .wrapping_add(0xD1B5_4A32_D192_ED03);
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    z ^= z >> 31;
+    (z >> 11) as f64 / (1u64 << 53) as f64
+}
+
+/// Picks a token from `logits` for the token at `position` of the sequence.
+pub fn sample(
+    logits: &[f32],
+    p: &SamplingParams,
+    position: u64,
+    scratch: &mut SamplerScratch,
+) -> Sampled {
+    let token = if p.temperature == 0.0 || p.top_k == 1 {
+        argmax(logits)
+    } else {
+        sample_random(logits, p, position, scratch)
+    };
+    let (logprob, top) = if p.logprobs || p.top_logprobs > 0 {
+        let lse = log_sum_exp(logits);
+        let top = top_n(logits, p.top_logprobs as usize, scratch)
+            .iter()
+            .map(|&i| (i, logits[i as usize] - lse))
+            .collect();
+        (logits[token as usize] - lse, top)
+    } else {
+        (f32::NAN, Vec::new())
+    };
+    Sampled {
+        token,
+        logprob,
+        top,
+    }
+}
+
+/// Index of the largest logit (the first one on ties).
+pub fn argmax(logits: &[f32]) -> u32 {
+    let mut best = 0;
+    let mut bv = f32::NEG_INFINITY;
+    for (i, &v) in logits.iter().enumerate() {
+        if v > bv {
+            bv = v;
+            best = i;
+        }
+    }
+    best as u32
+}
+
+fn log_sum_exp(logits: &[f32]) -> f32 {
+    let m = logits.iter().fold(f32::NEG_INFINITY, |a, &b| a.max(b));
+    let s: f64 = logits.iter().map(|&v| ((v - m) as f64).exp()).sum();
+    m + s.ln() as f32
+}
+
+fn top_n<'a>(logits: &[f32], n: usize, s: &'a mut SamplerScratch) -> &'a [u32] {
+    s.idx.clear();
+    if n == 0 {
+        return &s.idx;
+    }
+    s.idx.extend(0..logits.len() as u32);
+    let n = n.min(logits.len());
+    let by_logit = |a: &u32, b: &u32| {
+        logits[*b as usize]
+            .total_cmp(&logits[*a as usize])
+            .then(a.cmp(b))
+    };
+    if n < s.idx.len() {
+        s.idx.select_nth_unstable_by(n - 1, by_logit);
+    }
+    s.idx.truncate(n);
+    s.idx.sort_by(by_logit);
+    &s.idx
+}
+
+fn sample_random(logits: &[f32], p: &SamplingParams, position: u64, s: &mut SamplerScratch) -> u32 {
+    let inv_t = 1.0 / p.temperature;
+    let max = logits.iter().fold(f32::NEG_INFINITY, |a, &b| a.max(b));
+    s.idx.clear();
+    if p.top_k > 0 && (p.top_k as usize) < logits.len() {
+        let k = p.top_k as usize;
+        s.idx.extend(0..logits.len() as u32);
+        s.idx.select_nth_unstable_by(k - 1, |a, b| {
+            logits[*b as usize]
+                .total_cmp(&logits[*a as usize])
+                .then(a.cmp(b))
+        });
+        s.idx.truncate(k);
+    } else {
+        let cut = max - TAIL_CUTOFF * p.temperature;
+        s.idx
+            .extend((0..logits.len() as u32).filter(|&i| logits[i as usize] >= cut));
+    }
+    // Best first, ties by id, so the cumulative order is deterministic.
+    s.idx.sort_unstable_by(|a, b| {
+        logits[*b as usize]
+            .total_cmp(&logits[*a as usize])
+            .then(a.cmp(b))
+    });
+    s.prob.clear();
+    let mut total = 0f64;
+    for &i in &s.idx {
+        let e = (((logits[i as usize] - max) * inv_t) as f64).exp() as f32;
+        s.prob.push(e);
+        total += e as f64;
+    }
+    let mut keep = s.idx.len();
+    if p.top_p < 1.0 {
+        let mut cum = 0f64;
+        for (j, &e) in s.prob.iter().enumerate() {
+            cum += e as f64;
+            if cum >= p.top_p as f64 * total {
+                keep = j + 1;
+                break;
+            }
+        }
+    }
+    let kept: f64 = s.prob[..keep].iter().map(|&e| e as f64).sum();
+    let target = uniform(p.seed, position) * kept;
+    let mut cum = 0f64;
+    for j in 0..keep {
+        cum += s.prob[j] as f64;
+        if target < cum {
+            return s.idx[j];
+        }
+    }
+    s.idx[keep - 1]
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn logits() -> Vec<f32> {
+        (0..1000)
+            .map(|i| ((i * 7919 % 1000) as f32 / 100.0) - 5.0)
+            .collect()
+    }
+
+    #[test]
+    fn greedy_takes_the_argmax() {
+        let l = logits();
+        let mut s = SamplerScratch::default();
+        let got = sample(&l, &SamplingParams::greedy(), 0, &mut s);
+        let best = l.iter().cloned().fold(f32::MIN, f32::max);
+        assert_eq!(l[got.token as usize], best);
+    }
+
+    #[test]
+    fn same_seed_same_tokens_other_seed_other_tokens() {
+        let l: Vec<f32> = (0..100).map(|i| (i % 10) as f32 * 0.1).collect();
+        let p = SamplingParams {
+            temperature: 1.0,
+            seed: 42,
+            ..Default::default()
+        };
+        let mut s = SamplerScratch::default();
+        let a: Vec<u32> = (0..50)
+            .map(|pos| sample(&l, &p, pos, &mut s).token)
+            .collect();
+        let b: Vec<u32> = (0..50)
+            .map(|pos| sample(&l, &p, pos, &mut s).token)
+            .collect();
+        let q = SamplingParams { seed: 43, ..p };
+        let c: Vec<u32> = (0..50)
+            .map(|pos| sample(&l, &q, pos, &mut s).token)
+            .collect();
+        assert_eq!(a, b);
+        assert_ne!(a, c);
+    }
+
+    #[test]
+    fn top_k_limits_the_choice() {
+        let l = logits();
+        let mut order: Vec<usize> = (0..l.len()).collect();
+        order.sort_by(|a, b| l[*b].total_cmp(&l[*a]));
+        let allowed: Vec<u32> = order[..3].iter().map(|&i| i as u32).collect();
+        let p = SamplingParams {
+            temperature: 5.0,
+            top_k: 3,
+            ..Default::default()
+        };
+        let mut s = SamplerScratch::default();
+        let mut seen = std::collections::HashSet::new();
+        for pos in 0..300 {
+            let t = sample(&l, &SamplingParams { seed: pos, ..p }, pos, &mut s).token;
+            assert!(allowed.contains(&t));
+            seen.insert(t);
+        }
+        assert_eq!(seen.len(), 3, "high temperature should reach all three");
+    }
+
+    #[test]
+    fn top_p_keeps_the_nucleus() {
+        // p(0) = 0.5, p(1) = 0.3, rest share 0.2
+        let mut l = vec![(0.2f32 / 98.0).ln(); 100];
+        l[0] = 0.5f32.ln();
+        l[1] = 0.3f32.ln();
+        let p = SamplingParams {
+            temperature: 1.0,
+            top_p: 0.75,
+            ..Default::default()
+        };
+        let mut s = SamplerScratch::default();
+        let mut counts = [0u32; 2];
+        for pos in 0..2000 {
+            let t = sample(&l, &SamplingParams { seed: 7, ..p }, pos, &mut s).token;
+            assert!(t <= 1, "token {t} outside the 0.75 nucleus");
+            counts[t as usize] += 1;
+        }
+        // 0.5 / 0.8 = 62.5% for token 0
+        let f = counts[0] as f64 / 2000.0;
+        assert!((f - 0.625).abs() < 0.05, "frequency {f}");
+    }
+
+    #[test]
+    fn temperature_sampling_follows_the_distribution() {
+        let l = vec![0f32, 1.0f32.ln() + 0.0, 2.0f32.ln()]; // p ∝ 1, 1, 2
+        let p = SamplingParams {
+            temperature: 1.0,
+            seed: 9,
+            ..Default::default()
+        };
+        let mut s = SamplerScratch::default();
+        let mut c = [0u32; 3];
+        for pos in 0..4000 {
+            c[sample(&l, &p, pos, &mut s).token as usize] += 1;
+        }
+        let f2 = c[2] as f64 / 4000.0;
+        assert!((f2 - 0.5).abs() < 0.04, "{c:?}");
+    }
+
+    #[test]
+    fn logprobs_are_normalised_and_ordered() {
+        let l = logits();
+        let p = SamplingParams {
+            logprobs: true,
+            top_logprobs: 5,
+            ..Default::default()
+        };
+        let mut s = SamplerScratch::default();
+        let got = sample(&l, &p, 0, &mut s);
+        assert_eq!(got.top.len(), 5);
+        assert_eq!(got.top[0].0, got.token);
+        assert!((got.top[0].1 - got.logprob).abs() < 1e-6);
+        for w in got.top.windows(2) {
+            assert!(w[0].1 >= w[1].1);
+        }
+        let total: f64 = l
+            .iter()
+            .map(|&v| ((v - got.logprob.exp().ln()) as f64).exp())
+            .sum::<f64>();
+        assert!(total.is_finite());
+        let sum_p: f64 = l
+            .iter()
+            .map(|&v| ((v - l[got.token as usize] + got.logprob) as f64).exp())
+            .sum();
+        assert!((sum_p - 1.0).abs() < 1e-4, "probabilities sum to {sum_p}");
+    }
+
+    #[test]
+    fn bad_params_are_refused() {
+        assert!(
+            SamplingParams {
+                temperature: -1.0,
+                ..Default::default()
+            }
+            .validate()
+            .is_err()
+        );
+        assert!(
+            SamplingParams {
+                temperature: f32::NAN,
+                ..Default::default()
+            }
+            .validate()
+            .is_err()
+        );
+        assert!(
+            SamplingParams {
+                top_p: 0.0,
+                ..Default::default()
+            }
+            .validate()
+            .is_err()
+        );
+        assert!(
+            SamplingParams {
+                top_logprobs: 21,
+                ..Default::default()
+            }
+            .validate()
+            .is_err()
+        );
+        assert!(SamplingParams::default().validate().is_ok());
+    }
+}

@@ -1,0 +1,474 @@
+//! The forward pass against an independent f64 numpy reference
+//! (tests/reference/reference.py), greedy continuations, batch invariance and
+//! paged-KV invariance, on the default model.
+
+use std::path::PathBuf;
+
+use flotilla_model::generate::{Driver, Request};
+use flotilla_model::kernels::Kernel;
+use flotilla_model::{
+    CpuConfig, CpuExecutor, Executor, KvDtype, OutputKind, SamplingParams, SeqInput, StepOutputs,
+};
+use serde::Deserialize;
+
+fn fixtures() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures")
+}
+
+fn exec(kernel: Kernel, kv_dtype: KvDtype, threads: usize) -> CpuExecutor {
+    let cfg = CpuConfig {
+        kernel,
+        kv_dtype,
+        threads,
+        num_blocks: 96,
+        max_batch_tokens: 256,
+        ..Default::default()
+    };
+    CpuExecutor::load(&flotilla_model::testutil::model_path(), &cfg)
+        .expect("load the default model")
+}
+
+#[derive(Deserialize)]
+struct Golden {
+    name: String,
+    ids: Vec<u32>,
+    positions: Vec<usize>,
+    file: String,
+}
+
+fn golden() -> Vec<(Golden, Vec<Vec<f32>>)> {
+    let text = std::fs::read_to_string(fixtures().join("golden_logits.json")).unwrap();
+    let cases: Vec<Golden> = serde_json::from_str(&text).unwrap();
+    cases
+        .into_iter()
+        .map(|c| {
+            let bytes = std::fs::read(fixtures().join(&c.file)).unwrap();
+            let f: Vec<f32> = bytes
+                .chunks_exact(4)
+                .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+                .collect();
+            let vocab = f.len() / c.positions.len();
+            let rows = f.chunks(vocab).map(|r| r.to_vec()).collect();
+            (c, rows)
+        })
+        .collect()
+}
+
+/// Logits at each of `positions` (ascending), running the prompt as
+/// consecutive prefill chunks that end at those positions.
+fn logits_at(e: &mut CpuExecutor, ids: &[u32], positions: &[usize]) -> Vec<Vec<f32>> {
+    let table: Vec<u32> = (0..ids.len().div_ceil(16) as u32).collect();
+    let mut out = StepOutputs::default();
+    let mut start = 0;
+    let mut rows = Vec::new();
+    for &p in positions {
+        let batch = [SeqInput {
+            tokens: &ids[start..=p],
+            start_pos: start,
+            block_table: &table,
+            output: OutputKind::Logits,
+        }];
+        e.step(&batch, &mut out).unwrap();
+        rows.push(out.logits_of(0).unwrap().to_vec());
+        start = p + 1;
+    }
+    rows
+}
+
+fn argmax(v: &[f32]) -> usize {
+    v.iter()
+        .enumerate()
+        .fold(0, |b, (i, &x)| if x > v[b] { i } else { b })
+}
+
+fn top2_gap(v: &[f32]) -> f32 {
+    let a = argmax(v);
+    let second = v
+        .iter()
+        .enumerate()
+        .filter(|(i, _)| *i != a)
+        .fold(f32::MIN, |m, (_, &x)| m.max(x));
+    v[a] - second
+}
+
+fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
+    a.iter().zip(b).fold(0f32, |m, (x, y)| m.max((x - y).abs()))
+}
+
+/// Exact path (f32 weights dequantised, f32 activations, f32 KV): tight.
+#[test]
+fn exact_path_matches_reference_logits() {
+    let mut e = exec(Kernel::Exact, KvDtype::F32, 2);
+    for (c, want) in golden() {
+        let got = logits_at(&mut e, &c.ids, &c.positions);
+        for (g, w) in got.iter().zip(&want) {
+            let d = max_abs_diff(g, w);
+            eprintln!("{}: exact max |diff| = {d:.2e}", c.name);
+            assert!(
+                d < 2e-3,
+                "{}: exact path departs from the reference by {d}",
+                c.name
+            );
+            assert_eq!(argmax(g), argmax(w), "{}", c.name);
+        }
+    }
+}
+
+/// Fast path (8-bit activations, f16 KV, SIMD): loose, argmax equal unless near-tie.
+///
+/// Measured on these prompts: max |diff| up to 0.90, mean 0.10 to 0.13 logits,
+/// almost all of it from quantising activations to 8 bits per 32 values (the
+/// same scheme llama.cpp uses for Q4_1 and Q8_0 weights; f32 KV or an exact
+/// output head change it by under 0.02). The reference's own emulation of
+/// that rounding moves logits by up to 1.27 (tests/reference/README.md), and
+/// llama.cpp's logprobs differ from the reference by up to 0.69.
+#[test]
+fn fast_path_matches_reference_logits() {
+    let mut e = exec(Kernel::Auto, KvDtype::F16, 2);
+    for (c, want) in golden() {
+        let got = logits_at(&mut e, &c.ids, &c.positions);
+        for (g, w) in got.iter().zip(&want) {
+            // A shift of every logit by one constant changes no probability:
+            // compare the differences with their mean removed.
+            let shift: f32 = g.iter().zip(w).map(|(x, y)| x - y).sum::<f32>() / g.len() as f32;
+            let centred: Vec<f32> = g.iter().map(|x| x - shift).collect();
+            let d = max_abs_diff(&centred, w);
+            let mean: f32 = centred
+                .iter()
+                .zip(w)
+                .map(|(x, y)| (x - y).abs())
+                .sum::<f32>()
+                / g.len() as f32;
+            eprintln!(
+                "{}: fast max |diff| = {d:.3}, mean {mean:.4} (after removing a shift of {shift:.3})",
+                c.name
+            );
+            assert!(
+                d < 1.3 && mean < 0.15,
+                "{}: fast path departs: max {d}, mean {mean}",
+                c.name
+            );
+            if top2_gap(w) >= 0.3 {
+                assert_eq!(argmax(g), argmax(w), "{}", c.name);
+            }
+        }
+    }
+}
+
+#[derive(Deserialize)]
+struct Greedy {
+    name: String,
+    prompt_ids: Vec<u32>,
+    tokens: Vec<u32>,
+    gaps: Vec<f32>,
+}
+
+fn greedy_cases() -> Vec<Greedy> {
+    serde_json::from_str(&std::fs::read_to_string(fixtures().join("greedy.json")).unwrap()).unwrap()
+}
+
+/// Checks a continuation against the reference: equal until the end, or
+/// until a step where the reference's top-2 gap was below `near_tie`.
+fn check_continuation(name: &str, got: &[u32], case: &Greedy, near_tie: f32) {
+    for (i, (&g, &w)) in got.iter().zip(&case.tokens).enumerate() {
+        if g != w {
+            assert!(
+                case.gaps[i] < near_tie,
+                "{name}: token {i} is {g}, reference {w}, and the reference gap {} is no near-tie",
+                case.gaps[i]
+            );
+            eprintln!(
+                "{name}: departs at a near-tie at token {i} (gap {:.3})",
+                case.gaps[i]
+            );
+            return;
+        }
+    }
+    assert_eq!(got.len(), case.tokens.len(), "{name}: stopped early");
+}
+
+fn greedy_request(c: &Greedy) -> Request {
+    Request {
+        prompt: c.prompt_ids.clone(),
+        params: SamplingParams::greedy(),
+        max_new: c.tokens.len(),
+        stop_tokens: vec![],
+    }
+}
+
+/// The exact path holds the rule: departures only where the
+/// reference's top-2 gap is below 0.3 logits.
+#[test]
+fn greedy_continuations_match_reference_exact_path() {
+    let cases = greedy_cases();
+    assert!(cases.len() >= 8);
+    let mut d = Driver::new(exec(Kernel::Exact, KvDtype::F32, 2));
+    let reqs: Vec<Request> = cases.iter().map(greedy_request).collect();
+    let out = d.run(&reqs, |_, _| {}).unwrap();
+    for (c, (got, _)) in cases.iter().zip(&out) {
+        check_continuation(&c.name, got, c, 0.3);
+    }
+    assert_eq!(d.free_blocks(), 96, "every block is given back");
+}
+
+/// The fast path carries 8-bit activation error of up to ~0.35 logits in a
+/// top-2 difference (see `fast_path_matches_reference_logits`); it departed
+/// once, at a reference gap of 0.31 (raw_story, token 17), where llama.cpp
+/// happens not to. Allowed: departures at gaps below 0.35.
+#[test]
+fn greedy_continuations_match_reference_fast_path() {
+    let cases = greedy_cases();
+    let mut d = Driver::new(exec(Kernel::Auto, KvDtype::F16, 2));
+    for c in &cases {
+        let out = d.run(&[greedy_request(c)], |_, _| {}).unwrap();
+        check_continuation(&c.name, &out[0].0, c, 0.35);
+    }
+    assert_eq!(d.free_blocks(), 96, "every block is given back");
+}
+
+/// All greedy prompts at once: prefill chunks of some sequences run in the
+/// same steps as decodes of others; tokens equal the one-at-a-time run.
+#[test]
+fn mixed_batches_give_the_same_tokens_as_single_runs() {
+    let cases = greedy_cases();
+    let reqs: Vec<Request> = cases.iter().map(greedy_request).collect();
+    let cfg = CpuConfig {
+        num_blocks: 96,
+        max_batch_tokens: 48,
+        threads: 2,
+        ..Default::default()
+    };
+    let e = CpuExecutor::load(&flotilla_model::testutil::model_path(), &cfg).unwrap();
+    let mut d = Driver::new(e);
+    let alone: Vec<Vec<u32>> = reqs
+        .iter()
+        .map(|r| {
+            d.run(std::slice::from_ref(r), |_, _| {}).unwrap()[0]
+                .0
+                .clone()
+        })
+        .collect();
+    // A 48-token budget forces prompts to split into chunks that share steps with decodes.
+    let together = d.run(&reqs, |_, _| {}).unwrap();
+    for ((a, (t, _)), c) in alone.iter().zip(&together).zip(&cases) {
+        assert_eq!(a, t, "{}: batched run differs from the run alone", c.name);
+    }
+    assert_eq!(d.free_blocks(), 96);
+}
+
+/// Physical blocks in shuffled order give bit-identical logits to contiguous ones.
+#[test]
+fn shuffled_blocks_give_identical_logits() {
+    let (c, _) = golden().into_iter().next().unwrap();
+    let mut e = exec(Kernel::Auto, KvDtype::F16, 2);
+    let n = c.ids.len().div_ceil(16);
+    let contiguous: Vec<u32> = (0..n as u32).collect();
+    let shuffled: Vec<u32> = (0..n as u32).map(|i| 90 - 7 * i).collect();
+    let mut out = StepOutputs::default();
+    let mut run = |table: &[u32], e: &mut CpuExecutor| {
+        // Prefill in two chunks, then one decode token.
+        let k = c.ids.len() - 1;
+        for (s, t) in [(0, 10), (10, k)] {
+            let b = [SeqInput {
+                tokens: &c.ids[s..t],
+                start_pos: s,
+                block_table: table,
+                output: OutputKind::None,
+            }];
+            e.step(&b, &mut out).unwrap();
+        }
+        let b = [SeqInput {
+            tokens: &c.ids[k..],
+            start_pos: k,
+            block_table: table,
+            output: OutputKind::Logits,
+        }];
+        e.step(&b, &mut out).unwrap();
+        out.logits_of(0).unwrap().to_vec()
+    };
+    let a = run(&contiguous, &mut e);
+    let b = run(&shuffled, &mut e);
+    assert_eq!(a, b);
+}
+
+#[test]
+fn bad_batches_are_refused_without_panic() {
+    let mut e = exec(Kernel::Auto, KvDtype::F16, 1);
+    let mut out = StepOutputs::default();
+    let t = [0u32, 1];
+    let cases: Vec<(Vec<SeqInput<'_>>, &str)> = vec![
+        (vec![], "empty"),
+        (
+            vec![SeqInput {
+                tokens: &[70000],
+                start_pos: 0,
+                block_table: &t,
+                output: OutputKind::Logits,
+            }],
+            "vocabulary",
+        ),
+        (
+            vec![SeqInput {
+                tokens: &[1],
+                start_pos: 40,
+                block_table: &t,
+                output: OutputKind::Logits,
+            }],
+            "block table",
+        ),
+        (
+            vec![SeqInput {
+                tokens: &[1],
+                start_pos: 0,
+                block_table: &[500],
+                output: OutputKind::Logits,
+            }],
+            "block 500",
+        ),
+        (
+            vec![SeqInput {
+                tokens: &[1],
+                start_pos: 9000,
+                block_table: &t,
+                output: OutputKind::Logits,
+            }],
+            "context",
+        ),
+        (
+            vec![
+                SeqInput {
+                    tokens: &[1, 2],
+                    start_pos: 0,
+                    block_table: &t,
+                    output: OutputKind::None,
+                },
+                SeqInput {
+                    tokens: &[3],
+                    start_pos: 1,
+                    block_table: &t,
+                    output: OutputKind::None,
+                },
+            ],
+            "another position",
+        ),
+        (
+            vec![SeqInput {
+                tokens: &[1],
+                start_pos: 0,
+                block_table: &t,
+                output: OutputKind::Sample(SamplingParams {
+                    top_p: 0.0,
+                    ..Default::default()
+                }),
+            }],
+            "top_p",
+        ),
+    ];
+    for (batch, needle) in cases {
+        let err = e.step(&batch, &mut out).unwrap_err().to_string();
+        assert!(
+            err.contains(needle),
+            "expected an error about {needle}, got: {err}"
+        );
+    }
+    // The executor still works afterwards.
+    let ok = [SeqInput {
+        tokens: &[1, 2, 3],
+        start_pos: 0,
+        block_table: &t,
+        output: OutputKind::Logits,
+    }];
+    e.step(&ok, &mut out).unwrap();
+    assert!(out.logits_of(0).unwrap().iter().all(|v| v.is_finite()));
+}
+
+/// Export then import of a block reproduces the same continuation (the
+/// migration path of disaggregated serving).
+#[test]
+fn block_export_import_round_trips() {
+    let (c, _) = golden().into_iter().next().unwrap();
+    let mut e = exec(Kernel::Auto, KvDtype::F16, 1);
+    let n = c.ids.len().div_ceil(16);
+    let src: Vec<u32> = (0..n as u32).collect();
+    let dst: Vec<u32> = (50..50 + n as u32).collect();
+    let k = c.ids.len() - 1;
+    let mut out = StepOutputs::default();
+    e.step(
+        &[SeqInput {
+            tokens: &c.ids[..k],
+            start_pos: 0,
+            block_table: &src,
+            output: OutputKind::None,
+        }],
+        &mut out,
+    )
+    .unwrap();
+    let bytes = e.kv_spec().bytes_per_block;
+    let mut buf = vec![0u8; bytes];
+    for (&a, &b) in src.iter().zip(&dst) {
+        e.read_block(a, &mut buf).unwrap();
+        e.write_block(b, &buf).unwrap();
+    }
+    let last = |table: &[u32], e: &mut CpuExecutor, out: &mut StepOutputs| {
+        e.step(
+            &[SeqInput {
+                tokens: &c.ids[k..],
+                start_pos: k,
+                block_table: table,
+                output: OutputKind::Logits,
+            }],
+            out,
+        )
+        .unwrap();
+        out.logits_of(0).unwrap().to_vec()
+    };
+    let a = last(&src, &mut e, &mut out);
+    let b = last(&dst, &mut e, &mut out);
+    assert_eq!(a, b);
+    assert!(e.write_block(0, &buf[1..]).is_err());
+    assert!(e.read_block(10_000, &mut buf).is_err());
+}
+
+/// The chat template from the file, rendered and tokenized by this crate,
+/// gives llama.cpp's ids for the chat prompts of the greedy fixture.
+#[test]
+fn chat_prompts_tokenize_like_llama_cpp() {
+    let g = flotilla_model::gguf::GgufFile::open(&flotilla_model::testutil::model_path()).unwrap();
+    let text = flotilla_model::model::TextSide::from_gguf(&g).unwrap();
+    let tpl = text
+        .chat
+        .as_ref()
+        .expect("the default model has a chat template");
+    #[derive(Deserialize)]
+    struct C {
+        chat: bool,
+        text: String,
+        prompt_ids: Vec<u32>,
+    }
+    let cases: Vec<C> =
+        serde_json::from_str(&std::fs::read_to_string(fixtures().join("greedy.json")).unwrap())
+            .unwrap();
+    let mut n = 0;
+    for c in cases.iter().filter(|c| c.chat) {
+        let rendered = tpl
+            .render(
+                &[flotilla_model::chat::ChatMessage::new(
+                    "user",
+                    c.text.clone(),
+                )],
+                true,
+            )
+            .unwrap();
+        assert_eq!(
+            text.tokenizer.encode(&rendered, true).unwrap(),
+            c.prompt_ids,
+            "{rendered:?}"
+        );
+        n += 1;
+    }
+    assert!(n >= 4);
+    assert!(
+        text.stop_tokens.contains(&2),
+        "EOS / <|im_end|> stops generation"
+    );
+}
