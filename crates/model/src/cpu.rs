@@ -965,7 +965,7 @@ fn quantize_acts<'a>(
 fn matmul(pool: &ThreadPool, kernel: Resolved, outs: &[(&QMatrix, OutPtr)], x: &Acts<'_>) {
     let total: usize = outs.iter().map(|(w, _)| w.rows).sum();
     pool.run(&|i, n| {
-        let mine = split_range(total, n, i, 4);
+        let mine = split_range(total, n, i, 8);
         let mut base = 0;
         for (w, o) in outs {
             let r = mine.start.max(base)..mine.end.min(base + w.rows);

@@ -220,10 +220,18 @@ pub fn matrix(g: &GgufFile, name: &str, rows: usize, cols: usize) -> Result<QMat
         len: t.len,
     };
     let data = match t.ty {
-        GgmlType::Q4_1 => WData::Q4_1(mapped()),
+        GgmlType::Q4_1 => WData::Q4_1x8(quant::repack_q4_1_x8(bytes, rows, cols)),
         GgmlType::Q8_0 => WData::Q8_0(mapped()),
-        GgmlType::Q4_0 => WData::Q4_1(Bytes::Owned(quant::q4_0_to_q4_1(bytes))),
-        GgmlType::Q4_K => WData::Q4_1(Bytes::Owned(quant::q4_k_to_q4_1(bytes))),
+        GgmlType::Q4_0 => WData::Q4_1x8(quant::repack_q4_1_x8(
+            &quant::q4_0_to_q4_1(bytes),
+            rows,
+            cols,
+        )),
+        GgmlType::Q4_K => WData::Q4_1x8(quant::repack_q4_1_x8(
+            &quant::q4_k_to_q4_1(bytes),
+            rows,
+            cols,
+        )),
         GgmlType::Q6_K => {
             let mut f = vec![0f32; rows * cols];
             quant::dequantize(t.ty, bytes, &mut f);

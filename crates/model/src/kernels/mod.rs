@@ -9,7 +9,7 @@
 use std::ops::Range;
 use std::sync::OnceLock;
 
-use crate::quant::{self, BlockQ8A, Q4_1_BYTES, Q8_0_BYTES, QK};
+use crate::quant::{self, BlockQ8A, Q4_1X8_BYTES, Q8_0_BYTES, QK};
 
 #[cfg(target_arch = "x86_64")]
 pub mod avx2;
@@ -68,8 +68,8 @@ pub fn has_avx2() -> bool {
 
 /// Weight bytes in a kernel layout.
 pub enum WData {
-    /// Q4_1 blocks (20 bytes per 32 weights), zero-copy from the file or repacked.
-    Q4_1(Bytes),
+    /// Q4_1 weights interleaved by groups of 8 rows (`quant::repack_q4_1_x8`).
+    Q4_1x8(Vec<u8>),
     /// Q8_0 blocks (34 bytes per 32 weights).
     Q8_0(Bytes),
     /// Plain f32, row-major.
@@ -113,10 +113,19 @@ pub struct QMatrix {
 }
 
 impl QMatrix {
+    /// Builds a matrix from row-major Q4_1 blocks, repacking them for the kernels.
+    pub fn from_q4_1(rows: usize, cols: usize, blocks: &[u8]) -> QMatrix {
+        QMatrix::new(
+            rows,
+            cols,
+            WData::Q4_1x8(quant::repack_q4_1_x8(blocks, rows, cols)),
+        )
+    }
+
     /// Builds a matrix and checks that the byte size matches the shape.
     pub fn new(rows: usize, cols: usize, data: WData) -> QMatrix {
         let expect = match &data {
-            WData::Q4_1(b) => (b.as_slice().len(), rows * cols / QK * Q4_1_BYTES),
+            WData::Q4_1x8(b) => (b.len(), rows.div_ceil(8) * cols / QK * Q4_1X8_BYTES),
             WData::Q8_0(b) => (b.as_slice().len(), rows * cols / QK * Q8_0_BYTES),
             WData::F32(v) => (v.len(), rows * cols),
         };
@@ -137,7 +146,8 @@ impl QMatrix {
     /// Bytes the weights occupy.
     pub fn bytes(&self) -> usize {
         match &self.data {
-            WData::Q4_1(b) | WData::Q8_0(b) => b.as_slice().len(),
+            WData::Q4_1x8(b) => b.len(),
+            WData::Q8_0(b) => b.as_slice().len(),
             WData::F32(v) => v.len() * 4,
         }
     }
@@ -145,14 +155,7 @@ impl QMatrix {
     /// Dequantises row `r` into `out` (length `cols`).
     pub fn dequantize_row(&self, r: usize, out: &mut [f32]) {
         match &self.data {
-            WData::Q4_1(b) => {
-                let rb = self.cols / QK * Q4_1_BYTES;
-                quant::dequantize(
-                    crate::gguf::GgmlType::Q4_1,
-                    &b.as_slice()[r * rb..(r + 1) * rb],
-                    out,
-                )
-            }
+            WData::Q4_1x8(b) => quant::dequantize_q4_1_x8_row(b, self.cols, r, out),
             WData::Q8_0(b) => {
                 let rb = self.cols / QK * Q8_0_BYTES;
                 quant::dequantize(
@@ -211,6 +214,15 @@ impl OutPtr {
         }
     }
 
+    /// Writes `v[..n]` to token `t`, rows `r..r + n`.
+    #[inline(always)]
+    pub(crate) fn put_run(&self, t: usize, r: usize, v: &[f32]) {
+        let i = t * self.ld + self.off + r;
+        assert!(i + v.len() <= self.len);
+        // SAFETY: in bounds (asserted); rows of one thread are disjoint from others'.
+        unsafe { std::ptr::copy_nonoverlapping(v.as_ptr(), self.ptr.add(i), v.len()) };
+    }
+
     /// Writes token `t`, row `r`.
     #[inline(always)]
     pub(crate) fn put(&self, t: usize, r: usize, v: f32) {
@@ -240,7 +252,7 @@ pub fn matmul_rows(kernel: Resolved, w: &QMatrix, x: &Acts<'_>, rows: Range<usiz
     match (&w.data, kernel) {
         (_, Resolved::Exact) => scalar::exact_rows(w, x, rows, out),
         (WData::F32(v), Resolved::Scalar) => scalar::f32_rows(v, x, rows, out),
-        (WData::Q4_1(b), Resolved::Scalar) => scalar::q4_1_rows(b.as_slice(), x, rows, out),
+        (WData::Q4_1x8(b), Resolved::Scalar) => scalar::q4_1x8_rows(b, x, rows, out),
         (WData::Q8_0(b), Resolved::Scalar) => scalar::q8_0_rows(b.as_slice(), x, rows, out),
         #[cfg(target_arch = "x86_64")]
         (WData::F32(v), Resolved::Avx2) => {
@@ -248,10 +260,10 @@ pub fn matmul_rows(kernel: Resolved, w: &QMatrix, x: &Acts<'_>, rows: Range<usiz
             unsafe { avx2::f32_rows(v, x, rows, out) }
         }
         #[cfg(target_arch = "x86_64")]
-        (WData::Q4_1(b), Resolved::Avx2) => {
+        (WData::Q4_1x8(b), Resolved::Avx2) => {
             assert!(x.q.len() >= x.t * x.k / QK);
             // SAFETY: as above; shapes asserted.
-            unsafe { avx2::q4_1_rows(b.as_slice(), x, rows, out) }
+            unsafe { avx2::q4_1x8_rows(b, x, rows, out) }
         }
         #[cfg(target_arch = "x86_64")]
         (WData::Q8_0(b), Resolved::Avx2) => {
@@ -300,7 +312,7 @@ mod tests {
                 b.push((rnd(seed).to_bits() >> 7) as u8);
             }
         }
-        QMatrix::new(rows, cols, WData::Q4_1(Bytes::Owned(b)))
+        QMatrix::from_q4_1(rows, cols, &b)
     }
 
     fn acts(t: usize, k: usize, seed: &mut u64) -> (Vec<f32>, Vec<BlockQ8A>) {
@@ -337,7 +349,13 @@ mod tests {
     #[test]
     fn simd_q4_1_matches_scalar_and_exact() {
         let mut s = 1;
-        for &(rows, cols, t) in &[(7, 64, 1), (33, 96, 5), (64, 576, 9), (5, 32, 4)] {
+        for &(rows, cols, t) in &[
+            (7, 64, 1),
+            (33, 96, 5),
+            (64, 576, 9),
+            (5, 32, 4),
+            (16, 64, 70),
+        ] {
             let w = q4_1_matrix(rows, cols, &mut s);
             let (f, q) = acts(t, cols, &mut s);
             let x = Acts {

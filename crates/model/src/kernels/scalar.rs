@@ -4,17 +4,20 @@ use std::cell::RefCell;
 use std::ops::Range;
 
 use super::{Acts, OutPtr, QMatrix};
-use crate::quant::{BlockQ8A, Q4_1_BYTES, Q8_0_BYTES, QK, f16_at};
+use crate::quant::{BlockQ8A, Q4_1X8_BYTES, Q8_0_BYTES, QK, f16_at};
 
-/// Integer dot of one Q4_1 row with one quantised activation row.
-pub fn dot_q4_1_q8a(w: &[u8], a: &[BlockQ8A]) -> f32 {
+/// Integer dot of row `lane` of an interleaved Q4_1 group with one quantised activation row.
+pub fn dot_q4_1x8_q8a(group: &[u8], lane: usize, a: &[BlockQ8A]) -> f32 {
     let mut sum = 0f32;
-    for (wb, ab) in w.chunks_exact(Q4_1_BYTES).zip(a) {
-        let (d, m) = (f16_at(wb, 0), f16_at(wb, 2));
+    for (o, ab) in group.chunks_exact(Q4_1X8_BYTES).zip(a) {
+        let (d, m) = (f16_at(o, 2 * lane), f16_at(o, 16 + 2 * lane));
         let mut isum = 0i32;
-        for j in 0..16 {
-            isum += (wb[4 + j] & 0xF) as i32 * ab.qs[j] as i32;
-            isum += (wb[4 + j] >> 4) as i32 * ab.qs[j + 16] as i32;
+        for j in 0..4 {
+            for k in 0..4 {
+                let q = o[32 + 32 * j + 4 * lane + k];
+                isum += (q & 0xF) as i32 * ab.qs[4 * j + k] as i32;
+                isum += (q >> 4) as i32 * ab.qs[16 + 4 * j + k] as i32;
+            }
         }
         sum += d * ab.d * isum as f32 + m * ab.s;
     }
@@ -52,13 +55,13 @@ pub fn dot_f32(a: &[f32], b: &[f32]) -> f32 {
     s
 }
 
-pub(super) fn q4_1_rows(w: &[u8], x: &Acts<'_>, rows: Range<usize>, out: OutPtr) {
+pub(super) fn q4_1x8_rows(w: &[u8], x: &Acts<'_>, rows: Range<usize>, out: OutPtr) {
     let nb = x.k / QK;
-    let rb = nb * Q4_1_BYTES;
+    let gb = nb * Q4_1X8_BYTES;
     for r in rows {
-        let wr = &w[r * rb..(r + 1) * rb];
+        let g = &w[r / 8 * gb..(r / 8 + 1) * gb];
         for t in 0..x.t {
-            out.put(t, r, dot_q4_1_q8a(wr, &x.q[t * nb..(t + 1) * nb]));
+            out.put(t, r, dot_q4_1x8_q8a(g, r % 8, &x.q[t * nb..(t + 1) * nb]));
         }
     }
 }
