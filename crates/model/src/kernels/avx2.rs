@@ -407,3 +407,139 @@ pub unsafe fn store_kv<T: KvLoad>(dst: &mut [T], src: &[f32]) {
         }
     }
 }
+
+/// e^x for eight lanes (Cephes-style range reduction and degree-5
+/// polynomial; relative error below 2e-7 over [-87, 88], 0 below -87).
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+pub unsafe fn exp8(x: __m256) -> __m256 {
+    let x = _mm256_min_ps(x, _mm256_set1_ps(88.0));
+    let underflow = _mm256_cmp_ps(x, _mm256_set1_ps(-87.0), _CMP_LT_OQ);
+    let fx = _mm256_round_ps(
+        _mm256_mul_ps(x, _mm256_set1_ps(std::f32::consts::LOG2_E)),
+        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC,
+    );
+    let r = _mm256_fnmadd_ps(fx, _mm256_set1_ps(0.693_359_4), x);
+    let r = _mm256_fnmadd_ps(fx, _mm256_set1_ps(-2.121_944_4e-4), r);
+    let mut y = _mm256_set1_ps(1.987_569_1e-4);
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.398_199_9e-3));
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(8.333_452e-3));
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(4.166_579_6e-2));
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(0.166_666_66));
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(0.5));
+    y = _mm256_fmadd_ps(
+        y,
+        _mm256_mul_ps(r, r),
+        _mm256_add_ps(r, _mm256_set1_ps(1.0)),
+    );
+    let pow2 = _mm256_slli_epi32(
+        _mm256_add_epi32(_mm256_cvtps_epi32(fx), _mm256_set1_epi32(127)),
+        23,
+    );
+    let res = _mm256_mul_ps(y, _mm256_castsi256_ps(pow2));
+    _mm256_andnot_ps(underflow, res)
+}
+
+/// Sums each of eight vectors into one lane of the result (lane i = sum of v[i]).
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn hsum8x8(v: &[__m256; 8]) -> __m256 {
+    let a = _mm256_hadd_ps(v[0], v[1]);
+    let b = _mm256_hadd_ps(v[2], v[3]);
+    let c = _mm256_hadd_ps(v[4], v[5]);
+    let d = _mm256_hadd_ps(v[6], v[7]);
+    let ab = _mm256_hadd_ps(a, b);
+    let cd = _mm256_hadd_ps(c, d);
+    // ab = [s0l s1l s2l s3l | s0h s1h s2h s3h], likewise cd for 4..8
+    let lo = _mm256_permute2f128_ps(ab, cd, 0x20);
+    let hi = _mm256_permute2f128_ps(ab, cd, 0x31);
+    _mm256_add_ps(lo, hi)
+}
+
+/// One KV block of the online softmax for the `group` query heads that share
+/// a KV head: scores of `n` positions, block max, rescale, accumulate V.
+/// `q` is `group * hd`, `k` and `v` are `n * hd`; `scores` holds at least
+/// `n.next_multiple_of(8)` floats.
+#[allow(clippy::too_many_arguments)]
+#[target_feature(enable = "avx2,fma,f16c")]
+pub unsafe fn attend_block<T: KvLoad>(
+    q: &[f32],
+    k: &[T],
+    v: &[T],
+    n: usize,
+    hd: usize,
+    scale: f32,
+    scores: &mut [f32],
+    mx: &mut [f32],
+    sum: &mut [f32],
+    acc: &mut [f32],
+) {
+    let group = mx.len();
+    assert!(
+        q.len() >= group * hd && k.len() >= n * hd && v.len() >= n * hd && acc.len() >= group * hd
+    );
+    assert!(hd % 8 == 0 && scores.len() >= n.next_multiple_of(8));
+    for g in 0..group {
+        let qg = &q[g * hd..(g + 1) * hd];
+        // Scores, eight positions at a time, reduced with one hadd tree.
+        let mut j0 = 0;
+        while j0 < n {
+            let m = (n - j0).min(8);
+            let mut parts = [_mm256_setzero_ps(); 8];
+            for (jj, p) in parts.iter_mut().enumerate().take(m) {
+                let kr = &k[(j0 + jj) * hd..(j0 + jj + 1) * hd];
+                let mut i = 0;
+                // SAFETY: i + 8 <= hd on every load.
+                unsafe {
+                    while i < hd {
+                        *p = _mm256_fmadd_ps(
+                            _mm256_loadu_ps(qg.as_ptr().add(i)),
+                            T::load8(kr.as_ptr().add(i)),
+                            *p,
+                        );
+                        i += 8;
+                    }
+                }
+            }
+            let s = _mm256_mul_ps(unsafe { hsum8x8(&parts) }, _mm256_set1_ps(scale));
+            // SAFETY: scores holds n rounded up to 8.
+            unsafe { _mm256_storeu_ps(scores.as_mut_ptr().add(j0), s) };
+            j0 += 8;
+        }
+        let bmax = scores[..n].iter().fold(f32::NEG_INFINITY, |a, &b| a.max(b));
+        let m_new = mx[g].max(bmax);
+        let corr = (mx[g] - m_new).exp();
+        mx[g] = m_new;
+        // Probabilities, eight at a time; lanes past n are dropped from the sum.
+        let mut l = 0f32;
+        let mut j0 = 0;
+        while j0 < n {
+            // SAFETY: scores holds n rounded up to 8.
+            unsafe {
+                let e = exp8(_mm256_sub_ps(
+                    _mm256_loadu_ps(scores.as_ptr().add(j0)),
+                    _mm256_set1_ps(m_new),
+                ));
+                _mm256_storeu_ps(scores.as_mut_ptr().add(j0), e);
+            }
+            for &p in &scores[j0..(j0 + 8).min(n)] {
+                l += p;
+            }
+            j0 += 8;
+        }
+        sum[g] = sum[g] * corr + l;
+        let a = &mut acc[g * hd..(g + 1) * hd];
+        let mut i = 0;
+        // SAFETY: i + 8 <= hd on every access; j < n rows of v.
+        unsafe {
+            while i < hd {
+                let mut s = _mm256_mul_ps(_mm256_loadu_ps(a.as_ptr().add(i)), _mm256_set1_ps(corr));
+                for (j, &p) in scores[..n].iter().enumerate() {
+                    s = _mm256_fmadd_ps(_mm256_set1_ps(p), T::load8(v.as_ptr().add(j * hd + i)), s);
+                }
+                _mm256_storeu_ps(a.as_mut_ptr().add(i), s);
+                i += 8;
+            }
+        }
+    }
+}
