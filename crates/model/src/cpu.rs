@@ -260,7 +260,9 @@ struct Scratch {
     /// cos/sin of each token's position, `head_dim / 2` pairs per token.
     rope: Vec<(f32, f32)>,
     /// Per-thread attention buffers.
-    att_thread: Vec<Vec<f32>>,
+    /// Per-thread attention buffers, `att_per_thread` floats each.
+    att_thread: Vec<f32>,
+    att_per_thread: usize,
     sampler: SamplerScratch,
 }
 
@@ -344,6 +346,7 @@ impl CpuExecutor {
         let (d, kvd, ff) = (cfg.n_embd, cfg.kv_dim(), cfg.n_ff);
         let wide = d.max(ff);
         let group = cfg.n_head / cfg.n_head_kv;
+        let att_per_thread = group * (cfg.head_dim + 2) + c.block_size.next_multiple_of(8);
         let s = Scratch {
             x: vec![0.0; t * d],
             xn: vec![0.0; t * wide],
@@ -358,10 +361,9 @@ impl CpuExecutor {
             out_tok: Vec::with_capacity(t),
             slots: Vec::with_capacity(t),
             rope: vec![(0.0, 0.0); t * cfg.head_dim / 2],
-            att_thread: (0..c.threads)
-                .map(|_| vec![0.0; group * (cfg.head_dim + c.block_size + 2)])
-                .collect(),
-            sampler: SamplerScratch::default(),
+            att_thread: vec![0.0; c.threads * att_per_thread],
+            att_per_thread,
+            sampler: SamplerScratch::with_capacity(cfg.vocab),
         };
         let inv_freq = (0..cfg.head_dim / 2)
             .map(|i| (cfg.rope_base as f64).powf(-2.0 * i as f64 / cfg.head_dim as f64))
@@ -651,15 +653,15 @@ impl CpuExecutor {
             let tasks = t_all * n_kv;
             let next = AtomicUsize::new(0);
             let att = Shared::new(&mut s.att[..t_all * d]);
-            let scratch: Vec<Shared<f32>> =
-                s.att_thread.iter_mut().map(|v| Shared::new(v)).collect();
+            let per = s.att_per_thread;
+            let scratch = Shared::new(&mut s.att_thread);
             let (qkv, tok_seq, tok_pos) = (&s.qkv, &s.tok_seq, &s.tok_pos);
             let (kv, kv_data) = (self.kv.layout, &self.kv.data);
             let kernel = self.kernel;
             let scale = 1.0 / (hd as f32).sqrt();
             self.pool.run(&|ti, _| {
-                // SAFETY: each thread owns its scratch buffer.
-                let buf = unsafe { scratch[ti].slice(0..scratch[ti].len) };
+                // SAFETY: thread ti alone uses its slice of the scratch buffer.
+                let buf = unsafe { scratch.slice(ti * per..(ti + 1) * per) };
                 loop {
                     let task = next.fetch_add(1, Ordering::Relaxed);
                     if task >= tasks {

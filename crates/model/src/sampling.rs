@@ -83,6 +83,16 @@ pub struct SamplerScratch {
     prob: Vec<f32>,
 }
 
+impl SamplerScratch {
+    /// Buffers sized for a vocabulary, so no step ever grows them.
+    pub fn with_capacity(vocab: usize) -> Self {
+        SamplerScratch {
+            idx: Vec::with_capacity(vocab),
+            prob: Vec::with_capacity(vocab),
+        }
+    }
+}
+
 /// Tokens whose scaled logit is this far below the maximum carry less than
 /// e^-30 of its probability each; they are left out of top-p sorting.
 const TAIL_CUTOFF: f32 = 30.0;
