@@ -63,6 +63,15 @@ pub enum DriverError {
     /// An empty prompt.
     #[error("empty prompt")]
     EmptyPrompt,
+    /// Running sequences hold every block and none can advance (this driver
+    /// does not preempt; the serving scheduler does).
+    #[error("out of KV blocks: {running} running sequences hold all {blocks} blocks")]
+    OutOfBlocks {
+        /// Sequences still running.
+        running: usize,
+        /// Blocks in the cache.
+        blocks: usize,
+    },
 }
 
 impl<E: Executor> Driver<E> {
@@ -180,9 +189,10 @@ impl<E: Executor> Driver<E> {
                 if seqs.iter().all(|s| s.finish.is_some()) {
                     return Ok(());
                 }
-                return Err(DriverError::TooLong {
-                    need: 0,
-                    have: self.free.len(),
+                let running = seqs.iter().filter(|s| s.finish.is_none()).count();
+                return Err(DriverError::OutOfBlocks {
+                    running,
+                    blocks: self.exec.kv_spec().num_blocks,
                 });
             }
             let batch: Vec<SeqInput<'_>> = plan

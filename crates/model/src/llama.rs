@@ -245,3 +245,77 @@ pub fn matrix(g: &GgufFile, name: &str, rows: usize, cols: usize) -> Result<QMat
     };
     Ok(QMatrix::new(rows, cols, data))
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::gguf::writer::{W, build};
+
+    fn open(bytes: Vec<u8>) -> GgufFile {
+        let path = std::env::temp_dir().join(format!(
+            "flotilla-llama-{}-{}.gguf",
+            std::process::id(),
+            bytes.len()
+        ));
+        std::fs::write(&path, &bytes).unwrap();
+        let g = GgufFile::open(&path).unwrap();
+        std::fs::remove_file(&path).ok();
+        g
+    }
+
+    #[test]
+    fn unknown_architecture_is_named() {
+        let g = open(build(&[("general.architecture", W::Str("gpt2"))], &[]));
+        let err = LlamaConfig::from_gguf(&g).unwrap_err().to_string();
+        assert!(err.contains("unsupported architecture 'gpt2'"), "{err}");
+    }
+
+    #[test]
+    fn missing_key_is_named() {
+        let emb = vec![0u8; 64 * 4 * 4];
+        let g = open(build(
+            &[
+                ("general.architecture", W::Str("llama")),
+                ("llama.embedding_length", W::U32(64)),
+            ],
+            &[("token_embd.weight", &[64, 4], 0, &emb)],
+        ));
+        let err = LlamaConfig::from_gguf(&g).unwrap_err().to_string();
+        assert!(
+            err.contains("missing metadata key 'llama.attention.head_count'"),
+            "{err}"
+        );
+    }
+
+    #[test]
+    fn wrong_tensor_shape_is_named() {
+        let emb = vec![0u8; 64 * 4 * 4];
+        let meta = [
+            ("general.architecture", W::Str("llama")),
+            ("llama.embedding_length", W::U32(64)),
+            ("llama.attention.head_count", W::U32(8)),
+            ("llama.block_count", W::U32(1)),
+            ("llama.feed_forward_length", W::U32(128)),
+            ("llama.context_length", W::U32(256)),
+        ];
+        let g = open(build(
+            &meta,
+            &[
+                ("token_embd.weight", &[64, 4], 0, &emb),
+                ("output_norm.weight", &[32], 0, &emb[..128]),
+            ],
+        ));
+        let cfg = LlamaConfig::from_gguf(&g).unwrap();
+        let err = LlamaWeights::load(&g, &cfg)
+            .err()
+            .expect("must fail")
+            .to_string();
+        assert!(err.contains("blk.0.attn_norm.weight"), "{err}");
+        assert!(
+            vector(&g, "output_norm.weight", 64)
+                .unwrap_err()
+                .to_string()
+                .contains("shape")
+        );
+    }
+}

@@ -473,3 +473,50 @@ fn chat_prompts_tokenize_like_llama_cpp() {
         "EOS / <|im_end|> stops generation"
     );
 }
+
+/// Every path of the driver gives its blocks back: running out of blocks
+/// (no preemption here) and a step the executor refuses.
+#[test]
+fn driver_returns_blocks_on_every_path() {
+    let cfg = CpuConfig {
+        num_blocks: 4,
+        max_batch_tokens: 64,
+        threads: 1,
+        ..Default::default()
+    };
+    let e = CpuExecutor::load(&flotilla_model::testutil::model_path(), &cfg).unwrap();
+    let mut d = Driver::new(e);
+    let req = |first: u32| Request {
+        prompt: (first..first + 30).collect(),
+        params: SamplingParams::greedy(),
+        max_new: 20,
+        stop_tokens: vec![],
+    };
+    let err = d.run(&[req(100), req(200)], |_, _| {}).unwrap_err();
+    assert!(
+        matches!(
+            err,
+            flotilla_model::generate::DriverError::OutOfBlocks {
+                running: 2,
+                blocks: 4
+            }
+        ),
+        "{err}"
+    );
+    assert_eq!(d.free_blocks(), 4);
+    let bad = Request {
+        prompt: vec![5, 70_000],
+        ..req(0)
+    };
+    assert!(
+        d.run(&[bad], |_, _| {})
+            .unwrap_err()
+            .to_string()
+            .contains("vocabulary")
+    );
+    assert_eq!(d.free_blocks(), 4);
+    // Alone, each fits and completes.
+    let out = d.run(&[req(100)], |_, _| {}).unwrap();
+    assert_eq!(out[0].0.len(), 20);
+    assert_eq!(d.free_blocks(), 4);
+}

@@ -1,0 +1,138 @@
+//! The `flotilla generate` command end to end: stdout carries only the
+//! generated text, diagnostics go to stderr, bad input is a clear error.
+
+use std::process::Command;
+
+fn flotilla() -> Command {
+    let mut c = Command::new(env!("CARGO_BIN_EXE_flotilla"));
+    c.env(
+        "FLOTILLA_TEST_MODEL",
+        flotilla_model::testutil::model_path(),
+    );
+    c
+}
+
+fn model_arg() -> String {
+    flotilla_model::testutil::model_path().display().to_string()
+}
+
+#[test]
+fn chat_generation_prints_only_the_answer() {
+    let out = flotilla()
+        .args([
+            "generate",
+            "--chat",
+            "--prompt",
+            "What is 2+2?",
+            "--max-tokens",
+            "24",
+            "--threads",
+            "1",
+            "--model",
+        ])
+        .arg(model_arg())
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    // The greedy answer of the reference (tests/fixtures/greedy.json, chat_math),
+    // cut at <|im_end|>, which ends generation and is not printed.
+    assert_eq!(
+        String::from_utf8(out.stdout).unwrap(),
+        "The answer to this classic math problem is 4.\n"
+    );
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("end of sequence") && err.contains("prompt tokens"),
+        "{err}"
+    );
+}
+
+#[test]
+fn same_seed_same_text() {
+    let run = |seed: &str| {
+        let out = flotilla()
+            .args([
+                "generate",
+                "--prompt",
+                "Once upon a time",
+                "--max-tokens",
+                "12",
+                "--temperature",
+                "0.9",
+            ])
+            .args(["--seed", seed, "--threads", "1", "--model"])
+            .arg(model_arg())
+            .output()
+            .unwrap();
+        assert!(out.status.success());
+        String::from_utf8(out.stdout).unwrap()
+    };
+    let a = run("7");
+    assert_eq!(a, run("7"));
+    let others: Vec<String> = ["8", "9", "10"].iter().map(|s| run(s)).collect();
+    assert!(
+        others.iter().any(|o| *o != a),
+        "three other seeds all gave {a:?}"
+    );
+}
+
+#[test]
+fn bad_input_is_a_clear_error() {
+    let cases: &[(&[&str], &str)] = &[
+        (
+            &["generate", "--prompt", "x", "--model", "/nonexistent.gguf"],
+            "does not exist",
+        ),
+        (
+            &["generate", "--prompt", "x", "--temperature=-1"],
+            "temperature",
+        ),
+        (&["generate", "--prompt", "x", "--top-p", "0"], "top_p"),
+        (
+            &["generate", "--prompt", "x", "--kernel", "fast"],
+            "--kernel",
+        ),
+        (
+            &["generate", "--prompt", "x", "--kv-cache-dtype", "int3"],
+            "KV cache dtype",
+        ),
+        (
+            &["generate", "--prompt", "x", "--threads", "0"],
+            "--threads",
+        ),
+    ];
+    for (args, needle) in cases {
+        let mut c = flotilla();
+        c.args(*args);
+        if !args.contains(&"--model") {
+            c.args(["--model", &model_arg()]);
+        }
+        let out = c.output().unwrap();
+        assert_eq!(out.status.code(), Some(1), "{args:?} should fail");
+        assert!(out.stdout.is_empty(), "{args:?} wrote to stdout");
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(
+            err.contains(needle) && !err.contains("panicked"),
+            "{args:?}: {err}"
+        );
+    }
+}
+
+#[test]
+fn a_file_that_is_not_gguf_is_refused() {
+    let path = std::env::temp_dir().join(format!("flotilla-not-gguf-{}.gguf", std::process::id()));
+    std::fs::write(&path, b"this is not a model file at all").unwrap();
+    let out = flotilla()
+        .args(["generate", "--prompt", "x", "--model"])
+        .arg(&path)
+        .output()
+        .unwrap();
+    std::fs::remove_file(&path).ok();
+    assert_eq!(out.status.code(), Some(1));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("not a GGUF file"), "{err}");
+}
