@@ -49,7 +49,11 @@ impl LlamaConfig {
         let n_head_kv = g
             .u64_opt(&k("attention.head_count_kv"))?
             .map_or(n_head, |v| v as usize);
-        if n_head == 0 || n_head_kv == 0 || n_embd % n_head != 0 || n_head % n_head_kv != 0 {
+        if n_head == 0
+            || n_head_kv == 0
+            || !n_embd.is_multiple_of(n_head)
+            || !n_head.is_multiple_of(n_head_kv)
+        {
             return Err(GgufError::Invalid(format!(
                 "head counts do not divide: embedding {n_embd}, heads {n_head}, kv heads {n_head_kv}"
             )));

@@ -56,10 +56,11 @@ impl TextSide {
         }
         // Chat templates end a turn with a marker of their own; stop there too.
         for name in ["<|im_end|>", "<|eot_id|>", "<end_of_turn>"] {
-            if let Some(id) = tokenizer.token_id(name) {
-                if tokenizer.is_special(id) && !stop_tokens.contains(&id) {
-                    stop_tokens.push(id);
-                }
+            if let Some(id) = tokenizer.token_id(name)
+                && tokenizer.is_special(id)
+                && !stop_tokens.contains(&id)
+            {
+                stop_tokens.push(id);
             }
         }
         Ok(TextSide {

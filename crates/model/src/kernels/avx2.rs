@@ -113,6 +113,10 @@ unsafe fn store_group(v: __m256, out: OutPtr, t: usize, g0: usize, rows: &Range<
 }
 
 /// Interleaved Q4_1 rows `rows` times all tokens of `x`.
+///
+/// # Safety
+/// The CPU must have AVX2, FMA and F16C (`kernels::has_avx2`); slices must
+/// have the lengths the shapes imply (asserted where cheap).
 #[target_feature(enable = "avx2,fma,f16c")]
 pub unsafe fn q4_1x8_rows(w: &[u8], x: &Acts<'_>, rows: Range<usize>, out: OutPtr) {
     let nb = x.k / QK;
@@ -173,12 +177,16 @@ unsafe fn q8_0_tile<const N: usize>(
             acc[c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(d * ab.d), acc[c]);
         }
     }
-    for c in 0..N {
-        out.put(t0 + c, r, unsafe { hsum(acc[c]) });
+    for (c, v) in acc.iter().enumerate() {
+        out.put(t0 + c, r, unsafe { hsum(*v) });
     }
 }
 
 /// Q8_0 rows `rows` of `w` times all tokens of `x`.
+///
+/// # Safety
+/// The CPU must have AVX2, FMA and F16C (`kernels::has_avx2`); slices must
+/// have the lengths the shapes imply (asserted where cheap).
 #[target_feature(enable = "avx2,fma,f16c")]
 pub unsafe fn q8_0_rows(w: &[u8], x: &Acts<'_>, rows: Range<usize>, out: OutPtr) {
     let nb = x.k / QK;
@@ -209,6 +217,10 @@ pub unsafe fn q8_0_rows(w: &[u8], x: &Acts<'_>, rows: Range<usize>, out: OutPtr)
 }
 
 /// f32 dot product, eight lanes.
+///
+/// # Safety
+/// The CPU must have AVX2, FMA and F16C (`kernels::has_avx2`); slices must
+/// have the lengths the shapes imply (asserted where cheap).
 #[target_feature(enable = "avx2,fma,f16c")]
 pub unsafe fn dot_f32(a: &[f32], b: &[f32]) -> f32 {
     let n = a.len().min(b.len());
@@ -234,6 +246,10 @@ pub unsafe fn dot_f32(a: &[f32], b: &[f32]) -> f32 {
 }
 
 /// f32 rows times f32 activations.
+///
+/// # Safety
+/// The CPU must have AVX2, FMA and F16C (`kernels::has_avx2`); slices must
+/// have the lengths the shapes imply (asserted where cheap).
 #[target_feature(enable = "avx2,fma,f16c")]
 pub unsafe fn f32_rows(w: &[f32], x: &Acts<'_>, rows: Range<usize>, out: OutPtr) {
     for r in rows {
@@ -245,6 +261,10 @@ pub unsafe fn f32_rows(w: &[f32], x: &Acts<'_>, rows: Range<usize>, out: OutPtr)
 }
 
 /// Quantises one activation row into 8-bit blocks (ties to even, as the scalar version).
+///
+/// # Safety
+/// The CPU must have AVX2, FMA and F16C (`kernels::has_avx2`); slices must
+/// have the lengths the shapes imply (asserted where cheap).
 #[target_feature(enable = "avx2,fma,f16c")]
 pub unsafe fn quantize_row_q8a(x: &[f32], out: &mut [BlockQ8A]) {
     assert_eq!(x.len(), out.len() * QK);
@@ -338,9 +358,13 @@ impl KvLoad for half::f16 {
 
 /// `q . k` for one head (length a multiple of 8).
 #[inline]
+///
+/// # Safety
+/// The CPU must have AVX2, FMA and F16C (`kernels::has_avx2`); slices must
+/// have the lengths the shapes imply (asserted where cheap).
 #[target_feature(enable = "avx2,fma,f16c")]
 pub unsafe fn dot_kv<T: KvLoad>(q: &[f32], k: &[T]) -> f32 {
-    debug_assert!(q.len() % 8 == 0 && k.len() >= q.len());
+    debug_assert!(q.len().is_multiple_of(8) && k.len() >= q.len());
     let mut acc0 = _mm256_setzero_ps();
     let mut acc1 = _mm256_setzero_ps();
     let mut i = 0;
@@ -372,9 +396,13 @@ pub unsafe fn dot_kv<T: KvLoad>(q: &[f32], k: &[T]) -> f32 {
 
 /// `acc = acc * scale + p * v` for one head (length a multiple of 8).
 #[inline]
+///
+/// # Safety
+/// The CPU must have AVX2, FMA and F16C (`kernels::has_avx2`); slices must
+/// have the lengths the shapes imply (asserted where cheap).
 #[target_feature(enable = "avx2,fma,f16c")]
 pub unsafe fn scale_axpy_kv<T: KvLoad>(acc: &mut [f32], scale: f32, p: f32, v: &[T]) {
-    debug_assert!(acc.len() % 8 == 0 && v.len() >= acc.len());
+    debug_assert!(acc.len().is_multiple_of(8) && v.len() >= acc.len());
     let s = _mm256_set1_ps(scale);
     let pv = _mm256_set1_ps(p);
     let mut i = 0;
@@ -392,9 +420,13 @@ pub unsafe fn scale_axpy_kv<T: KvLoad>(acc: &mut [f32], scale: f32, p: f32, v: &
 }
 
 /// Writes f32 values into KV storage (length a multiple of 8).
+///
+/// # Safety
+/// The CPU must have AVX2, FMA and F16C (`kernels::has_avx2`); slices must
+/// have the lengths the shapes imply (asserted where cheap).
 #[target_feature(enable = "avx2,fma,f16c")]
 pub unsafe fn store_kv<T: KvLoad>(dst: &mut [T], src: &[f32]) {
-    debug_assert!(src.len() % 8 == 0 && dst.len() >= src.len());
+    debug_assert!(src.len().is_multiple_of(8) && dst.len() >= src.len());
     let mut i = 0;
     // SAFETY: i + 8 <= len on every access.
     unsafe {
@@ -411,6 +443,10 @@ pub unsafe fn store_kv<T: KvLoad>(dst: &mut [T], src: &[f32]) {
 /// e^x for eight lanes (Cephes-style range reduction and degree-5
 /// polynomial; relative error below 2e-7 over [-87, 88], 0 below -87).
 #[inline]
+///
+/// # Safety
+/// The CPU must have AVX2, FMA and F16C (`kernels::has_avx2`); slices must
+/// have the lengths the shapes imply (asserted where cheap).
 #[target_feature(enable = "avx2,fma,f16c")]
 pub unsafe fn exp8(x: __m256) -> __m256 {
     let x = _mm256_min_ps(x, _mm256_set1_ps(88.0));
@@ -461,6 +497,10 @@ unsafe fn hsum8x8(v: &[__m256; 8]) -> __m256 {
 /// `q` is `group * hd`, `k` and `v` are `n * hd`; `scores` holds at least
 /// `n.next_multiple_of(8)` floats.
 #[allow(clippy::too_many_arguments)]
+///
+/// # Safety
+/// The CPU must have AVX2, FMA and F16C (`kernels::has_avx2`); slices must
+/// have the lengths the shapes imply (asserted where cheap).
 #[target_feature(enable = "avx2,fma,f16c")]
 pub unsafe fn attend_block<T: KvLoad>(
     q: &[f32],
@@ -478,7 +518,7 @@ pub unsafe fn attend_block<T: KvLoad>(
     assert!(
         q.len() >= group * hd && k.len() >= n * hd && v.len() >= n * hd && acc.len() >= group * hd
     );
-    assert!(hd % 8 == 0 && scores.len() >= n.next_multiple_of(8));
+    assert!(hd.is_multiple_of(8) && scores.len() >= n.next_multiple_of(8));
     for g in 0..group {
         let qg = &q[g * hd..(g + 1) * hd];
         // Scores, eight positions at a time, reduced with one hadd tree.
