@@ -579,19 +579,13 @@ impl CpuExecutor {
         let qkv_w = d + 2 * kvd;
         let layer = &self.w.layers[l];
         let s = &mut self.s;
-        // x -> rmsnorm -> xn
-        {
-            let xn = Shared::new(&mut s.xn[..t_all * d]);
-            let (x, norm, eps) = (&s.x, &layer.attn_norm, self.cfg.rms_eps);
-            par_tokens(&self.pool, t_all, &|r: Range<usize>| {
-                for t in r {
-                    // SAFETY: disjoint token rows.
-                    rms_norm(&x[t * d..(t + 1) * d], norm, eps, unsafe {
-                        xn.slice(t * d..(t + 1) * d)
-                    });
-                }
-            });
-        }
+        norm_rows(
+            &self.pool,
+            &s.x[..t_all * d],
+            &layer.attn_norm,
+            self.cfg.rms_eps,
+            &mut s.xn[..t_all * d],
+        );
         // Q, K, V in one region.
         {
             let acts = quantize_acts(self.kernel, &s.xn[..t_all * d], d, &mut s.q8, &self.pool);
@@ -727,18 +721,13 @@ impl CpuExecutor {
         let (d, ff) = (self.cfg.n_embd, self.cfg.n_ff);
         let layer = &self.w.layers[l];
         let s = &mut self.s;
-        {
-            let xn = Shared::new(&mut s.xn[..t_all * d]);
-            let (x, norm, eps) = (&s.x, &layer.ffn_norm, self.cfg.rms_eps);
-            par_tokens(&self.pool, t_all, &|r: Range<usize>| {
-                for t in r {
-                    // SAFETY: disjoint token rows.
-                    rms_norm(&x[t * d..(t + 1) * d], norm, eps, unsafe {
-                        xn.slice(t * d..(t + 1) * d)
-                    });
-                }
-            });
-        }
+        norm_rows(
+            &self.pool,
+            &s.x[..t_all * d],
+            &layer.ffn_norm,
+            self.cfg.rms_eps,
+            &mut s.xn[..t_all * d],
+        );
         {
             let acts = quantize_acts(self.kernel, &s.xn[..t_all * d], d, &mut s.q8, &self.pool);
             let gu = &mut s.gu[..t_all * 2 * ff];
@@ -930,6 +919,21 @@ pub fn rms_norm(x: &[f32], w: &[f32], eps: f32, out: &mut [f32]) {
     }
 }
 
+/// RMSNorm of every row of `x` (rows of `w.len()` features) into `out`, in parallel.
+fn norm_rows(pool: &ThreadPool, x: &[f32], w: &[f32], eps: f32, out: &mut [f32]) {
+    let d = w.len();
+    assert_eq!(x.len(), out.len());
+    let o = Shared::new(out);
+    par_tokens(pool, x.len() / d, &|r: Range<usize>| {
+        for t in r {
+            // SAFETY: token rows are disjoint across threads.
+            rms_norm(&x[t * d..(t + 1) * d], w, eps, unsafe {
+                o.slice(t * d..(t + 1) * d)
+            });
+        }
+    });
+}
+
 /// Runs `f` over token ranges: inline for a few tokens, else on the pool.
 fn par_tokens(pool: &ThreadPool, n: usize, f: &(dyn Fn(Range<usize>) + Sync)) {
     if n < 4 || pool.n_threads() == 1 {
@@ -1046,12 +1050,7 @@ impl Executor for CpuExecutor {
 mod tests {
     use super::*;
 
-    fn rnd(seed: &mut u64) -> f32 {
-        *seed = seed
-            .wrapping_mul(6364136223846793005)
-            .wrapping_add(1442695040888963407);
-        ((*seed >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
-    }
+    use crate::testutil::rnd;
 
     /// The SIMD attention (eight scores per hadd tree, vector exp) agrees with
     /// the scalar one over shuffled blocks, partial last blocks and GQA groups.

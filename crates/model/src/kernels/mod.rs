@@ -294,12 +294,7 @@ mod tests {
     use super::*;
     use crate::quant::{quantize_q8_0, quantize_row_q8a_scalar};
 
-    fn rnd(seed: &mut u64) -> f32 {
-        *seed = seed
-            .wrapping_mul(6364136223846793005)
-            .wrapping_add(1442695040888963407);
-        ((*seed >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
-    }
+    use crate::testutil::rnd;
 
     fn q4_1_matrix(rows: usize, cols: usize, seed: &mut u64) -> QMatrix {
         let mut b = Vec::new();
