@@ -254,7 +254,7 @@ struct Scratch {
     gu: Vec<f32>,
     tok: Vec<u32>,
     tok_seq: Vec<u32>,
-    tok_pos: Vec<u32>,
+    tok_pos: Vec<usize>,
     out_tok: Vec<u32>,
     slots: Vec<usize>,
     /// cos/sin of each token's position, `head_dim / 2` pairs per token.
@@ -341,6 +341,19 @@ impl CpuExecutor {
             ctx_len: cfg.ctx_len,
             weight_bytes: w.bytes(),
         };
+        let kv_elems = (cfg.n_layer * 2 * cfg.kv_dim())
+            .checked_mul(c.block_size)
+            .and_then(|e| e.checked_mul(c.num_blocks))
+            .filter(|e| {
+                e.checked_mul(c.kv_dtype.bytes())
+                    .is_some_and(|b| b <= isize::MAX as usize)
+            });
+        if kv_elems.is_none() {
+            return Err(LoadError::Config(format!(
+                "a KV cache of {} blocks of {} tokens does not fit in memory",
+                c.num_blocks, c.block_size
+            )));
+        }
         let kv = KvStore::new(&cfg, c.block_size, c.num_blocks, c.kv_dtype);
         let t = c.max_batch_tokens;
         let (d, kvd, ff) = (cfg.n_embd, cfg.kv_dim(), cfg.n_ff);
@@ -505,7 +518,7 @@ impl CpuExecutor {
             for (j, &t) in q.tokens.iter().enumerate() {
                 s.tok.push(t);
                 s.tok_seq.push(i as u32);
-                s.tok_pos.push((q.start_pos + j) as u32);
+                s.tok_pos.push(q.start_pos + j);
             }
             let mut o = SeqOutput::default();
             if !matches!(q.output, OutputKind::None) {
@@ -622,7 +635,7 @@ impl CpuExecutor {
                         }
                     }
                     let seq = &batch[tok_seq[t] as usize];
-                    let pos = tok_pos[t] as usize;
+                    let pos = tok_pos[t];
                     let block = seq.block_table[pos / bs] as usize;
                     let slot = pos % bs;
                     for h in 0..n_kv {
@@ -663,7 +676,7 @@ impl CpuExecutor {
                     }
                     let (t, kh) = (task / n_kv, task % n_kv);
                     let seq = &batch[tok_seq[t] as usize];
-                    let pos = tok_pos[t] as usize;
+                    let pos = tok_pos[t];
                     let q = &qkv[t * qkv_w + kh * group * hd..t * qkv_w + (kh + 1) * group * hd];
                     // SAFETY: the heads of (t, kh) are written by this task only.
                     let o = unsafe {

@@ -108,7 +108,14 @@ impl<E: Executor> Driver<E> {
             if r.prompt.is_empty() {
                 return Err(DriverError::EmptyPrompt);
             }
-            let len = (r.prompt.len() + r.max_new).min(ctx);
+            if r.prompt.len() >= ctx {
+                return Err(DriverError::Exec(ExecError::ContextOverflow {
+                    seq: 0,
+                    end: r.prompt.len(),
+                    ctx,
+                }));
+            }
+            let len = r.prompt.len().saturating_add(r.max_new).min(ctx);
             let need = len.div_ceil(spec.block_size);
             if need > spec.num_blocks {
                 return Err(DriverError::TooLong {

@@ -19,6 +19,10 @@ const DEFAULT_ALIGNMENT: u64 = 32;
 const MAX_DIMS: u32 = 4;
 /// Cap on array nesting in metadata; deeper nesting is refused, not recursed.
 const MAX_NESTING: u32 = 2;
+/// Cap on metadata array elements in one file. Each becomes a [`Value`] of
+/// ~32 bytes, so a file of tiny elements could otherwise ask for 32x its
+/// size; real vocabularies hold well under a million tokens and merges.
+const MAX_METADATA_ELEMENTS: u64 = 8 << 20;
 
 /// Why a GGUF file could not be read or used.
 #[derive(Debug, thiserror::Error)]
@@ -447,6 +451,8 @@ fn wrong(key: &str, v: &Value, expected: &'static str) -> GgufError {
 struct Cursor<'a> {
     buf: &'a [u8],
     pos: usize,
+    /// Metadata array elements still allowed.
+    elements_left: u64,
 }
 
 impl<'a> Cursor<'a> {
@@ -542,6 +548,12 @@ impl<'a> Cursor<'a> {
                         len: self.buf.len() as u64,
                     });
                 }
+                if count > self.elements_left {
+                    return Err(GgufError::Invalid(format!(
+                        "key '{key}': {count} array elements exceed the metadata cap of {MAX_METADATA_ELEMENTS}"
+                    )));
+                }
+                self.elements_left -= count;
                 let mut items = Vec::with_capacity(count as usize);
                 for _ in 0..count {
                     items.push(self.value(elem_ty, key, depth + 1)?);
@@ -564,7 +576,11 @@ type Parsed = (u32, HashMap<String, Value>, Vec<TensorInfo>);
 
 /// Parses header, metadata and tensor directory from raw bytes.
 pub fn parse_bytes(buf: &[u8]) -> Result<Parsed, GgufError> {
-    let mut c = Cursor { buf, pos: 0 };
+    let mut c = Cursor {
+        buf,
+        pos: 0,
+        elements_left: MAX_METADATA_ELEMENTS,
+    };
     let magic = c.u32("magic")?;
     if magic != GGUF_MAGIC {
         return Err(GgufError::BadMagic(magic));

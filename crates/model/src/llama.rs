@@ -83,7 +83,16 @@ impl LlamaConfig {
             vocab,
             arch,
         };
-        if cfg.n_layer == 0 || cfg.n_layer > 1024 || cfg.ctx_len == 0 || cfg.vocab == 0 {
+        let finite_pos = |v: f32| v.is_finite() && v > 0.0;
+        if cfg.n_layer == 0
+            || cfg.n_layer > 1024
+            || cfg.ctx_len == 0
+            || cfg.ctx_len > 1 << 24
+            || cfg.vocab == 0
+            || cfg.n_ff == 0
+            || !finite_pos(cfg.rms_eps)
+            || !finite_pos(cfg.rope_base)
+        {
             return Err(GgufError::Invalid(format!(
                 "implausible model shape: {cfg:?}"
             )));

@@ -88,10 +88,14 @@ impl ThreadPool {
     /// Runs `f(i, n)` on every thread `i` of `n` and returns when all are done.
     pub fn run(&self, f: &(dyn Fn(usize, usize) + Sync)) {
         let n = self.shared.n_threads;
-        if n == 1 {
+        // A region started from inside a region would wait on itself: run it
+        // on this thread alone instead.
+        if n == 1 || IN_REGION.get() {
             f(0, 1);
             return;
         }
+        IN_REGION.set(true);
+        let _reset = ResetRegion;
         let _serial = self.run_lock.lock().unwrap_or_else(|e| e.into_inner());
         // SAFETY: the erased reference is used only until every worker has
         // incremented `done` for this generation, which we wait for below.
@@ -123,16 +127,32 @@ impl ThreadPool {
             }
         }
         *self.shared.job.lock().unwrap_or_else(|e| e.into_inner()) = None;
+        let worker_panicked = self.shared.panicked.swap(false, Ordering::AcqRel);
         if let Err(p) = mine {
             std::panic::resume_unwind(p);
         }
-        if self.shared.panicked.swap(false, Ordering::AcqRel) {
+        if worker_panicked {
             panic!("a compute thread panicked");
         }
     }
 }
 
+thread_local! {
+    /// Whether this thread is inside a region of some pool.
+    static IN_REGION: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
+/// Clears `IN_REGION` when the region ends, panics included.
+struct ResetRegion;
+
+impl Drop for ResetRegion {
+    fn drop(&mut self) {
+        IN_REGION.set(false);
+    }
+}
+
 fn worker(s: Arc<Shared>, index: usize) {
+    IN_REGION.set(true);
     let mut seen = 0usize;
     loop {
         let mut spins = 0u32;
@@ -229,6 +249,19 @@ mod tests {
             hits.fetch_add(1, Ordering::Relaxed);
         });
         assert_eq!(hits.load(Ordering::Relaxed), 4);
+    }
+
+    #[test]
+    fn nested_regions_run_inline() {
+        let pool = ThreadPool::new(2);
+        let hits = AtomicUsize::new(0);
+        pool.run(&|_, _| {
+            pool.run(&|i, n| {
+                assert_eq!((i, n), (0, 1));
+                hits.fetch_add(1, Ordering::Relaxed);
+            });
+        });
+        assert_eq!(hits.load(Ordering::Relaxed), 2);
     }
 
     #[test]

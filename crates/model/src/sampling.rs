@@ -219,6 +219,11 @@ fn sample_random(logits: &[f32], p: &SamplingParams, position: u64, s: &mut Samp
             }
         }
     }
+    if keep == 0 || !(total.is_finite() && total > 0.0) {
+        // Non-finite logits (a NaN row from a broken model) leave nothing to
+        // draw from: fall back to the argmax instead of failing the step.
+        return argmax(logits);
+    }
     let kept: f64 = s.prob[..keep].iter().map(|&e| e as f64).sum();
     let target = uniform(p.seed, position) * kept;
     let mut cum = 0f64;
@@ -360,6 +365,24 @@ mod tests {
             .map(|&v| ((v - l[got.token as usize] + got.logprob) as f64).exp())
             .sum();
         assert!((sum_p - 1.0).abs() < 1e-4, "probabilities sum to {sum_p}");
+    }
+
+    #[test]
+    fn non_finite_logits_do_not_panic() {
+        let mut s = SamplerScratch::default();
+        let p = SamplingParams {
+            temperature: 1.0,
+            top_p: 0.9,
+            ..Default::default()
+        };
+        for l in [
+            vec![f32::NAN; 10],
+            vec![f32::INFINITY; 10],
+            vec![f32::NEG_INFINITY; 10],
+        ] {
+            let t = sample(&l, &p, 0, &mut s).token;
+            assert!(t < 10);
+        }
     }
 
     #[test]

@@ -118,7 +118,7 @@ unsafe fn store_group(v: __m256, out: OutPtr, t: usize, g0: usize, rows: &Range<
 /// The CPU must have AVX2, FMA and F16C (`kernels::has_avx2`); slices must
 /// have the lengths the shapes imply (asserted where cheap).
 #[target_feature(enable = "avx2,fma,f16c")]
-pub unsafe fn q4_1x8_rows(w: &[u8], x: &Acts<'_>, rows: Range<usize>, out: OutPtr) {
+pub(crate) unsafe fn q4_1x8_rows(w: &[u8], x: &Acts<'_>, rows: Range<usize>, out: OutPtr) {
     let nb = x.k / QK;
     let gb = nb * Q4_1X8_BYTES;
     let (g_first, g_end) = (rows.start / 8, rows.end.div_ceil(8));
@@ -188,7 +188,7 @@ unsafe fn q8_0_tile<const N: usize>(
 /// The CPU must have AVX2, FMA and F16C (`kernels::has_avx2`); slices must
 /// have the lengths the shapes imply (asserted where cheap).
 #[target_feature(enable = "avx2,fma,f16c")]
-pub unsafe fn q8_0_rows(w: &[u8], x: &Acts<'_>, rows: Range<usize>, out: OutPtr) {
+pub(crate) unsafe fn q8_0_rows(w: &[u8], x: &Acts<'_>, rows: Range<usize>, out: OutPtr) {
     let nb = x.k / QK;
     let rb = nb * Q8_0_BYTES;
     assert!(rows.end * rb <= w.len());
@@ -251,7 +251,7 @@ pub unsafe fn dot_f32(a: &[f32], b: &[f32]) -> f32 {
 /// The CPU must have AVX2, FMA and F16C (`kernels::has_avx2`); slices must
 /// have the lengths the shapes imply (asserted where cheap).
 #[target_feature(enable = "avx2,fma,f16c")]
-pub unsafe fn f32_rows(w: &[f32], x: &Acts<'_>, rows: Range<usize>, out: OutPtr) {
+pub(crate) unsafe fn f32_rows(w: &[f32], x: &Acts<'_>, rows: Range<usize>, out: OutPtr) {
     for r in rows {
         let wr = &w[r * x.k..(r + 1) * x.k];
         for t in 0..x.t {

@@ -186,15 +186,15 @@ pub struct Acts<'a> {
 /// A raw output pointer shared by the threads of one product; each thread
 /// writes a disjoint set of (token, row) cells.
 #[derive(Clone, Copy)]
-pub struct OutPtr {
+pub(crate) struct OutPtr {
     /// First element.
-    pub ptr: *mut f32,
+    pub(crate) ptr: *mut f32,
     /// Elements in the buffer.
-    pub len: usize,
+    pub(crate) len: usize,
     /// Distance between tokens, in elements.
-    pub ld: usize,
+    pub(crate) ld: usize,
     /// Column of row 0 within each token's run.
-    pub off: usize,
+    pub(crate) off: usize,
 }
 
 // SAFETY: `OutPtr` is only used by `matmul_rows` callers that give each thread
@@ -205,7 +205,7 @@ unsafe impl Sync for OutPtr {}
 
 impl OutPtr {
     /// Points at `buf`, with tokens `ld` apart and rows starting at `off`.
-    pub fn new(buf: &mut [f32], ld: usize, off: usize) -> OutPtr {
+    pub(crate) fn new(buf: &mut [f32], ld: usize, off: usize) -> OutPtr {
         OutPtr {
             ptr: buf.as_mut_ptr(),
             len: buf.len(),
@@ -235,7 +235,16 @@ impl OutPtr {
 }
 
 /// Computes `out[t][off + r] = W[r] . x[t]` for rows `rows` and all tokens.
-pub fn matmul_rows(kernel: Resolved, w: &QMatrix, x: &Acts<'_>, rows: Range<usize>, out: OutPtr) {
+///
+/// Crate-internal: `OutPtr` carries no lifetime, and callers guarantee that
+/// concurrent calls write disjoint rows of a live buffer.
+pub(crate) fn matmul_rows(
+    kernel: Resolved,
+    w: &QMatrix,
+    x: &Acts<'_>,
+    rows: Range<usize>,
+    out: OutPtr,
+) {
     assert_eq!(
         w.cols, x.k,
         "matmul: weight width {} != activation width {}",
@@ -281,7 +290,7 @@ pub fn matmul_rows(kernel: Resolved, w: &QMatrix, x: &Acts<'_>, rows: Range<usiz
 pub fn dot_f32(kernel: Resolved, a: &[f32], b: &[f32]) -> f32 {
     debug_assert_eq!(a.len(), b.len());
     #[cfg(target_arch = "x86_64")]
-    if kernel == Resolved::Avx2 {
+    if kernel == Resolved::Avx2 && has_avx2() {
         // SAFETY: Avx2 resolved only with AVX2+FMA present.
         return unsafe { avx2::dot_f32(a, b) };
     }
