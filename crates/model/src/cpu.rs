@@ -359,7 +359,11 @@ impl CpuExecutor {
         let (d, kvd, ff) = (cfg.n_embd, cfg.kv_dim(), cfg.n_ff);
         let wide = d.max(ff);
         let group = cfg.n_head / cfg.n_head_kv;
-        let att_per_thread = group * (cfg.head_dim + 2) + c.block_size.next_multiple_of(8);
+        // Rounded up and padded by a cache line (16 floats) so that no two
+        // threads ever write the same line: shared lines cost more than the work.
+        let att_per_thread = (group * (cfg.head_dim + 2) + c.block_size.next_multiple_of(8))
+            .next_multiple_of(16)
+            + 16;
         let s = Scratch {
             x: vec![0.0; t * d],
             xn: vec![0.0; t * wide],
