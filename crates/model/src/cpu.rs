@@ -505,12 +505,7 @@ impl CpuExecutor {
     }
 
     fn forward(&mut self, batch: &[SeqInput<'_>], out: &mut StepOutputs) {
-        let (d, kvd, ff, hd) = (
-            self.cfg.n_embd,
-            self.cfg.kv_dim(),
-            self.cfg.n_ff,
-            self.cfg.head_dim,
-        );
+        let (d, hd) = (self.cfg.n_embd, self.cfg.head_dim);
         let s = &mut self.s;
         s.tok.clear();
         s.tok_seq.clear();
@@ -588,7 +583,6 @@ impl CpuExecutor {
                 out.seqs[i].sampled = Some(sample(logits, p, position, &mut s.sampler));
             }
         }
-        let _ = (kvd, ff);
     }
 
     fn attention_block(&mut self, l: usize, batch: &[SeqInput<'_>], t_all: usize) {
@@ -728,9 +722,7 @@ impl CpuExecutor {
                 &[(&layer.wo, OutPtr::new(&mut s.tmp[..t_all * d], d, 0))],
                 &acts,
             );
-            for (x, y) in s.x[..t_all * d].iter_mut().zip(&s.tmp[..t_all * d]) {
-                *x += *y;
-            }
+            add_residual(&mut s.x[..t_all * d], &s.tmp[..t_all * d]);
         }
     }
 
@@ -775,9 +767,7 @@ impl CpuExecutor {
                 &[(&layer.w_down, OutPtr::new(&mut s.tmp[..t_all * d], d, 0))],
                 &acts,
             );
-            for (x, y) in s.x[..t_all * d].iter_mut().zip(&s.tmp[..t_all * d]) {
-                *x += *y;
-            }
+            add_residual(&mut s.x[..t_all * d], &s.tmp[..t_all * d]);
         }
     }
 }
@@ -949,6 +939,13 @@ fn norm_rows(pool: &ThreadPool, x: &[f32], w: &[f32], eps: f32, out: &mut [f32])
             });
         }
     });
+}
+
+/// The residual connection: `x += y`.
+fn add_residual(x: &mut [f32], y: &[f32]) {
+    for (a, b) in x.iter_mut().zip(y) {
+        *a += *b;
+    }
 }
 
 /// Runs `f` over token ranges: inline for a few tokens, else on the pool.
