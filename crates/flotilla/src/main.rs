@@ -1,6 +1,8 @@
-//! `flotilla`: the one binary. Today: `generate`, `bench-model`, `fetch-model`.
+//! `flotilla`: the one binary: `serve`, `bench`, `generate`, `bench-model`,
+//! `fetch-model`.
 
 mod bench;
+mod serve;
 
 use std::io::Write;
 use std::path::PathBuf;
@@ -116,6 +118,10 @@ enum Cmd {
         #[command(flatten)]
         model: ModelArgs,
     },
+    /// Serve the model over an OpenAI-compatible HTTP API (one node, all roles).
+    Serve(serve::ServeArgs),
+    /// Load-test any OpenAI-compatible server with streaming requests.
+    Bench(flotilla_bench::BenchArgs),
     /// Benchmark the CPU backend (pp512, tg128, batched decode) beside llama.cpp.
     BenchModel(bench::BenchArgs),
     /// Download the default model into the cache (if needed) and print its path.
@@ -155,6 +161,8 @@ fn run() -> Result<()> {
                 &model, &prompt, chat, system, max_tokens, params, ignore_eos,
             )
         }
+        Cmd::Serve(args) => serve::run(args),
+        Cmd::Bench(args) => load_test(&args),
         Cmd::BenchModel(args) => bench::run(&args),
         Cmd::FetchModel => {
             println!(
@@ -164,6 +172,13 @@ fn run() -> Result<()> {
             Ok(())
         }
     }
+}
+
+fn load_test(args: &flotilla_bench::BenchArgs) -> Result<()> {
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()?;
+    Ok(rt.block_on(flotilla_bench::main(args))?)
 }
 
 fn generate(

@@ -1,0 +1,27 @@
+//! The engine's actors on `ractor`: a Scheduler actor that owns the
+//! scheduler state machine (tier queues, admission, the KV block pool, the
+//! batch plan) and a GpuWorker actor that owns one executor and runs the
+//! steps it is sent. Both are thin shells: every decision is made in
+//! `flotilla-sched` / `flotilla-kv`; the shells only move messages, read the
+//! injected [`Clock`] and record metrics.
+//!
+//! On one node the KvBlockPool is a state machine owned by the Scheduler
+//! actor, not an actor of its own: each step's plan needs a synchronous
+//! answer for every block it allocates, and an actor round trip per
+//! allocation would sit on the critical path of every step. The block
+//! migration protocol of disaggregated serving (issue 5) is where a
+//! KvBlockPool actor earns its mailbox.
+
+mod engine;
+mod worker;
+
+pub use engine::{EngineOptions, EngineStartError, LocalEngine, spawn_engine};
+
+use std::time::Duration;
+
+/// Where the actors read time: the monotonic clock in production, the
+/// simulator's clock under simulation.
+pub trait Clock: Send + Sync + 'static {
+    /// Time since an origin the clock chooses; never goes backwards.
+    fn now(&self) -> Duration;
+}

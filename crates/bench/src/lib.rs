@@ -1,0 +1,332 @@
+//! Load generator for any OpenAI-compatible server: TTFT, TPOT, throughput, baselines.
+//!
+//! Drives Flotilla, vLLM-style servers and llama.cpp's `llama-server` alike:
+//! a fixed pool of `--concurrency` workers sends exactly `--requests`
+//! streaming completions (greedy, `ignore_eos` so each runs to `max_tokens`),
+//! times every token as it arrives, and reports throughput and latency
+//! percentiles. `--json` saves the report; `--compare` prints new/old ratios
+//! against a saved one.
+//!
+//! Layout: `sse` (SSE framing) and `request` (one request's timings and error
+//! class) are pure state machines; `client` is the tokio/reqwest shell;
+//! `report` and `stats` fold outcomes into figures.
+
+mod client;
+mod prompt;
+mod report;
+mod request;
+mod sse;
+mod stats;
+
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, AtomicUsize};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use indicatif::{ProgressBar, ProgressStyle};
+use thiserror::Error;
+use tokio::task::JoinSet;
+
+pub use report::{Flags, Ratio, Report, compare, render};
+pub use request::ErrorKind;
+pub use stats::{Summary, percentile};
+
+/// Most workers one run may start.
+pub const CONCURRENCY_MAX: usize = 4096;
+/// Most requests one run may send (their outcomes are kept in memory).
+pub const REQUESTS_MAX: usize = 1_000_000;
+/// Longest prompt, in words.
+pub const PROMPT_WORDS_MAX: usize = 100_000;
+
+/// Flags of a benchmark run against an OpenAI-compatible server.
+#[derive(clap::Args, Clone, Debug)]
+pub struct BenchArgs {
+    /// Base URL of the server (plain http), e.g. http://127.0.0.1:8000.
+    #[arg(long)]
+    pub url: String,
+    /// Requests in flight at once (a fixed pool of this many workers).
+    #[arg(long, default_value_t = 8)]
+    pub concurrency: usize,
+    /// Requests to send in all.
+    #[arg(long, default_value_t = 64)]
+    pub requests: usize,
+    /// Tokens to generate per request.
+    #[arg(long, default_value_t = 128)]
+    pub max_tokens: u32,
+    /// Sent as `Authorization: Bearer KEY`; never written to the report.
+    #[arg(long)]
+    pub api_key: Option<String>,
+    /// Model name; default: the first id in the server's /v1/models, else "default".
+    #[arg(long)]
+    pub model: Option<String>,
+    /// Shortest prompt, in words (lengths are uniform over min..=max).
+    #[arg(long, default_value_t = 16)]
+    pub prompt_len_min: usize,
+    /// Longest prompt, in words.
+    #[arg(long, default_value_t = 256)]
+    pub prompt_len_max: usize,
+    /// Seed of the prompts and their lengths.
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+    /// Send `"ignore_eos": true` so every request generates max_tokens tokens.
+    #[arg(long, default_value_t = true, action = clap::ArgAction::Set,
+          num_args = 0..=1, default_missing_value = "true")]
+    pub ignore_eos: bool,
+    /// Use /v1/chat/completions instead of /v1/completions.
+    #[arg(long)]
+    pub chat: bool,
+    /// Limit on each request, send to end of stream, in seconds.
+    #[arg(long, default_value_t = 300)]
+    pub timeout_s: u64,
+    /// Limit on the whole run, in seconds; requests still in flight are cancelled.
+    #[arg(long)]
+    pub duration_s: Option<u64>,
+    /// Write the report as JSON to this file.
+    #[arg(long)]
+    pub json: Option<PathBuf>,
+    /// Compare with a report saved earlier by --json and print new/old ratios.
+    #[arg(long)]
+    pub compare: Option<PathBuf>,
+    /// Free text stored in the report, e.g. "flotilla a1b2c3 cpu".
+    #[arg(long, default_value = "")]
+    pub label: String,
+    /// No progress bar.
+    #[arg(long)]
+    pub quiet: bool,
+}
+
+/// Why a run could not start or its report could not be read or written.
+/// Failed requests are not errors: they are counted in the report.
+#[derive(Debug, Error)]
+pub enum BenchError {
+    /// A flag is out of range or the URL is not plain http.
+    #[error("invalid arguments: {0}")]
+    InvalidArgs(String),
+    /// The HTTP client could not be built.
+    #[error("building the HTTP client: {0}")]
+    Client(#[source] reqwest::Error),
+    /// A report file could not be read or written.
+    #[error("{}: {source}", path.display())]
+    Io {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    /// A report file does not hold a report.
+    #[error("{}: not a bench report: {source}", path.display())]
+    BadReport {
+        path: PathBuf,
+        #[source]
+        source: serde_json::Error,
+    },
+}
+
+impl BenchArgs {
+    /// Checks every limit once, before anything is sent.
+    pub fn validate(&self) -> Result<(), BenchError> {
+        let bad = |m: String| Err(BenchError::InvalidArgs(m));
+        match reqwest::Url::parse(&self.url) {
+            Ok(u) if u.scheme() == "http" && u.has_host() => {}
+            Ok(_) => {
+                return bad(format!(
+                    "--url {}: only http:// URLs are supported",
+                    self.url
+                ));
+            }
+            Err(e) => return bad(format!("--url {}: {e}", self.url)),
+        }
+        if !(1..=CONCURRENCY_MAX).contains(&self.concurrency) {
+            return bad(format!("--concurrency must be in 1..={CONCURRENCY_MAX}"));
+        }
+        if !(1..=REQUESTS_MAX).contains(&self.requests) {
+            return bad(format!("--requests must be in 1..={REQUESTS_MAX}"));
+        }
+        if self.max_tokens == 0 {
+            return bad("--max-tokens must be at least 1".into());
+        }
+        if self.prompt_len_min == 0
+            || self.prompt_len_min > self.prompt_len_max
+            || self.prompt_len_max > PROMPT_WORDS_MAX
+        {
+            return bad(format!(
+                "--prompt-len-min/--prompt-len-max must satisfy 1 <= min <= max <= {PROMPT_WORDS_MAX}"
+            ));
+        }
+        if self.timeout_s == 0 {
+            return bad("--timeout-s must be at least 1".into());
+        }
+        if self.duration_s == Some(0) {
+            return bad("--duration-s must be at least 1".into());
+        }
+        Ok(())
+    }
+
+    fn endpoint(&self) -> &'static str {
+        if self.chat {
+            "/v1/chat/completions"
+        } else {
+            "/v1/completions"
+        }
+    }
+
+    fn flags(&self) -> Flags {
+        Flags {
+            concurrency: self.concurrency,
+            requests: self.requests,
+            max_tokens: self.max_tokens,
+            prompt_len_min_words: self.prompt_len_min,
+            prompt_len_max_words: self.prompt_len_max,
+            seed: self.seed,
+            ignore_eos: self.ignore_eos,
+            chat: self.chat,
+            timeout_s: self.timeout_s,
+            duration_s: self.duration_s,
+        }
+    }
+}
+
+fn progress_bar(total: usize, quiet: bool) -> ProgressBar {
+    if quiet {
+        return ProgressBar::hidden();
+    }
+    // Draws to stderr, and draws nothing when stderr is not a terminal.
+    let pb = ProgressBar::new(total as u64);
+    if let Ok(style) =
+        ProgressStyle::with_template("{elapsed_precise} [{bar:40}] {pos}/{len} requests, {msg}")
+    {
+        pb.set_style(style.progress_chars("=> "));
+    }
+    pb.set_message("ok 0, failed 0");
+    pb
+}
+
+/// Runs the benchmark: exactly `--requests` requests (fewer if
+/// `--duration-s` runs out), at most `--concurrency` in flight.
+pub async fn run(args: &BenchArgs) -> Result<Report, BenchError> {
+    args.validate()?;
+    let base = args.url.trim_end_matches('/');
+    let workers = args.concurrency.min(args.requests);
+    let timeout = Duration::from_secs(args.timeout_s);
+    // No proxy: a benchmark measures the server, not a proxy picked up from
+    // the environment.
+    let client = reqwest::Client::builder()
+        .no_proxy()
+        .tcp_nodelay(true)
+        .pool_max_idle_per_host(workers)
+        .build()
+        .map_err(BenchError::Client)?;
+    let server = client::discover(
+        &client,
+        base,
+        args.api_key.as_deref(),
+        args.model.as_deref(),
+        timeout,
+    )
+    .await;
+    let meta = report::RunMeta {
+        label: args.label.clone(),
+        model: server.id.clone(),
+        server_url: args.url.clone(),
+        endpoint: args.endpoint().to_owned(),
+        quantisation: server.quantisation,
+        flags: args.flags(),
+        prompt_distribution: prompt::describe(args.prompt_len_min, args.prompt_len_max),
+    };
+    let pool = Arc::new(client::Pool {
+        client,
+        endpoint_url: format!("{base}{}", args.endpoint()),
+        api_key: args.api_key.clone(),
+        model: server.id,
+        chat: args.chat,
+        max_tokens: args.max_tokens,
+        ignore_eos: args.ignore_eos,
+        seed: args.seed,
+        words_min: args.prompt_len_min,
+        words_max: args.prompt_len_max,
+        timeout,
+        requests: args.requests,
+        next: AtomicUsize::new(0),
+        outcomes: Mutex::new(Vec::with_capacity(args.requests.min(1 << 16))),
+        ok: AtomicU64::new(0),
+        failed: AtomicU64::new(0),
+        progress: progress_bar(args.requests, args.quiet),
+    });
+
+    let start = Instant::now();
+    // A JoinSet aborts its tasks when shut down or dropped: nothing outlives the run.
+    let mut set = JoinSet::new();
+    for _ in 0..workers {
+        let pool = Arc::clone(&pool);
+        set.spawn(async move { pool.worker().await });
+    }
+    let all_done = async {
+        while let Some(joined) = set.join_next().await {
+            if let Err(e) = joined
+                && e.is_panic()
+            {
+                std::panic::resume_unwind(e.into_panic());
+            }
+        }
+    };
+    match args.duration_s {
+        Some(d) => {
+            let _capped = tokio::time::timeout(Duration::from_secs(d), all_done).await;
+        }
+        None => all_done.await,
+    }
+    let wall = start.elapsed();
+    set.shutdown().await;
+    pool.progress.finish_and_clear();
+
+    let outcomes = std::mem::take(&mut *pool.outcomes.lock().unwrap_or_else(|e| e.into_inner()));
+    let started = pool.started();
+    assert!(outcomes.len() <= started && started <= args.requests);
+    let cancelled = (started - outcomes.len()) as u64;
+    Ok(Report::build(meta, &outcomes, cancelled, wall))
+}
+
+/// Prints the report as a table to stdout, with new/old ratios against
+/// `baseline` when given.
+pub fn print_report(r: &Report, baseline: Option<&Report>) {
+    print!("{}", render(r, baseline));
+}
+
+/// Reads a report saved by [`save_report`] (or `--json`).
+pub fn load_report(path: &Path) -> Result<Report, BenchError> {
+    let text = std::fs::read_to_string(path).map_err(|source| BenchError::Io {
+        path: path.into(),
+        source,
+    })?;
+    serde_json::from_str(&text).map_err(|source| BenchError::BadReport {
+        path: path.into(),
+        source,
+    })
+}
+
+/// Writes `r` to `path` as pretty JSON.
+pub fn save_report(path: &Path, r: &Report) -> Result<(), BenchError> {
+    // Serialising plain data to a string cannot fail.
+    let text = serde_json::to_string_pretty(r).unwrap_or_default();
+    std::fs::write(path, text + "\n").map_err(|source| BenchError::Io {
+        path: path.into(),
+        source,
+    })
+}
+
+/// What the `bench` command does: loads `--compare` first (so a bad path
+/// fails before the run), runs, prints the table, and writes `--json`.
+pub async fn run_and_report(args: &BenchArgs) -> Result<Report, BenchError> {
+    let baseline = args.compare.as_deref().map(load_report).transpose()?;
+    let report = run(args).await?;
+    print_report(&report, baseline.as_ref());
+    if let Some(path) = &args.json {
+        save_report(path, &report)?;
+    }
+    Ok(report)
+}
+
+/// Entry point of `flotilla bench`: [`run_and_report`] without the report.
+/// (The binary wraps the error: `Ok(rt.block_on(flotilla_bench::main(args))?)`.)
+pub async fn main(args: &BenchArgs) -> Result<(), BenchError> {
+    run_and_report(args).await.map(|_| ())
+}

@@ -1,0 +1,99 @@
+//! Deterministic prompts: request `i` of seed `s` is always the same text.
+//!
+//! Prompt length is uniform in words over `[min, max]`; words are drawn
+//! uniformly from a fixed list of common English words, so every server sees
+//! the same prompts and tokenises them in its own way (the report counts
+//! prompt tokens from the server's usage, not from words).
+
+/// The fixed vocabulary. Changing it changes every prompt: keep it fixed so
+/// reports from different builds stay comparable.
+const WORDS: [&str; 128] = [
+    "the", "of", "and", "to", "in", "is", "was", "for", "on", "are", "with", "as", "his", "they",
+    "be", "at", "one", "have", "this", "from", "by", "hot", "word", "but", "what", "some", "we",
+    "can", "out", "other", "were", "all", "there", "when", "up", "use", "your", "how", "said",
+    "an", "each", "she", "which", "do", "their", "time", "if", "will", "way", "about", "many",
+    "then", "them", "write", "would", "like", "so", "these", "her", "long", "make", "thing", "see",
+    "him", "two", "has", "look", "more", "day", "could", "go", "come", "did", "number", "sound",
+    "no", "most", "people", "my", "over", "know", "water", "than", "call", "first", "who", "may",
+    "down", "side", "been", "now", "find", "any", "new", "work", "part", "take", "get", "place",
+    "made", "live", "where", "after", "back", "little", "only", "round", "man", "year", "came",
+    "show", "every", "good", "me", "give", "our", "under", "name", "very", "through", "just",
+    "form", "sentence", "great", "think", "say", "help", "low",
+];
+
+/// SplitMix64: small, fast, and fully specified, so prompts never depend on
+/// a library's RNG version.
+struct SplitMix64(u64);
+
+impl SplitMix64 {
+    fn next_u64(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    }
+
+    /// Uniform in `0..n` (Lemire's multiply-shift; the bias is below 2^-32
+    /// for the small `n` used here).
+    fn below(&mut self, n: u64) -> u64 {
+        debug_assert!(n > 0);
+        ((u128::from(self.next_u64()) * u128::from(n)) >> 64) as u64
+    }
+}
+
+/// The prompt of request `index` under `seed`, `min..=max` words long.
+pub fn prompt(seed: u64, index: u64, words_min: usize, words_max: usize) -> String {
+    assert!(
+        0 < words_min && words_min <= words_max,
+        "prompt length range {words_min}..={words_max}"
+    );
+    // Mix the index in through one SplitMix step so neighbouring seeds and
+    // indices give unrelated streams.
+    let mut rng =
+        SplitMix64(SplitMix64(seed).next_u64() ^ index.wrapping_mul(0xD1B5_4A32_D192_ED03));
+    let span = (words_max - words_min) as u64 + 1;
+    let len = words_min + rng.below(span) as usize;
+    let mut out = String::with_capacity(len * 6);
+    for i in 0..len {
+        if i > 0 {
+            out.push(' ');
+        }
+        out.push_str(WORDS[rng.below(WORDS.len() as u64) as usize]);
+    }
+    out
+}
+
+/// The report's statement of the prompt distribution.
+pub fn describe(words_min: usize, words_max: usize) -> String {
+    format!(
+        "uniform {words_min}..={words_max} words per prompt, words drawn uniformly from a fixed \
+         {}-word English list (deterministic in seed and request index)",
+        WORDS.len()
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn same_seed_and_index_give_the_same_prompt() {
+        assert_eq!(prompt(3, 7, 16, 256), prompt(3, 7, 16, 256));
+        assert_ne!(prompt(3, 7, 16, 256), prompt(3, 8, 16, 256));
+        assert_ne!(prompt(3, 7, 16, 256), prompt(4, 7, 16, 256));
+    }
+
+    #[test]
+    fn lengths_stay_in_range_and_cover_it() {
+        let (lo, hi) = (4, 9);
+        let mut seen = [false; 10];
+        for i in 0..500 {
+            let n = prompt(0, i, lo, hi).split(' ').count();
+            assert!((lo..=hi).contains(&n), "{n} words");
+            seen[n] = true;
+        }
+        assert!(seen[lo..=hi].iter().all(|&s| s));
+        assert_eq!(prompt(1, 1, 5, 5).split(' ').count(), 5);
+    }
+}

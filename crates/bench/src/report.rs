@@ -1,0 +1,458 @@
+//! The run's report: built from request outcomes, rendered as a table,
+//! saved as JSON, and compared with an earlier report.
+
+use std::collections::BTreeMap;
+use std::fmt::Write as _;
+use std::time::Duration;
+
+use serde::{Deserialize, Serialize};
+
+use crate::request::Outcome;
+use crate::stats::{Summary, round_to};
+
+/// The load that was offered: the flags that shape the figures. The API key
+/// is deliberately absent.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Flags {
+    pub concurrency: usize,
+    pub requests: usize,
+    pub max_tokens: u32,
+    pub prompt_len_min_words: usize,
+    pub prompt_len_max_words: usize,
+    pub seed: u64,
+    pub ignore_eos: bool,
+    pub chat: bool,
+    pub timeout_s: u64,
+    pub duration_s: Option<u64>,
+}
+
+/// Everything one run measured. Latencies are in milliseconds; a summary is
+/// `null` when no request produced a sample for it.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Report {
+    /// Free text from `--label`.
+    pub label: String,
+    pub model: String,
+    /// Base URL as given.
+    pub server_url: String,
+    /// Path the requests went to: `/v1/completions` or `/v1/chat/completions`.
+    pub endpoint: String,
+    /// What the server's `/v1/models` says about quantisation, or "unknown".
+    pub quantisation: String,
+    pub flags: Flags,
+    /// How prompts were drawn.
+    pub prompt_distribution: String,
+    pub requests_ok: u64,
+    pub requests_failed: u64,
+    /// Requests in flight when `--duration-s` ran out: neither ok nor failed.
+    pub requests_cancelled: u64,
+    /// Failed requests by kind (`http_429`, `timeout`, `connect`, `stream_error`, `empty`).
+    pub errors: BTreeMap<String, u64>,
+    /// First send to last completion (or to the `--duration-s` cap), seconds.
+    pub wall_s: f64,
+    /// Output tokens of successful requests.
+    pub output_tokens: u64,
+    /// Prompt tokens of successful requests, from usage (0 if none was sent).
+    pub prompt_tokens: u64,
+    /// `output_tokens / wall_s`.
+    pub output_tokens_per_s: f64,
+    /// `requests_ok / wall_s`.
+    pub requests_per_s: f64,
+    /// Time to first token.
+    pub ttft_ms: Option<Summary>,
+    /// Time per output token after the first, per request.
+    pub tpot_ms: Option<Summary>,
+    /// Inter-token latency: gaps between successive content chunks.
+    pub itl_ms: Option<Summary>,
+    /// Send to end of stream.
+    pub e2e_ms: Option<Summary>,
+}
+
+/// What a run knows before any request is sent.
+#[derive(Debug, Clone)]
+pub(crate) struct RunMeta {
+    pub label: String,
+    pub model: String,
+    pub server_url: String,
+    pub endpoint: String,
+    pub quantisation: String,
+    pub flags: Flags,
+    pub prompt_distribution: String,
+}
+
+fn ms(d: Duration) -> f64 {
+    d.as_secs_f64() * 1e3
+}
+
+impl Report {
+    /// Folds the outcomes of finished requests into figures.
+    pub(crate) fn build(
+        meta: RunMeta,
+        outcomes: &[Outcome],
+        cancelled: u64,
+        wall: Duration,
+    ) -> Self {
+        let mut errors = BTreeMap::new();
+        let (mut ttft, mut tpot, mut itl, mut e2e) =
+            (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+        let (mut ok, mut output_tokens, mut prompt_tokens) = (0u64, 0u64, 0u64);
+        for o in outcomes {
+            match o {
+                Ok(s) => {
+                    ok += 1;
+                    output_tokens += s.output_tokens;
+                    prompt_tokens += s.prompt_tokens.unwrap_or(0);
+                    ttft.push(ms(s.ttft));
+                    e2e.push(ms(s.e2e));
+                    tpot.extend(s.tpot.map(ms));
+                    itl.extend(s.itl.iter().copied().map(ms));
+                }
+                Err(kind) => *errors.entry(kind.key()).or_insert(0) += 1,
+            }
+        }
+        let failed = outcomes.len() as u64 - ok;
+        assert_eq!(errors.values().sum::<u64>(), failed);
+        // Rounded like the latency figures, so the JSON parses back exactly.
+        let wall_s = round_to(wall.as_secs_f64(), 6);
+        let per_s = |n: u64| {
+            if wall_s > 0.0 {
+                round_to(n as f64 / wall_s, 4)
+            } else {
+                0.0
+            }
+        };
+        Self {
+            label: meta.label,
+            model: meta.model,
+            server_url: meta.server_url,
+            endpoint: meta.endpoint,
+            quantisation: meta.quantisation,
+            flags: meta.flags,
+            prompt_distribution: meta.prompt_distribution,
+            requests_ok: ok,
+            requests_failed: failed,
+            requests_cancelled: cancelled,
+            errors,
+            wall_s,
+            output_tokens,
+            prompt_tokens,
+            output_tokens_per_s: per_s(output_tokens),
+            requests_per_s: per_s(ok),
+            ttft_ms: Summary::of(&mut ttft),
+            tpot_ms: Summary::of(&mut tpot),
+            itl_ms: Summary::of(&mut itl),
+            e2e_ms: Summary::of(&mut e2e),
+        }
+    }
+}
+
+/// One figure of a comparison with a baseline.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Ratio {
+    /// Figure name as printed, e.g. "TTFT p50 ms".
+    pub figure: &'static str,
+    pub new: Option<f64>,
+    pub old: Option<f64>,
+    /// `new / old`; `None` when either is missing or `old` is zero.
+    pub ratio: Option<f64>,
+}
+
+/// New/old ratios of the headline figures.
+pub fn compare(new: &Report, old: &Report) -> Vec<Ratio> {
+    type Pick = fn(&Report) -> Option<f64>;
+    let figures: [(&'static str, Pick); 10] = [
+        ("output tok/s", |r| Some(r.output_tokens_per_s)),
+        ("req/s", |r| Some(r.requests_per_s)),
+        ("TTFT p50 ms", |r| r.ttft_ms.map(|s| s.p50)),
+        ("TTFT p99 ms", |r| r.ttft_ms.map(|s| s.p99)),
+        ("TPOT p50 ms", |r| r.tpot_ms.map(|s| s.p50)),
+        ("TPOT p99 ms", |r| r.tpot_ms.map(|s| s.p99)),
+        ("ITL p50 ms", |r| r.itl_ms.map(|s| s.p50)),
+        ("ITL p99 ms", |r| r.itl_ms.map(|s| s.p99)),
+        ("E2E p50 ms", |r| r.e2e_ms.map(|s| s.p50)),
+        ("E2E p99 ms", |r| r.e2e_ms.map(|s| s.p99)),
+    ];
+    figures
+        .iter()
+        .map(|&(figure, pick)| {
+            let (n, o) = (pick(new), pick(old));
+            let ratio = match (n, o) {
+                (Some(n), Some(o)) if o != 0.0 => Some(n / o),
+                _ => None,
+            };
+            Ratio {
+                figure,
+                new: n,
+                old: o,
+                ratio,
+            }
+        })
+        .collect()
+}
+
+/// The settings in which `old` differs from `new`, as "name old -> new".
+fn differences(new: &Report, old: &Report) -> Vec<String> {
+    let (n, o) = (&new.flags, &old.flags);
+    let mut out = Vec::new();
+    let mut diff = |name: &str, a: String, b: String| {
+        if a != b {
+            out.push(format!("{name} {b} -> {a}"));
+        }
+    };
+    diff("model", new.model.clone(), old.model.clone());
+    diff(
+        "concurrency",
+        n.concurrency.to_string(),
+        o.concurrency.to_string(),
+    );
+    diff("requests", n.requests.to_string(), o.requests.to_string());
+    diff(
+        "max_tokens",
+        n.max_tokens.to_string(),
+        o.max_tokens.to_string(),
+    );
+    diff(
+        "prompt words",
+        format!("{}..={}", n.prompt_len_min_words, n.prompt_len_max_words),
+        format!("{}..={}", o.prompt_len_min_words, o.prompt_len_max_words),
+    );
+    diff("seed", n.seed.to_string(), o.seed.to_string());
+    diff(
+        "ignore_eos",
+        n.ignore_eos.to_string(),
+        o.ignore_eos.to_string(),
+    );
+    diff("chat", n.chat.to_string(), o.chat.to_string());
+    out
+}
+
+fn opt(v: Option<f64>) -> String {
+    v.map_or_else(|| "-".to_owned(), |v| format!("{v:.2}"))
+}
+
+/// The human-readable report, with a comparison section when `baseline` is given.
+pub fn render(r: &Report, baseline: Option<&Report>) -> String {
+    let f = &r.flags;
+    let mut s = String::new();
+    // Writing to a String cannot fail.
+    let _ = writeln!(
+        s,
+        "flotilla-bench{}",
+        if r.label.is_empty() {
+            String::new()
+        } else {
+            format!(": {}", r.label)
+        }
+    );
+    let _ = writeln!(s, "  server      {}{}", r.server_url, r.endpoint);
+    let _ = writeln!(
+        s,
+        "  model       {} (quantisation: {})",
+        r.model, r.quantisation
+    );
+    let _ = writeln!(
+        s,
+        "  load        {} requests, concurrency {}, max_tokens {}, ignore_eos {}, seed {}, timeout {} s{}",
+        f.requests,
+        f.concurrency,
+        f.max_tokens,
+        f.ignore_eos,
+        f.seed,
+        f.timeout_s,
+        f.duration_s
+            .map_or_else(String::new, |d| format!(", duration cap {d} s")),
+    );
+    let _ = writeln!(s, "  prompts     {}", r.prompt_distribution);
+    let errors: Vec<String> = r.errors.iter().map(|(k, v)| format!("{k} {v}")).collect();
+    let _ = writeln!(
+        s,
+        "  requests    ok {}, failed {}{}, cancelled {}",
+        r.requests_ok,
+        r.requests_failed,
+        if errors.is_empty() {
+            String::new()
+        } else {
+            format!(" ({})", errors.join(", "))
+        },
+        r.requests_cancelled,
+    );
+    let _ = writeln!(s, "  wall        {:.3} s", r.wall_s);
+    let _ = writeln!(
+        s,
+        "  throughput  {:.2} output tok/s, {:.3} req/s ({} output tokens, {} prompt tokens by usage)",
+        r.output_tokens_per_s, r.requests_per_s, r.output_tokens, r.prompt_tokens,
+    );
+    let _ = writeln!(s);
+    let _ = writeln!(
+        s,
+        "  {:<8}{:>10}{:>10}{:>10}{:>10}{:>10}{:>9}",
+        "ms", "mean", "p50", "p90", "p99", "max", "n"
+    );
+    for (name, sum) in [
+        ("TTFT", r.ttft_ms),
+        ("TPOT", r.tpot_ms),
+        ("ITL", r.itl_ms),
+        ("E2E", r.e2e_ms),
+    ] {
+        match sum {
+            Some(x) => {
+                let _ = writeln!(
+                    s,
+                    "  {name:<8}{:>10.2}{:>10.2}{:>10.2}{:>10.2}{:>10.2}{:>9}",
+                    x.mean, x.p50, x.p90, x.p99, x.max, x.count
+                );
+            }
+            None => {
+                let _ = writeln!(s, "  {name:<8}{:>10}", "-");
+            }
+        }
+    }
+    if let Some(old) = baseline {
+        let _ = writeln!(s);
+        let _ = writeln!(
+            s,
+            "  vs baseline{} (new/old: above 1 is better for throughput, below 1 for latency)",
+            if old.label.is_empty() {
+                String::new()
+            } else {
+                format!(" '{}'", old.label)
+            },
+        );
+        let _ = writeln!(
+            s,
+            "  {:<14}{:>12}{:>12}{:>10}",
+            "figure", "new", "old", "new/old"
+        );
+        for c in compare(r, old) {
+            let ratio = c
+                .ratio
+                .map_or_else(|| "-".to_owned(), |x| format!("{x:.3}"));
+            let _ = writeln!(
+                s,
+                "  {:<14}{:>12}{:>12}{:>10}",
+                c.figure,
+                opt(c.new),
+                opt(c.old),
+                ratio
+            );
+        }
+        let diffs = differences(r, old);
+        if !diffs.is_empty() {
+            let _ = writeln!(
+                s,
+                "  note: the baseline ran a different load: {}",
+                diffs.join(", ")
+            );
+        }
+    }
+    s
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::request::{ErrorKind, Sample};
+
+    fn meta() -> RunMeta {
+        RunMeta {
+            label: "test".into(),
+            model: "m".into(),
+            server_url: "http://127.0.0.1:1".into(),
+            endpoint: "/v1/completions".into(),
+            quantisation: "unknown".into(),
+            flags: Flags {
+                concurrency: 2,
+                requests: 4,
+                max_tokens: 3,
+                prompt_len_min_words: 1,
+                prompt_len_max_words: 2,
+                seed: 0,
+                ignore_eos: true,
+                chat: false,
+                timeout_s: 5,
+                duration_s: None,
+            },
+            prompt_distribution: "uniform".into(),
+        }
+    }
+
+    fn sample(ttft_ms: u64) -> Sample {
+        let d = Duration::from_millis;
+        Sample {
+            ttft: d(ttft_ms),
+            e2e: d(ttft_ms + 4),
+            tpot: Some(d(2)),
+            itl: vec![d(2), d(2)],
+            output_tokens: 3,
+            prompt_tokens: Some(5),
+        }
+    }
+
+    fn report() -> Report {
+        let outcomes = [
+            Ok(sample(10)),
+            Ok(sample(30)),
+            Err(ErrorKind::Http(429)),
+            Err(ErrorKind::Timeout),
+        ];
+        Report::build(meta(), &outcomes, 0, Duration::from_secs(2))
+    }
+
+    #[test]
+    fn build_counts_and_rates() {
+        let r = report();
+        assert_eq!(
+            (r.requests_ok, r.requests_failed, r.requests_cancelled),
+            (2, 2, 0)
+        );
+        assert_eq!(r.errors["http_429"], 1);
+        assert_eq!(r.errors["timeout"], 1);
+        assert_eq!((r.output_tokens, r.prompt_tokens), (6, 10));
+        assert_eq!(r.output_tokens_per_s, 3.0);
+        assert_eq!(r.requests_per_s, 1.0);
+        let ttft = r.ttft_ms.unwrap();
+        assert_eq!((ttft.p50, ttft.p99, ttft.count), (10.0, 30.0, 2));
+        assert_eq!(r.itl_ms.unwrap().count, 4);
+    }
+
+    #[test]
+    fn json_round_trip() {
+        let r = report();
+        let json = serde_json::to_string_pretty(&r).unwrap();
+        let back: Report = serde_json::from_str(&json).unwrap();
+        assert_eq!(back, r);
+        let v: serde_json::Value = serde_json::from_str(&json).unwrap();
+        for key in [
+            "model",
+            "server_url",
+            "flags",
+            "quantisation",
+            "label",
+            "output_tokens_per_s",
+            "ttft_ms",
+        ] {
+            assert!(v.get(key).is_some(), "missing {key}");
+        }
+        // An all-failed run has no latency figures and still round-trips.
+        let empty = Report::build(meta(), &[Err(ErrorKind::Connect)], 0, Duration::ZERO);
+        let back: Report = serde_json::from_str(&serde_json::to_string(&empty).unwrap()).unwrap();
+        assert_eq!(back, empty);
+        assert_eq!(back.ttft_ms, None);
+    }
+
+    #[test]
+    fn compare_gives_new_over_old() {
+        let old = report();
+        let mut new = old.clone();
+        new.output_tokens_per_s *= 2.0;
+        new.flags.concurrency = 8;
+        let c = compare(&new, &old);
+        assert_eq!(c[0].figure, "output tok/s");
+        assert_eq!(c[0].ratio, Some(2.0));
+        assert_eq!(c[2].ratio, Some(1.0));
+        let text = render(&new, Some(&old));
+        assert!(text.contains("vs baseline"));
+        assert!(text.contains("concurrency 2 -> 8"));
+        assert!(text.contains("2.000"));
+    }
+}

@@ -1,0 +1,487 @@
+//! The TOML cluster config: tiers, tenants and their API keys, and engine
+//! settings that the command line may override. Parsed and validated once;
+//! an invalid file is refused with its line and the reason.
+//!
+//! ```toml
+//! [engine]
+//! max_num_seqs = 32
+//!
+//! [[tiers]]
+//! name = "paid"
+//! weight = 8
+//! priority = 2
+//! queue_len_max = 256
+//!
+//! [[tenants]]
+//! name = "acme"
+//! tier = "paid"
+//! api_keys = ["sk-acme-example"]
+//! max_concurrent = 64
+//! ```
+
+use std::collections::HashMap;
+use std::path::Path;
+
+use serde::Deserialize;
+
+/// Why a config was refused.
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    /// The file could not be read.
+    #[error("cannot read {path}: {source}")]
+    Read {
+        /// The file.
+        path: String,
+        /// The I/O error.
+        source: std::io::Error,
+    },
+    /// TOML syntax or a field of the wrong type, with its line.
+    #[error("{origin}:{line}: {message}")]
+    Syntax {
+        /// File name (or "<string>").
+        origin: String,
+        /// 1-based line.
+        line: usize,
+        /// What is wrong.
+        message: String,
+    },
+    /// Well-formed TOML that breaks a rule, with the line of the offending table where known.
+    #[error("{origin}:{line}: {message}")]
+    Invalid {
+        /// File name (or "<string>").
+        origin: String,
+        /// 1-based line (0 when unknown).
+        line: usize,
+        /// What is wrong.
+        message: String,
+    },
+}
+
+/// Engine settings a config file may set; command-line flags override them.
+#[derive(Clone, Debug, Default, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct EngineSection {
+    /// `--max-model-len`.
+    pub max_model_len: Option<usize>,
+    /// `--max-num-seqs`.
+    pub max_num_seqs: Option<usize>,
+    /// `--max-num-batched-tokens`.
+    pub max_num_batched_tokens: Option<usize>,
+    /// `--block-size`, tokens.
+    pub block_size: Option<usize>,
+    /// `--kv-cache-fraction` of free memory.
+    pub kv_cache_fraction: Option<f64>,
+    /// `--kv-cache-bytes`.
+    pub kv_cache_bytes: Option<u64>,
+    /// `--queue-timeout`, seconds.
+    pub queue_timeout_s: Option<f64>,
+}
+
+/// A service tier.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Tier {
+    /// Name (unique).
+    pub name: String,
+    /// Share of the engine under contention, relative to other tiers (> 0).
+    pub weight: u32,
+    /// Preemption rank: higher is preempted later.
+    pub priority: u8,
+    /// Requests that may wait in this tier's queue; more get 503.
+    pub queue_len_max: usize,
+    /// KV blocks kept for this tier.
+    pub kv_reserved_blocks: u32,
+}
+
+/// A tenant: who an API key belongs to.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Tenant {
+    /// Name (unique).
+    pub name: String,
+    /// Index into [`ClusterConfig::tiers`].
+    pub tier: usize,
+    /// Keys that authenticate as this tenant.
+    pub api_keys: Vec<String>,
+    /// Share within its tier, relative to other tenants (> 0).
+    pub weight: u32,
+    /// Requests queued + running at once; more get 429 (0 = unlimited).
+    pub max_concurrent: u32,
+    /// Requests admitted per minute; more get 429.
+    pub requests_per_minute: Option<u32>,
+    /// Most KV blocks its sequences hold at once.
+    pub kv_blocks_max: Option<u32>,
+    /// Keep its prefix cache entries apart from other tenants'.
+    pub isolate_prefix_cache: bool,
+}
+
+/// The validated config.
+#[derive(Clone, Debug, PartialEq)]
+pub struct ClusterConfig {
+    /// Engine settings.
+    pub engine: EngineSection,
+    /// Tiers, in file order (their index is the tier id).
+    pub tiers: Vec<Tier>,
+    /// Tenants, in file order (their index is the tenant id).
+    pub tenants: Vec<Tenant>,
+    keys: HashMap<String, usize>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawFile {
+    #[serde(default)]
+    engine: EngineSection,
+    #[serde(default)]
+    tiers: Vec<toml::Spanned<RawTier>>,
+    #[serde(default)]
+    tenants: Vec<toml::Spanned<RawTenant>>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawTier {
+    name: String,
+    #[serde(default = "one")]
+    weight: u32,
+    #[serde(default)]
+    priority: u8,
+    #[serde(default = "default_queue_len_max")]
+    queue_len_max: usize,
+    #[serde(default)]
+    kv_reserved_blocks: u32,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawTenant {
+    name: String,
+    tier: String,
+    #[serde(default)]
+    api_keys: Vec<String>,
+    #[serde(default = "one")]
+    weight: u32,
+    #[serde(default)]
+    max_concurrent: u32,
+    requests_per_minute: Option<u32>,
+    kv_blocks_max: Option<u32>,
+    #[serde(default)]
+    isolate_prefix_cache: bool,
+}
+
+fn one() -> u32 {
+    1
+}
+
+fn default_queue_len_max() -> usize {
+    1024
+}
+
+/// Largest queue a tier may declare: every queue is bounded.
+pub const QUEUE_LEN_MAX_LIMIT: usize = 1 << 20;
+
+fn line_of(text: &str, offset: usize) -> usize {
+    text[..offset.min(text.len())].matches('\n').count() + 1
+}
+
+impl ClusterConfig {
+    /// Reads and validates a config file.
+    pub fn load(path: &Path) -> Result<ClusterConfig, ConfigError> {
+        let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
+            path: path.display().to_string(),
+            source,
+        })?;
+        ClusterConfig::parse(&text, &path.display().to_string())
+    }
+
+    /// Parses and validates config text; `origin` names it in errors.
+    pub fn parse(text: &str, origin: &str) -> Result<ClusterConfig, ConfigError> {
+        let raw: RawFile = toml::from_str(text).map_err(|e| ConfigError::Syntax {
+            origin: origin.to_string(),
+            line: e.span().map(|s| line_of(text, s.start)).unwrap_or(0),
+            message: e.message().to_string(),
+        })?;
+        let invalid = |offset: usize, message: String| ConfigError::Invalid {
+            origin: origin.to_string(),
+            line: line_of(text, offset),
+            message,
+        };
+        if raw.tiers.is_empty() {
+            return Err(invalid(
+                0,
+                "at least one [[tiers]] table is required".into(),
+            ));
+        }
+        if raw.tiers.len() > u8::MAX as usize {
+            return Err(invalid(0, "at most 255 tiers".into()));
+        }
+        let mut tiers: Vec<Tier> = Vec::new();
+        for t in &raw.tiers {
+            let at = t.span().start;
+            let t = t.get_ref();
+            if t.name.is_empty() {
+                return Err(invalid(at, "tier name is empty".into()));
+            }
+            if tiers.iter().any(|o| o.name == t.name) {
+                return Err(invalid(at, format!("tier '{}' is defined twice", t.name)));
+            }
+            if t.weight == 0 {
+                return Err(invalid(
+                    at,
+                    format!("tier '{}': weight must be > 0", t.name),
+                ));
+            }
+            if t.queue_len_max == 0 || t.queue_len_max > QUEUE_LEN_MAX_LIMIT {
+                return Err(invalid(
+                    at,
+                    format!(
+                        "tier '{}': queue_len_max must be in 1..={QUEUE_LEN_MAX_LIMIT}",
+                        t.name
+                    ),
+                ));
+            }
+            tiers.push(Tier {
+                name: t.name.clone(),
+                weight: t.weight,
+                priority: t.priority,
+                queue_len_max: t.queue_len_max,
+                kv_reserved_blocks: t.kv_reserved_blocks,
+            });
+        }
+        let mut tenants: Vec<Tenant> = Vec::new();
+        let mut keys = HashMap::new();
+        for t in &raw.tenants {
+            let at = t.span().start;
+            let t = t.get_ref();
+            if t.name.is_empty() {
+                return Err(invalid(at, "tenant name is empty".into()));
+            }
+            if tenants.iter().any(|o| o.name == t.name) {
+                return Err(invalid(at, format!("tenant '{}' is defined twice", t.name)));
+            }
+            let Some(tier) = tiers.iter().position(|x| x.name == t.tier) else {
+                let names: Vec<&str> = tiers.iter().map(|x| x.name.as_str()).collect();
+                return Err(invalid(
+                    at,
+                    format!(
+                        "tenant '{}': unknown tier '{}' (tiers: {})",
+                        t.name,
+                        t.tier,
+                        names.join(", ")
+                    ),
+                ));
+            };
+            if t.weight == 0 {
+                return Err(invalid(
+                    at,
+                    format!("tenant '{}': weight must be > 0", t.name),
+                ));
+            }
+            if t.requests_per_minute == Some(0) {
+                return Err(invalid(
+                    at,
+                    format!(
+                        "tenant '{}': requests_per_minute must be > 0 (omit it for no limit)",
+                        t.name
+                    ),
+                ));
+            }
+            for k in &t.api_keys {
+                if k.len() < 8 || k.chars().any(|c| c.is_whitespace() || c.is_control()) {
+                    return Err(invalid(
+                        at,
+                        format!(
+                            "tenant '{}': API keys need at least 8 characters and no whitespace",
+                            t.name
+                        ),
+                    ));
+                }
+                if keys.insert(k.clone(), tenants.len()).is_some() {
+                    return Err(invalid(
+                        at,
+                        format!("tenant '{}': an API key is used by two tenants", t.name),
+                    ));
+                }
+            }
+            tenants.push(Tenant {
+                name: t.name.clone(),
+                tier,
+                api_keys: t.api_keys.clone(),
+                weight: t.weight,
+                max_concurrent: t.max_concurrent,
+                requests_per_minute: t.requests_per_minute,
+                kv_blocks_max: t.kv_blocks_max,
+                isolate_prefix_cache: t.isolate_prefix_cache,
+            });
+        }
+        if tenants.is_empty() {
+            // No tenants: the deployment runs open as one default tenant of
+            // the first tier.
+            tenants.push(Tenant::open_default(0));
+        } else if keys.is_empty() {
+            return Err(invalid(
+                0,
+                "tenants are defined but none has api_keys: give each tenant keys, or define no tenants to run open"
+                    .into(),
+            ));
+        }
+        let e = &raw.engine;
+        if let Some(f) = e.kv_cache_fraction
+            && !(f > 0.0 && f <= 1.0)
+        {
+            return Err(invalid(
+                0,
+                format!("engine.kv_cache_fraction {f} must be in (0, 1]"),
+            ));
+        }
+        if let Some(q) = e.queue_timeout_s
+            && !(q > 0.0 && q.is_finite())
+        {
+            return Err(invalid(
+                0,
+                format!("engine.queue_timeout_s {q} must be > 0"),
+            ));
+        }
+        Ok(ClusterConfig {
+            engine: raw.engine,
+            tiers,
+            tenants,
+            keys,
+        })
+    }
+
+    /// A config with one tier and one tenant and no keys: every request is
+    /// the default tenant's.
+    pub fn open() -> ClusterConfig {
+        ClusterConfig {
+            engine: EngineSection::default(),
+            tiers: vec![Tier {
+                name: "default".into(),
+                weight: 1,
+                priority: 0,
+                queue_len_max: default_queue_len_max(),
+                kv_reserved_blocks: 0,
+            }],
+            tenants: vec![Tenant::open_default(0)],
+            keys: HashMap::new(),
+        }
+    }
+
+    /// True when no API keys are configured: requests need no key.
+    pub fn is_open(&self) -> bool {
+        self.keys.is_empty()
+    }
+
+    /// The tenant a key belongs to.
+    pub fn tenant_for_key(&self, key: &str) -> Option<usize> {
+        self.keys.get(key).copied()
+    }
+}
+
+impl Tenant {
+    fn open_default(tier: usize) -> Tenant {
+        Tenant {
+            name: "default".into(),
+            tier,
+            api_keys: Vec::new(),
+            weight: 1,
+            max_concurrent: 0,
+            requests_per_minute: None,
+            kv_blocks_max: None,
+            isolate_prefix_cache: false,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const GOOD: &str = r#"
+[engine]
+max_num_seqs = 32
+
+[[tiers]]
+name = "paid"
+weight = 8
+priority = 2
+
+[[tiers]]
+name = "free"
+queue_len_max = 16
+
+[[tenants]]
+name = "acme"
+tier = "paid"
+api_keys = ["sk-acme-0001"]
+
+[[tenants]]
+name = "hobby"
+tier = "free"
+api_keys = ["sk-hobby-001", "sk-hobby-002"]
+max_concurrent = 4
+"#;
+
+    #[test]
+    fn parses_tiers_tenants_keys() {
+        let c = ClusterConfig::parse(GOOD, "t").unwrap();
+        assert_eq!(c.engine.max_num_seqs, Some(32));
+        assert_eq!(c.tiers.len(), 2);
+        assert_eq!(c.tiers[1].weight, 1);
+        assert_eq!(c.tiers[1].queue_len_max, 16);
+        assert_eq!(c.tenant_for_key("sk-hobby-002"), Some(1));
+        assert_eq!(c.tenant_for_key("sk-nope-0000"), None);
+        assert_eq!(c.tenants[1].tier, 1);
+        assert!(!c.is_open());
+    }
+
+    #[test]
+    fn no_tenants_runs_open() {
+        let c = ClusterConfig::parse("[[tiers]]\nname = \"t\"\n", "t").unwrap();
+        assert!(c.is_open());
+        assert_eq!(c.tenants.len(), 1);
+        assert!(ClusterConfig::open().is_open());
+    }
+
+    fn err_of(text: &str) -> String {
+        ClusterConfig::parse(text, "f.toml")
+            .unwrap_err()
+            .to_string()
+    }
+
+    #[test]
+    fn refusals_name_line_and_reason() {
+        let bad_tier = GOOD.replace("tier = \"free\"", "tier = \"gold\"");
+        let e = err_of(&bad_tier);
+        assert!(e.starts_with("f.toml:"), "{e}");
+        assert!(e.contains("unknown tier 'gold'"), "{e}");
+        let line: usize = e.split(':').nth(1).unwrap().parse().unwrap();
+        assert_eq!(
+            bad_tier.lines().nth(line - 1).unwrap(),
+            "[[tenants]]",
+            "{e}"
+        );
+
+        let e = err_of(&GOOD.replace("weight = 8", "weight = \"x\""));
+        assert!(e.contains("f.toml:7"), "{e}");
+        assert!(err_of(&GOOD.replace("weight = 8", "wieght = 8")).contains("wieght"));
+        assert!(err_of(&GOOD.replace("sk-hobby-002", "sk-acme-0001")).contains("two tenants"));
+        assert!(err_of(&GOOD.replace("sk-hobby-002", "short")).contains("8 characters"));
+        assert!(err_of(&GOOD.replace("weight = 8", "weight = 0")).contains("weight must be > 0"));
+        assert!(err_of("").contains("at least one [[tiers]]"));
+        assert!(err_of("[[tiers]]\nname = \"a\"\n[[tiers]]\nname = \"a\"\n").contains("twice"));
+        assert!(err_of(&format!("{GOOD}\n[engine2]\n")).contains("engine2"));
+    }
+
+    #[test]
+    fn shipped_configs_parse() {
+        let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../cluster-configs");
+        let mut n = 0;
+        for e in std::fs::read_dir(&dir).unwrap() {
+            let p = e.unwrap().path();
+            if p.extension().is_some_and(|x| x == "toml") {
+                ClusterConfig::load(&p).unwrap_or_else(|e| panic!("{}: {e}", p.display()));
+                n += 1;
+            }
+        }
+        assert!(n >= 1, "no configs in {}", dir.display());
+    }
+}

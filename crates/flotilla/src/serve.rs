@@ -1,0 +1,345 @@
+//! `flotilla serve`: one node with all four roles in one process: the
+//! Router's HTTP front, the Scheduler (with its KV block pool) and the
+//! GpuWorker, on the default model unless `--model` names another.
+
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result, bail};
+use flotilla_actors::{Clock, EngineOptions, spawn_engine};
+use flotilla_config::ClusterConfig;
+use flotilla_gateway::GatewayConfig;
+use flotilla_model::gguf::GgufFile;
+use flotilla_model::llama::LlamaConfig;
+use flotilla_model::model::TextSide;
+use flotilla_model::{CpuExecutor, Executor};
+use flotilla_proto::TierId;
+use flotilla_sched::{Batching, SchedConfig, TenantConfig, TierConfig};
+use flotilla_telemetry::Metrics;
+
+use crate::ModelArgs;
+
+/// The config `serve` uses when `--config` is not given and
+/// `cluster-configs/single-node.toml` is not under the working directory.
+const BUILTIN_CONFIG: &str = include_str!("../../../cluster-configs/single-node.toml");
+const DEFAULT_CONFIG_PATH: &str = "cluster-configs/single-node.toml";
+
+/// `flotilla serve` flags; engine flags are named as vLLM names them and
+/// override the config file's `[engine]` table.
+#[derive(clap::Args, Clone)]
+pub struct ServeArgs {
+    #[command(flatten)]
+    pub model: ModelArgs,
+    /// Cluster config (tiers, tenants, API keys); default:
+    /// cluster-configs/single-node.toml.
+    #[arg(long)]
+    pub config: Option<PathBuf>,
+    /// Serve without API keys, as one default tenant (ignores the config's tenants).
+    #[arg(long)]
+    pub no_auth: bool,
+    /// Address to listen on.
+    #[arg(long, default_value = "127.0.0.1")]
+    pub host: String,
+    /// Port to listen on.
+    #[arg(long, default_value_t = 8000)]
+    pub port: u16,
+    /// Name the API reports for the model (default: the file name).
+    #[arg(long)]
+    pub served_model_name: Option<String>,
+    /// Longest prompt + completion, tokens (default: the model's context).
+    #[arg(long)]
+    pub max_model_len: Option<usize>,
+    /// Most sequences in one step.
+    #[arg(long)]
+    pub max_num_seqs: Option<usize>,
+    /// Token budget of one step (prefill chunks + decodes).
+    #[arg(long)]
+    pub max_num_batched_tokens: Option<usize>,
+    /// Fraction of available memory for the KV cache (default 0.1).
+    #[arg(long)]
+    pub kv_cache_fraction: Option<f64>,
+    /// KV cache size in bytes (overrides --kv-cache-fraction).
+    #[arg(long)]
+    pub kv_cache_bytes: Option<u64>,
+    /// Seconds a request may wait in the queue before it fails.
+    #[arg(long)]
+    pub queue_timeout: Option<f64>,
+    /// continuous (iteration-level) or static (whole batches, for comparison).
+    #[arg(long, default_value = "continuous")]
+    pub batching: String,
+    /// Largest request body, bytes.
+    #[arg(long, default_value_t = 1 << 20)]
+    pub max_body_bytes: usize,
+}
+
+struct MonotonicClock(Instant);
+
+impl Clock for MonotonicClock {
+    fn now(&self) -> Duration {
+        self.0.elapsed()
+    }
+}
+
+fn mem_available_bytes() -> Option<u64> {
+    let s = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let line = s.lines().find(|l| l.starts_with("MemAvailable:"))?;
+    let kb: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kb * 1024)
+}
+
+fn salt_of(name: &str) -> u64 {
+    // FNV-1a: stable across runs and builds, never 0 for a real name.
+    let mut h: u64 = 0xcbf29ce484222325;
+    for b in name.bytes() {
+        h ^= b as u64;
+        h = h.wrapping_mul(0x100000001b3);
+    }
+    h.max(1)
+}
+
+fn load_config(args: &ServeArgs) -> Result<(ClusterConfig, String)> {
+    let (mut cfg, origin) = match &args.config {
+        Some(p) => (ClusterConfig::load(p)?, p.display().to_string()),
+        None if Path::new(DEFAULT_CONFIG_PATH).is_file() => (
+            ClusterConfig::load(Path::new(DEFAULT_CONFIG_PATH))?,
+            DEFAULT_CONFIG_PATH.to_string(),
+        ),
+        None => (
+            ClusterConfig::parse(BUILTIN_CONFIG, "built-in single-node.toml")?,
+            "built-in single-node.toml".to_string(),
+        ),
+    };
+    if args.no_auth {
+        let engine = cfg.engine.clone();
+        cfg = ClusterConfig::open();
+        cfg.engine = engine;
+    }
+    Ok((cfg, origin))
+}
+
+/// Everything `serve` resolved from flags, config and model, before any
+/// thread starts: also used by tests to start a server in-process.
+pub struct Resolved {
+    pub cluster: Arc<ClusterConfig>,
+    pub sched: SchedConfig,
+    pub exec: CpuExecutor,
+    pub text: TextSide,
+    pub model_name: String,
+    pub max_model_len: usize,
+    pub kv_bytes: u64,
+    pub config_origin: String,
+}
+
+pub fn resolve(args: &ServeArgs) -> Result<Resolved> {
+    let (cluster, config_origin) = load_config(args)?;
+    let e = &cluster.engine;
+    let path = args.model.path()?;
+    let g = GgufFile::open(&path)?;
+    let text = TextSide::from_gguf(&g).context("loading the tokenizer")?;
+    let lc = LlamaConfig::from_gguf(&g)?;
+    let max_model_len = args.max_model_len.or(e.max_model_len).unwrap_or(lc.ctx_len);
+    if max_model_len < 2 || max_model_len > lc.ctx_len {
+        bail!(
+            "--max-model-len {max_model_len} must be in 2..={} (the model's context)",
+            lc.ctx_len
+        );
+    }
+    let max_num_seqs = args.max_num_seqs.or(e.max_num_seqs).unwrap_or(32);
+    let max_num_batched_tokens = args
+        .max_num_batched_tokens
+        .or(e.max_num_batched_tokens)
+        .unwrap_or(512);
+    if !(1..=4096).contains(&max_num_seqs) {
+        bail!("--max-num-seqs {max_num_seqs} must be in 1..=4096");
+    }
+    if !(1..=16384).contains(&max_num_batched_tokens) {
+        bail!("--max-num-batched-tokens {max_num_batched_tokens} must be in 1..=16384");
+    }
+    let block_size = e.block_size.unwrap_or(args.model.block_size);
+    if !(1..=1024).contains(&block_size) {
+        bail!("--block-size {block_size} must be in 1..=1024");
+    }
+    let mut model_args = args.model.clone();
+    model_args.block_size = block_size;
+    let probe = model_args.cpu_config(1, 1)?;
+    let bytes_per_block = (2 * lc.n_layer * lc.n_head_kv * lc.head_dim * block_size) as u64
+        * probe.kv_dtype.bytes() as u64;
+    let kv_bytes = match args.kv_cache_bytes.or(e.kv_cache_bytes) {
+        Some(b) => b,
+        None => {
+            let f = args
+                .kv_cache_fraction
+                .or(e.kv_cache_fraction)
+                .unwrap_or(0.1);
+            if !(f > 0.0 && f <= 1.0) {
+                bail!("--kv-cache-fraction {f} must be in (0, 1]");
+            }
+            let avail = mem_available_bytes().unwrap_or(4 << 30);
+            (avail as f64 * f) as u64
+        }
+    };
+    let num_blocks = kv_bytes / bytes_per_block;
+    let one_seq = max_model_len.div_ceil(block_size) as u64;
+    if num_blocks < one_seq {
+        bail!(
+            "a KV cache of {kv_bytes} bytes holds {num_blocks} blocks of {block_size} tokens \
+             ({bytes_per_block} bytes each); one sequence of --max-model-len {max_model_len} needs \
+             {one_seq}: raise --kv-cache-bytes / --kv-cache-fraction or lower --max-model-len"
+        );
+    }
+    let num_blocks = num_blocks.min(u32::MAX as u64 / 2) as u32;
+    let batching = match args.batching.as_str() {
+        "continuous" => Batching::Continuous,
+        "static" => Batching::Static,
+        b => bail!("unknown --batching '{b}' (expected continuous or static)"),
+    };
+    let queue_timeout = args.queue_timeout.or(e.queue_timeout_s).unwrap_or(60.0);
+    if !(queue_timeout > 0.0 && queue_timeout.is_finite()) {
+        bail!("--queue-timeout {queue_timeout} must be a positive number of seconds");
+    }
+    let cpu = model_args.cpu_config(num_blocks as usize, max_num_batched_tokens)?;
+    let exec = CpuExecutor::from_gguf(&g, &cpu).context("loading the model")?;
+    let sched = SchedConfig {
+        num_blocks,
+        block_size: block_size as u32,
+        max_num_seqs,
+        max_num_batched_tokens,
+        max_model_len,
+        batching,
+        queue_timeout: Duration::from_secs_f64(queue_timeout),
+        stop_tokens: text.stop_tokens.clone(),
+        tiers: cluster
+            .tiers
+            .iter()
+            .map(|t| TierConfig {
+                name: t.name.clone(),
+                weight: t.weight,
+                priority: t.priority,
+                queue_len_max: t.queue_len_max,
+                kv_reserved_blocks: t.kv_reserved_blocks,
+            })
+            .collect(),
+        tenants: cluster
+            .tenants
+            .iter()
+            .map(|t| TenantConfig {
+                name: t.name.clone(),
+                tier: TierId(t.tier as u8),
+                weight: t.weight,
+                max_concurrent: t.max_concurrent,
+                requests_per_minute: t.requests_per_minute,
+                kv_blocks_max: t.kv_blocks_max,
+                prefix_salt: if t.isolate_prefix_cache {
+                    salt_of(&t.name)
+                } else {
+                    0
+                },
+            })
+            .collect(),
+    };
+    let model_name = args.served_model_name.clone().unwrap_or_else(|| {
+        path.file_stem()
+            .map(|s| s.to_string_lossy().into_owned())
+            .unwrap_or_else(|| "model".into())
+    });
+    Ok(Resolved {
+        cluster: Arc::new(cluster),
+        sched,
+        exec,
+        text,
+        model_name,
+        max_model_len,
+        kv_bytes: num_blocks as u64 * bytes_per_block,
+        config_origin,
+    })
+}
+
+pub fn run(args: ServeArgs) -> Result<()> {
+    let filter = tracing_subscriber::EnvFilter::try_from_env("FLOTILLA_LOG")
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn"));
+    tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .init();
+    let r = resolve(&args)?;
+    let addr: SocketAddr = format!("{}:{}", args.host, args.port)
+        .parse()
+        .with_context(|| {
+            format!(
+                "--host {} --port {} is not an address",
+                args.host, args.port
+            )
+        })?;
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()?;
+    rt.block_on(serve(r, addr, args.max_body_bytes))
+}
+
+async fn serve(r: Resolved, addr: SocketAddr, max_body_bytes: usize) -> Result<()> {
+    let metrics = Arc::new(Metrics::new()?);
+    let clock: Arc<dyn Clock> = Arc::new(MonotonicClock(Instant::now()));
+    let num_blocks = r.sched.num_blocks;
+    let tiers: Vec<String> = r.sched.tiers.iter().map(|t| t.name.clone()).collect();
+    let exec: Box<dyn Executor> = Box::new(r.exec);
+    let engine = spawn_engine(
+        exec,
+        EngineOptions { sched: r.sched },
+        clock,
+        metrics.clone(),
+    )
+    .await
+    .context("starting the engine")?;
+    let app = flotilla_gateway::router(
+        Arc::new(engine.clone()),
+        Arc::new(r.text),
+        metrics,
+        GatewayConfig {
+            model_name: r.model_name.clone(),
+            max_model_len: r.max_model_len,
+            body_limit_bytes: max_body_bytes,
+            cluster: r.cluster.clone(),
+        },
+    );
+    let listener = tokio::net::TcpListener::bind(addr)
+        .await
+        .with_context(|| format!("cannot listen on {addr}"))?;
+    let local = listener.local_addr()?;
+    let auth = if r.cluster.is_open() {
+        "no API keys (open)".to_string()
+    } else {
+        format!("API keys from {}", r.config_origin)
+    };
+    eprintln!(
+        "flotilla: serving {} at http://{local}/v1 (tiers: {}; KV cache {} blocks, {} MiB; {auth})",
+        r.model_name,
+        tiers.join(", "),
+        num_blocks,
+        r.kv_bytes >> 20,
+    );
+    let shutdown = async {
+        let _ = tokio::signal::ctrl_c().await;
+    };
+    axum::serve(listener, app)
+        .with_graceful_shutdown(shutdown)
+        .await
+        .context("serving HTTP")?;
+    engine.stop();
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn builtin_config_is_the_shipped_one_and_parses() {
+        let c = ClusterConfig::parse(BUILTIN_CONFIG, "builtin").unwrap();
+        assert!(!c.is_open());
+        assert_eq!(c.tiers.len(), 2);
+        assert_ne!(salt_of("a"), salt_of("b"));
+        assert_ne!(salt_of(""), 0);
+    }
+}

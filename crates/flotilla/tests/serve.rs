@@ -1,0 +1,468 @@
+//! `flotilla serve` end to end: the real binary on the default model, driven
+//! over HTTP: the `openai` Python client, cancellation storms, tiers under a
+//! flood, bad input.
+
+use std::io::{BufRead, BufReader};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use futures_util::StreamExt;
+use serde_json::{Value, json};
+
+const PAID_KEY: &str = "sk-test-paid-000001";
+const FREE_KEY: &str = "sk-test-free-000001";
+
+struct Server {
+    child: Child,
+    base: String,
+    _dir: TempDir,
+}
+
+struct TempDir(std::path::PathBuf);
+
+impl Drop for TempDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn config(free_concurrent: u32, free_queue: usize) -> String {
+    format!(
+        r#"
+[[tiers]]
+name = "paid"
+weight = 8
+priority = 2
+queue_len_max = 256
+
+[[tiers]]
+name = "free"
+weight = 1
+priority = 0
+queue_len_max = {free_queue}
+
+[[tenants]]
+name = "paid-co"
+tier = "paid"
+api_keys = ["{PAID_KEY}"]
+
+[[tenants]]
+name = "free-user"
+tier = "free"
+api_keys = ["{FREE_KEY}"]
+max_concurrent = {free_concurrent}
+"#
+    )
+}
+
+/// Starts the binary on an ephemeral port and waits for its ready line.
+fn start(config_text: &str, extra: &[&str]) -> Server {
+    let dir = std::env::temp_dir().join(format!(
+        "flotilla-serve-test-{}-{}",
+        std::process::id(),
+        rand_suffix()
+    ));
+    std::fs::create_dir_all(&dir).unwrap();
+    let cfg = dir.join("cluster.toml");
+    std::fs::write(&cfg, config_text).unwrap();
+    let model = flotilla_model::testutil::model_path();
+    let mut child = Command::new(env!("CARGO_BIN_EXE_flotilla"))
+        .arg("serve")
+        .arg("--model")
+        .arg(&model)
+        .arg("--config")
+        .arg(&cfg)
+        .args(["--port", "0", "--kv-cache-bytes", "200000000"])
+        .args(extra)
+        .stderr(Stdio::piped())
+        .stdout(Stdio::null())
+        .spawn()
+        .expect("spawn flotilla serve");
+    let stderr = child.stderr.take().unwrap();
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let mut sent = false;
+        for line in BufReader::new(stderr).lines() {
+            let Ok(line) = line else { break };
+            if !sent && let Some(i) = line.find("http://") {
+                let url = line[i..].split_whitespace().next().unwrap().to_string();
+                let _ = tx.send(url.trim_end_matches("/v1").to_string());
+                sent = true;
+            }
+            eprintln!("[server] {line}");
+        }
+    });
+    let base = rx
+        .recv_timeout(Duration::from_secs(120))
+        .expect("server did not print its URL");
+    Server {
+        child,
+        base,
+        _dir: TempDir(dir),
+    }
+}
+
+fn rand_suffix() -> u64 {
+    use std::hash::{BuildHasher, RandomState};
+    RandomState::new().hash_one(0u8)
+}
+
+fn client() -> reqwest::Client {
+    reqwest::Client::builder()
+        .timeout(Duration::from_secs(120))
+        .build()
+        .unwrap()
+}
+
+async fn ready(base: &str) -> Value {
+    client()
+        .get(format!("{base}/ready"))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap()
+}
+
+/// Polls /ready until nothing runs or waits (cancels are applied at the
+/// next step boundary).
+async fn settle(base: &str) -> Value {
+    let t0 = Instant::now();
+    loop {
+        let r = ready(base).await;
+        let queued: u64 = r["tiers"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|t| t["queued"].as_u64().unwrap())
+            .sum();
+        if r["running"] == 0 && queued == 0 {
+            return r;
+        }
+        assert!(
+            t0.elapsed() < Duration::from_secs(60),
+            "engine never settled: {r}"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+fn completion(prompt: &str, max_tokens: u32, stream: bool) -> Value {
+    json!({"prompt": prompt, "max_tokens": max_tokens, "stream": stream,
+           "temperature": 0, "ignore_eos": true})
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn openai_python_client_chat_and_completions() {
+    let python = match std::env::var("FLOTILLA_PYTHON") {
+        Ok(p) => p,
+        Err(_) => {
+            let ok = Command::new("python3")
+                .args(["-c", "import openai"])
+                .status()
+                .is_ok_and(|s| s.success());
+            if !ok {
+                assert!(
+                    std::env::var("CI").is_err(),
+                    "CI must provide the openai client (FLOTILLA_PYTHON)"
+                );
+                eprintln!("SKIPPED: no python with the openai package (set FLOTILLA_PYTHON)");
+                return;
+            }
+            "python3".to_string()
+        }
+    };
+    let srv = start(&config(4, 8), &[]);
+    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/../../tests/openai_client.py");
+    let out = Command::new(python)
+        .arg(script)
+        .env("OPENAI_BASE_URL", format!("{}/v1", srv.base))
+        .env("OPENAI_API_KEY", PAID_KEY)
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    eprintln!("{stdout}\n{}", String::from_utf8_lossy(&out.stderr));
+    assert!(out.status.success(), "openai client script failed");
+    assert!(stdout.contains("ALL OK"), "{stdout}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dropped_streams_give_back_every_block() {
+    let srv = start(&config(64, 64), &["--max-num-seqs", "32"]);
+    let base = srv.base.clone();
+    let before = settle(&base).await;
+    let c = client();
+    // 200 streamed requests, 32 at a time; a seeded 30% are dropped after
+    // a few tokens.
+    let mut seed = 0x5eed_u64;
+    let plan: Vec<(usize, bool, usize)> = (0..200)
+        .map(|i| {
+            seed = seed
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            let drop_it = (seed >> 33) % 100 < 30;
+            let after = 1 + ((seed >> 20) % 6) as usize;
+            (i, drop_it, after)
+        })
+        .collect();
+    let dropped = plan.iter().filter(|p| p.1).count();
+    assert!((40..=80).contains(&dropped), "{dropped}");
+    let results = futures_util::stream::iter(plan)
+        .map(|(i, drop_it, after)| {
+            let c = c.clone();
+            let base = base.clone();
+            async move {
+                let body = completion(
+                    &format!("Request {i}: tell me a story about the number {i}."),
+                    24,
+                    true,
+                );
+                let resp = c
+                    .post(format!("{base}/v1/completions"))
+                    .bearer_auth(PAID_KEY)
+                    .json(&body)
+                    .send()
+                    .await
+                    .unwrap();
+                assert_eq!(resp.status(), 200);
+                let mut s = resp.bytes_stream();
+                let mut chunks = 0;
+                let mut done = false;
+                while let Some(b) = s.next().await {
+                    let b = b.unwrap();
+                    let text = String::from_utf8_lossy(&b);
+                    chunks += text.matches("data: {").count();
+                    if text.contains("data: [DONE]") {
+                        done = true;
+                    }
+                    if drop_it && chunks >= after {
+                        return (true, done);
+                    }
+                }
+                (false, done)
+            }
+        })
+        .buffer_unordered(32)
+        .collect::<Vec<_>>()
+        .await;
+    let completed = results.iter().filter(|r| !r.0 && r.1).count();
+    assert_eq!(completed + results.iter().filter(|r| r.0).count(), 200);
+    let after = settle(&base).await;
+    assert_eq!(after["running"], 0, "{after}");
+    assert_eq!(
+        after["kv_blocks"]["used"], 0,
+        "blocks still leased: before {before}, after {after}"
+    );
+    let total = after["kv_blocks"]["total"].as_u64().unwrap();
+    let free = after["kv_blocks"]["free"].as_u64().unwrap();
+    let cached = after["kv_blocks"]["cached"].as_u64().unwrap();
+    assert_eq!(free + cached, total, "{after}");
+    let metrics = c
+        .get(format!("{base}/metrics"))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    assert!(
+        metrics.contains("flotilla_requests_total{state=\"cancelled\",tier=\"paid\"}"),
+        "cancellations not counted:\n{metrics}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn paid_trickle_survives_a_free_flood() {
+    // The free tenant may hold 4 requests and its tier queues 4 more: the
+    // rest of a 48-wide flood must be refused at once with 429/503.
+    let srv = start(&config(4, 4), &["--max-num-seqs", "8"]);
+    let base = srv.base.clone();
+    let c = client();
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let mut flood = Vec::new();
+    for w in 0..48 {
+        let c = c.clone();
+        let base = base.clone();
+        let stop = stop.clone();
+        flood.push(tokio::spawn(async move {
+            let mut codes: Vec<u16> = Vec::new();
+            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                let r = c
+                    .post(format!("{base}/v1/completions"))
+                    .bearer_auth(FREE_KEY)
+                    .json(&completion(&format!("free flood {w}"), 16, false))
+                    .send()
+                    .await
+                    .unwrap();
+                let code = r.status().as_u16();
+                if code == 429 || code == 503 {
+                    assert!(
+                        r.headers().contains_key("retry-after"),
+                        "{code} without Retry-After"
+                    );
+                    let _ = r.bytes().await;
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                } else {
+                    let _ = r.bytes().await;
+                }
+                codes.push(code);
+            }
+            codes
+        }));
+    }
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let mut paid_ok = 0;
+    for i in 0..8 {
+        let t0 = Instant::now();
+        let r = c
+            .post(format!("{base}/v1/completions"))
+            .bearer_auth(PAID_KEY)
+            .json(&completion(&format!("paid request {i}"), 16, false))
+            .send()
+            .await
+            .unwrap();
+        let code = r.status();
+        let body: Value = r.json().await.unwrap();
+        assert_eq!(code, 200, "paid request {i} failed: {body}");
+        assert_eq!(body["usage"]["completion_tokens"], 16);
+        eprintln!("paid {i}: {:?}", t0.elapsed());
+        paid_ok += 1;
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    let mut codes = Vec::new();
+    for f in flood {
+        codes.extend(f.await.unwrap());
+    }
+    let refused = codes.iter().filter(|&&c| c == 429 || c == 503).count();
+    let ok = codes.iter().filter(|&&c| c == 200).count();
+    let other: Vec<u16> = codes
+        .iter()
+        .copied()
+        .filter(|&c| c != 200 && c != 429 && c != 503)
+        .collect();
+    eprintln!("paid ok {paid_ok}/8; free: {ok} served, {refused} refused, other {other:?}");
+    assert_eq!(paid_ok, 8);
+    assert!(refused > 0, "the flood was never refused");
+    assert!(ok > 0, "free work starved completely");
+    assert!(
+        other.is_empty(),
+        "free flood saw {other:?} (timeouts or errors)"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bad_input_gets_4xx_and_the_server_keeps_serving() {
+    let srv = start(&config(4, 8), &["--max-model-len", "256"]);
+    let base = srv.base.clone();
+    let c = client();
+    let url = format!("{base}/v1/chat/completions");
+    let cases: Vec<(&str, Vec<u8>, Option<&str>, u16)> = vec![
+        (
+            "malformed json",
+            b"{\"messages\": [".to_vec(),
+            Some(PAID_KEY),
+            400,
+        ),
+        (
+            "invalid utf-8",
+            b"{\"messages\": \"\xff\xfe\"}".to_vec(),
+            Some(PAID_KEY),
+            400,
+        ),
+        (
+            "wrong type",
+            br#"{"messages":[{"role":"user","content":"hi"}],"max_tokens":"x"}"#.to_vec(),
+            Some(PAID_KEY),
+            400,
+        ),
+        (
+            "unknown role",
+            br#"{"messages":[{"role":"wizard","content":"hi"}]}"#.to_vec(),
+            Some(PAID_KEY),
+            400,
+        ),
+        (
+            "temperature out of range",
+            br#"{"messages":[{"role":"user","content":"hi"}],"temperature":9}"#.to_vec(),
+            Some(PAID_KEY),
+            400,
+        ),
+        (
+            "context overflow",
+            br#"{"messages":[{"role":"user","content":"hi"}],"max_tokens":5000}"#.to_vec(),
+            Some(PAID_KEY),
+            400,
+        ),
+        (
+            "unknown model",
+            br#"{"model":"gpt-9","messages":[{"role":"user","content":"hi"}]}"#.to_vec(),
+            Some(PAID_KEY),
+            400,
+        ),
+        (
+            "unknown key",
+            br#"{"messages":[{"role":"user","content":"hi"}]}"#.to_vec(),
+            Some("sk-not-a-real-key"),
+            401,
+        ),
+        (
+            "no key",
+            br#"{"messages":[{"role":"user","content":"hi"}]}"#.to_vec(),
+            None,
+            401,
+        ),
+        (
+            "oversized body",
+            vec![b' '; (1 << 20) + 4096],
+            Some(PAID_KEY),
+            413,
+        ),
+    ];
+    for (name, body, key, want) in cases {
+        let mut rq = c
+            .post(&url)
+            .body(body)
+            .header("content-type", "application/json");
+        if let Some(k) = key {
+            rq = rq.bearer_auth(k);
+        }
+        let r = rq.send().await.unwrap();
+        let code = r.status().as_u16();
+        let v: Value = r.json().await.unwrap_or(Value::Null);
+        assert_eq!(code, want, "{name}: {v}");
+        assert!(
+            v["error"]["message"]
+                .as_str()
+                .is_some_and(|m| !m.is_empty()),
+            "{name}: not OpenAI's error shape: {v}"
+        );
+        if name == "context overflow" {
+            let m = v["error"]["message"].as_str().unwrap();
+            assert!(m.contains("256") && m.contains("5000"), "{m}");
+        }
+    }
+    let r = c
+        .post(&url)
+        .bearer_auth(PAID_KEY)
+        .json(&json!({"messages":[{"role":"user","content":"What is 2+2?"}],"max_tokens":8}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    let v: Value = r.json().await.unwrap();
+    assert!(
+        v["choices"][0]["message"]["content"].as_str().is_some(),
+        "{v}"
+    );
+    let r = ready(&base).await;
+    assert_eq!(r["ready"], true, "{r}");
+}

@@ -1,0 +1,323 @@
+//! The Router's HTTP front (axum): OpenAI API, auth, validation, SSE, health, readiness, metrics.
+//!
+//! A request is authenticated, parsed and validated here ([`openai`]) before
+//! it reaches the engine; every refusal is an [`error::ApiError`] whose class
+//! fixes its status code in one table. The engine is asked to admit the
+//! request before any response starts, so its refusals keep their status
+//! codes even for streams ([`stream`]).
+
+pub mod error;
+pub mod openai;
+pub mod stream;
+pub mod text;
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use axum::body::Bytes;
+use axum::extract::rejection::BytesRejection;
+use axum::extract::{DefaultBodyLimit, State};
+use axum::http::{HeaderMap, HeaderValue, Method, StatusCode, Uri, header};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use flotilla_config::ClusterConfig;
+use flotilla_model::model::TextSide;
+use flotilla_proto::{Engine, EngineRequest, TenantId};
+use flotilla_telemetry::Metrics;
+use serde_json::json;
+
+use crate::error::ApiError;
+use crate::openai::{Endpoint, ParseCtx};
+use crate::stream::Meta;
+use crate::text::Assembler;
+
+/// Default cap on a request body, bytes.
+pub const BODY_LIMIT_BYTES_DEFAULT: usize = 1 << 20;
+
+/// The tier label of refusals that happen before the tenant is known.
+const TIER_UNKNOWN: &str = "unknown";
+
+/// What the gateway serves and under which limits.
+#[derive(Clone, Debug)]
+pub struct GatewayConfig {
+    /// The model name clients send in `model` and see in `/v1/models`.
+    pub model_name: String,
+    /// Prompt plus completion tokens allowed per request.
+    pub max_model_len: usize,
+    /// Largest request body, bytes (larger gets 413).
+    pub body_limit_bytes: usize,
+    /// Tenants, tiers and API keys.
+    pub cluster: Arc<ClusterConfig>,
+}
+
+impl GatewayConfig {
+    /// A config with the default body limit.
+    pub fn new(
+        model_name: impl Into<String>,
+        max_model_len: usize,
+        cluster: Arc<ClusterConfig>,
+    ) -> Self {
+        GatewayConfig {
+            model_name: model_name.into(),
+            max_model_len,
+            body_limit_bytes: BODY_LIMIT_BYTES_DEFAULT,
+            cluster,
+        }
+    }
+}
+
+struct Gateway {
+    engine: Arc<dyn Engine>,
+    text: Arc<TextSide>,
+    metrics: Arc<Metrics>,
+    cfg: GatewayConfig,
+    /// Requests seen: names responses and seeds requests that bring no seed.
+    requests: AtomicU64,
+}
+
+type Shared = State<Arc<Gateway>>;
+
+/// The HTTP service: OpenAI endpoints, `/health`, `/ready`, `/metrics`.
+pub fn router(
+    engine: Arc<dyn Engine>,
+    text: Arc<TextSide>,
+    metrics: Arc<Metrics>,
+    cfg: GatewayConfig,
+) -> Router {
+    let limit = cfg.body_limit_bytes;
+    let gw = Arc::new(Gateway {
+        engine,
+        text,
+        metrics,
+        cfg,
+        requests: AtomicU64::new(0),
+    });
+    Router::new()
+        .route("/v1/chat/completions", post(chat))
+        .route("/v1/completions", post(completions))
+        .route("/v1/models", get(models))
+        .route("/health", get(health))
+        .route("/ready", get(ready))
+        .route("/metrics", get(prometheus_text))
+        .fallback(not_found)
+        .method_not_allowed_fallback(method_not_allowed)
+        .layer(DefaultBodyLimit::max(limit))
+        .with_state(gw)
+}
+
+impl Gateway {
+    /// Answers a refusal and counts it; the one exit of every refused request.
+    fn refuse(&self, tier: &str, err: ApiError) -> Response {
+        let class = err.class();
+        if let Some(kind) = class.metric {
+            self.metrics.request_rejected(tier, kind);
+        }
+        tracing::debug!(tier, status = class.status.as_u16(), error = %err, "request refused");
+        err.into_response()
+    }
+
+    /// The tenant behind the request's API key (tenant 0 when the config is open).
+    fn authenticate(&self, headers: &HeaderMap) -> Result<TenantId, ApiError> {
+        let cluster = &self.cfg.cluster;
+        if cluster.is_open() {
+            return Ok(TenantId(0));
+        }
+        let key = headers
+            .get(header::AUTHORIZATION)
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| {
+                let (scheme, key) = v.trim().split_once(' ')?;
+                scheme.eq_ignore_ascii_case("bearer").then(|| key.trim())
+            })
+            .ok_or(ApiError::Unauthorized)?;
+        let t = cluster.tenant_for_key(key).ok_or(ApiError::Unauthorized)?;
+        Ok(TenantId(t as u32))
+    }
+
+    fn tier_name(&self, tenant: TenantId) -> &str {
+        let c = &self.cfg.cluster;
+        c.tenants
+            .get(tenant.0 as usize)
+            .and_then(|t| c.tiers.get(t.tier))
+            .map_or(TIER_UNKNOWN, |t| t.name.as_str())
+    }
+
+    async fn generate(
+        &self,
+        endpoint: Endpoint,
+        headers: HeaderMap,
+        body: Result<Bytes, BytesRejection>,
+    ) -> Response {
+        let tenant = match self.authenticate(&headers) {
+            Ok(t) => t,
+            Err(e) => return self.refuse(TIER_UNKNOWN, e),
+        };
+        let tier = self.tier_name(tenant);
+        let body = match body {
+            Ok(b) => b,
+            Err(r) if r.status() == StatusCode::PAYLOAD_TOO_LARGE => {
+                let e = ApiError::BodyTooLarge {
+                    limit_bytes: self.cfg.body_limit_bytes,
+                };
+                return self.refuse(tier, e);
+            }
+            Err(r) => {
+                let e = ApiError::invalid_body(format!(
+                    "cannot read the request body: {}",
+                    r.body_text()
+                ));
+                return self.refuse(tier, e);
+            }
+        };
+        let n = self.requests.fetch_add(1, Ordering::Relaxed);
+        let ctx = ParseCtx {
+            text: &self.text,
+            model_name: &self.cfg.model_name,
+            max_model_len: self.cfg.max_model_len,
+            default_seed: mix(n),
+        };
+        let p = match openai::parse(endpoint, &body, &ctx) {
+            Ok(p) => p,
+            Err(e) => return self.refuse(tier, e),
+        };
+        let prompt_tokens = p.prompt.len() as u32;
+        let mut hidden = self.text.stop_tokens.clone();
+        hidden.extend(&p.stop_token_ids);
+        let asm = Assembler::new(self.text.clone(), hidden, p.stop, p.sampling.logprobs);
+        let meta = Meta {
+            id: match endpoint {
+                Endpoint::Chat => format!("chatcmpl-{n}"),
+                Endpoint::Completions => format!("cmpl-{n}"),
+            },
+            created: SystemTime::now()
+                .duration_since(UNIX_EPOCH)
+                .map_or(0, |d| d.as_secs()),
+            model: self.cfg.model_name.clone(),
+            endpoint,
+            include_usage: p.include_usage,
+            logprobs: p.sampling.logprobs,
+            prompt_tokens,
+        };
+        let req = EngineRequest {
+            tenant,
+            prompt: p.prompt,
+            max_tokens: p.max_tokens,
+            sampling: p.sampling,
+            ignore_eos: p.ignore_eos,
+            stop_token_ids: p.stop_token_ids,
+        };
+        // Admission first: a refusal keeps its status code, even for streams.
+        let rs = match self.engine.submit(req).await {
+            Ok(rs) => rs,
+            Err(r) => return self.refuse(tier, ApiError::Rejected(r)),
+        };
+        if p.stream {
+            stream::sse(rs, asm, meta)
+        } else {
+            stream::collect(rs, asm, meta).await
+        }
+    }
+}
+
+/// SplitMix64: well-spread seeds from a counter.
+fn mix(n: u64) -> u64 {
+    let mut z = n.wrapping_add(0x9E37_79B9_7F4A_7C15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    z ^ (z >> 31)
+}
+
+async fn chat(
+    State(gw): Shared,
+    headers: HeaderMap,
+    body: Result<Bytes, BytesRejection>,
+) -> Response {
+    gw.generate(Endpoint::Chat, headers, body).await
+}
+
+async fn completions(
+    State(gw): Shared,
+    headers: HeaderMap,
+    body: Result<Bytes, BytesRejection>,
+) -> Response {
+    gw.generate(Endpoint::Completions, headers, body).await
+}
+
+async fn models(State(gw): Shared, headers: HeaderMap) -> Response {
+    if let Err(e) = gw.authenticate(&headers) {
+        return gw.refuse(TIER_UNKNOWN, e);
+    }
+    Json(json!({
+        "object": "list",
+        "data": [{
+            "id": gw.cfg.model_name,
+            "object": "model",
+            "created": 0,
+            "owned_by": "flotilla",
+            "max_model_len": gw.cfg.max_model_len,
+        }],
+    }))
+    .into_response()
+}
+
+async fn health() -> Response {
+    Json(json!({"status": "ok"})).into_response()
+}
+
+async fn ready(State(gw): Shared) -> Response {
+    let s = gw.engine.status().await;
+    let queue: serde_json::Map<String, serde_json::Value> = s
+        .tiers
+        .iter()
+        .map(|t| (t.name.clone(), json!(t.queued)))
+        .collect();
+    let body = json!({
+        "ready": s.ready,
+        "model": gw.cfg.model_name,
+        "steps": s.steps,
+        "running": s.running,
+        "queue": queue,
+        "tiers": s.tiers.iter().map(|t| json!({
+            "name": t.name, "queued": t.queued, "running": t.running,
+        })).collect::<Vec<_>>(),
+        "kv_blocks": {
+            "total": s.kv.total, "used": s.kv.used, "free": s.kv.free, "cached": s.kv.cached,
+        },
+        "preemptions": s.preemptions,
+    });
+    let status = if s.ready {
+        StatusCode::OK
+    } else {
+        StatusCode::SERVICE_UNAVAILABLE
+    };
+    (status, Json(body)).into_response()
+}
+
+async fn prometheus_text(State(gw): Shared) -> Response {
+    (
+        [(
+            header::CONTENT_TYPE,
+            HeaderValue::from_static("text/plain; version=0.0.4"),
+        )],
+        gw.metrics.render(),
+    )
+        .into_response()
+}
+
+async fn not_found(State(gw): Shared, method: Method, uri: Uri) -> Response {
+    let e = ApiError::NotFound {
+        method: method.to_string(),
+        path: uri.path().to_owned(),
+    };
+    gw.refuse(TIER_UNKNOWN, e)
+}
+
+async fn method_not_allowed(State(gw): Shared, method: Method, uri: Uri) -> Response {
+    let e = ApiError::MethodNotAllowed {
+        method: method.to_string(),
+        path: uri.path().to_owned(),
+    };
+    gw.refuse(TIER_UNKNOWN, e)
+}

@@ -1,0 +1,576 @@
+//! OpenAI request bodies: parsing and validation, before anything reaches an
+//! engine.
+//!
+//! Bodies are read field by field from a `serde_json::Value` rather than
+//! through a derived struct, so every refusal names the field (`param`) and
+//! clients' many unknown fields are ignored. A field set to `null` counts as
+//! absent, as OpenAI's API treats it.
+
+use flotilla_model::chat::{ChatError, ChatMessage};
+use flotilla_model::model::TextSide;
+use flotilla_model::sampling::MAX_TOP_LOGPROBS;
+use flotilla_proto::SamplingParams;
+use serde_json::{Map, Value};
+
+use crate::error::ApiError;
+
+/// Most stop strings a request may carry.
+pub const STOP_STRINGS_MAX: usize = 16;
+/// Most extra stop token ids a request may carry.
+pub const STOP_TOKEN_IDS_MAX: usize = 64;
+
+/// Which API a body was sent to.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Endpoint {
+    /// `/v1/chat/completions`.
+    Chat,
+    /// `/v1/completions`.
+    Completions,
+}
+
+/// What the gateway needs to know about the server to validate a body.
+pub struct ParseCtx<'a> {
+    /// Tokenizer and chat template.
+    pub text: &'a TextSide,
+    /// The served model's name.
+    pub model_name: &'a str,
+    /// Prompt plus completion tokens allowed.
+    pub max_model_len: usize,
+    /// Seed used when the body has none.
+    pub default_seed: u64,
+}
+
+/// A validated, tokenized request.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Parsed {
+    /// The API it came in on.
+    pub endpoint: Endpoint,
+    /// Prompt token ids (at least one, all in the vocabulary).
+    pub prompt: Vec<u32>,
+    /// Completion tokens allowed (at least one; prompt + this fit the model).
+    pub max_tokens: u32,
+    /// Sampling, log-probabilities included.
+    pub sampling: SamplingParams,
+    /// Stop strings (non-empty each), handled by the gateway.
+    pub stop: Vec<String>,
+    /// Extra token ids that end the request (vLLM's `stop_token_ids`).
+    pub stop_token_ids: Vec<u32>,
+    /// Keep going past end-of-sequence tokens.
+    pub ignore_eos: bool,
+    /// Answer as server-sent events.
+    pub stream: bool,
+    /// Send a usage chunk at the end of a stream.
+    pub include_usage: bool,
+}
+
+type Obj = Map<String, Value>;
+
+/// Parses and validates one request body.
+pub fn parse(endpoint: Endpoint, body: &[u8], ctx: &ParseCtx<'_>) -> Result<Parsed, ApiError> {
+    let text = std::str::from_utf8(body)
+        .map_err(|e| ApiError::invalid_body(format!("the request body is not valid UTF-8: {e}")))?;
+    let value: Value = serde_json::from_str(text)
+        .map_err(|e| ApiError::invalid_body(format!("the request body is not valid JSON: {e}")))?;
+    let Value::Object(obj) = value else {
+        return Err(ApiError::invalid_body(
+            "the request body must be a JSON object",
+        ));
+    };
+
+    if let Some(model) = opt_str(&obj, "model")?
+        && model != ctx.model_name
+    {
+        return Err(ApiError::ModelNotFound {
+            requested: model.to_owned(),
+            served: ctx.model_name.to_owned(),
+        });
+    }
+    if let Some(n) = opt_int(&obj, "n")?
+        && n != 1
+    {
+        return Err(ApiError::unsupported(
+            "n",
+            format!("only n = 1 is supported, got {n}"),
+        ));
+    }
+    if let Some(b) = opt_int(&obj, "best_of")?
+        && b != 1
+    {
+        return Err(ApiError::unsupported(
+            "best_of",
+            "only best_of = 1 is supported",
+        ));
+    }
+    if opt_bool(&obj, "echo")? == Some(true) {
+        return Err(ApiError::unsupported("echo", "echo is not supported"));
+    }
+    for p in ["presence_penalty", "frequency_penalty"] {
+        if let Some(x) = opt_f64(&obj, p)?
+            && x != 0.0
+        {
+            return Err(ApiError::unsupported(
+                p,
+                format!("{p} is not supported (only 0)"),
+            ));
+        }
+    }
+
+    let (sampling_logprobs, top_logprobs) = logprobs(endpoint, &obj)?;
+    let temperature = opt_f64(&obj, "temperature")?.unwrap_or(1.0);
+    if !(0.0..=2.0).contains(&temperature) {
+        return Err(ApiError::invalid(
+            "temperature",
+            format!("temperature must be in [0, 2], got {temperature}"),
+        ));
+    }
+    let top_p = opt_f64(&obj, "top_p")?.unwrap_or(1.0);
+    if !(top_p > 0.0 && top_p <= 1.0) {
+        return Err(ApiError::invalid(
+            "top_p",
+            format!("top_p must be in (0, 1], got {top_p}"),
+        ));
+    }
+    let top_k = match opt_int(&obj, "top_k")? {
+        None | Some(-1) | Some(0) => 0,
+        Some(k) if k > 0 && k <= i64::from(u32::MAX) => k as u32,
+        Some(k) => {
+            return Err(ApiError::invalid(
+                "top_k",
+                format!("top_k must be -1 or 0 (off) or a positive integer, got {k}"),
+            ));
+        }
+    };
+    let seed = match obj.get("seed") {
+        None | Some(Value::Null) => ctx.default_seed,
+        Some(v) => match (v.as_u64(), v.as_i64()) {
+            (Some(u), _) => u,
+            (None, Some(i)) => i as u64,
+            _ => return Err(type_error("seed", "an integer")),
+        },
+    };
+    let sampling = SamplingParams {
+        temperature: temperature as f32,
+        top_k,
+        top_p: top_p as f32,
+        seed,
+        logprobs: sampling_logprobs,
+        top_logprobs,
+    };
+
+    let stop = stop_strings(&obj)?;
+    let stop_token_ids = match opt(&obj, "stop_token_ids") {
+        None => Vec::new(),
+        Some(v) => {
+            let ids = token_ids(v, "stop_token_ids", ctx.text)?;
+            if ids.len() > STOP_TOKEN_IDS_MAX {
+                return Err(ApiError::invalid(
+                    "stop_token_ids",
+                    format!("at most {STOP_TOKEN_IDS_MAX} stop_token_ids are allowed"),
+                ));
+            }
+            ids
+        }
+    };
+    let ignore_eos = opt_bool(&obj, "ignore_eos")?.unwrap_or(false);
+    let stream = opt_bool(&obj, "stream")?.unwrap_or(false);
+    let include_usage = match opt(&obj, "stream_options") {
+        None => false,
+        Some(Value::Object(so)) => opt_bool(so, "include_usage")
+            .map_err(|_| type_error("stream_options.include_usage", "a boolean"))?
+            .unwrap_or(false),
+        Some(_) => return Err(type_error("stream_options", "an object")),
+    };
+
+    let (prompt, prompt_param) = match endpoint {
+        Endpoint::Chat => (chat_prompt(&obj, ctx.text)?, "messages"),
+        Endpoint::Completions => (completion_prompt(&obj, ctx.text)?, "prompt"),
+    };
+    if prompt.is_empty() {
+        return Err(ApiError::invalid(
+            prompt_param,
+            "the prompt is empty after tokenization",
+        ));
+    }
+
+    let requested = match endpoint {
+        Endpoint::Chat => match opt_int(&obj, "max_completion_tokens")? {
+            Some(m) => Some(("max_completion_tokens", m)),
+            None => opt_int(&obj, "max_tokens")?.map(|m| ("max_tokens", m)),
+        },
+        Endpoint::Completions => opt_int(&obj, "max_tokens")?.map(|m| ("max_tokens", m)),
+    };
+    let max_tokens = context_check(prompt.len(), requested, ctx.max_model_len, prompt_param)?;
+
+    Ok(Parsed {
+        endpoint,
+        prompt,
+        max_tokens,
+        sampling,
+        stop,
+        stop_token_ids,
+        ignore_eos,
+        stream,
+        include_usage,
+    })
+}
+
+/// Checks that prompt plus completion fit, and picks the completion budget.
+fn context_check(
+    prompt_len: usize,
+    requested: Option<(&str, i64)>,
+    max_model_len: usize,
+    place: &'static str,
+) -> Result<u32, ApiError> {
+    let max_tokens = match requested {
+        Some((param, m)) if m < 1 => {
+            return Err(ApiError::invalid(
+                param,
+                format!("{param} must be at least 1, got {m}"),
+            ));
+        }
+        Some((_, m)) => m as u64,
+        None => {
+            if prompt_len >= max_model_len {
+                return Err(ApiError::ContextLength {
+                    message: format!(
+                        "This model's maximum context length is {max_model_len} tokens. However, \
+                         your {place} resulted in {prompt_len} tokens, leaving no room for a \
+                         completion. Please reduce the length of the {place}."
+                    ),
+                    param: place,
+                });
+            }
+            (max_model_len - prompt_len) as u64
+        }
+    };
+    let total = prompt_len as u64 + max_tokens;
+    if total > max_model_len as u64 {
+        return Err(ApiError::ContextLength {
+            message: format!(
+                "This model's maximum context length is {max_model_len} tokens. However, you \
+                 requested {total} tokens ({prompt_len} in the {place}, {max_tokens} in the \
+                 completion). Please reduce the length of the {place} or completion."
+            ),
+            param: place,
+        });
+    }
+    u32::try_from(max_tokens).map_err(|_| {
+        ApiError::invalid(
+            "max_tokens",
+            format!("max_tokens {max_tokens} is too large"),
+        )
+    })
+}
+
+/// `logprobs` / `top_logprobs` in each API's own shape.
+fn logprobs(endpoint: Endpoint, obj: &Obj) -> Result<(bool, u32), ApiError> {
+    let range = |param: &str, n: i64| -> Result<u32, ApiError> {
+        if (0..=i64::from(MAX_TOP_LOGPROBS)).contains(&n) {
+            Ok(n as u32)
+        } else {
+            Err(ApiError::invalid(
+                param,
+                format!("{param} must be in 0..={MAX_TOP_LOGPROBS}, got {n}"),
+            ))
+        }
+    };
+    match endpoint {
+        Endpoint::Chat => {
+            let on = opt_bool(obj, "logprobs")?.unwrap_or(false);
+            let top = match opt_int(obj, "top_logprobs")? {
+                None => 0,
+                Some(n) => range("top_logprobs", n)?,
+            };
+            if top > 0 && !on {
+                return Err(ApiError::invalid(
+                    "top_logprobs",
+                    "top_logprobs requires logprobs to be true",
+                ));
+            }
+            Ok((on, top))
+        }
+        Endpoint::Completions => match opt_int(obj, "logprobs")? {
+            None => Ok((false, 0)),
+            Some(n) => Ok((true, range("logprobs", n)?)),
+        },
+    }
+}
+
+fn stop_strings(obj: &Obj) -> Result<Vec<String>, ApiError> {
+    let list = match opt(obj, "stop") {
+        None => return Ok(Vec::new()),
+        Some(Value::String(s)) => vec![s.clone()],
+        Some(Value::Array(items)) => {
+            if items.len() > STOP_STRINGS_MAX {
+                return Err(ApiError::invalid(
+                    "stop",
+                    format!(
+                        "at most {STOP_STRINGS_MAX} stop strings are allowed, got {}",
+                        items.len()
+                    ),
+                ));
+            }
+            items
+                .iter()
+                .map(|v| v.as_str().map(str::to_owned))
+                .collect::<Option<Vec<_>>>()
+                .ok_or_else(|| type_error("stop", "a string or a list of strings"))?
+        }
+        Some(_) => return Err(type_error("stop", "a string or a list of strings")),
+    };
+    if list.iter().any(String::is_empty) {
+        return Err(ApiError::invalid("stop", "stop strings must not be empty"));
+    }
+    Ok(list)
+}
+
+fn chat_prompt(obj: &Obj, text: &TextSide) -> Result<Vec<u32>, ApiError> {
+    let Some(Value::Array(items)) = opt(obj, "messages") else {
+        return Err(match opt(obj, "messages") {
+            None => ApiError::invalid("messages", "'messages' is required"),
+            Some(_) => type_error("messages", "a list of messages"),
+        });
+    };
+    if items.is_empty() {
+        return Err(ApiError::invalid(
+            "messages",
+            "'messages' must not be empty",
+        ));
+    }
+    let mut messages = Vec::with_capacity(items.len());
+    for (i, m) in items.iter().enumerate() {
+        let param = format!("messages[{i}]");
+        let Value::Object(m) = m else {
+            return Err(type_error(&param, "an object"));
+        };
+        let role = match m.get("role") {
+            Some(Value::String(r)) if matches!(r.as_str(), "system" | "user" | "assistant") => {
+                r.clone()
+            }
+            Some(Value::String(r)) => {
+                return Err(ApiError::invalid(
+                    &format!("{param}.role"),
+                    format!("unknown role '{r}': use system, user or assistant"),
+                ));
+            }
+            _ => return Err(type_error(&format!("{param}.role"), "a string")),
+        };
+        let content = match m.get("content") {
+            Some(Value::String(s)) => s.clone(),
+            Some(Value::Array(parts)) => text_parts(parts, &param)?,
+            None | Some(Value::Null) if role == "assistant" => String::new(),
+            _ => {
+                return Err(type_error(
+                    &format!("{param}.content"),
+                    "a string or a list of text parts",
+                ));
+            }
+        };
+        messages.push(ChatMessage { role, content });
+    }
+    let Some(template) = &text.chat else {
+        return Err(ApiError::invalid_body(
+            "this model has no chat template; use /v1/completions",
+        ));
+    };
+    let rendered = template.render(&messages, true).map_err(|e| match e {
+        ChatError::Raised(msg) => ApiError::invalid("messages", msg),
+        other => ApiError::invalid("messages", other.to_string()),
+    })?;
+    // The template writes the model's own control tokens; they must become ids.
+    text.tokenizer
+        .encode(&rendered, true)
+        .map_err(|e| ApiError::invalid("messages", format!("cannot tokenize the messages: {e}")))
+}
+
+fn text_parts(parts: &[Value], param: &str) -> Result<String, ApiError> {
+    let mut out = String::new();
+    for (j, p) in parts.iter().enumerate() {
+        let pp = format!("{param}.content[{j}]");
+        match (p.get("type").and_then(Value::as_str), p.get("text")) {
+            (Some("text"), Some(Value::String(t))) => out.push_str(t),
+            (Some("text"), _) => return Err(type_error(&format!("{pp}.text"), "a string")),
+            (Some(other), _) => {
+                return Err(ApiError::unsupported(
+                    &format!("{pp}.type"),
+                    format!("content part type '{other}' is not supported; only 'text'"),
+                ));
+            }
+            (None, _) => return Err(type_error(&pp, "an object with \"type\": \"text\"")),
+        }
+    }
+    Ok(out)
+}
+
+fn completion_prompt(obj: &Obj, text: &TextSide) -> Result<Vec<u32>, ApiError> {
+    let encode = |s: &str| -> Result<Vec<u32>, ApiError> {
+        if s.is_empty() {
+            return Err(ApiError::invalid("prompt", "'prompt' must not be empty"));
+        }
+        text.tokenizer
+            .encode(s, true)
+            .map_err(|e| ApiError::invalid("prompt", format!("cannot tokenize the prompt: {e}")))
+    };
+    let shape = || {
+        type_error(
+            "prompt",
+            "a string, a list of one string, or a list of token ids",
+        )
+    };
+    match opt(obj, "prompt") {
+        None => Err(ApiError::invalid("prompt", "'prompt' is required")),
+        Some(Value::String(s)) => encode(s),
+        Some(Value::Array(items)) => match items.as_slice() {
+            [] => Err(ApiError::invalid("prompt", "'prompt' must not be empty")),
+            [Value::String(s)] => encode(s),
+            [Value::Array(ids)] => token_ids_list(ids, "prompt", text),
+            [Value::Number(_), ..] => token_ids_list(items, "prompt", text),
+            [Value::String(_) | Value::Array(_), _, ..] => Err(ApiError::unsupported(
+                "prompt",
+                "batched prompts are not supported: send one prompt per request",
+            )),
+            _ => Err(shape()),
+        },
+        Some(_) => Err(shape()),
+    }
+}
+
+fn token_ids(v: &Value, param: &str, text: &TextSide) -> Result<Vec<u32>, ApiError> {
+    match v {
+        Value::Array(items) => token_ids_list(items, param, text),
+        _ => Err(type_error(param, "a list of token ids")),
+    }
+}
+
+fn token_ids_list(items: &[Value], param: &str, text: &TextSide) -> Result<Vec<u32>, ApiError> {
+    let vocab = text.tokenizer.vocab_size() as u64;
+    items
+        .iter()
+        .map(|v| match v.as_u64() {
+            Some(id) if id < vocab => Ok(id as u32),
+            Some(id) => Err(ApiError::invalid(
+                param,
+                format!("token id {id} is out of range: the vocabulary has {vocab} tokens"),
+            )),
+            None => Err(ApiError::invalid(
+                param,
+                format!("token ids must be integers in 0..{vocab}, got {v}"),
+            )),
+        })
+        .collect()
+}
+
+fn type_error(param: &str, expected: &str) -> ApiError {
+    ApiError::invalid(param, format!("'{param}' must be {expected}"))
+}
+
+/// A field, with `null` counted as absent.
+fn opt<'a>(obj: &'a Obj, key: &str) -> Option<&'a Value> {
+    obj.get(key).filter(|v| !v.is_null())
+}
+
+fn opt_str<'a>(obj: &'a Obj, key: &str) -> Result<Option<&'a str>, ApiError> {
+    match opt(obj, key) {
+        None => Ok(None),
+        Some(Value::String(s)) => Ok(Some(s)),
+        Some(_) => Err(type_error(key, "a string")),
+    }
+}
+
+fn opt_bool(obj: &Obj, key: &str) -> Result<Option<bool>, ApiError> {
+    match opt(obj, key) {
+        None => Ok(None),
+        Some(Value::Bool(b)) => Ok(Some(*b)),
+        Some(_) => Err(type_error(key, "a boolean")),
+    }
+}
+
+fn opt_f64(obj: &Obj, key: &str) -> Result<Option<f64>, ApiError> {
+    match opt(obj, key) {
+        None => Ok(None),
+        Some(v) => v
+            .as_f64()
+            .map(Some)
+            .ok_or_else(|| type_error(key, "a number")),
+    }
+}
+
+/// An integer field; huge positive values saturate (they fail range checks).
+fn opt_int(obj: &Obj, key: &str) -> Result<Option<i64>, ApiError> {
+    match opt(obj, key) {
+        None => Ok(None),
+        Some(v) => match (v.as_i64(), v.as_u64()) {
+            (Some(i), _) => Ok(Some(i)),
+            (None, Some(_)) => Ok(Some(i64::MAX)),
+            _ => Err(type_error(key, "an integer")),
+        },
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::OnceLock;
+
+    fn text() -> &'static TextSide {
+        static T: OnceLock<TextSide> = OnceLock::new();
+        T.get_or_init(|| {
+            let path = flotilla_model::testutil::model_path();
+            TextSide::from_gguf(&flotilla_model::gguf::GgufFile::open(&path).unwrap()).unwrap()
+        })
+    }
+
+    fn p(endpoint: Endpoint, body: serde_json::Value) -> Result<Parsed, ApiError> {
+        let ctx = ParseCtx {
+            text: text(),
+            model_name: "m",
+            max_model_len: 100,
+            default_seed: 99,
+        };
+        parse(endpoint, body.to_string().as_bytes(), &ctx)
+    }
+
+    #[test]
+    fn nulls_are_absent_and_extensions_apply() {
+        let r = p(
+            Endpoint::Completions,
+            serde_json::json!({"prompt": ["hi"], "max_tokens": null, "top_k": -1,
+                               "seed": -1, "stop": "x", "stop_token_ids": [5]}),
+        )
+        .unwrap();
+        assert_eq!(r.max_tokens as usize, 100 - r.prompt.len());
+        assert_eq!((r.sampling.top_k, r.sampling.seed), (0, u64::MAX));
+        assert_eq!((r.stop, r.stop_token_ids), (vec!["x".to_string()], vec![5]));
+        let r = p(Endpoint::Completions, serde_json::json!({"prompt": "hi"})).unwrap();
+        assert_eq!((r.sampling.seed, r.sampling.temperature), (99, 1.0));
+    }
+
+    #[test]
+    fn chat_prefers_max_completion_tokens_and_reads_text_parts() {
+        let body = serde_json::json!({
+            "messages": [{"role": "system", "content": [{"type": "text", "text": "be brief"}]},
+                         {"role": "user", "content": "hi"}],
+            "max_tokens": 50, "max_completion_tokens": 3, "logprobs": true, "top_logprobs": 4,
+        });
+        let r = p(Endpoint::Chat, body).unwrap();
+        assert_eq!(r.max_tokens, 3);
+        assert!(r.sampling.logprobs && r.sampling.top_logprobs == 4);
+        let prompt = text().tokenizer.decode(&r.prompt, false).unwrap();
+        assert!(prompt.contains("be brief"), "{prompt}");
+    }
+
+    #[test]
+    fn completion_logprobs_is_a_count() {
+        let r = p(
+            Endpoint::Completions,
+            serde_json::json!({"prompt": "a", "logprobs": 0}),
+        )
+        .unwrap();
+        assert!(r.sampling.logprobs && r.sampling.top_logprobs == 0);
+        let e = p(
+            Endpoint::Completions,
+            serde_json::json!({"prompt": "a", "logprobs": true}),
+        );
+        assert!(e.is_err());
+    }
+}

@@ -1,0 +1,326 @@
+//! Answers for accepted requests: the SSE stream and the one-shot JSON body,
+//! in OpenAI's shapes.
+//!
+//! Both own the engine's `RequestStream` inside the response future or body
+//! stream, never in a detached task: when the client goes away, hyper drops
+//! the future or body and with it the stream, which cancels the request in
+//! the engine. A stop-string match drops it at once for the same reason.
+
+use std::convert::Infallible;
+use std::time::Duration;
+
+use axum::body::{Body, Bytes};
+use axum::http::{HeaderValue, header};
+use axum::response::{IntoResponse, Response};
+use flotilla_proto::{EngineEvent, EngineFailure, FinishReason, RequestStream, Usage};
+use serde_json::{Value, json};
+
+use crate::error::ApiError;
+use crate::openai::Endpoint;
+use crate::text::{Assembler, Delta, TokenLogprob};
+
+/// A stream with no event for this long gets an SSE comment, so a client
+/// that went away while the request queues is noticed (the write fails).
+const KEEPALIVE: Duration = Duration::from_secs(10);
+
+/// What every response chunk repeats.
+pub struct Meta {
+    /// `chatcmpl-…` or `cmpl-…`.
+    pub id: String,
+    /// Unix seconds.
+    pub created: u64,
+    /// Served model name.
+    pub model: String,
+    /// Which API shape.
+    pub endpoint: Endpoint,
+    /// Send a usage chunk before `[DONE]`.
+    pub include_usage: bool,
+    /// Log-probabilities were asked for.
+    pub logprobs: bool,
+    /// Prompt length, tokens.
+    pub prompt_tokens: u32,
+}
+
+/// One step of an accepted request.
+enum Step {
+    /// Text and log-probabilities of one token.
+    Text(Delta),
+    /// The end: the last text, why, and the counts.
+    Done {
+        last: Delta,
+        reason: FinishReason,
+        usage: Usage,
+    },
+    /// The engine failed the request.
+    Fail(EngineFailure),
+    /// Nothing for a while (streams only).
+    Idle,
+}
+
+async fn next_step(
+    rs: &mut RequestStream,
+    asm: &mut Assembler,
+    meta: &Meta,
+    idle: Option<Duration>,
+) -> Step {
+    let ev = match idle {
+        Some(d) => match tokio::time::timeout(d, rs.recv()).await {
+            Ok(ev) => ev,
+            Err(_) => return Step::Idle,
+        },
+        None => rs.recv().await,
+    };
+    match ev {
+        Some(EngineEvent::Token(s)) => {
+            let d = asm.push(&s);
+            if d.stopped {
+                let usage = Usage {
+                    prompt_tokens: meta.prompt_tokens,
+                    completion_tokens: asm.tokens(),
+                    cached_tokens: 0,
+                };
+                return Step::Done {
+                    last: d,
+                    reason: FinishReason::Stop,
+                    usage,
+                };
+            }
+            Step::Text(d)
+        }
+        Some(EngineEvent::Finished { reason, usage }) => Step::Done {
+            last: asm.finish(),
+            reason,
+            usage: Usage {
+                prompt_tokens: meta.prompt_tokens,
+                ..usage
+            },
+        },
+        Some(EngineEvent::Failed(f)) => Step::Fail(f),
+        None => Step::Fail(EngineFailure::Internal(
+            "the engine ended the request without a result".into(),
+        )),
+    }
+}
+
+/// Waits for the whole completion and answers with one JSON body.
+pub async fn collect(mut rs: RequestStream, mut asm: Assembler, meta: Meta) -> Response {
+    let mut text = String::new();
+    let mut lps: Vec<TokenLogprob> = Vec::new();
+    loop {
+        match next_step(&mut rs, &mut asm, &meta, None).await {
+            Step::Text(d) => {
+                text.push_str(&d.text);
+                lps.extend(d.logprob);
+            }
+            Step::Done {
+                last,
+                reason,
+                usage,
+            } => {
+                drop(rs);
+                text.push_str(&last.text);
+                lps.extend(last.logprob);
+                let lp = meta.logprobs.then(|| logprobs_json(meta.endpoint, &lps));
+                let choice = match meta.endpoint {
+                    Endpoint::Chat => json!({
+                        "index": 0,
+                        "message": {"role": "assistant", "content": text},
+                        "logprobs": lp,
+                        "finish_reason": reason.as_str(),
+                    }),
+                    Endpoint::Completions => json!({
+                        "index": 0,
+                        "text": text,
+                        "logprobs": lp,
+                        "finish_reason": reason.as_str(),
+                    }),
+                };
+                let object = match meta.endpoint {
+                    Endpoint::Chat => "chat.completion",
+                    Endpoint::Completions => "text_completion",
+                };
+                return axum::Json(json!({
+                    "id": meta.id,
+                    "object": object,
+                    "created": meta.created,
+                    "model": meta.model,
+                    "choices": [choice],
+                    "usage": usage_json(&usage),
+                }))
+                .into_response();
+            }
+            Step::Fail(f) => return ApiError::Failed(f).into_response(),
+            Step::Idle => {}
+        }
+    }
+}
+
+/// State of one SSE body.
+struct Sse {
+    /// `None` once the request is over (dropping it cancels in the engine).
+    rs: Option<RequestStream>,
+    asm: Assembler,
+    meta: Meta,
+    out: std::collections::VecDeque<Bytes>,
+}
+
+impl Sse {
+    fn data(&mut self, v: &Value) {
+        self.out.push_back(Bytes::from(format!("data: {v}\n\n")));
+    }
+
+    fn chunk(
+        &self,
+        text: Option<&str>,
+        role: bool,
+        lps: &[TokenLogprob],
+        finish: Option<&str>,
+    ) -> Value {
+        let lp =
+            (self.meta.logprobs && !lps.is_empty()).then(|| logprobs_json(self.meta.endpoint, lps));
+        let (object, choice) = match self.meta.endpoint {
+            Endpoint::Chat => {
+                let mut delta = serde_json::Map::new();
+                if role {
+                    delta.insert("role".into(), "assistant".into());
+                }
+                if let Some(t) = text {
+                    delta.insert("content".into(), t.into());
+                }
+                (
+                    "chat.completion.chunk",
+                    json!({"index": 0, "delta": delta, "logprobs": lp, "finish_reason": finish}),
+                )
+            }
+            Endpoint::Completions => (
+                "text_completion",
+                json!({"index": 0, "text": text.unwrap_or(""), "logprobs": lp, "finish_reason": finish}),
+            ),
+        };
+        let mut v = json!({
+            "id": self.meta.id,
+            "object": object,
+            "created": self.meta.created,
+            "model": self.meta.model,
+            "choices": [choice],
+        });
+        if self.meta.include_usage {
+            v["usage"] = Value::Null;
+        }
+        v
+    }
+
+    /// A chunk for a token, unless it adds nothing.
+    fn delta(&mut self, d: &Delta) {
+        if d.text.is_empty() && d.logprob.is_none() {
+            return;
+        }
+        let lps: Vec<TokenLogprob> = d.logprob.iter().cloned().collect();
+        let c = self.chunk(Some(&d.text), false, &lps, None);
+        self.data(&c);
+    }
+
+    /// Queues the next frames; the request ends in `out` with `[DONE]`.
+    async fn advance(&mut self) {
+        let Some(rs) = self.rs.as_mut() else { return };
+        match next_step(rs, &mut self.asm, &self.meta, Some(KEEPALIVE)).await {
+            Step::Text(d) => self.delta(&d),
+            Step::Idle => self.out.push_back(Bytes::from_static(b": keep-alive\n\n")),
+            Step::Done {
+                last,
+                reason,
+                usage,
+            } => {
+                self.rs = None;
+                self.delta(&last);
+                // Chat's last chunk has an empty delta; completions' an empty text.
+                let fin = self.chunk(None, false, &[], Some(reason.as_str()));
+                self.data(&fin);
+                if self.meta.include_usage {
+                    let u = json!({
+                        "id": self.meta.id,
+                        "object": match self.meta.endpoint {
+                            Endpoint::Chat => "chat.completion.chunk",
+                            Endpoint::Completions => "text_completion",
+                        },
+                        "created": self.meta.created,
+                        "model": self.meta.model,
+                        "choices": [],
+                        "usage": usage_json(&usage),
+                    });
+                    self.data(&u);
+                }
+                self.out.push_back(Bytes::from_static(b"data: [DONE]\n\n"));
+            }
+            Step::Fail(f) => {
+                self.rs = None;
+                let e = ApiError::Failed(f).body();
+                self.data(&e);
+                self.out.push_back(Bytes::from_static(b"data: [DONE]\n\n"));
+            }
+        }
+    }
+}
+
+/// Answers with server-sent events; the body owns the request stream.
+pub fn sse(rs: RequestStream, asm: Assembler, meta: Meta) -> Response {
+    let mut st = Sse {
+        rs: Some(rs),
+        asm,
+        meta,
+        out: Default::default(),
+    };
+    if st.meta.endpoint == Endpoint::Chat {
+        let first = st.chunk(Some(""), true, &[], None);
+        st.data(&first);
+    }
+    let body = futures_util::stream::unfold(st, |mut st| async move {
+        loop {
+            if let Some(b) = st.out.pop_front() {
+                return Some((Ok::<_, Infallible>(b), st));
+            }
+            st.rs.as_ref()?;
+            st.advance().await;
+        }
+    });
+    let mut resp = Body::from_stream(body).into_response();
+    let h = resp.headers_mut();
+    h.insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static("text/event-stream"),
+    );
+    h.insert(header::CACHE_CONTROL, HeaderValue::from_static("no-cache"));
+    resp
+}
+
+fn usage_json(u: &Usage) -> Value {
+    json!({
+        "prompt_tokens": u.prompt_tokens,
+        "completion_tokens": u.completion_tokens,
+        "total_tokens": u.prompt_tokens + u.completion_tokens,
+    })
+}
+
+fn logprobs_json(endpoint: Endpoint, lps: &[TokenLogprob]) -> Value {
+    match endpoint {
+        Endpoint::Chat => json!({
+            "content": lps.iter().map(|t| json!({
+                "token": t.token,
+                "logprob": t.logprob,
+                "bytes": t.bytes,
+                "top_logprobs": t.top.iter().map(|(tok, b, lp)| json!({
+                    "token": tok, "logprob": lp, "bytes": b,
+                })).collect::<Vec<_>>(),
+            })).collect::<Vec<_>>(),
+        }),
+        Endpoint::Completions => json!({
+            "tokens": lps.iter().map(|t| t.token.as_str()).collect::<Vec<_>>(),
+            "token_logprobs": lps.iter().map(|t| t.logprob).collect::<Vec<_>>(),
+            "top_logprobs": lps.iter().map(|t| {
+                t.top.iter().map(|(tok, _, lp)| (tok.clone(), json!(lp)))
+                    .collect::<serde_json::Map<_, _>>()
+            }).collect::<Vec<_>>(),
+            "text_offset": lps.iter().map(|t| t.text_offset).collect::<Vec<_>>(),
+        }),
+    }
+}

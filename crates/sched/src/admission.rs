@@ -1,0 +1,206 @@
+//! The one admission point (`submit`), per-tenant rate limits, and `cancel`.
+
+use std::time::Duration;
+
+use flotilla_proto::{EngineFailure, EngineRequest, Rejection, RequestId};
+
+use crate::Scheduler;
+use crate::seq::Seq;
+
+/// A tenant's requests-per-minute limit as a generic cell rate algorithm:
+/// the token bucket refilled continuously, kept as one "theoretical arrival
+/// time" so it needs no refill timer and exact integer math.
+#[derive(Clone, Debug)]
+pub(crate) struct RateLimit {
+    /// Time one request's token takes to refill, nanoseconds.
+    interval_ns: u128,
+    /// How far ahead of `now` the arrival time may run: a full bucket of
+    /// `rpm` requests is a burst of `rpm - 1` intervals beyond the first.
+    tolerance_ns: u128,
+    /// When the bucket would be full again, nanoseconds.
+    tat_ns: u128,
+}
+
+impl RateLimit {
+    /// A full bucket of `rpm` (> 0) requests, refilling at `rpm` per minute.
+    pub(crate) fn new(rpm: u32) -> Self {
+        assert!(rpm > 0);
+        let interval_ns = 60_000_000_000u128 / u128::from(rpm);
+        RateLimit {
+            interval_ns,
+            tolerance_ns: interval_ns * u128::from(rpm - 1),
+            tat_ns: 0,
+        }
+    }
+
+    /// `Err(wait)` if the bucket is empty at `now`: `wait` until it holds one.
+    pub(crate) fn check(&self, now: Duration) -> Result<(), Duration> {
+        let now = now.as_nanos();
+        let ahead = self.tat_ns.max(now) - now;
+        if ahead > self.tolerance_ns {
+            let wait = ahead - self.tolerance_ns;
+            return Err(Duration::from_nanos(
+                u64::try_from(wait).unwrap_or(u64::MAX),
+            ));
+        }
+        Ok(())
+    }
+
+    /// Takes one token (after a successful `check`).
+    pub(crate) fn take(&mut self, now: Duration) {
+        debug_assert!(self.check(now).is_ok());
+        self.tat_ns = self.tat_ns.max(now.as_nanos()) + self.interval_ns;
+    }
+}
+
+/// Whole seconds to wait, rounded up, at least one (HTTP `Retry-After`).
+fn retry_after_s(wait: Duration) -> u32 {
+    let s = wait.as_secs() + u64::from(wait.subsec_nanos() > 0);
+    u32::try_from(s.max(1)).unwrap_or(u32::MAX)
+}
+
+impl Scheduler {
+    /// The admission point: queues the request or refuses it at once, changing nothing.
+    pub fn submit(
+        &mut self,
+        now: Duration,
+        id: RequestId,
+        req: EngineRequest,
+    ) -> Result<(), Rejection> {
+        if let Err(r) = self.check_admission(now, id, &req) {
+            self.counters.rejected += 1;
+            return Err(r);
+        }
+        let tenant = req.tenant.0 as usize;
+        let tier = usize::from(self.cfg.tenants[tenant].tier.0);
+        if let Some(rate) = &mut self.rate[tenant] {
+            rate.take(now);
+        }
+        // A client that was idle rejoins at the active minimum (VTC's lift).
+        if self.tenant_live[tenant] == 0 {
+            let live = &self.tenant_live;
+            self.tenant_vtc.activate(tenant, |j| live[j] > 0);
+        }
+        if self.tier_queued[tier] + self.tier_running[tier] == 0 {
+            let (q, r) = (&self.tier_queued, &self.tier_running);
+            self.tier_vtc.activate(tier, |j| q[j] + r[j] > 0);
+        }
+        let deadline = now + self.cfg.queue_timeout;
+        self.seqs.insert(id, Seq::new(id, tier, req, now, deadline));
+        self.waiting[tenant].push_back(id);
+        self.deadlines.insert((deadline, id));
+        self.tier_queued[tier] += 1;
+        self.tenant_live[tenant] += 1;
+        self.counters.accepted += 1;
+        Ok(())
+    }
+
+    /// Every reason to refuse, client errors first, then limits.
+    fn check_admission(
+        &self,
+        now: Duration,
+        id: RequestId,
+        req: &EngineRequest,
+    ) -> Result<(), Rejection> {
+        let invalid = |m: String| Err(Rejection::Invalid(m));
+        if self.seqs.contains_key(&id) {
+            return invalid(format!("request id {id} is already in use"));
+        }
+        let Some(tenant_cfg) = self.cfg.tenants.get(req.tenant.0 as usize) else {
+            return invalid(format!("unknown tenant {}", req.tenant.0));
+        };
+        if req.prompt.is_empty() {
+            return invalid("the prompt is empty".into());
+        }
+        if req.max_tokens == 0 {
+            return invalid("max_tokens must be at least 1".into());
+        }
+        if let Err(m) = req.sampling.validate() {
+            return invalid(m);
+        }
+        let total = req.prompt.len() as u64 + u64::from(req.max_tokens);
+        if total > self.cfg.max_model_len as u64 {
+            return Err(Rejection::TooLong {
+                prompt_tokens: u32::try_from(req.prompt.len()).unwrap_or(u32::MAX),
+                max_tokens: req.max_tokens,
+                max_model_len: u32::try_from(self.cfg.max_model_len).unwrap_or(u32::MAX),
+            });
+        }
+        // Certain never to fit, so refuse now instead of failing it later.
+        let tenant = req.tenant.0 as usize;
+        let need = self.cfg.blocks_for(total as usize - 1);
+        let max = self.cfg.max_blocks_for(tenant);
+        if need > u64::from(max) {
+            let f = EngineFailure::TooLargeForCache {
+                need_blocks: u32::try_from(need).unwrap_or(u32::MAX),
+                max_blocks: max,
+            };
+            return invalid(f.to_string());
+        }
+        let limit = |reason: String, wait: Duration| {
+            Err(Rejection::TenantLimit {
+                tenant: tenant_cfg.name.clone(),
+                reason,
+                retry_after_s: retry_after_s(wait),
+            })
+        };
+        let live = self.tenant_live[tenant];
+        if tenant_cfg.max_concurrent > 0 && live >= tenant_cfg.max_concurrent {
+            let reason = format!(
+                "{live} requests in flight, the limit is {}",
+                tenant_cfg.max_concurrent
+            );
+            return limit(reason, Duration::from_secs(1));
+        }
+        if let Some(rate) = &self.rate[tenant]
+            && let Err(wait) = rate.check(now)
+        {
+            let rpm = tenant_cfg.requests_per_minute.unwrap_or(0);
+            return limit(format!("rate limit of {rpm} requests per minute"), wait);
+        }
+        let tier = usize::from(tenant_cfg.tier.0);
+        let tier_cfg = &self.cfg.tiers[tier];
+        if self.tier_queued[tier] >= tier_cfg.queue_len_max {
+            return Err(Rejection::QueueFull {
+                tier: tier_cfg.name.clone(),
+                queue_len_max: tier_cfg.queue_len_max,
+                retry_after_s: 1,
+            });
+        }
+        Ok(())
+    }
+
+    /// Drops a request wherever it is (queue or batch) and returns its blocks;
+    /// emits nothing, the client is gone. False if it is unknown or already ended.
+    pub fn cancel(&mut self, _now: Duration, id: RequestId) -> bool {
+        if !self.seqs.contains_key(&id) {
+            return false;
+        }
+        self.remove_seq(id);
+        self.counters.cancelled += 1;
+        true
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn rate_limit_bursts_then_refills_continuously() {
+        let mut r = RateLimit::new(60);
+        let t0 = Duration::from_secs(100);
+        for _ in 0..60 {
+            assert!(r.check(t0).is_ok());
+            r.take(t0);
+        }
+        assert_eq!(r.check(t0), Err(Duration::from_secs(1)));
+        assert_eq!(
+            r.check(t0 + Duration::from_millis(400)),
+            Err(Duration::from_millis(600))
+        );
+        assert!(r.check(t0 + Duration::from_secs(1)).is_ok());
+        assert_eq!(retry_after_s(Duration::from_millis(1)), 1);
+        assert_eq!(retry_after_s(Duration::from_millis(1500)), 2);
+    }
+}

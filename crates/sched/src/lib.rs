@@ -1,0 +1,263 @@
+//! Tier queues, fair share, admission, continuous batching plan, chunked
+//! prefill, preemption (pure logic).
+//!
+//! The [`Scheduler`] of one engine is a state machine driven by its actor
+//! shell: `submit` and `cancel` as requests come and go, then per step
+//! `schedule` (a [`Plan`] for the executor), the executor's results back
+//! through `complete` (or `fail_step`), and `drain_events` for what to send
+//! to clients. Time comes in as `now`; nothing here reads a clock.
+//!
+//! Every accepted request ends in exactly one terminal event (`Finished` or
+//! `Failed`) unless it is cancelled, and every KV lease goes back to the pool
+//! on every path.
+
+mod admission;
+mod config;
+mod event;
+mod fair;
+mod invariants;
+mod plan;
+mod seq;
+mod step;
+
+#[cfg(test)]
+mod tests;
+
+use std::collections::{BTreeMap, BTreeSet, VecDeque};
+use std::time::Duration;
+
+use flotilla_kv::{BlockPool, Owner};
+use flotilla_proto::{
+    EngineFailure, EngineStatus, FinishReason, KvUsage, RequestId, TierStatus, Usage,
+};
+
+pub use config::{Batching, ConfigError, SchedConfig, TenantConfig, TierConfig};
+pub use event::{Counters, SchedEvent, Timings};
+pub use plan::{Plan, PlanItem};
+
+use admission::RateLimit;
+use fair::Vtc;
+use seq::Seq;
+
+/// The scheduler of one engine: owns its queues, its running batch and its KV pool.
+#[derive(Debug)]
+pub struct Scheduler {
+    cfg: SchedConfig,
+    pool: BlockPool,
+    /// Every accepted request not yet ended; ordered, so iteration is deterministic.
+    seqs: BTreeMap<RequestId, Seq>,
+    /// The running batch in admission order (oldest first).
+    running: Vec<RequestId>,
+    /// Waiting requests per tenant; preempted ones go to the front.
+    waiting: Vec<VecDeque<RequestId>>,
+    /// Tenants of each tier.
+    tier_tenants: Vec<Vec<usize>>,
+    tier_queued: Vec<usize>,
+    tier_running: Vec<usize>,
+    /// Queued plus running per tenant (`max_concurrent`, VTC activity).
+    tenant_live: Vec<u32>,
+    /// Queue deadlines of requests never scheduled yet.
+    deadlines: BTreeSet<(Duration, RequestId)>,
+    rate: Vec<Option<RateLimit>>,
+    tier_vtc: Vtc,
+    tenant_vtc: Vtc,
+    /// Admissions so far; a running sequence's `admit_seq` orders it by age.
+    admissions: u64,
+    next_step: u64,
+    /// The step handed out and not yet completed or failed.
+    in_flight: Option<u64>,
+    events: Vec<SchedEvent>,
+    counters: Counters,
+    /// Reused list of running ids, so planning allocates no id list per step.
+    scratch: Vec<RequestId>,
+}
+
+impl Scheduler {
+    /// Validates `cfg` and builds the KV pool with every block free.
+    pub fn new(cfg: SchedConfig) -> Result<Self, ConfigError> {
+        cfg.validate()?;
+        let pool = BlockPool::new(cfg.pool_config())?;
+        let ntiers = cfg.tiers.len();
+        let ntenants = cfg.tenants.len();
+        let mut tier_tenants = vec![Vec::new(); ntiers];
+        for (i, t) in cfg.tenants.iter().enumerate() {
+            tier_tenants[usize::from(t.tier.0)].push(i);
+        }
+        let tier_vtc = Vtc::new(
+            cfg.tiers.iter().map(|t| t.weight).collect(),
+            vec![0; ntiers],
+        );
+        let tenant_vtc = Vtc::new(
+            cfg.tenants.iter().map(|t| t.weight).collect(),
+            cfg.tenants.iter().map(|t| usize::from(t.tier.0)).collect(),
+        );
+        let rate = cfg
+            .tenants
+            .iter()
+            .map(|t| t.requests_per_minute.map(RateLimit::new))
+            .collect();
+        Ok(Scheduler {
+            pool,
+            seqs: BTreeMap::new(),
+            running: Vec::with_capacity(cfg.max_num_seqs),
+            waiting: vec![VecDeque::new(); ntenants],
+            tier_tenants,
+            tier_queued: vec![0; ntiers],
+            tier_running: vec![0; ntiers],
+            tenant_live: vec![0; ntenants],
+            deadlines: BTreeSet::new(),
+            rate,
+            tier_vtc,
+            tenant_vtc,
+            admissions: 0,
+            next_step: 0,
+            in_flight: None,
+            events: Vec::new(),
+            counters: Counters::default(),
+            scratch: Vec::with_capacity(cfg.max_num_seqs),
+            cfg,
+        })
+    }
+
+    /// The validated config.
+    pub fn config(&self) -> &SchedConfig {
+        &self.cfg
+    }
+
+    /// Events since the last drain, in order.
+    pub fn drain_events(&mut self) -> std::vec::Drain<'_, SchedEvent> {
+        self.events.drain(..)
+    }
+
+    /// What `/ready` reports.
+    pub fn status(&mut self) -> EngineStatus {
+        let u = self.pool.usage();
+        EngineStatus {
+            ready: true,
+            steps: self.counters.steps,
+            running: self.running.len(),
+            tiers: self
+                .cfg
+                .tiers
+                .iter()
+                .enumerate()
+                .map(|(i, t)| TierStatus {
+                    name: t.name.clone(),
+                    queued: self.tier_queued[i],
+                    running: self.tier_running[i],
+                })
+                .collect(),
+            kv: KvUsage {
+                total: u.total,
+                free: u.free,
+                used: u.used,
+                cached: u.cached,
+            },
+            preemptions: self.counters.preemptions,
+        }
+    }
+
+    /// Totals since start.
+    pub fn counters(&self) -> Counters {
+        self.counters
+    }
+
+    /// KV occupancy now.
+    pub fn kv_usage(&mut self) -> flotilla_kv::Usage {
+        self.pool.usage()
+    }
+
+    /// Nothing queued or running.
+    pub fn is_idle(&self) -> bool {
+        self.seqs.is_empty()
+    }
+
+    /// Requests queued (preempted ones included).
+    pub fn num_waiting(&self) -> usize {
+        self.tier_queued.iter().sum()
+    }
+
+    /// Sequences in the running batch.
+    pub fn num_running(&self) -> usize {
+        self.running.len()
+    }
+
+    /// The earliest queue deadline, so an idle shell knows when to call `schedule` to expire it.
+    pub fn next_deadline(&self) -> Option<Duration> {
+        self.deadlines.first().map(|&(d, _)| d)
+    }
+
+    /// The pool owner of a sequence.
+    fn owner_of(seq: &Seq) -> Owner {
+        Owner {
+            tenant: seq.tenant as u32,
+            tier: seq.tier as u8,
+        }
+    }
+
+    /// Takes a request out of every structure and returns its lease to the pool.
+    fn remove_seq(&mut self, id: RequestId) -> Seq {
+        let mut seq = self.seqs.remove(&id).expect("removing an unknown request");
+        if let Some(lease) = seq.lease.take() {
+            let pos = self.running.iter().position(|&r| r == id);
+            self.running
+                .remove(pos.expect("a leased sequence is in the running batch"));
+            self.tier_running[seq.tier] -= 1;
+            self.pool.free(lease);
+        } else {
+            let q = &mut self.waiting[seq.tenant];
+            let pos = q.iter().position(|&r| r == id);
+            q.remove(pos.expect("a sequence without a lease is waiting"));
+            self.tier_queued[seq.tier] -= 1;
+            if let Some(d) = seq.deadline {
+                assert!(self.deadlines.remove(&(d, id)), "deadline not indexed");
+            }
+        }
+        assert!(self.tenant_live[seq.tenant] > 0);
+        self.tenant_live[seq.tenant] -= 1;
+        seq
+    }
+
+    /// Ends a request normally: emits `Finished`, frees its lease.
+    fn finish(&mut self, now: Duration, id: RequestId, reason: FinishReason) {
+        let seq = self.remove_seq(id);
+        let usage = Usage {
+            prompt_tokens: seq.prompt_len as u32,
+            completion_tokens: seq.generated() as u32,
+            cached_tokens: seq.cached_tokens.unwrap_or(0),
+        };
+        self.counters.finished += 1;
+        self.events.push(SchedEvent::Finished {
+            id,
+            reason,
+            usage,
+            timings: seq.timings(now),
+        });
+    }
+
+    /// Ends a request with a failure: emits `Failed`, frees its lease.
+    fn fail(&mut self, now: Duration, id: RequestId, failure: EngineFailure) {
+        let seq = self.remove_seq(id);
+        self.counters.failed += 1;
+        self.events.push(SchedEvent::Failed {
+            id,
+            failure,
+            timings: seq.timings(now),
+        });
+    }
+
+    /// Fails every queued request whose deadline is at or before `now`.
+    fn expire(&mut self, now: Duration) {
+        while let Some(&(deadline, id)) = self.deadlines.first() {
+            if deadline > now {
+                break;
+            }
+            let waited = now.saturating_sub(self.seqs[&id].arrival);
+            let failure = EngineFailure::QueueTimeout {
+                waited_ms: waited.as_millis() as u64,
+                limit_ms: self.cfg.queue_timeout.as_millis() as u64,
+            };
+            self.fail(now, id, failure);
+        }
+    }
+}

@@ -1,0 +1,445 @@
+//! Planning one step: running sequences first (decodes, then prefill chunks),
+//! then admissions by weighted fair share, under one token budget, with
+//! preemption by recompute when KV blocks or seats run out (vLLM v1's shape).
+
+use std::cmp::Reverse;
+use std::time::Duration;
+
+use flotilla_kv::AllocError;
+use flotilla_model::{OutputKind, SeqInput};
+use flotilla_proto::{EngineFailure, RequestId, SamplingParams, TierId};
+
+use crate::{Batching, SchedEvent, Scheduler};
+
+/// One step's work for the executor: a flat batch, one item per sequence.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Plan {
+    /// Step number; `complete` and `fail_step` check it.
+    pub step: u64,
+    /// Prefill chunks and decode tokens, each for a different sequence.
+    pub items: Vec<PlanItem>,
+}
+
+impl Plan {
+    /// Nothing to run.
+    pub fn is_empty(&self) -> bool {
+        self.items.is_empty()
+    }
+
+    /// Tokens the step computes (at most `max_num_batched_tokens`).
+    pub fn num_tokens(&self) -> usize {
+        self.items.iter().map(|i| i.tokens.len()).sum()
+    }
+}
+
+/// One sequence's part of a step: a prefill chunk or one decode token.
+#[derive(Clone, Debug, PartialEq)]
+pub struct PlanItem {
+    /// The request.
+    pub id: RequestId,
+    /// Tokens to compute (at least one), at positions `start_pos..start_pos + tokens.len()`.
+    pub tokens: Vec<u32>,
+    /// Position of `tokens[0]`; every earlier position is already in the KV cache.
+    pub start_pos: usize,
+    /// Physical KV block of each logical block, covering every position of the chunk.
+    pub block_table: Vec<u32>,
+    /// Sample the next token with these parameters: only when the chunk ends the known tokens.
+    pub sample: Option<SamplingParams>,
+}
+
+impl PlanItem {
+    /// The executor's view of this item.
+    pub fn seq_input(&self) -> SeqInput<'_> {
+        SeqInput {
+            tokens: &self.tokens,
+            start_pos: self.start_pos,
+            block_table: &self.block_table,
+            output: self.sample.map_or(OutputKind::None, OutputKind::Sample),
+        }
+    }
+}
+
+/// The step being planned: chunks chosen so far and the budget left. Tokens
+/// and block tables are copied only at the end, once preemptions are settled.
+#[derive(Debug)]
+struct Draft {
+    /// `(request, start position, tokens)`.
+    chunks: Vec<(RequestId, usize, usize)>,
+    budget: usize,
+}
+
+impl Draft {
+    fn has(&self, id: RequestId) -> bool {
+        self.chunks.iter().any(|c| c.0 == id)
+    }
+
+    fn push(&mut self, id: RequestId, start: usize, len: usize) {
+        assert!(len > 0 && len <= self.budget && !self.has(id));
+        self.budget -= len;
+        self.chunks.push((id, start, len));
+    }
+
+    /// Drops a preempted sequence's chunk and gives its tokens back.
+    fn remove(&mut self, id: RequestId) {
+        if let Some(i) = self.chunks.iter().position(|c| c.0 == id) {
+            self.budget += self.chunks.remove(i).2;
+        }
+    }
+}
+
+/// What became of one admission attempt.
+enum Admit {
+    Admitted,
+    /// No seat or no blocks for this tier now; try other tiers.
+    TierBlocked,
+    /// The tenant is at its KV quota; try its tier's other tenants.
+    TenantBlocked,
+    /// It can never fit and was failed.
+    Failed,
+}
+
+impl Scheduler {
+    /// Plans the next step (first failing queued requests past their deadline);
+    /// one plan is in flight at a time: `complete` or `fail_step` it before the next.
+    pub fn schedule(&mut self, now: Duration) -> Plan {
+        assert!(
+            self.in_flight.is_none(),
+            "schedule called while step {:?} is in flight",
+            self.in_flight
+        );
+        self.expire(now);
+        let mut draft = Draft {
+            chunks: Vec::with_capacity(self.cfg.max_num_seqs),
+            budget: self.cfg.max_num_batched_tokens,
+        };
+        self.schedule_running(&mut draft);
+        let admit = match self.cfg.batching {
+            Batching::Continuous => true,
+            // A static batch takes no joins until every member has left.
+            Batching::Static => self.running.is_empty(),
+        };
+        if admit {
+            self.admit_waiting(now, &mut draft);
+        }
+        self.finalize(draft)
+    }
+
+    /// Gives every running sequence its next chunk, decodes before prefill
+    /// chunks so a long prompt never costs a decode its step (bounded TPOT).
+    fn schedule_running(&mut self, draft: &mut Draft) {
+        let mut ids = std::mem::take(&mut self.scratch);
+        for decode_pass in [true, false] {
+            ids.clear();
+            ids.extend_from_slice(&self.running);
+            for &id in &ids {
+                if draft.budget == 0 {
+                    break;
+                }
+                let seq = &self.seqs[&id];
+                // Preempted earlier in this pass, or already planned.
+                if !seq.is_running() || draft.has(id) {
+                    continue;
+                }
+                let n = seq.to_compute();
+                if decode_pass != (n == 1) {
+                    continue;
+                }
+                let start = seq.num_computed;
+                let chunk = n.min(draft.budget);
+                if self.grow_running(id, start + chunk, draft) {
+                    draft.push(id, start, chunk);
+                }
+            }
+        }
+        self.scratch = ids;
+    }
+
+    /// Grows a running sequence's lease to `tokens`, preempting the lowest
+    /// tier's youngest sequences (never a more protected tier) until it fits;
+    /// false if it was the one preempted.
+    fn grow_running(&mut self, id: RequestId, tokens: usize, draft: &mut Draft) -> bool {
+        loop {
+            let seq = self.seqs.get_mut(&id).expect("running sequence");
+            let lease = seq.lease.as_mut().expect("running sequence has a lease");
+            let same_tenant_only = match self.pool.grow(lease, tokens) {
+                Ok(()) => return true,
+                Err(AllocError::NoBlocks { .. }) => false,
+                // Only the tenant's own sequences give back quota.
+                Err(AllocError::Quota { .. }) => true,
+            };
+            let victim = self.victim_for_running(id, same_tenant_only);
+            self.preempt(victim, draft);
+            if victim == id {
+                return false;
+            }
+        }
+    }
+
+    /// Lowest priority first, youngest first, never above `needy`'s priority;
+    /// `needy` itself qualifies, so there is always one.
+    fn victim_for_running(&self, needy: RequestId, same_tenant_only: bool) -> RequestId {
+        let n = &self.seqs[&needy];
+        let prio = self.cfg.tiers[n.tier].priority;
+        let victim = self
+            .running
+            .iter()
+            .map(|id| &self.seqs[id])
+            .filter(|s| self.cfg.tiers[s.tier].priority <= prio)
+            .filter(|s| !same_tenant_only || s.tenant == n.tenant)
+            .min_by_key(|s| (self.cfg.tiers[s.tier].priority, Reverse(s.admit_seq)));
+        victim.expect("the needy sequence is its own candidate").id
+    }
+
+    /// For a waiting request of `tier`: a running sequence of a strictly less
+    /// protected tier that holds more than its weighted share of seats (so
+    /// that tier keeps its share and never starves); lowest priority, youngest first.
+    fn victim_for_admission(&self, tier: usize) -> Option<RequestId> {
+        let prio = self.cfg.tiers[tier].priority;
+        let demand_weight: u64 = (0..self.cfg.tiers.len())
+            .filter(|&t| self.tier_queued[t] + self.tier_running[t] > 0)
+            .map(|t| u64::from(self.cfg.tiers[t].weight))
+            .sum();
+        let seats = self.cfg.max_num_seqs as u64;
+        let over_share = |t: usize| {
+            self.tier_running[t] as u64 * demand_weight
+                > seats * u64::from(self.cfg.tiers[t].weight)
+        };
+        self.running
+            .iter()
+            .map(|id| &self.seqs[id])
+            .filter(|s| self.cfg.tiers[s.tier].priority < prio && over_share(s.tier))
+            .min_by_key(|s| (self.cfg.tiers[s.tier].priority, Reverse(s.admit_seq)))
+            .map(|s| s.id)
+    }
+
+    /// Recompute preemption: the lease goes back, every known token stays, and
+    /// the request returns to the front of its tenant's queue.
+    fn preempt(&mut self, id: RequestId, draft: &mut Draft) {
+        let seq = self
+            .seqs
+            .get_mut(&id)
+            .expect("preempting an unknown request");
+        let lease = seq
+            .lease
+            .take()
+            .expect("preempting a sequence that is not running");
+        self.pool.free(lease);
+        seq.num_computed = 0;
+        let (tier, tenant) = (seq.tier, seq.tenant);
+        let pos = self.running.iter().position(|&r| r == id);
+        self.running
+            .remove(pos.expect("running sequence in the batch"));
+        self.tier_running[tier] -= 1;
+        self.tier_queued[tier] += 1;
+        self.waiting[tenant].push_front(id);
+        draft.remove(id);
+        self.counters.preemptions += 1;
+        self.events.push(SchedEvent::Preempted {
+            id,
+            tier: TierId(tier as u8),
+        });
+    }
+
+    /// Admits waiting requests by weighted fair share while seats, budget and blocks last.
+    fn admit_waiting(&mut self, now: Duration, draft: &mut Draft) {
+        let continuous = self.cfg.batching == Batching::Continuous;
+        let mut tier_blocked = vec![false; self.cfg.tiers.len()];
+        let mut tenant_blocked = vec![false; self.cfg.tenants.len()];
+        loop {
+            if continuous && draft.budget == 0 {
+                break;
+            }
+            if !continuous && self.running.len() >= self.cfg.max_num_seqs {
+                break;
+            }
+            let Some(tier) = self.pick_tier(&tier_blocked, &tenant_blocked) else {
+                break;
+            };
+            let tenant = self
+                .pick_tenant(tier, &tenant_blocked)
+                .expect("pick_tier picks only tiers with a tenant waiting");
+            let id = *self.waiting[tenant]
+                .front()
+                .expect("tenant has a request waiting");
+            match self.try_admit(now, id, draft) {
+                Admit::Admitted | Admit::Failed => {}
+                Admit::TierBlocked => tier_blocked[tier] = true,
+                Admit::TenantBlocked => tenant_blocked[tenant] = true,
+            }
+        }
+    }
+
+    /// The unblocked tier with the least service per weight; ties go to the
+    /// more protected tier, then the lower index.
+    fn pick_tier(&self, tier_blocked: &[bool], tenant_blocked: &[bool]) -> Option<usize> {
+        let has_waiting = |t: usize| {
+            self.tier_tenants[t]
+                .iter()
+                .any(|&n| !tenant_blocked[n] && !self.waiting[n].is_empty())
+        };
+        let tiers = (0..self.cfg.tiers.len()).filter(|&t| !tier_blocked[t] && has_waiting(t));
+        self.tier_vtc
+            .pick(tiers, |t| (Reverse(self.cfg.tiers[t].priority), t))
+    }
+
+    /// The unblocked tenant of `tier` with a waiting request and the smallest VTC counter.
+    fn pick_tenant(&self, tier: usize, tenant_blocked: &[bool]) -> Option<usize> {
+        let tenants = self.tier_tenants[tier]
+            .iter()
+            .copied()
+            .filter(|&n| !tenant_blocked[n] && !self.waiting[n].is_empty());
+        self.tenant_vtc.pick(tenants, |n| n)
+    }
+
+    /// Tries to move the head of a tenant's queue into the batch: a seat, a
+    /// lease reusing its cached prefix, blocks for its first chunk.
+    fn try_admit(&mut self, now: Duration, id: RequestId, draft: &mut Draft) -> Admit {
+        let continuous = self.cfg.batching == Batching::Continuous;
+        let (tier, tenant) = (self.seqs[&id].tier, self.seqs[&id].tenant);
+        if self.running.len() >= self.cfg.max_num_seqs {
+            match self.victim_for_admission(tier).filter(|_| continuous) {
+                Some(v) => self.preempt(v, draft),
+                None => return Admit::TierBlocked,
+            }
+        }
+        let seq = &self.seqs[&id];
+        let owner = Self::owner_of(seq);
+        let salt = self.cfg.tenants[tenant].prefix_salt;
+        let bs = self.cfg.block_size as usize;
+        // Keep at least one token to compute: the step that computes it samples.
+        let max_prefix_blocks = (seq.tokens.len() - 1) / bs;
+        let (mut lease, cached) = match self.pool.start(owner, salt, &seq.tokens, max_prefix_blocks)
+        {
+            Ok(started) => started,
+            Err(AllocError::Quota { .. }) => return Admit::TenantBlocked,
+            Err(AllocError::NoBlocks { .. }) => return Admit::TierBlocked,
+        };
+        let known = seq.tokens.len();
+        debug_assert!(cached < known && cached.is_multiple_of(bs));
+        let chunk = (known - cached).min(draft.budget);
+        // A static batch is admitted once, so it takes blocks for every known
+        // token now rather than discover at its second chunk that they are gone.
+        let target = if continuous { cached + chunk } else { known };
+        loop {
+            let err = match self.pool.grow(&mut lease, target) {
+                Ok(()) => break,
+                Err(e) => e,
+            };
+            let victim = match err {
+                AllocError::NoBlocks { .. } if continuous => self.victim_for_admission(tier),
+                _ => None,
+            };
+            if let Some(v) = victim {
+                self.preempt(v, draft);
+                continue;
+            }
+            let available = self.pool.available(owner);
+            self.pool.free(lease);
+            // With nothing else of its kind holding blocks, waiting cannot
+            // help: fail it rather than stall its queue forever.
+            let alone = match err {
+                AllocError::NoBlocks { .. } => self.running.is_empty(),
+                AllocError::Quota { .. } => {
+                    !self.running.iter().any(|r| self.seqs[r].tenant == tenant)
+                }
+            };
+            if alone {
+                let failure = EngineFailure::TooLargeForCache {
+                    need_blocks: self.cfg.blocks_for(target) as u32,
+                    max_blocks: available,
+                };
+                self.fail(now, id, failure);
+                return Admit::Failed;
+            }
+            return match err {
+                AllocError::NoBlocks { .. } => Admit::TierBlocked,
+                AllocError::Quota { .. } => Admit::TenantBlocked,
+            };
+        }
+        self.admit(now, id, lease, cached);
+        if chunk > 0 {
+            draft.push(id, cached, chunk);
+        }
+        Admit::Admitted
+    }
+
+    /// Moves a request from its queue into the running batch with `lease`
+    /// holding its first `cached` tokens.
+    fn admit(&mut self, now: Duration, id: RequestId, lease: flotilla_kv::Lease, cached: usize) {
+        let seq = self
+            .seqs
+            .get_mut(&id)
+            .expect("admitting an unknown request");
+        assert!(seq.lease.is_none() && seq.num_computed == 0);
+        let front = self.waiting[seq.tenant].pop_front();
+        assert_eq!(
+            front,
+            Some(id),
+            "only the head of a tenant's queue is admitted"
+        );
+        seq.lease = Some(lease);
+        seq.num_computed = cached;
+        seq.admit_seq = self.admissions;
+        self.admissions += 1;
+        if seq.first_scheduled.is_none() {
+            seq.first_scheduled = Some(now);
+            seq.cached_tokens = Some(cached as u32);
+            seq.prompt_charged = cached;
+        }
+        if let Some(d) = seq.deadline.take() {
+            assert!(self.deadlines.remove(&(d, id)), "deadline not indexed");
+        }
+        // Charged at admission, as VTC does, so one step's admissions already
+        // see each other; a recomputed prompt is not charged again.
+        let charge = seq.prompt_len.saturating_sub(seq.prompt_charged) as u64;
+        seq.prompt_charged = seq.prompt_len;
+        let (tier, tenant) = (seq.tier, seq.tenant);
+        self.charge(tier, tenant, charge);
+        self.tier_queued[tier] -= 1;
+        self.tier_running[tier] += 1;
+        self.running.push(id);
+        self.counters.cached_tokens += cached as u64;
+    }
+
+    /// Charges served tokens to the tier's and the tenant's fair-share counters.
+    pub(crate) fn charge(&mut self, tier: usize, tenant: usize, tokens: u64) {
+        self.tier_vtc.charge(tier, tokens);
+        self.tenant_vtc.charge(tenant, tokens);
+    }
+
+    /// Copies tokens and block tables into the plan and marks it in flight.
+    fn finalize(&mut self, draft: Draft) -> Plan {
+        let step = self.next_step;
+        assert!(draft.chunks.len() <= self.cfg.max_num_seqs);
+        let mut total = 0;
+        let items: Vec<PlanItem> = draft
+            .chunks
+            .iter()
+            .map(|&(id, start, len)| {
+                let seq = &self.seqs[&id];
+                let lease = seq.lease.as_ref().expect("planned sequence is running");
+                assert_eq!(start, seq.num_computed);
+                assert!(len > 0 && start + len <= seq.tokens.len());
+                assert!(
+                    lease.capacity_tokens() >= start + len,
+                    "lease too small for chunk"
+                );
+                total += len;
+                PlanItem {
+                    id,
+                    tokens: seq.tokens[start..start + len].to_vec(),
+                    start_pos: start,
+                    block_table: lease.blocks().to_vec(),
+                    sample: (start + len == seq.tokens.len()).then_some(seq.sampling),
+                }
+            })
+            .collect();
+        assert!(total <= self.cfg.max_num_batched_tokens);
+        if !items.is_empty() {
+            self.next_step += 1;
+            self.in_flight = Some(step);
+            self.counters.steps += 1;
+        }
+        Plan { step, items }
+    }
+}

@@ -1,0 +1,126 @@
+//! One accepted request's state inside the scheduler.
+
+use std::time::Duration;
+
+use flotilla_kv::Lease;
+use flotilla_proto::{EngineRequest, RequestId, SamplingParams, TierId};
+
+use crate::event::Timings;
+
+/// An accepted request: waiting (no lease) or running (holds a lease).
+#[derive(Debug)]
+pub(crate) struct Seq {
+    pub(crate) id: RequestId,
+    /// Tenant index.
+    pub(crate) tenant: usize,
+    /// Tier index.
+    pub(crate) tier: usize,
+    /// Every known token: the prompt, then the generated ones. After a
+    /// preemption all of them are recomputed, so the next sample lands at
+    /// position `tokens.len()` and nothing is emitted twice.
+    pub(crate) tokens: Vec<u32>,
+    pub(crate) prompt_len: usize,
+    pub(crate) max_tokens: usize,
+    pub(crate) sampling: SamplingParams,
+    pub(crate) ignore_eos: bool,
+    pub(crate) stop_token_ids: Vec<u32>,
+    /// Present exactly while running.
+    pub(crate) lease: Option<Lease>,
+    /// Leading tokens whose KV the lease holds; always `< tokens.len()`.
+    pub(crate) num_computed: usize,
+    /// Order of its latest admission (preemption takes the youngest first).
+    pub(crate) admit_seq: u64,
+    pub(crate) arrival: Duration,
+    /// Queue-timeout deadline; only until it is first scheduled, because a
+    /// preempted request has already streamed tokens and must not expire.
+    pub(crate) deadline: Option<Duration>,
+    pub(crate) first_scheduled: Option<Duration>,
+    pub(crate) first_token: Option<Duration>,
+    /// Prompt tokens served from the prefix cache at first admission.
+    pub(crate) cached_tokens: Option<u32>,
+    /// Prompt tokens already charged to fair share, so recompute after a
+    /// preemption (the engine's choice) is not charged twice.
+    pub(crate) prompt_charged: usize,
+}
+
+impl Seq {
+    /// A waiting request with its deadline.
+    pub(crate) fn new(
+        id: RequestId,
+        tier: usize,
+        req: EngineRequest,
+        now: Duration,
+        deadline: Duration,
+    ) -> Seq {
+        let prompt_len = req.prompt.len();
+        let mut tokens = req.prompt;
+        tokens.reserve(req.max_tokens as usize);
+        Seq {
+            id,
+            tenant: req.tenant.0 as usize,
+            tier,
+            tokens,
+            prompt_len,
+            max_tokens: req.max_tokens as usize,
+            sampling: req.sampling,
+            ignore_eos: req.ignore_eos,
+            stop_token_ids: req.stop_token_ids,
+            lease: None,
+            num_computed: 0,
+            admit_seq: 0,
+            arrival: now,
+            deadline: Some(deadline),
+            first_scheduled: None,
+            first_token: None,
+            cached_tokens: None,
+            prompt_charged: 0,
+        }
+    }
+
+    /// Whether it holds a lease (is in the running batch).
+    pub(crate) fn is_running(&self) -> bool {
+        self.lease.is_some()
+    }
+
+    /// Tokens generated so far.
+    pub(crate) fn generated(&self) -> usize {
+        self.tokens.len() - self.prompt_len
+    }
+
+    /// Tokens still to compute before the next sample.
+    pub(crate) fn to_compute(&self) -> usize {
+        self.tokens.len() - self.num_computed
+    }
+
+    /// Most KV positions it can ever need: the last generated token is never fed back.
+    pub(crate) fn max_kv_tokens(&self) -> usize {
+        self.prompt_len + self.max_tokens - 1
+    }
+
+    /// Its timings if it ended at `now`.
+    pub(crate) fn timings(&self, now: Duration) -> Timings {
+        let output_tokens = self.generated() as u32;
+        let queue = self
+            .first_scheduled
+            .unwrap_or(now)
+            .saturating_sub(self.arrival);
+        let prefill = match (self.first_scheduled, self.first_token) {
+            (Some(s), Some(f)) => f.saturating_sub(s),
+            (Some(s), None) => now.saturating_sub(s),
+            (None, _) => Duration::ZERO,
+        };
+        let decode = self
+            .first_token
+            .map_or(Duration::ZERO, |f| now.saturating_sub(f));
+        Timings {
+            tier: TierId(self.tier as u8),
+            queue,
+            ttft: self.first_token.map(|f| f.saturating_sub(self.arrival)),
+            prefill,
+            decode,
+            tpot: (output_tokens > 1).then(|| decode / (output_tokens - 1)),
+            prompt_tokens: self.prompt_len as u32,
+            output_tokens,
+        }
+    }
+}

@@ -1,0 +1,382 @@
+//! Batching, chunked prefill, admission, expiry, cancel, prefix cache, stop.
+
+use std::time::Duration;
+
+use flotilla_proto::{EngineFailure, FinishReason, Rejection, RequestId, TenantId};
+
+use super::{End, Sim, tok};
+use crate::config::tests::two_tiers;
+use crate::{Batching, Plan};
+
+fn ids(p: &Plan) -> Vec<RequestId> {
+    p.items.iter().map(|i| i.id).collect()
+}
+
+fn item(p: &Plan, id: RequestId) -> Option<&crate::PlanItem> {
+    p.items.iter().find(|i| i.id == id)
+}
+
+#[test]
+fn continuous_batching_joins_and_leaves() {
+    let mut c = two_tiers(256, 16);
+    c.max_num_seqs = 3;
+    c.max_num_batched_tokens = 32;
+    let mut sim = Sim::new(c);
+    let a = sim.submit(0, 10, 6).unwrap();
+    let p = sim.step();
+    assert_eq!(ids(&p), [a]);
+    assert_eq!(p.items[0].tokens.len(), 10);
+    assert!(p.items[0].sample.is_some());
+    sim.step();
+    // B joins while A decodes: A's one token and B's whole prompt in one step.
+    let b = sim.submit(1, 20, 4).unwrap();
+    let p = sim.step();
+    assert_eq!(ids(&p), [a, b]);
+    assert_eq!(item(&p, a).unwrap().tokens.len(), 1);
+    assert_eq!(item(&p, b).unwrap().tokens.len(), 20);
+    // A flood beyond the seats: never more than 3 items nor 32 tokens (the
+    // harness checks both every step); A leaves when done.
+    for _ in 0..6 {
+        sim.submit(0, 12, 5).unwrap();
+    }
+    let mut seen_after_end = false;
+    for _ in 0..100 {
+        if sim.s.is_idle() {
+            break;
+        }
+        let ended_before = sim.reqs[&a].end.is_some();
+        let p = sim.step();
+        if ended_before && ids(&p).contains(&a) {
+            seen_after_end = true;
+        }
+        assert!(sim.s.num_running() <= 3);
+    }
+    assert!(!seen_after_end);
+    assert!(matches!(
+        sim.reqs[&a].end,
+        Some(End::Finished(FinishReason::Length, ..))
+    ));
+    sim.assert_all_done();
+}
+
+#[test]
+fn chunked_prefill_keeps_decoding() {
+    let mut c = two_tiers(256, 16);
+    c.max_num_batched_tokens = 64;
+    let mut sim = Sim::new(c);
+    let a = sim.submit(0, 8, 100).unwrap();
+    sim.step();
+    let b = sim.submit(1, 1000, 5).unwrap();
+    let mut prefill_steps = 0;
+    loop {
+        let p = sim.step();
+        // The decode first, every step; the long prompt gets what is left.
+        assert_eq!(item(&p, a).unwrap().tokens.len(), 1);
+        let bi = item(&p, b).unwrap();
+        prefill_steps += 1;
+        assert!(bi.tokens.len() <= 63);
+        if bi.sample.is_some() {
+            break;
+        }
+        assert_eq!(bi.tokens.len(), 63);
+    }
+    assert_eq!(prefill_steps, 1000usize.div_ceil(63));
+    assert_eq!(sim.reqs[&b].out.len(), 1);
+    sim.run_until_idle(500);
+    sim.assert_all_done();
+}
+
+#[test]
+fn admission_refusals() {
+    let mut c = two_tiers(64, 4);
+    c.max_model_len = 64;
+    c.tenants[0].max_concurrent = 2;
+    c.tenants[1].requests_per_minute = Some(2);
+    c.tenants[2].kv_blocks_max = Some(2);
+    c.tiers[1].queue_len_max = 2;
+    let mut sim = Sim::new(c);
+    assert_eq!(
+        sim.submit(0, 60, 5),
+        Err(Rejection::TooLong {
+            prompt_tokens: 60,
+            max_tokens: 5,
+            max_model_len: 64
+        })
+    );
+    assert!(matches!(sim.submit(0, 0, 5), Err(Rejection::Invalid(_))));
+    assert!(matches!(sim.submit(0, 5, 0), Err(Rejection::Invalid(_))));
+    assert!(matches!(sim.submit(9, 5, 5), Err(Rejection::Invalid(_))));
+    let mut bad = Sim::request(0, vec![5; 5], 5);
+    bad.sampling.temperature = -1.0;
+    assert!(matches!(sim.submit_req(bad), Err(Rejection::Invalid(_))));
+    // Over the tenant's 2-block quota: certain never to fit.
+    match sim.submit(2, 10, 1) {
+        Err(Rejection::Invalid(m)) => assert!(m.contains("KV blocks"), "{m}"),
+        other => panic!("{other:?}"),
+    }
+
+    // Concurrency: queued + running.
+    let a = sim.submit(0, 5, 5).unwrap();
+    sim.submit(0, 5, 5).unwrap();
+    assert!(matches!(
+        sim.submit(0, 5, 5),
+        Err(Rejection::TenantLimit {
+            retry_after_s: 1,
+            ..
+        })
+    ));
+    sim.cancel(a);
+    sim.submit(0, 5, 5).unwrap();
+
+    // Rate: a burst of 2, then one every 30 s.
+    sim.submit(1, 5, 5).unwrap();
+    sim.submit(1, 5, 5).unwrap();
+    assert!(matches!(
+        sim.submit(1, 5, 5),
+        Err(Rejection::TenantLimit {
+            retry_after_s: 30,
+            ..
+        })
+    ));
+    sim.now += Duration::from_secs(20);
+    assert!(matches!(
+        sim.submit(1, 5, 5),
+        Err(Rejection::TenantLimit {
+            retry_after_s: 10,
+            ..
+        })
+    ));
+    sim.now += Duration::from_secs(10);
+    sim.submit(1, 5, 5).unwrap();
+
+    // Queue full (tier 1 holds 2 waiting); running ones do not count.
+    sim.submit(2, 3, 2).unwrap();
+    sim.submit(2, 3, 2).unwrap();
+    assert!(matches!(
+        sim.submit(2, 3, 2),
+        Err(Rejection::QueueFull {
+            queue_len_max: 2,
+            ..
+        })
+    ));
+    sim.step();
+    sim.submit(2, 3, 2).unwrap();
+    assert_eq!(sim.s.counters().rejected, 10);
+    sim.run_until_idle(200);
+    sim.assert_all_done();
+}
+
+#[test]
+fn queue_timeout_fails_waiting_and_frees() {
+    let mut c = two_tiers(64, 16);
+    c.max_num_seqs = 1;
+    c.queue_timeout = Duration::from_secs(1);
+    let mut sim = Sim::new(c);
+    let t0 = sim.now;
+    let a = sim.submit(0, 10, 200).unwrap();
+    let b = sim.submit(1, 10, 5).unwrap();
+    assert_eq!(sim.s.next_deadline(), Some(t0 + Duration::from_secs(1)));
+    sim.step();
+    // A started: only B's deadline is left.
+    assert_eq!(sim.s.next_deadline(), Some(t0 + Duration::from_secs(1)));
+    while sim.reqs[&b].end.is_none() {
+        sim.step();
+        assert!(sim.now < t0 + Duration::from_millis(1100));
+    }
+    match &sim.reqs[&b].end {
+        Some(End::Failed(EngineFailure::QueueTimeout {
+            waited_ms,
+            limit_ms: 1000,
+        })) => {
+            assert!(*waited_ms >= 1000)
+        }
+        other => panic!("{other:?}"),
+    }
+    assert_eq!(sim.s.next_deadline(), None);
+    assert!(
+        sim.reqs[&a].end.is_none(),
+        "a running request never expires"
+    );
+    sim.run_until_idle(500);
+    sim.assert_all_done();
+    assert_eq!(sim.s.counters().failed, 1);
+}
+
+#[test]
+fn cancel_in_queue_and_in_flight_returns_blocks() {
+    let mut c = two_tiers(64, 16);
+    c.max_num_seqs = 1;
+    let mut sim = Sim::new(c);
+    let a = sim.submit(0, 40, 50).unwrap();
+    let b = sim.submit(0, 40, 50).unwrap();
+    sim.step();
+    sim.step();
+    assert!(sim.cancel(b));
+    assert!(!sim.cancel(b));
+    // Cancelled between schedule and complete: its results are skipped.
+    let p = sim.plan();
+    assert_eq!(ids(&p), [a]);
+    assert!(sim.cancel(a));
+    assert_eq!(sim.s.kv_usage().used, 0);
+    sim.execute(&p);
+    assert!(sim.s.is_idle());
+    assert_eq!(sim.s.counters().cancelled, 2);
+    sim.assert_all_done();
+}
+
+#[test]
+fn static_batching_takes_no_joins_until_drained() {
+    for batching in [Batching::Static, Batching::Continuous] {
+        let mut c = two_tiers(64, 16);
+        c.max_num_seqs = 2;
+        c.batching = batching;
+        let mut sim = Sim::new(c);
+        let a = sim.submit(0, 5, 2).unwrap();
+        let b = sim.submit(0, 5, 10).unwrap();
+        let late = sim.submit(0, 5, 2).unwrap();
+        let mut joined_while_b_ran = false;
+        while sim.reqs[&late].first_planned_step.is_none() {
+            sim.step();
+            if sim.reqs[&late].first_planned_step.is_some() && sim.reqs[&b].end.is_none() {
+                joined_while_b_ran = true;
+            }
+        }
+        assert!(sim.reqs[&a].end.is_some());
+        assert_eq!(joined_while_b_ran, batching == Batching::Continuous);
+        sim.run_until_idle(100);
+        sim.assert_all_done();
+    }
+}
+
+#[test]
+fn prefix_cache_skips_computed_blocks() {
+    let mut c = two_tiers(64, 16);
+    c.tenants[2].prefix_salt = 7;
+    let mut sim = Sim::new(c);
+    let prompt = sim.unique_prompt(100);
+    let a = sim.submit_req(Sim::request(0, prompt.clone(), 4)).unwrap();
+    let p = sim.step();
+    assert_eq!(item(&p, a).unwrap().tokens.len(), 100);
+    sim.run_until_idle(20);
+    // Same namespace: 6 full blocks reused, 4 tokens computed.
+    let b = sim.submit_req(Sim::request(1, prompt.clone(), 4)).unwrap();
+    let p = sim.step();
+    let bi = item(&p, b).unwrap();
+    assert_eq!((bi.start_pos, bi.tokens.len()), (96, 4));
+    // Another salt: nothing shared.
+    let c2 = sim.submit_req(Sim::request(2, prompt, 4)).unwrap();
+    let p = sim.step();
+    assert_eq!(item(&p, c2).unwrap().start_pos, 0);
+    sim.run_until_idle(20);
+    match &sim.reqs[&b].end {
+        Some(End::Finished(_, usage, _)) => assert_eq!(usage.cached_tokens, 96),
+        other => panic!("{other:?}"),
+    }
+    sim.assert_all_done();
+}
+
+#[test]
+fn stop_tokens_end_and_are_emitted() {
+    let mut c = two_tiers(64, 16);
+    // Request 2's second token (position 11) is a model stop token; it is
+    // also request 3's first (position 10).
+    c.stop_tokens = vec![2, tok(RequestId(2), 11)];
+    assert_eq!(tok(RequestId(2), 11), tok(RequestId(3), 10));
+    let mut sim = Sim::new(c);
+    let mut r = Sim::request(0, sim.unique_prompt(20), 20);
+    r.stop_token_ids = vec![tok(RequestId(1), 22)];
+    let a = sim.submit_req(r).unwrap();
+    let b = sim.submit(0, 10, 20).unwrap();
+    let mut r = Sim::request(1, sim.unique_prompt(10), 5);
+    r.ignore_eos = true;
+    let c3 = sim.submit_req(r).unwrap();
+    assert_eq!((a, b, c3), (RequestId(1), RequestId(2), RequestId(3)));
+    sim.run_until_idle(50);
+    let reason = |id| match &sim.reqs[&id].end {
+        Some(End::Finished(r, u, _)) => (*r, u.completion_tokens),
+        other => panic!("{other:?}"),
+    };
+    // The stop token is counted and was emitted as a Token event.
+    assert_eq!(reason(a), (FinishReason::Stop, 3));
+    assert_eq!(*sim.reqs[&a].out.last().unwrap(), tok(a, 22));
+    assert_eq!(reason(b), (FinishReason::Stop, 2));
+    assert_eq!(reason(c3), (FinishReason::Length, 5));
+    sim.assert_all_done();
+}
+
+#[test]
+fn ignore_eos_ignores_model_stop_but_not_explicit() {
+    let mut c = two_tiers(64, 16);
+    c.stop_tokens = vec![tok(RequestId(1), 11), tok(RequestId(2), 11)];
+    let mut sim = Sim::new(c);
+    let mut r = Sim::request(0, sim.unique_prompt(10), 5);
+    r.ignore_eos = true;
+    let a = sim.submit_req(r).unwrap();
+    let mut r = Sim::request(0, sim.unique_prompt(10), 5);
+    r.ignore_eos = true;
+    r.stop_token_ids = vec![tok(RequestId(2), 11)];
+    let b = sim.submit_req(r).unwrap();
+    sim.run_until_idle(50);
+    assert!(matches!(
+        sim.reqs[&a].end,
+        Some(End::Finished(FinishReason::Length, ..))
+    ));
+    assert!(matches!(
+        sim.reqs[&b].end,
+        Some(End::Finished(FinishReason::Stop, ..))
+    ));
+    assert_eq!(sim.reqs[&b].out.len(), 2);
+    sim.assert_all_done();
+}
+
+#[test]
+fn failed_step_fails_its_requests_only() {
+    let mut c = two_tiers(64, 16);
+    c.max_num_seqs = 2;
+    let mut sim = Sim::new(c);
+    let a = sim.submit(0, 10, 5).unwrap();
+    let queued = sim.submit(1, 10, 5).unwrap();
+    let p2 = sim.submit(2, 10, 5).unwrap();
+    let p = sim.plan();
+    // Equal fair-share counters: the more protected tier first.
+    assert_eq!(ids(&p), [p2, a]);
+    let now = sim.now;
+    sim.s.fail_step(now, &p, "device lost");
+    sim.collect();
+    for id in [a, p2] {
+        assert_eq!(
+            sim.reqs[&id].end,
+            Some(End::Failed(EngineFailure::Internal("device lost".into())))
+        );
+    }
+    assert_eq!(sim.s.kv_usage().used, 0);
+    sim.run_until_idle(20);
+    assert!(matches!(sim.reqs[&queued].end, Some(End::Finished(..))));
+    sim.assert_all_done();
+}
+
+#[test]
+fn status_reports_queues_and_kv() {
+    let mut c = two_tiers(64, 16);
+    c.max_num_seqs = 1;
+    let mut sim = Sim::new(c);
+    sim.submit(0, 20, 5).unwrap();
+    sim.submit(2, 20, 5).unwrap();
+    sim.step();
+    let st = sim.s.status();
+    assert!(st.ready);
+    assert_eq!((st.steps, st.running), (1, 1));
+    assert_eq!(
+        st.tiers
+            .iter()
+            .map(|t| (t.queued, t.running))
+            .collect::<Vec<_>>(),
+        [(1, 0), (0, 1)]
+    );
+    assert_eq!(st.kv.total, 64);
+    assert!(st.kv.used >= 2);
+    assert_eq!(sim.s.config().tenants[2].tier.0, 1);
+    let _ = TenantId(0);
+    sim.run_until_idle(50);
+    sim.assert_all_done();
+}

@@ -1,0 +1,189 @@
+//! Preemption, tier shares and per-tenant fair share.
+
+use std::time::Duration;
+
+use super::{End, Sim};
+use crate::config::tests::two_tiers;
+
+#[test]
+fn preemption_takes_lowest_tier_youngest_first_and_loses_nothing() {
+    // 10 blocks of 4 tokens; three sequences that each grow to 5-7 blocks.
+    let mut c = two_tiers(10, 4);
+    c.queue_timeout = Duration::from_secs(1);
+    let mut sim = Sim::new(c);
+    // Steps of 200 ms: a preempted request waits well past its queue
+    // timeout, and must not expire (it has already streamed tokens).
+    sim.tick = Duration::from_millis(100);
+    let f1 = sim.submit(0, 8, 20).unwrap();
+    let f2 = sim.submit(1, 8, 20).unwrap();
+    let p = sim.submit(2, 8, 12).unwrap();
+    let first = sim.step();
+    // Ties in fair share go to the more protected tier.
+    let order: Vec<_> = first.items.iter().map(|i| i.id).collect();
+    assert_eq!(order, [p, f1, f2]);
+    sim.run_until_idle(300);
+    assert!(!sim.preempt_log.is_empty(), "the pool was meant to run out");
+    assert_eq!(sim.preempt_log[0], f2, "youngest of the lowest tier first");
+    assert_eq!(sim.reqs[&p].preempted, 0, "never the paid sequence");
+    assert!(sim.s.counters().preemptions >= 1);
+    assert_eq!(sim.s.status().preemptions, sim.preempt_log.len() as u64);
+    for id in [f1, f2, p] {
+        assert!(
+            matches!(sim.reqs[&id].end, Some(End::Finished(..))),
+            "{id}: {:?}",
+            sim.reqs[&id].end
+        );
+    }
+    // Tokens equal running alone: no duplicate, no loss across preemption.
+    sim.assert_all_done();
+}
+
+#[test]
+fn paid_trickle_is_admitted_promptly_through_a_free_flood() {
+    let mut c = two_tiers(512, 16);
+    c.max_num_seqs = 4;
+    c.max_num_batched_tokens = 64;
+    let mut sim = Sim::new(c);
+    for _ in 0..40 {
+        sim.submit(0, 16, 24).unwrap();
+    }
+    let mut paid = Vec::new();
+    for round in 0..60 {
+        if round % 5 == 0 && paid.len() < 10 {
+            paid.push(sim.submit(2, 16, 8).unwrap());
+        }
+        sim.step();
+    }
+    for id in &paid {
+        let t = &sim.reqs[id];
+        let waited = t.first_planned_step.expect("paid request admitted") - t.submitted_step;
+        assert!(waited <= 2, "{id} waited {waited} steps");
+    }
+    // Free keeps its share meanwhile.
+    assert!(
+        sim.tenant_tokens(0) >= 60,
+        "free got {} tokens",
+        sim.tenant_tokens(0)
+    );
+    sim.run_until_idle(2000);
+    sim.assert_all_done();
+}
+
+#[test]
+fn free_keeps_its_share_under_a_paid_flood() {
+    let mut c = two_tiers(512, 16);
+    c.max_num_seqs = 4;
+    c.max_num_batched_tokens = 64;
+    let mut sim = Sim::new(c);
+    for _ in 0..40 {
+        sim.submit(2, 16, 24).unwrap();
+        sim.submit(0, 16, 24).unwrap();
+    }
+    let mut last_free = (0, sim.tenant_tokens(0));
+    for step in 0..150 {
+        sim.step();
+        // Free never starves: it gets tokens every few steps.
+        if sim.tenant_tokens(0) > last_free.1 {
+            last_free = (step, sim.tenant_tokens(0));
+        }
+        assert!(step - last_free.0 <= 10, "free got nothing for 10 steps");
+    }
+    let (free, paid) = (sim.tenant_tokens(0), sim.tenant_tokens(2));
+    let share = free as f64 / (free + paid) as f64;
+    // Weights 1:3 of seats and tokens.
+    assert!(
+        (0.15..=0.4).contains(&share),
+        "free share {share:.2} ({free} vs {paid})"
+    );
+    sim.run_until_idle(3000);
+    sim.assert_all_done();
+}
+
+#[test]
+fn vtc_gives_heavy_and_light_tenants_comparable_service() {
+    let mut c = two_tiers(512, 16);
+    c.max_num_seqs = 2;
+    c.max_num_batched_tokens = 64;
+    let mut sim = Sim::new(c);
+    // The heavy tenant queues 30 first; FIFO would serve none of b's 30 until then.
+    for _ in 0..30 {
+        sim.submit(0, 16, 16).unwrap();
+    }
+    for _ in 0..30 {
+        sim.submit(1, 16, 16).unwrap();
+    }
+    for _ in 0..200 {
+        sim.step();
+    }
+    let (a, b) = (sim.tenant_tokens(0), sim.tenant_tokens(1));
+    assert!(a.abs_diff(b) <= 32, "a {a} vs b {b}");
+    assert!(b >= 100);
+    sim.run_until_idle(2000);
+    sim.assert_all_done();
+}
+
+#[test]
+fn vtc_weights_and_lift_of_a_returning_tenant() {
+    let mut c = two_tiers(512, 16);
+    c.max_num_seqs = 3;
+    c.max_num_batched_tokens = 64;
+    c.tenants[1].weight = 2;
+    let mut sim = Sim::new(c);
+    // Tenant a is served alone for a long time...
+    for _ in 0..60 {
+        sim.submit(0, 16, 16).unwrap();
+    }
+    for _ in 0..150 {
+        sim.step();
+    }
+    // ...then b (weight 2) arrives: lifted to a's counter, it gets about
+    // twice a's service, not all of it while it "catches up".
+    for _ in 0..40 {
+        sim.submit(1, 16, 16).unwrap();
+    }
+    let a0 = sim.tenant_tokens(0);
+    for _ in 0..150 {
+        sim.step();
+    }
+    let (a, b) = (sim.tenant_tokens(0) - a0, sim.tenant_tokens(1));
+    let ratio = b as f64 / a as f64;
+    assert!(
+        (1.4..=2.8).contains(&ratio),
+        "b/a = {ratio:.2} ({b} vs {a})"
+    );
+    sim.run_until_idle(3000);
+    sim.assert_all_done();
+}
+
+#[test]
+fn tier_reservation_and_quota_are_respected() {
+    let mut c = two_tiers(16, 4);
+    c.tiers[1].kv_reserved_blocks = 6;
+    c.tenants[0].kv_blocks_max = Some(5);
+    let mut sim = Sim::new(c);
+    // Free may use at most 10 blocks; tenant a at most 5 (one request of 5 blocks).
+    for _ in 0..6 {
+        sim.submit(0, 8, 12).unwrap();
+        sim.submit(1, 8, 12).unwrap();
+    }
+    let p = sim.submit(2, 12, 12).unwrap();
+    for _ in 0..400 {
+        if sim.s.is_idle() {
+            break;
+        }
+        sim.step();
+        let pool = &mut sim.s.pool;
+        assert!(pool.tenant_blocks(0) <= 5);
+        let (free, paid) = (
+            pool.tenant_blocks(0) + pool.tenant_blocks(1),
+            pool.tenant_blocks(2),
+        );
+        assert!(
+            free + 6u32.saturating_sub(paid) <= 16,
+            "free took paid's reserve"
+        );
+    }
+    assert!(matches!(sim.reqs[&p].end, Some(End::Finished(..))));
+    assert_eq!(sim.reqs[&p].preempted, 0);
+    sim.assert_all_done();
+}

@@ -1,0 +1,296 @@
+//! Metrics of one node: OpenTelemetry instruments exported in Prometheus
+//! text by `opentelemetry-prometheus`. Every latency is a histogram labelled
+//! by tier, so p50/p99 per tier come from the buckets.
+//!
+//! Names follow Prometheus conventions (`flotilla_` prefix, unit last).
+
+use opentelemetry::KeyValue;
+use opentelemetry::metrics::{Counter, Gauge, Histogram, Meter, MeterProvider};
+use opentelemetry_sdk::metrics::SdkMeterProvider;
+use prometheus::{Encoder, TextEncoder};
+
+/// How an accepted or refused request ended, for `flotilla_requests_total`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Terminal {
+    /// Generated to a stop or a length limit.
+    Finished,
+    /// The client went away (or a stop string ended it early at the Router).
+    Cancelled,
+    /// Refused before queueing (4xx, 429, 503).
+    Rejected,
+    /// Expired in the queue.
+    TimedOut,
+    /// Failed inside the engine.
+    Error,
+}
+
+impl Terminal {
+    fn as_str(self) -> &'static str {
+        match self {
+            Terminal::Finished => "finished",
+            Terminal::Cancelled => "cancelled",
+            Terminal::Rejected => "rejected",
+            Terminal::TimedOut => "timed_out",
+            Terminal::Error => "error",
+        }
+    }
+}
+
+/// Per-request phase durations, seconds.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct PhaseTimes {
+    /// Arrival to first scheduled.
+    pub queue_s: f64,
+    /// First scheduled to prompt computed.
+    pub prefill_s: f64,
+    /// First token to last token.
+    pub decode_s: f64,
+    /// Arrival to first token.
+    pub ttft_s: Option<f64>,
+    /// Mean time per output token after the first.
+    pub tpot_s: Option<f64>,
+}
+
+/// The instruments. Cheap to share (`Arc<Metrics>`); recording is lock-free
+/// on the hot path apart from the SDK's own aggregation.
+pub struct Metrics {
+    registry: prometheus::Registry,
+    _provider: SdkMeterProvider,
+    ttft: Histogram<f64>,
+    tpot: Histogram<f64>,
+    queue: Histogram<f64>,
+    prefill: Histogram<f64>,
+    decode: Histogram<f64>,
+    step: Histogram<f64>,
+    requests: Counter<u64>,
+    rejected: Counter<u64>,
+    preemptions: Counter<u64>,
+    tokens_in: Counter<u64>,
+    tokens_out: Counter<u64>,
+    cached_tokens: Counter<u64>,
+    kv_blocks: Gauge<u64>,
+    queued: Gauge<u64>,
+    running: Gauge<u64>,
+}
+
+impl std::fmt::Debug for Metrics {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Metrics")
+    }
+}
+
+/// Why the exporter could not be set up.
+#[derive(Debug, thiserror::Error)]
+#[error("metrics exporter: {0}")]
+pub struct MetricsError(String);
+
+// Latency buckets from 1 ms to 2 min: TPOT lives in the low tens of ms,
+// TTFT under load in seconds.
+const LATENCY_BUCKETS_S: &[f64] = &[
+    0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5,
+    2.0, 3.0, 5.0, 7.5, 10.0, 20.0, 30.0, 60.0, 120.0,
+];
+
+fn latency(meter: &Meter, name: &'static str, help: &'static str) -> Histogram<f64> {
+    meter
+        .f64_histogram(name)
+        .with_description(help)
+        .with_unit("s")
+        .with_boundaries(LATENCY_BUCKETS_S.to_vec())
+        .build()
+}
+
+impl Metrics {
+    /// Builds the instruments on a private registry.
+    pub fn new() -> Result<Metrics, MetricsError> {
+        let registry = prometheus::Registry::new();
+        let exporter = opentelemetry_prometheus::exporter()
+            .with_registry(registry.clone())
+            .without_target_info()
+            .scope_info_enabled(false)
+            .build()
+            .map_err(|e| MetricsError(e.to_string()))?;
+        let provider = SdkMeterProvider::builder().with_reader(exporter).build();
+        let m = provider.meter("flotilla");
+        Ok(Metrics {
+            ttft: latency(&m, "flotilla_time_to_first_token", "Arrival to first token"),
+            tpot: latency(
+                &m,
+                "flotilla_time_per_output_token",
+                "Mean time per output token after the first",
+            ),
+            queue: latency(&m, "flotilla_queue_time", "Arrival to first scheduled step"),
+            prefill: latency(
+                &m,
+                "flotilla_prefill_time",
+                "First scheduled step to prompt computed",
+            ),
+            decode: latency(&m, "flotilla_decode_time", "First to last generated token"),
+            step: latency(&m, "flotilla_step_time", "Duration of one engine step"),
+            requests: m
+                .u64_counter("flotilla_requests")
+                .with_description("Requests by terminal state")
+                .build(),
+            rejected: m
+                .u64_counter("flotilla_rejections")
+                .with_description("Requests refused before queueing, by reason")
+                .build(),
+            preemptions: m
+                .u64_counter("flotilla_preemptions")
+                .with_description("Sequences preempted for recompute")
+                .build(),
+            tokens_in: m
+                .u64_counter("flotilla_prompt_tokens")
+                .with_description("Prompt tokens of finished requests")
+                .build(),
+            tokens_out: m
+                .u64_counter("flotilla_generation_tokens")
+                .with_description("Generated tokens")
+                .build(),
+            cached_tokens: m
+                .u64_counter("flotilla_prefix_cache_hit_tokens")
+                .with_description("Prompt tokens served from the prefix cache")
+                .build(),
+            kv_blocks: m
+                .u64_gauge("flotilla_kv_blocks")
+                .with_description("KV cache blocks by state (used, free, cached)")
+                .build(),
+            queued: m
+                .u64_gauge("flotilla_queue_length")
+                .with_description("Requests waiting, by tier")
+                .build(),
+            running: m
+                .u64_gauge("flotilla_running_sequences")
+                .with_description("Sequences in the running batch, by tier")
+                .build(),
+            registry,
+            _provider: provider,
+        })
+    }
+
+    /// Phase times of one request that produced tokens.
+    pub fn record_phases(&self, tier: &str, t: &PhaseTimes) {
+        let a = [KeyValue::new("tier", tier.to_string())];
+        self.queue.record(t.queue_s, &a);
+        self.prefill.record(t.prefill_s, &a);
+        self.decode.record(t.decode_s, &a);
+        if let Some(v) = t.ttft_s {
+            self.ttft.record(v, &a);
+        }
+        if let Some(v) = t.tpot_s {
+            self.tpot.record(v, &a);
+        }
+    }
+
+    /// One request reached a terminal state.
+    pub fn request_ended(&self, tier: &str, state: Terminal) {
+        self.requests.add(
+            1,
+            &[
+                KeyValue::new("tier", tier.to_string()),
+                KeyValue::new("state", state.as_str()),
+            ],
+        );
+    }
+
+    /// One request refused before queueing; `kind` says why ("invalid",
+    /// "unauthorized", "too_large", "tenant_limit", "queue_full", "unavailable").
+    pub fn request_rejected(&self, tier: &str, kind: &str) {
+        self.request_ended(tier, Terminal::Rejected);
+        self.rejected.add(
+            1,
+            &[
+                KeyValue::new("tier", tier.to_string()),
+                KeyValue::new("reason", kind.to_string()),
+            ],
+        );
+    }
+
+    /// Token counts of one request.
+    pub fn tokens(&self, tier: &str, prompt: u64, generated: u64, cached: u64) {
+        let a = [KeyValue::new("tier", tier.to_string())];
+        self.tokens_in.add(prompt, &a);
+        self.tokens_out.add(generated, &a);
+        self.cached_tokens.add(cached, &a);
+    }
+
+    /// One sequence preempted.
+    pub fn preempted(&self, tier: &str) {
+        self.preemptions
+            .add(1, &[KeyValue::new("tier", tier.to_string())]);
+    }
+
+    /// Duration of one engine step.
+    pub fn step_time(&self, seconds: f64) {
+        self.step.record(seconds, &[]);
+    }
+
+    /// KV occupancy now.
+    pub fn kv(&self, used: u64, free: u64, cached: u64) {
+        self.kv_blocks
+            .record(used, &[KeyValue::new("state", "used")]);
+        self.kv_blocks
+            .record(free, &[KeyValue::new("state", "free")]);
+        self.kv_blocks
+            .record(cached, &[KeyValue::new("state", "cached")]);
+    }
+
+    /// Queue length and running sequences of one tier now.
+    pub fn tier_load(&self, tier: &str, queued: u64, running: u64) {
+        let a = [KeyValue::new("tier", tier.to_string())];
+        self.queued.record(queued, &a);
+        self.running.record(running, &a);
+    }
+
+    /// Everything in Prometheus text exposition format.
+    pub fn render(&self) -> String {
+        let mut out = Vec::new();
+        // Encoding in-memory families into a Vec cannot fail but for a
+        // malformed family, which the exporter does not produce.
+        if let Err(e) = TextEncoder::new().encode(&self.registry.gather(), &mut out) {
+            return format!("# metrics encoding failed: {e}\n");
+        }
+        String::from_utf8(out).unwrap_or_default()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn renders_histograms_by_tier_and_counters_by_state() {
+        let m = Metrics::new().unwrap();
+        m.record_phases(
+            "paid",
+            &PhaseTimes {
+                queue_s: 0.01,
+                prefill_s: 0.2,
+                decode_s: 1.0,
+                ttft_s: Some(0.25),
+                tpot_s: Some(0.03),
+            },
+        );
+        m.request_ended("paid", Terminal::Finished);
+        m.request_rejected("free", "queue_full");
+        m.kv(3, 10, 2);
+        m.tokens("paid", 12, 5, 4);
+        let text = m.render();
+        for want in [
+            "flotilla_time_to_first_token_seconds_bucket{tier=\"paid\",le=\"0.3\"} 1",
+            "flotilla_time_per_output_token_seconds_count{tier=\"paid\"} 1",
+            "flotilla_requests_total{state=\"finished\",tier=\"paid\"} 1",
+            "flotilla_requests_total{state=\"rejected\",tier=\"free\"} 1",
+            "flotilla_rejections_total{reason=\"queue_full\",tier=\"free\"} 1",
+            "flotilla_kv_blocks{state=\"free\"} 10",
+            "flotilla_generation_tokens_total{tier=\"paid\"} 5",
+        ] {
+            assert!(text.contains(want), "missing {want} in\n{text}");
+        }
+        assert!(
+            !text.contains(
+                "flotilla_time_to_first_token_seconds_bucket{tier=\"paid\",le=\"0.2\"} 1"
+            )
+        );
+    }
+}
