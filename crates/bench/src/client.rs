@@ -138,6 +138,8 @@ pub(crate) struct Pool {
     pub words_min: usize,
     pub words_max: usize,
     pub timeout: Duration,
+    /// Fraction of requests dropped on purpose mid-stream.
+    pub cancel_fraction: f64,
     pub requests: usize,
     /// Next request index to send; may run past `requests` as workers stop.
     pub next: AtomicUsize,
@@ -208,9 +210,13 @@ impl Pool {
         }
         let mut leftover = None;
         let sent = Instant::now();
-        let outcome = tokio::time::timeout(self.timeout, self.stream(req, sent, &mut leftover))
-            .await
-            .unwrap_or(Err(ErrorKind::Timeout));
+        let drop_after = prompt::cancel_after(self.seed, index, self.cancel_fraction);
+        let outcome = tokio::time::timeout(
+            self.timeout,
+            self.stream(req, sent, drop_after, &mut leftover),
+        )
+        .await
+        .unwrap_or(Err(ErrorKind::Timeout));
         if let Some(mut resp) = leftover {
             let drain = async { while let Ok(Some(_)) = resp.chunk().await {} };
             let _ = tokio::time::timeout(DRAIN_MAX, drain).await;
@@ -224,6 +230,7 @@ impl Pool {
         &self,
         req: reqwest::RequestBuilder,
         sent: Instant,
+        drop_after: Option<u64>,
         leftover: &mut Option<reqwest::Response>,
     ) -> Outcome {
         let mut resp = req.send().await.map_err(|e| {
@@ -259,6 +266,11 @@ impl Pool {
                 if trace.is_done() {
                     break;
                 }
+            }
+            if drop_after.is_some_and(|k| trace.content_chunks() >= k) {
+                // Dropping the response closes the connection mid-stream,
+                // as a client that goes away does.
+                return Err(ErrorKind::Dropped);
             }
         }
         let end = sent.elapsed();

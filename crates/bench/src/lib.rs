@@ -12,7 +12,7 @@
 //! `report` and `stats` fold outcomes into figures.
 
 mod client;
-mod prompt;
+pub mod prompt;
 mod report;
 mod request;
 mod sse;
@@ -81,6 +81,10 @@ pub struct BenchArgs {
     /// Limit on the whole run, in seconds; requests still in flight are cancelled.
     #[arg(long)]
     pub duration_s: Option<u64>,
+    /// Drop this fraction of requests (seeded) after 1..=8 generated chunks,
+    /// as clients that go away do (soak tests of cancellation).
+    #[arg(long, default_value_t = 0.0)]
+    pub cancel_fraction: f64,
     /// Write the report as JSON to this file.
     #[arg(long)]
     pub json: Option<PathBuf>,
@@ -155,6 +159,9 @@ impl BenchArgs {
         if self.timeout_s == 0 {
             return bad("--timeout-s must be at least 1".into());
         }
+        if !(0.0..=1.0).contains(&self.cancel_fraction) {
+            return bad("--cancel-fraction must be in 0..=1".into());
+        }
         if self.duration_s == Some(0) {
             return bad("--duration-s must be at least 1".into());
         }
@@ -181,6 +188,7 @@ impl BenchArgs {
             chat: self.chat,
             timeout_s: self.timeout_s,
             duration_s: self.duration_s,
+            cancel_fraction: self.cancel_fraction,
         }
     }
 }
@@ -209,10 +217,13 @@ pub async fn run(args: &BenchArgs) -> Result<Report, BenchError> {
     let timeout = Duration::from_secs(args.timeout_s);
     // No proxy: a benchmark measures the server, not a proxy picked up from
     // the environment.
+    // A fresh connection per request: a server that closes an idle
+    // keep-alive connection (llama-server does) would otherwise fail the next
+    // POST on it, which is not retried; a loopback connect costs ~0.1 ms.
     let client = reqwest::Client::builder()
         .no_proxy()
         .tcp_nodelay(true)
-        .pool_max_idle_per_host(workers)
+        .pool_max_idle_per_host(0)
         .build()
         .map_err(BenchError::Client)?;
     let server = client::discover(
@@ -244,6 +255,7 @@ pub async fn run(args: &BenchArgs) -> Result<Report, BenchError> {
         words_min: args.prompt_len_min,
         words_max: args.prompt_len_max,
         timeout,
+        cancel_fraction: args.cancel_fraction,
         requests: args.requests,
         next: AtomicUsize::new(0),
         outcomes: Mutex::new(Vec::with_capacity(args.requests.min(1 << 16))),

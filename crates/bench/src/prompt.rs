@@ -21,6 +21,18 @@ const WORDS: [&str; 128] = [
     "form", "sentence", "great", "think", "say", "help", "low",
 ];
 
+/// Whether request `index` of seed `seed` is dropped on purpose, and after
+/// how many generated chunks (1..=8): a seeded `fraction` of requests.
+pub fn cancel_after(seed: u64, index: u64, fraction: f64) -> Option<u64> {
+    if fraction <= 0.0 {
+        return None;
+    }
+    let mut r =
+        SplitMix64(seed ^ index.wrapping_mul(0xA24B_AED4_963E_E407) ^ 0xC0FF_EE00_D15C_A4D5);
+    let u = (r.next_u64() >> 11) as f64 / (1u64 << 53) as f64;
+    (u < fraction).then(|| 1 + r.below(8))
+}
+
 /// SplitMix64: small, fast, and fully specified, so prompts never depend on
 /// a library's RNG version.
 struct SplitMix64(u64);
@@ -95,5 +107,21 @@ mod tests {
         }
         assert!(seen[lo..=hi].iter().all(|&s| s));
         assert_eq!(prompt(1, 1, 5, 5).split(' ').count(), 5);
+    }
+
+    #[test]
+    fn cancel_after_drops_about_the_fraction() {
+        let n = (0..10_000)
+            .filter(|&i| super::cancel_after(3, i, 0.2).is_some())
+            .count();
+        assert!((1_800..2_200).contains(&n), "{n}");
+        assert_eq!(super::cancel_after(3, 5, 0.0), None);
+        assert!(
+            (0..100).all(|i| super::cancel_after(3, i, 1.0).is_some_and(|k| (1..=8).contains(&k)))
+        );
+        assert_eq!(
+            super::cancel_after(9, 42, 0.5),
+            super::cancel_after(9, 42, 0.5)
+        );
     }
 }

@@ -24,6 +24,9 @@ pub struct Flags {
     pub chat: bool,
     pub timeout_s: u64,
     pub duration_s: Option<u64>,
+    /// Fraction of requests dropped on purpose (0 in reports that predate it).
+    #[serde(default)]
+    pub cancel_fraction: f64,
 }
 
 /// Everything one run measured. Latencies are in milliseconds; a summary is
@@ -371,6 +374,7 @@ mod tests {
                 chat: false,
                 timeout_s: 5,
                 duration_s: None,
+                cancel_fraction: 0.0,
             },
             prompt_distribution: "uniform".into(),
         }

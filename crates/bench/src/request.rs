@@ -26,6 +26,8 @@ pub enum ErrorKind {
     Stream,
     /// The stream ended properly but carried no generated text.
     Empty,
+    /// Dropped on purpose mid-stream by `--cancel-fraction` (not a server fault).
+    Dropped,
 }
 
 impl ErrorKind {
@@ -44,6 +46,7 @@ impl fmt::Display for ErrorKind {
             ErrorKind::Connect => f.write_str("connect"),
             ErrorKind::Stream => f.write_str("stream_error"),
             ErrorKind::Empty => f.write_str("empty"),
+            ErrorKind::Dropped => f.write_str("dropped"),
         }
     }
 }
@@ -146,6 +149,11 @@ impl Trace {
     /// Whether `data: [DONE]` has been seen; later bytes are ignored.
     pub fn is_done(&self) -> bool {
         self.done
+    }
+
+    /// Content chunks (generated-text arrivals) seen so far.
+    pub fn content_chunks(&self) -> u64 {
+        self.content_chunks
     }
 
     /// Records `data: [DONE]`.

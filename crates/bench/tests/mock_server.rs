@@ -444,9 +444,10 @@ async fn chat_chunked_keep_alive_without_usage() {
     assert_eq!(r.model, "chosen");
     assert_eq!(r.endpoint, "/v1/chat/completions");
     assert_ordered(&r);
-    // Bodies are read to their end after [DONE], so connections are reused.
+    // One connection per request (plus the model listing): a stale
+    // keep-alive connection can never fail a POST.
     let connections = mock.connections.load(Ordering::SeqCst);
-    assert!(connections <= 3, "{connections} connections for 2 workers");
+    assert!(connections >= 5, "{connections} connections for 5 requests");
     for p in mock.posts.lock().unwrap().iter() {
         assert_eq!(p.path, "/v1/chat/completions");
         assert_eq!(p.authorization.as_deref(), Some("Bearer sk-test"));
@@ -579,4 +580,37 @@ async fn json_report_is_written_and_compared() {
     let missing = args(&mock.url, &["--compare", "/nonexistent/report.json"]);
     assert!(run_and_report(&missing).await.is_err());
     std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cancel_fraction_drops_a_seeded_share_mid_stream() {
+    let mock = start(|_| Reply::Stream {
+        tokens: 12,
+        usage: true,
+    })
+    .await;
+    let a = args(
+        &mock.url,
+        &[
+            "--requests",
+            "40",
+            "--concurrency",
+            "4",
+            "--cancel-fraction",
+            "0.5",
+        ],
+    );
+    let r = run(&a).await.unwrap();
+    let dropped = r.errors.get("dropped").copied().unwrap_or(0);
+    assert_eq!(
+        (0..40u64)
+            .filter(|&i| flotilla_bench::prompt::cancel_after(0, i, 0.5).is_some())
+            .count() as u64,
+        dropped,
+        "the seeded choice decides which requests drop"
+    );
+    assert!(dropped > 5 && dropped < 35, "{dropped}");
+    assert_eq!(r.requests_ok + dropped, 40);
+    assert_eq!(r.output_tokens, r.requests_ok * 12);
+    assert_eq!(r.flags.cancel_fraction, 0.5);
 }

@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# Paid latency under a free flood: the paid tenant's TTFT p99 alone, then
+# while three free tenants keep 96 streams open (3x the engine's 32 seats).
+# Prints the loaded/unloaded ratio. Bounded: every bench has a request count
+# and a duration cap.
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+OUT=${OUT:-target/bench-serve}; mkdir -p "$OUT"
+FLOTILLA=target/release/flotilla
+[ -x "$FLOTILLA" ] || cargo build --release
+URL=http://127.0.0.1:8414
+PAID="--api-key sk-bench-paid-0001 --concurrency 2 --requests 24 --max-tokens 64 --prompt-len-min 16 --prompt-len-max 128 --seed 11 --quiet"
+$FLOTILLA serve --config cluster-configs/bench-flood.toml --port 8414 2>"$OUT/flood-serve.log" &
+PID=$!; trap 'kill $PID 2>/dev/null || true' EXIT
+for _ in $(seq 1 600); do curl -sf $URL/ready >/dev/null && break; sleep 0.2; done
+
+$FLOTILLA bench --url $URL $PAID --label "paid alone" --json "$OUT/paid-alone.json" >"$OUT/paid-alone.txt"
+FLOOD=()
+for t in a b c; do
+  $FLOTILLA bench --url $URL --api-key sk-bench-free-000$t --concurrency 32 --requests 100000 --duration-s 150 \
+    --max-tokens 128 --seed 2$t --quiet --label "free flood $t" --json "$OUT/flood-$t.json" >"$OUT/flood-$t.txt" 2>&1 &
+  FLOOD+=($!)
+done
+sleep 20   # let the flood fill the engine
+$FLOTILLA bench --url $URL $PAID --label "paid under flood" --json "$OUT/paid-flood.json" >"$OUT/paid-flood.txt"
+curl -s $URL/metrics | grep -E '^flotilla_preemptions_total|^flotilla_requests_total' >"$OUT/flood-metrics.txt" || true
+kill "${FLOOD[@]}" 2>/dev/null || true; wait "${FLOOD[@]}" 2>/dev/null || true
+python3 - "$OUT" <<'PY'
+import json, sys, os
+o = sys.argv[1]
+a = json.load(open(f"{o}/paid-alone.json")); f = json.load(open(f"{o}/paid-flood.json"))
+for k in ("p50", "p99"):
+    print(f"paid TTFT {k}: alone {a['ttft_ms'][k]:.0f} ms, under flood {f['ttft_ms'][k]:.0f} ms, ratio {f['ttft_ms'][k]/a['ttft_ms'][k]:.2f}x")
+for k in ("p50", "p99"):
+    print(f"paid TPOT {k}: alone {a['tpot_ms'][k]:.1f} ms, under flood {f['tpot_ms'][k]:.1f} ms, ratio {f['tpot_ms'][k]/a['tpot_ms'][k]:.2f}x")
+print(f"paid ok: alone {a['requests_ok']}/{a['flags']['requests']}, under flood {f['requests_ok']}/{f['flags']['requests']}, errors {f['errors']}")
+PY
+grep -E "requests|throughput" "$OUT"/flood-?.txt | sed 's/^/  /'
+cat "$OUT/flood-metrics.txt"

@@ -1,0 +1,63 @@
+#!/usr/bin/env bash
+# Serving throughput and latency of `flotilla serve` beside llama.cpp's
+# `llama-server -np 32 -cb` on the same GGUF file, same machine, same run.
+# Streams 1, 8 and 32 at a time, 128 output tokens each (ignore_eos), prompts
+# of 16..256 words (seeded). Writes reports under $OUT (default
+# target/bench-serve) and prints flotilla/llama-server ratios.
+#   usage: tests/bench/serve-vs-llama-server.sh [LLAMA_BIN_DIR]
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+LLAMA_BIN=${1:-$HOME/.cache/flotilla-peers/llama.cpp/build/bin}
+OUT=${OUT:-target/bench-serve}
+THREADS=${THREADS:-$(nproc)}
+LEVELS=${LEVELS:-"1 8 32"}
+mkdir -p "$OUT"
+FLOTILLA=target/release/flotilla
+[ -x "$FLOTILLA" ] || cargo build --release
+MODEL=$($FLOTILLA fetch-model)
+KEY=sk-flotilla-paid-example
+
+wait_ready() { for _ in $(seq 1 600); do curl -sf "$1" >/dev/null && return 0; sleep 0.2; done; echo "server at $1 never became ready" >&2; return 1; }
+requests_for() { case $1 in 1) echo 8;; 8) echo 32;; *) echo $(( $1 * 2 ));; esac; }
+
+run_levels() { # name url key
+  for c in $LEVELS; do
+    $FLOTILLA bench --url "$2" ${3:+--api-key "$3"} --concurrency "$c" --requests "$(requests_for "$c")" \
+      --max-tokens 128 --seed 7 --quiet --label "$1 c=$c" --json "$OUT/$1-c$c.json" >"$OUT/$1-c$c.txt"
+    grep -E "output tok/s|TTFT|TPOT" "$OUT/$1-c$c.txt" | sed "s/^/[$1 c=$c] /"
+  done
+}
+
+$FLOTILLA serve --model "$MODEL" --threads "$THREADS" --port 8411 ${FLOTILLA_ARGS:-} 2>"$OUT/flotilla-serve.log" &
+PID=$!
+trap 'kill $PID 2>/dev/null || true' EXIT
+wait_ready http://127.0.0.1:8411/ready
+run_levels flotilla http://127.0.0.1:8411 $KEY
+kill $PID; wait $PID 2>/dev/null || true
+
+"$LLAMA_BIN/llama-server" -m "$MODEL" -t "$THREADS" -np 32 -cb -c 16384 --port 8412 >"$OUT/llama-server.log" 2>&1 &
+PID=$!
+wait_ready http://127.0.0.1:8412/health
+run_levels llama-server http://127.0.0.1:8412 ""
+kill $PID; wait $PID 2>/dev/null || true
+trap - EXIT
+
+echo
+echo "== flotilla / llama-server (same run) =="
+for c in $LEVELS; do
+  echo "-- $c concurrent streams --"
+  python3 - "$OUT/flotilla-c$c.json" "$OUT/llama-server-c$c.json" <<'PY'
+import json, sys
+a, b = (json.load(open(p)) for p in sys.argv[1:3])
+def g(r, k, q=None):
+    v = r[k] if q is None else (r[k] or {}).get(q)
+    return v
+rows = [("output tok/s", "output_tokens_per_s", None), ("TTFT p50 ms", "ttft_ms", "p50"), ("TTFT p99 ms", "ttft_ms", "p99"),
+        ("TPOT p50 ms", "tpot_ms", "p50"), ("TPOT p99 ms", "tpot_ms", "p99"), ("failed", "requests_failed", None)]
+print(f"{'':14} {'flotilla':>10} {'llama-srv':>10} {'ratio':>7}")
+for name, k, q in rows:
+    x, y = g(a, k, q), g(b, k, q)
+    r = f"{x / y:.2f}x" if isinstance(x, (int, float)) and isinstance(y, (int, float)) and y else "-"
+    print(f"{name:14} {x if x is not None else '-':>10} {y if y is not None else '-':>10} {r:>7}")
+PY
+done
