@@ -5,6 +5,10 @@
 //! worker is idle, the actor asks the state machine for the next plan and
 //! sends it to the worker. So at most one step is in flight and a new
 //! request joins the batch at the next step boundary.
+//!
+//! The GpuWorker is linked to the Scheduler actor: if it dies, or reports
+//! its executor broken, every queued and running request fails at once and
+//! new ones are refused, rather than waiting for a step that never comes.
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -17,7 +21,7 @@ use flotilla_proto::{
 };
 use flotilla_sched::{SchedConfig, SchedEvent, Scheduler, Timings};
 use flotilla_telemetry::{Metrics, PhaseTimes, Terminal};
-use ractor::{Actor, ActorProcessingErr, ActorRef, RpcReplyPort};
+use ractor::{Actor, ActorProcessingErr, ActorRef, RpcReplyPort, SupervisionEvent};
 use tokio::sync::mpsc;
 
 use crate::Clock;
@@ -64,15 +68,16 @@ struct SchedState {
     next_id: u64,
     /// A step is in flight.
     busy: bool,
-    /// The earliest wake-up already armed.
+    /// The earliest wake-up armed and not yet received.
     wake_at: Option<Duration>,
+    /// The worker is alive and its executor trusted; once false, never true again.
     worker_ok: bool,
     events: Vec<SchedEvent>,
 }
 
 struct SchedArgs {
     sched: Scheduler,
-    worker: ActorRef<WorkerMsg>,
+    exec: Box<dyn Executor>,
     clock: Arc<dyn Clock>,
     metrics: Arc<Metrics>,
     tier_names: Vec<String>,
@@ -86,12 +91,23 @@ impl Actor for SchedulerActor {
 
     async fn pre_start(
         &self,
-        _myself: ActorRef<SchedMsg>,
+        myself: ActorRef<SchedMsg>,
         a: SchedArgs,
     ) -> Result<SchedState, ActorProcessingErr> {
+        // Linked, so its death reaches `handle_supervisor_evt`.
+        let (worker, _) = Actor::spawn_linked(
+            None,
+            GpuWorker,
+            WorkerArgs {
+                exec: a.exec,
+                clock: a.clock.clone(),
+            },
+            myself.get_cell(),
+        )
+        .await?;
         Ok(SchedState {
             sched: a.sched,
-            worker: a.worker,
+            worker,
             clock: a.clock,
             metrics: a.metrics,
             tier_names: a.tier_names,
@@ -152,6 +168,11 @@ impl Actor for SchedulerActor {
                         .request_ended(&st.tier_names[l.tier], Terminal::Cancelled);
                 }
             }
+            // A step abandoned when the worker was lost: its requests have
+            // already failed, and the state machine no longer expects it.
+            SchedMsg::StepDone(_) if !st.busy => {
+                tracing::warn!("dropping the result of an abandoned step");
+            }
             SchedMsg::StepDone(r) => {
                 let StepResult {
                     plan,
@@ -160,22 +181,27 @@ impl Actor for SchedulerActor {
                     worker_ok,
                 } = *r;
                 st.busy = false;
-                st.worker_ok = worker_ok;
                 st.metrics.step_time(elapsed.as_secs_f64());
-                match sampled {
-                    Ok(s) => st.sched.complete(now, &plan, &s),
+                let error = match sampled {
+                    Ok(s) => {
+                        st.sched.complete(now, &plan, &s);
+                        None
+                    }
                     Err(e) => {
                         tracing::error!(error = %e, "step failed");
                         st.sched.fail_step(now, &plan, &e);
+                        Some(e)
                     }
+                };
+                if !worker_ok {
+                    let why = error.unwrap_or_else(|| "the GPU worker is broken".into());
+                    worker_lost(st, now, why);
                 }
                 record_load(st);
             }
-            SchedMsg::Wake => {
-                if st.wake_at.is_some_and(|w| w <= now) {
-                    st.wake_at = None;
-                }
-            }
+            // `pump` below expires what is due and arms the next wake-up;
+            // cleared even if it came early, so that one is armed again.
+            SchedMsg::Wake => st.wake_at = None,
             SchedMsg::Status(reply) => {
                 let mut s = st.sched.status();
                 s.ready = st.worker_ok;
@@ -185,35 +211,90 @@ impl Actor for SchedulerActor {
         pump(&myself, st, now);
         Ok(())
     }
+
+    async fn handle_supervisor_evt(
+        &self,
+        myself: ActorRef<SchedMsg>,
+        evt: SupervisionEvent,
+        st: &mut SchedState,
+    ) -> Result<(), ActorProcessingErr> {
+        let now = st.clock.now();
+        let worker = st.worker.get_id();
+        // Unlike ractor's default, the Scheduler outlives its worker: it
+        // fails what it holds, then answers `Unavailable` and `/ready` false.
+        match evt {
+            SupervisionEvent::ActorFailed(who, err) if who.get_id() == worker => {
+                tracing::error!(error = %err, "the GPU worker failed");
+                worker_lost(st, now, format!("the GPU worker failed: {err}"));
+            }
+            SupervisionEvent::ActorTerminated(who, _, reason) if who.get_id() == worker => {
+                tracing::error!(?reason, "the GPU worker stopped");
+                worker_lost(st, now, "the GPU worker has stopped".into());
+            }
+            _ => {}
+        }
+        pump(&myself, st, now);
+        Ok(())
+    }
+
+    async fn post_stop(
+        &self,
+        _myself: ActorRef<SchedMsg>,
+        st: &mut SchedState,
+    ) -> Result<(), ActorProcessingErr> {
+        // Clients get a 503 they may retry elsewhere, not a stream cut short.
+        let now = st.clock.now();
+        st.sched.fail_all(now, EngineFailure::ShuttingDown);
+        deliver(st);
+        for (_, l) in st.live.drain() {
+            let _ = l.tx.send(EngineEvent::Failed(EngineFailure::ShuttingDown));
+        }
+        st.worker.stop(None);
+        Ok(())
+    }
 }
 
-/// Delivers the state machine's events and, with the worker idle, starts
-/// the next step.
+/// The worker can run no more steps: fail every request, the one in flight
+/// included (its plan is abandoned), and refuse new ones from now on.
+fn worker_lost(st: &mut SchedState, now: Duration, why: String) {
+    st.worker_ok = false;
+    st.busy = false;
+    st.sched.fail_all(now, EngineFailure::Internal(why));
+}
+
+/// Expires what is due, starts the next step if the worker is idle,
+/// delivers the state machine's events and arms the next wake-up.
 fn pump(myself: &ActorRef<SchedMsg>, st: &mut SchedState, now: Duration) {
+    // Every time, not only when a plan is made: a deadline that passes while
+    // a step is in flight must fail its request now, and stop being due.
+    st.sched.expire(now);
     if !st.busy && st.worker_ok {
         let plan = st.sched.schedule(now);
         if !plan.items.is_empty() {
             st.busy = true;
-            if let Err(e) = st.worker.cast(WorkerMsg::Step {
-                plan,
-                reply: myself.clone(),
-            }) {
-                // The worker is gone: fail what was planned rather than
-                // waiting for a reply that never comes.
-                st.busy = false;
-                st.worker_ok = false;
-                if let ractor::MessagingErr::SendErr(WorkerMsg::Step { plan, .. }) = e {
-                    st.sched.fail_step(now, &plan, "the GPU worker has stopped");
-                }
+            if st
+                .worker
+                .cast(WorkerMsg::Step {
+                    plan,
+                    reply: myself.clone(),
+                })
+                .is_err()
+            {
+                // The worker is gone: fail everything rather than wait for
+                // a reply that never comes.
+                worker_lost(st, now, "the GPU worker has stopped".into());
             }
         }
     }
     deliver(st);
+    // After `expire` every deadline is in the future; arming one that is not
+    // would send Wake after Wake until something else changed.
     if let Some(d) = st.sched.next_deadline()
+        && d > now
         && st.wake_at.is_none_or(|w| d < w)
     {
         st.wake_at = Some(d);
-        myself.send_after(d.saturating_sub(now), || SchedMsg::Wake);
+        myself.send_after(d - now, || SchedMsg::Wake);
     }
 }
 
@@ -302,11 +383,11 @@ fn record_load(st: &mut SchedState) {
     }
 }
 
-/// The engine as the Router sees it: a handle to the Scheduler actor.
+/// The engine as the Router sees it: a handle to the Scheduler actor (which
+/// owns the GpuWorker).
 #[derive(Clone)]
 pub struct LocalEngine {
-    sched: ActorRef<SchedMsg>,
-    worker: ActorRef<WorkerMsg>,
+    pub(crate) sched: ActorRef<SchedMsg>,
 }
 
 impl std::fmt::Debug for LocalEngine {
@@ -326,7 +407,7 @@ pub enum EngineStartError {
     Spawn(String),
 }
 
-/// Starts the Scheduler and GpuWorker actors of one engine.
+/// Starts the Scheduler actor of one engine, which starts its GpuWorker.
 pub async fn spawn_engine(
     exec: Box<dyn Executor>,
     opts: EngineOptions,
@@ -341,22 +422,12 @@ pub async fn spawn_engine(
         .map(|t| t.tier.0 as usize)
         .collect();
     let sched = Scheduler::new(opts.sched).map_err(|e| EngineStartError::Config(e.to_string()))?;
-    let (worker, _) = Actor::spawn(
-        None,
-        GpuWorker,
-        WorkerArgs {
-            exec,
-            clock: clock.clone(),
-        },
-    )
-    .await
-    .map_err(|e| EngineStartError::Spawn(e.to_string()))?;
     let (sched, _) = Actor::spawn(
         None,
         SchedulerActor,
         SchedArgs {
             sched,
-            worker: worker.clone(),
+            exec,
             clock,
             metrics,
             tier_names,
@@ -365,14 +436,14 @@ pub async fn spawn_engine(
     )
     .await
     .map_err(|e| EngineStartError::Spawn(e.to_string()))?;
-    Ok(LocalEngine { sched, worker })
+    Ok(LocalEngine { sched })
 }
 
 impl LocalEngine {
-    /// Stops both actors; queued and running requests see their streams end.
+    /// Stops both actors: queued and running requests fail with
+    /// `ShuttingDown`, then the Scheduler stops its worker.
     pub fn stop(&self) {
         self.sched.stop(None);
-        self.worker.stop(None);
     }
 }
 

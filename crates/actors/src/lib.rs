@@ -15,6 +15,9 @@
 mod engine;
 mod worker;
 
+#[cfg(test)]
+mod tests;
+
 pub use engine::{EngineOptions, EngineStartError, LocalEngine, spawn_engine};
 
 use std::time::Duration;

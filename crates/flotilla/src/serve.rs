@@ -132,6 +132,18 @@ pub struct Resolved {
     pub config_origin: String,
 }
 
+/// Longest `--queue-timeout`, seconds (a day): a request waiting longer is
+/// lost anyway, and larger values overflow `Duration` arithmetic.
+const QUEUE_TIMEOUT_S_MAX: f64 = 86_400.0;
+
+/// `--queue-timeout` (or `engine.queue_timeout_s`) checked and converted.
+fn queue_timeout(s: f64) -> Result<Duration> {
+    if !(s > 0.0 && s <= QUEUE_TIMEOUT_S_MAX) {
+        bail!("--queue-timeout {s} must be a number of seconds in (0, {QUEUE_TIMEOUT_S_MAX}]");
+    }
+    Ok(Duration::from_secs_f64(s))
+}
+
 pub fn resolve(args: &ServeArgs) -> Result<Resolved> {
     let (cluster, config_origin) = load_config(args)?;
     let e = &cluster.engine;
@@ -195,10 +207,7 @@ pub fn resolve(args: &ServeArgs) -> Result<Resolved> {
         "static" => Batching::Static,
         b => bail!("unknown --batching '{b}' (expected continuous or static)"),
     };
-    let queue_timeout = args.queue_timeout.or(e.queue_timeout_s).unwrap_or(60.0);
-    if !(queue_timeout > 0.0 && queue_timeout.is_finite()) {
-        bail!("--queue-timeout {queue_timeout} must be a positive number of seconds");
-    }
+    let queue_timeout = queue_timeout(args.queue_timeout.or(e.queue_timeout_s).unwrap_or(60.0))?;
     let cpu = model_args.cpu_config(num_blocks as usize, max_num_batched_tokens)?;
     let exec = CpuExecutor::from_gguf(&g, &cpu).context("loading the model")?;
     let sched = SchedConfig {
@@ -208,7 +217,7 @@ pub fn resolve(args: &ServeArgs) -> Result<Resolved> {
         max_num_batched_tokens,
         max_model_len,
         batching,
-        queue_timeout: Duration::from_secs_f64(queue_timeout),
+        queue_timeout,
         stop_tokens: text.stop_tokens.clone(),
         tiers: cluster
             .tiers
@@ -341,5 +350,18 @@ mod tests {
         assert_eq!(c.tiers.len(), 2);
         assert_ne!(salt_of("a"), salt_of("b"));
         assert_ne!(salt_of(""), 0);
+    }
+
+    #[test]
+    fn queue_timeout_is_positive_and_at_most_a_day() {
+        assert_eq!(queue_timeout(1.5).unwrap(), Duration::from_millis(1500));
+        assert_eq!(
+            queue_timeout(86_400.0).unwrap(),
+            Duration::from_secs(86_400)
+        );
+        for bad in [0.0, -1.0, 86_400.5, 1e300, f64::INFINITY, f64::NAN] {
+            let e = queue_timeout(bad).unwrap_err().to_string();
+            assert!(e.contains("(0, 86400]"), "{bad}: {e}");
+        }
     }
 }

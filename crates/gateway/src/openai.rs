@@ -16,6 +16,9 @@ use crate::error::ApiError;
 
 /// Most stop strings a request may carry.
 pub const STOP_STRINGS_MAX: usize = 16;
+/// Longest stop string, bytes: held-back text is matched against every
+/// stop string's prefixes, so this bounds the work per token.
+pub const STOP_STRING_BYTES_MAX: usize = 1024;
 /// Most extra stop token ids a request may carry.
 pub const STOP_TOKEN_IDS_MAX: usize = 64;
 
@@ -321,6 +324,15 @@ fn stop_strings(obj: &Obj) -> Result<Vec<String>, ApiError> {
     if list.iter().any(String::is_empty) {
         return Err(ApiError::invalid("stop", "stop strings must not be empty"));
     }
+    if let Some(long) = list.iter().find(|s| s.len() > STOP_STRING_BYTES_MAX) {
+        return Err(ApiError::invalid(
+            "stop",
+            format!(
+                "stop strings may be at most {STOP_STRING_BYTES_MAX} bytes long, got {}",
+                long.len()
+            ),
+        ));
+    }
     Ok(list)
 }
 
@@ -557,6 +569,26 @@ mod tests {
         assert!(r.sampling.logprobs && r.sampling.top_logprobs == 4);
         let prompt = text().tokenizer.decode(&r.prompt, false).unwrap();
         assert!(prompt.contains("be brief"), "{prompt}");
+    }
+
+    #[test]
+    fn stop_strings_are_capped_in_length() {
+        let ok = "x".repeat(STOP_STRING_BYTES_MAX);
+        let r = p(
+            Endpoint::Completions,
+            serde_json::json!({"prompt": "a", "stop": [ok.clone()]}),
+        )
+        .unwrap();
+        assert_eq!(r.stop, [ok]);
+        let long = "x".repeat(STOP_STRING_BYTES_MAX + 1);
+        let e = p(
+            Endpoint::Completions,
+            serde_json::json!({"prompt": "a", "stop": ["y", long]}),
+        )
+        .unwrap_err();
+        assert!(e.to_string().contains("at most 1024 bytes"), "{e}");
+        assert_eq!(e.class().status, axum::http::StatusCode::BAD_REQUEST);
+        assert_eq!(e.body()["error"]["param"], "stop");
     }
 
     #[test]

@@ -85,7 +85,8 @@ impl Scheduler {
             let (q, r) = (&self.tier_queued, &self.tier_running);
             self.tier_vtc.activate(tier, |j| q[j] + r[j] > 0);
         }
-        let deadline = now + self.cfg.queue_timeout;
+        // A timeout too long to add never expires in practice: saturate.
+        let deadline = now.saturating_add(self.cfg.queue_timeout);
         self.seqs.insert(id, Seq::new(id, tier, req, now, deadline));
         self.waiting[tenant].push_back(id);
         self.deadlines.insert((deadline, id));

@@ -5,7 +5,9 @@
 //! shell: `submit` and `cancel` as requests come and go, then per step
 //! `schedule` (a [`Plan`] for the executor), the executor's results back
 //! through `complete` (or `fail_step`), and `drain_events` for what to send
-//! to clients. Time comes in as `now`; nothing here reads a clock.
+//! to clients; `expire` whenever a queue deadline passes (even mid-step), and
+//! `fail_all` once no step can run any more. Time comes in as `now`; nothing
+//! here reads a clock.
 //!
 //! Every accepted request ends in exactly one terminal event (`Finished` or
 //! `Failed`) unless it is cancelled, and every KV lease goes back to the pool
@@ -182,7 +184,7 @@ impl Scheduler {
         self.running.len()
     }
 
-    /// The earliest queue deadline, so an idle shell knows when to call `schedule` to expire it.
+    /// The earliest queue deadline, so a shell knows when to call `expire`.
     pub fn next_deadline(&self) -> Option<Duration> {
         self.deadlines.first().map(|&(d, _)| d)
     }
@@ -247,7 +249,11 @@ impl Scheduler {
     }
 
     /// Fails every queued request whose deadline is at or before `now`.
-    fn expire(&mut self, now: Duration) {
+    ///
+    /// Only requests never scheduled have a deadline: they hold no lease and
+    /// are in no plan, so this is safe while a step is in flight (`schedule`
+    /// also calls it).
+    pub fn expire(&mut self, now: Duration) {
         while let Some(&(deadline, id)) = self.deadlines.first() {
             if deadline > now {
                 break;
@@ -259,5 +265,19 @@ impl Scheduler {
             };
             self.fail(now, id, failure);
         }
+    }
+
+    /// Ends every queued and running request with `Failed(failure)` and
+    /// returns every lease, for an engine that can run no more steps.
+    ///
+    /// The step in flight, if any, is abandoned: its results must not be
+    /// passed to `complete` or `fail_step` afterwards.
+    pub fn fail_all(&mut self, now: Duration, failure: EngineFailure) {
+        self.in_flight = None;
+        let ids: Vec<RequestId> = self.seqs.keys().copied().collect();
+        for id in ids {
+            self.fail(now, id, failure.clone());
+        }
+        assert!(self.running.is_empty() && self.deadlines.is_empty());
     }
 }

@@ -5,7 +5,7 @@
 use std::cmp::Reverse;
 use std::time::Duration;
 
-use flotilla_kv::AllocError;
+use flotilla_kv::{AllocError, Owner};
 use flotilla_model::{OutputKind, SeqInput};
 use flotilla_proto::{EngineFailure, RequestId, SamplingParams, TierId};
 
@@ -90,12 +90,22 @@ impl Draft {
 /// What became of one admission attempt.
 enum Admit {
     Admitted,
-    /// No seat or no blocks for this tier now; try other tiers.
-    TierBlocked,
+    /// No seat for this tier now (seats go by share through preemption); try other tiers.
+    NoSeat,
+    /// Not enough KV blocks for it now (or not without taking held ones).
+    NoBlocks,
     /// The tenant is at its KV quota; try its tier's other tenants.
     TenantBlocked,
     /// It can never fit and was failed.
     Failed,
+}
+
+/// KV blocks kept this step for a queue head that could not get enough:
+/// later admissions may not lower what `owner` could take below `available`.
+#[derive(Clone, Copy, Debug)]
+struct Hold {
+    owner: Owner,
+    available: u32,
 }
 
 impl Scheduler {
@@ -212,6 +222,20 @@ impl Scheduler {
             .map(|s| s.id)
     }
 
+    /// At most the blocks `victim_for_admission(tier)` could free, however
+    /// often it is called: every lease of a less protected tier (a shared
+    /// block frees less, a tier at its share is never picked).
+    fn reclaimable_for_admission(&self, tier: usize) -> u64 {
+        let prio = self.cfg.tiers[tier].priority;
+        self.running
+            .iter()
+            .map(|id| &self.seqs[id])
+            .filter(|s| self.cfg.tiers[s.tier].priority < prio)
+            .filter_map(|s| s.lease.as_ref())
+            .map(|l| l.blocks().len() as u64)
+            .sum()
+    }
+
     /// Recompute preemption: the lease goes back, every known token stays, and
     /// the request returns to the front of its tenant's queue.
     fn preempt(&mut self, id: RequestId, draft: &mut Draft) {
@@ -241,10 +265,17 @@ impl Scheduler {
     }
 
     /// Admits waiting requests by weighted fair share while seats, budget and blocks last.
+    ///
+    /// The first head picked that cannot get its KV blocks holds them: later
+    /// heads this step are admitted only if they leave it as many as it could
+    /// take now. Otherwise, under steady load at KV capacity, other tiers take
+    /// every block as it frees and a head needing several (a preempted
+    /// request recomputing, which has no deadline) never gets back in.
     fn admit_waiting(&mut self, now: Duration, draft: &mut Draft) {
         let continuous = self.cfg.batching == Batching::Continuous;
         let mut tier_blocked = vec![false; self.cfg.tiers.len()];
         let mut tenant_blocked = vec![false; self.cfg.tenants.len()];
+        let mut hold: Option<Hold> = None;
         loop {
             if continuous && draft.budget == 0 {
                 break;
@@ -261,9 +292,19 @@ impl Scheduler {
             let id = *self.waiting[tenant]
                 .front()
                 .expect("tenant has a request waiting");
-            match self.try_admit(now, id, draft) {
+            match self.try_admit(now, id, hold, draft) {
                 Admit::Admitted | Admit::Failed => {}
-                Admit::TierBlocked => tier_blocked[tier] = true,
+                Admit::NoSeat => tier_blocked[tier] = true,
+                Admit::NoBlocks => {
+                    tier_blocked[tier] = true;
+                    // A static batch frees nothing until it drains, and then
+                    // the preferred head goes first anyway: nothing to hold.
+                    if continuous && hold.is_none() {
+                        let owner = Self::owner_of(&self.seqs[&id]);
+                        let available = self.pool.available(owner);
+                        hold = Some(Hold { owner, available });
+                    }
+                }
                 Admit::TenantBlocked => tenant_blocked[tenant] = true,
             }
         }
@@ -291,16 +332,24 @@ impl Scheduler {
         self.tenant_vtc.pick(tenants, |n| n)
     }
 
-    /// Tries to move the head of a tenant's queue into the batch: a seat, a
-    /// lease reusing its cached prefix, blocks for its first chunk.
-    fn try_admit(&mut self, now: Duration, id: RequestId, draft: &mut Draft) -> Admit {
+    /// Tries to move the head of a tenant's queue into the batch: a lease
+    /// reusing its cached prefix, blocks for its first chunk, a seat. A
+    /// running sequence is preempted for the seat only once the blocks are
+    /// secured, so no victim loses its KV for an admission that then fails.
+    fn try_admit(
+        &mut self,
+        now: Duration,
+        id: RequestId,
+        hold: Option<Hold>,
+        draft: &mut Draft,
+    ) -> Admit {
         let continuous = self.cfg.batching == Batching::Continuous;
         let (tier, tenant) = (self.seqs[&id].tier, self.seqs[&id].tenant);
-        if self.running.len() >= self.cfg.max_num_seqs {
-            match self.victim_for_admission(tier).filter(|_| continuous) {
-                Some(v) => self.preempt(v, draft),
-                None => return Admit::TierBlocked,
-            }
+        let seat_free = |s: &Self| s.running.len() < s.cfg.max_num_seqs;
+        // A static batch preempts nobody; a continuous one only by seat share.
+        let can_seat = seat_free(self) || (continuous && self.victim_for_admission(tier).is_some());
+        if !can_seat {
+            return Admit::NoSeat;
         }
         let seq = &self.seqs[&id];
         let owner = Self::owner_of(seq);
@@ -312,7 +361,7 @@ impl Scheduler {
         {
             Ok(started) => started,
             Err(AllocError::Quota { .. }) => return Admit::TenantBlocked,
-            Err(AllocError::NoBlocks { .. }) => return Admit::TierBlocked,
+            Err(AllocError::NoBlocks { .. }) => return Admit::NoBlocks,
         };
         let known = seq.tokens.len();
         debug_assert!(cached < known && cached.is_multiple_of(bs));
@@ -320,13 +369,22 @@ impl Scheduler {
         // A static batch is admitted once, so it takes blocks for every known
         // token now rather than discover at its second chunk that they are gone.
         let target = if continuous { cached + chunk } else { known };
+        // Preempting for blocks is worth it only if the victims can free enough;
+        // while blocks are held for another head, it waits its turn instead.
+        let mut may_preempt = None;
         loop {
             let err = match self.pool.grow(&mut lease, target) {
                 Ok(()) => break,
                 Err(e) => e,
             };
             let victim = match err {
-                AllocError::NoBlocks { .. } if continuous => self.victim_for_admission(tier),
+                AllocError::NoBlocks { need, available } if continuous && hold.is_none() => {
+                    let worth = *may_preempt.get_or_insert_with(|| {
+                        u64::from(available) + self.reclaimable_for_admission(tier)
+                            >= u64::from(need)
+                    });
+                    worth.then(|| self.victim_for_admission(tier)).flatten()
+                }
                 _ => None,
             };
             if let Some(v) = victim {
@@ -352,9 +410,24 @@ impl Scheduler {
                 return Admit::Failed;
             }
             return match err {
-                AllocError::NoBlocks { .. } => Admit::TierBlocked,
+                AllocError::NoBlocks { .. } => Admit::NoBlocks,
                 AllocError::Quota { .. } => Admit::TenantBlocked,
             };
+        }
+        if let Some(h) = hold
+            && self.pool.available(h.owner) < h.available
+        {
+            self.pool.free(lease);
+            return Admit::NoBlocks;
+        }
+        if !seat_free(self) {
+            // Nothing was preempted for blocks (that frees a seat), so the
+            // victim found above is still there.
+            let Some(v) = self.victim_for_admission(tier) else {
+                self.pool.free(lease);
+                return Admit::NoSeat;
+            };
+            self.preempt(v, draft);
         }
         self.admit(now, id, lease, cached);
         if chunk > 0 {

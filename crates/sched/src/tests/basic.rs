@@ -203,6 +203,75 @@ fn queue_timeout_fails_waiting_and_frees() {
 }
 
 #[test]
+fn expire_while_a_step_is_in_flight_touches_only_the_queue() {
+    let mut c = two_tiers(64, 16);
+    c.max_num_seqs = 1;
+    c.queue_timeout = Duration::from_secs(1);
+    let mut sim = Sim::new(c);
+    let a = sim.submit(0, 10, 5).unwrap();
+    let b = sim.submit(1, 10, 5).unwrap();
+    let plan = sim.plan();
+    assert_eq!(ids(&plan), [a]);
+    // The step takes longer than B may wait: the shell expires it meanwhile.
+    sim.now += Duration::from_secs(2);
+    let now = sim.now;
+    sim.s.expire(now);
+    sim.collect();
+    sim.check();
+    assert!(matches!(
+        sim.reqs[&b].end,
+        Some(End::Failed(EngineFailure::QueueTimeout { .. }))
+    ));
+    assert_eq!(sim.s.next_deadline(), None);
+    sim.execute(&plan);
+    sim.run_until_idle(20);
+    assert!(matches!(sim.reqs[&a].end, Some(End::Finished(..))));
+    sim.assert_all_done();
+}
+
+#[test]
+fn fail_all_ends_every_request_and_abandons_the_step() {
+    let mut c = two_tiers(64, 16);
+    c.max_num_seqs = 2;
+    let mut sim = Sim::new(c);
+    let a = sim.submit(0, 10, 5).unwrap();
+    let p = sim.submit(2, 10, 5).unwrap();
+    let queued = sim.submit(1, 10, 5).unwrap();
+    let plan = sim.plan();
+    assert_eq!(plan.items.len(), 2);
+    // The worker died with the step: its results never come.
+    let now = sim.now;
+    let why = EngineFailure::Internal("worker gone".into());
+    sim.s.fail_all(now, why.clone());
+    sim.collect();
+    sim.check();
+    for id in [a, p, queued] {
+        assert_eq!(sim.reqs[&id].end, Some(End::Failed(why.clone())), "{id}");
+    }
+    assert!(sim.s.is_idle());
+    assert_eq!(sim.s.next_deadline(), None);
+    sim.assert_all_done();
+    // Nothing is in flight any more: scheduling works again.
+    sim.s.fail_all(now, EngineFailure::ShuttingDown);
+    let b = sim.submit(0, 10, 3).unwrap();
+    sim.run_until_idle(20);
+    assert!(matches!(sim.reqs[&b].end, Some(End::Finished(..))));
+    sim.assert_all_done();
+}
+
+#[test]
+fn huge_queue_timeout_saturates() {
+    let mut c = two_tiers(64, 16);
+    c.queue_timeout = Duration::MAX;
+    let mut sim = Sim::new(c);
+    let a = sim.submit(0, 10, 3).unwrap();
+    assert_eq!(sim.s.next_deadline(), Some(Duration::MAX));
+    sim.run_until_idle(20);
+    assert!(matches!(sim.reqs[&a].end, Some(End::Finished(..))));
+    sim.assert_all_done();
+}
+
+#[test]
 fn cancel_in_queue_and_in_flight_returns_blocks() {
     let mut c = two_tiers(64, 16);
     c.max_num_seqs = 1;

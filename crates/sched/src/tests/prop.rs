@@ -25,17 +25,23 @@ enum Op {
     CancelMid(usize),
     FailStep,
     Advance(u64),
+    /// Schedule, let time pass and expire queued requests, then complete.
+    ExpireMid(u64),
+    /// The engine breaks, with or without a step in flight.
+    FailAll(bool),
 }
 
 fn op() -> impl Strategy<Value = Op> {
     prop_oneof![
-        5 => (0..3usize, 1..40usize, 1..20u32, proptest::option::of(0..3u8), proptest::bool::weighted(0.2))
+        10 => (0..3usize, 1..40usize, 1..20u32, proptest::option::of(0..3u8), proptest::bool::weighted(0.2))
             .prop_map(|(tenant, prompt, max_tokens, shared, stop)| Op::Submit { tenant, prompt, max_tokens, shared, stop }),
-        1 => (0..1000usize).prop_map(Op::Cancel),
-        8 => Just(Op::Step),
-        1 => (0..1000usize).prop_map(Op::CancelMid),
-        1 => Just(Op::FailStep),
-        1 => (0..3000u64).prop_map(Op::Advance),
+        2 => (0..1000usize).prop_map(Op::Cancel),
+        16 => Just(Op::Step),
+        2 => (0..1000usize).prop_map(Op::CancelMid),
+        2 => Just(Op::FailStep),
+        2 => (0..3000u64).prop_map(Op::Advance),
+        2 => (0..3000u64).prop_map(Op::ExpireMid),
+        1 => any::<bool>().prop_map(Op::FailAll),
     ]
 }
 
@@ -143,6 +149,26 @@ fn run(cfg: SchedConfig, ops: Vec<Op>) {
                 }
             }
             Op::Advance(ms) => sim.now += Duration::from_millis(ms),
+            Op::ExpireMid(ms) => {
+                let plan = sim.plan();
+                sim.now += Duration::from_millis(ms);
+                let now = sim.now;
+                sim.s.expire(now);
+                sim.collect();
+                sim.check();
+                sim.execute(&plan);
+            }
+            Op::FailAll(in_flight) => {
+                if in_flight {
+                    sim.plan();
+                }
+                let now = sim.now;
+                sim.s
+                    .fail_all(now, flotilla_proto::EngineFailure::ShuttingDown);
+                sim.collect();
+                sim.check();
+                assert!(sim.s.is_idle());
+            }
         }
     }
     sim.run_until_idle(20_000);

@@ -187,3 +187,69 @@ fn tier_reservation_and_quota_are_respected() {
     assert_eq!(sim.reqs[&p].preempted, 0);
     sim.assert_all_done();
 }
+
+#[test]
+fn preempted_free_request_gets_back_in_under_steady_paid_load() {
+    // 16 blocks of 4 tokens: the free request grows to 12 blocks, each paid
+    // one to 6, so paid decodes growing preempt it again and again, and
+    // every block that frees is wanted by the paid queue.
+    let mut c = two_tiers(16, 4);
+    c.max_num_batched_tokens = 64;
+    let mut sim = Sim::new(c);
+    let f = sim.submit(0, 8, 40).unwrap();
+    let mut steps = 0;
+    while sim.reqs[&f].end.is_none() {
+        // Paid load at KV capacity: always two paid requests queued.
+        let queued_paid = sim.s.status().tiers[1].queued;
+        for _ in queued_paid..2 {
+            sim.submit(2, 8, 16).unwrap();
+        }
+        sim.step();
+        steps += 1;
+        assert!(
+            steps <= 400,
+            "free request starved: {} tokens after {steps} steps, preempted {} times",
+            sim.reqs[&f].out.len(),
+            sim.reqs[&f].preempted
+        );
+    }
+    assert!(
+        sim.reqs[&f].preempted > 0,
+        "the free request was meant to be preempted"
+    );
+    assert!(matches!(sim.reqs[&f].end, Some(End::Finished(..))));
+    sim.run_until_idle(1000);
+    sim.assert_all_done();
+}
+
+#[test]
+fn no_victim_is_preempted_for_a_newcomer_that_cannot_fit() {
+    // 16 blocks of 4 tokens, 3 seats: a paid request of 11 blocks and two
+    // free ones of 2 blocks each fill every seat and all but one block.
+    let mut c = two_tiers(16, 4);
+    c.max_num_seqs = 3;
+    let mut sim = Sim::new(c);
+    let p1 = sim.submit(2, 40, 8).unwrap();
+    let a = sim.submit(0, 4, 40).unwrap();
+    let b = sim.submit(1, 4, 40).unwrap();
+    sim.step();
+    sim.step();
+    assert_eq!(sim.s.num_running(), 3);
+    // A paid newcomer of 8 blocks: free holds more than its share of seats,
+    // but the free blocks plus both free sequences' 4 could never hold it.
+    let p2 = sim.submit(2, 32, 4).unwrap();
+    for _ in 0..3 {
+        sim.step();
+    }
+    assert!(
+        sim.preempt_log.is_empty(),
+        "preempted for nothing: {:?}",
+        sim.preempt_log
+    );
+    assert!(sim.reqs[&p2].first_planned_step.is_none());
+    sim.run_until_idle(500);
+    for id in [p1, a, b, p2] {
+        assert!(matches!(sim.reqs[&id].end, Some(End::Finished(..))), "{id}");
+    }
+    sim.assert_all_done();
+}
