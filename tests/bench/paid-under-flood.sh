@@ -18,7 +18,7 @@ $FLOTILLA bench --url $URL $PAID --label "paid alone" --json "$OUT/paid-alone.js
 FLOOD=()
 for t in a b c; do
   $FLOTILLA bench --url $URL --api-key sk-bench-free-000$t --concurrency 32 --requests 100000 --duration-s 150 \
-    --max-tokens 128 --seed 2$t --quiet --label "free flood $t" --json "$OUT/flood-$t.json" >"$OUT/flood-$t.txt" 2>&1 &
+    --max-tokens 128 --seed $((20 + $(printf "%d" "'$t") )) --quiet --label "free flood $t" --json "$OUT/flood-$t.json" >"$OUT/flood-$t.txt" 2>&1 &
   FLOOD+=($!)
 done
 sleep 20   # let the flood fill the engine

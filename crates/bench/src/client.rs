@@ -124,6 +124,11 @@ fn quant_from_name(name: &str) -> Option<String> {
         })
 }
 
+/// Wait after a 429/503 without a usable Retry-After.
+const BACKOFF_DEFAULT: Duration = Duration::from_millis(500);
+/// Longest wait after a 429/503, whatever Retry-After says.
+const BACKOFF_MAX: Duration = Duration::from_secs(2);
+
 /// State shared by the workers of one run.
 pub(crate) struct Pool {
     pub client: reqwest::Client,
@@ -133,11 +138,15 @@ pub(crate) struct Pool {
     pub model: String,
     pub chat: bool,
     pub max_tokens: u32,
+    /// Smallest per-request max_tokens (equal to `max_tokens` for a fixed length).
+    pub max_tokens_min: u32,
     pub ignore_eos: bool,
     pub seed: u64,
     pub words_min: usize,
     pub words_max: usize,
     pub timeout: Duration,
+    /// Honour Retry-After on 429/503 before the worker's next request.
+    pub backoff: bool,
     /// Fraction of requests dropped on purpose mid-stream.
     pub cancel_fraction: f64,
     pub requests: usize,
@@ -188,7 +197,7 @@ impl Pool {
         let text = prompt::prompt(self.seed, index, self.words_min, self.words_max);
         let mut body = json!({
             "model": self.model,
-            "max_tokens": self.max_tokens,
+            "max_tokens": prompt::max_tokens_for(self.seed, index, self.max_tokens_min, self.max_tokens),
             "temperature": 0.0,
             "stream": true,
             "stream_options": { "include_usage": true },
@@ -209,17 +218,22 @@ impl Pool {
             req = req.bearer_auth(k);
         }
         let mut leftover = None;
+        let mut retry_wait = None;
         let sent = Instant::now();
         let drop_after = prompt::cancel_after(self.seed, index, self.cancel_fraction);
         let outcome = tokio::time::timeout(
             self.timeout,
-            self.stream(req, sent, drop_after, &mut leftover),
+            self.stream(req, sent, drop_after, &mut leftover, &mut retry_wait),
         )
         .await
         .unwrap_or(Err(ErrorKind::Timeout));
         if let Some(mut resp) = leftover {
             let drain = async { while let Ok(Some(_)) = resp.chunk().await {} };
             let _ = tokio::time::timeout(DRAIN_MAX, drain).await;
+        }
+        // Outside the request's timeout: the wait is the worker's, not the request's.
+        if let Some(w) = retry_wait {
+            tokio::time::sleep(w).await;
         }
         outcome
     }
@@ -232,6 +246,7 @@ impl Pool {
         sent: Instant,
         drop_after: Option<u64>,
         leftover: &mut Option<reqwest::Response>,
+        retry_wait: &mut Option<Duration>,
     ) -> Outcome {
         let mut resp = req.send().await.map_err(|e| {
             if e.is_timeout() {
@@ -241,7 +256,22 @@ impl Pool {
             }
         })?;
         if !resp.status().is_success() {
-            return Err(ErrorKind::Http(resp.status().as_u16()));
+            let code = resp.status().as_u16();
+            if self.backoff && (code == 429 || code == 503) {
+                // As OpenAI's clients do: wait as the server asks before
+                // this worker's next request (at most BACKOFF_MAX), so a
+                // refused flood does not turn into a busy loop of refusals.
+                let wait = resp
+                    .headers()
+                    .get(reqwest::header::RETRY_AFTER)
+                    .and_then(|v| v.to_str().ok())
+                    .and_then(|v| v.trim().parse::<f64>().ok())
+                    .filter(|s| s.is_finite() && *s >= 0.0)
+                    .map_or(BACKOFF_DEFAULT, Duration::from_secs_f64)
+                    .min(BACKOFF_MAX);
+                *retry_wait = Some(wait);
+            }
+            return Err(ErrorKind::Http(code));
         }
         let mut trace = Trace::new(self.max_tokens as usize);
         let mut sse = SseParser::new();

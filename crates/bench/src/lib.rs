@@ -53,6 +53,10 @@ pub struct BenchArgs {
     /// Tokens to generate per request.
     #[arg(long, default_value_t = 128)]
     pub max_tokens: u32,
+    /// When set, each request's max_tokens is drawn (seeded, uniform) from
+    /// this value to --max-tokens: a mixed-length workload.
+    #[arg(long)]
+    pub max_tokens_min: Option<u32>,
     /// Sent as `Authorization: Bearer KEY`; never written to the report.
     #[arg(long)]
     pub api_key: Option<String>,
@@ -85,6 +89,10 @@ pub struct BenchArgs {
     /// as clients that go away do (soak tests of cancellation).
     #[arg(long, default_value_t = 0.0)]
     pub cancel_fraction: f64,
+    /// Send the next request at once after a 429/503 instead of waiting as
+    /// Retry-After asks (at most 2 s), as OpenAI's clients do by default.
+    #[arg(long)]
+    pub no_backoff: bool,
     /// Write the report as JSON to this file.
     #[arg(long)]
     pub json: Option<PathBuf>,
@@ -145,6 +153,12 @@ impl BenchArgs {
         if !(1..=REQUESTS_MAX).contains(&self.requests) {
             return bad(format!("--requests must be in 1..={REQUESTS_MAX}"));
         }
+        if self
+            .max_tokens_min
+            .is_some_and(|m| m == 0 || m > self.max_tokens)
+        {
+            return bad("--max-tokens-min must be in 1..=--max-tokens".into());
+        }
         if self.max_tokens == 0 {
             return bad("--max-tokens must be at least 1".into());
         }
@@ -181,6 +195,7 @@ impl BenchArgs {
             concurrency: self.concurrency,
             requests: self.requests,
             max_tokens: self.max_tokens,
+            max_tokens_min: self.max_tokens_min,
             prompt_len_min_words: self.prompt_len_min,
             prompt_len_max_words: self.prompt_len_max,
             seed: self.seed,
@@ -250,12 +265,14 @@ pub async fn run(args: &BenchArgs) -> Result<Report, BenchError> {
         model: server.id,
         chat: args.chat,
         max_tokens: args.max_tokens,
+        max_tokens_min: args.max_tokens_min.unwrap_or(args.max_tokens),
         ignore_eos: args.ignore_eos,
         seed: args.seed,
         words_min: args.prompt_len_min,
         words_max: args.prompt_len_max,
         timeout,
         cancel_fraction: args.cancel_fraction,
+        backoff: !args.no_backoff,
         requests: args.requests,
         next: AtomicUsize::new(0),
         outcomes: Mutex::new(Vec::with_capacity(args.requests.min(1 << 16))),

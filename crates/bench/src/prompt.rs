@@ -33,6 +33,15 @@ pub fn cancel_after(seed: u64, index: u64, fraction: f64) -> Option<u64> {
     (u < fraction).then(|| 1 + r.below(8))
 }
 
+/// The max_tokens of request `index`: uniform over `min..=max`, seeded.
+pub fn max_tokens_for(seed: u64, index: u64, min: u32, max: u32) -> u32 {
+    if min >= max {
+        return max;
+    }
+    let mut r = SplitMix64(seed ^ index.wrapping_mul(0x9FB2_1C65_1E98_DF25) ^ 0x5EED_0F_0A1E);
+    min + r.below(u64::from(max - min) + 1) as u32
+}
+
 /// SplitMix64: small, fast, and fully specified, so prompts never depend on
 /// a library's RNG version.
 struct SplitMix64(u64);
@@ -123,5 +132,16 @@ mod tests {
             super::cancel_after(9, 42, 0.5),
             super::cancel_after(9, 42, 0.5)
         );
+    }
+
+    #[test]
+    fn max_tokens_for_covers_the_range_deterministically() {
+        let v: Vec<u32> = (0..2000)
+            .map(|i| super::max_tokens_for(4, i, 8, 128))
+            .collect();
+        assert!(v.iter().all(|&m| (8..=128).contains(&m)));
+        assert!(v.contains(&8) && v.contains(&128));
+        assert_eq!(super::max_tokens_for(4, 7, 8, 128), v[7]);
+        assert_eq!(super::max_tokens_for(4, 7, 64, 64), 64);
     }
 }

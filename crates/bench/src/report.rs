@@ -17,6 +17,9 @@ pub struct Flags {
     pub concurrency: usize,
     pub requests: usize,
     pub max_tokens: u32,
+    /// Smallest per-request max_tokens when lengths were mixed.
+    #[serde(default)]
+    pub max_tokens_min: Option<u32>,
     pub prompt_len_min_words: usize,
     pub prompt_len_max_words: usize,
     pub seed: u64,
@@ -258,7 +261,10 @@ pub fn render(r: &Report, baseline: Option<&Report>) -> String {
         "  load        {} requests, concurrency {}, max_tokens {}, ignore_eos {}, seed {}, timeout {} s{}",
         f.requests,
         f.concurrency,
-        f.max_tokens,
+        f.max_tokens_min.map_or_else(
+            || f.max_tokens.to_string(),
+            |m| format!("{m}..={}", f.max_tokens)
+        ),
         f.ignore_eos,
         f.seed,
         f.timeout_s,
@@ -367,6 +373,7 @@ mod tests {
                 concurrency: 2,
                 requests: 4,
                 max_tokens: 3,
+                max_tokens_min: None,
                 prompt_len_min_words: 1,
                 prompt_len_max_words: 2,
                 seed: 0,

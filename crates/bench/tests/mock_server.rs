@@ -169,7 +169,7 @@ async fn serve(
         if let Reply::Status(code) = reply {
             let body = r#"{"error":{"message":"busy"}}"#;
             let head = format!(
-                "HTTP/1.1 {code} Error\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n",
+                "HTTP/1.1 {code} Error\r\nRetry-After: 1\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n",
                 body.len()
             );
             sock.write_all((head + body).as_bytes()).await?;
@@ -613,4 +613,30 @@ async fn cancel_fraction_drops_a_seeded_share_mid_stream() {
     assert_eq!(r.requests_ok + dropped, 40);
     assert_eq!(r.output_tokens, r.requests_ok * 12);
     assert_eq!(r.flags.cancel_fraction, 0.5);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn refusals_are_followed_by_the_retry_after_wait_unless_disabled() {
+    for (extra, min_s, max_s) in [(&[][..], 0.95, 5.0), (&["--no-backoff"][..], 0.0, 0.9)] {
+        let mock = start(|i| {
+            if i == 0 {
+                Reply::Status(503)
+            } else {
+                Reply::Stream {
+                    tokens: 2,
+                    usage: true,
+                }
+            }
+        })
+        .await;
+        let mut flags = vec!["--requests", "2", "--concurrency", "1", "--max-tokens", "2"];
+        flags.extend_from_slice(extra);
+        let r = run(&args(&mock.url, &flags)).await.unwrap();
+        assert_eq!((r.requests_ok, r.errors["http_503"]), (1, 1));
+        assert!(
+            (min_s..max_s).contains(&r.wall_s),
+            "{extra:?}: wall {} s, expected {min_s}..{max_s}",
+            r.wall_s
+        );
+    }
 }

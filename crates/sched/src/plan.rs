@@ -9,6 +9,7 @@ use flotilla_kv::{AllocError, Owner};
 use flotilla_model::{OutputKind, SeqInput};
 use flotilla_proto::{EngineFailure, RequestId, SamplingParams, TierId};
 
+use crate::seq::Seq;
 use crate::{Batching, SchedEvent, Scheduler};
 
 /// One step's work for the executor: a flat batch, one item per sequence.
@@ -63,9 +64,12 @@ impl PlanItem {
 /// and block tables are copied only at the end, once preemptions are settled.
 #[derive(Debug)]
 struct Draft {
-    /// `(request, start position, tokens)`.
-    chunks: Vec<(RequestId, usize, usize)>,
+    /// `(request, start position, tokens, tier charged for prefill tokens)`.
+    chunks: Vec<(RequestId, usize, usize, Option<usize>)>,
     budget: usize,
+    /// Prefill tokens each tier may still add this step (see
+    /// [`Scheduler::prefill_caps`]).
+    prefill_left: Vec<usize>,
 }
 
 impl Draft {
@@ -73,16 +77,33 @@ impl Draft {
         self.chunks.iter().any(|c| c.0 == id)
     }
 
-    fn push(&mut self, id: RequestId, start: usize, len: usize) {
+    /// Tokens a prefill chunk of `tier` may take now.
+    fn prefill_room(&self, tier: usize) -> usize {
+        self.budget.min(self.prefill_left[tier])
+    }
+
+    /// Adds a chunk; `prefill_tier` charges it to that tier's prefill cap.
+    fn push(&mut self, id: RequestId, start: usize, len: usize, prefill_tier: Option<usize>) {
         assert!(len > 0 && len <= self.budget && !self.has(id));
+        if let Some(t) = prefill_tier {
+            assert!(
+                len <= self.prefill_left[t],
+                "prefill cap of tier {t} exceeded"
+            );
+            self.prefill_left[t] -= len;
+        }
         self.budget -= len;
-        self.chunks.push((id, start, len));
+        self.chunks.push((id, start, len, prefill_tier));
     }
 
     /// Drops a preempted sequence's chunk and gives its tokens back.
     fn remove(&mut self, id: RequestId) {
         if let Some(i) = self.chunks.iter().position(|c| c.0 == id) {
-            self.budget += self.chunks.remove(i).2;
+            let (_, _, len, tier) = self.chunks.remove(i);
+            self.budget += len;
+            if let Some(t) = tier {
+                self.prefill_left[t] += len;
+            }
         }
     }
 }
@@ -121,6 +142,7 @@ impl Scheduler {
         let mut draft = Draft {
             chunks: Vec::with_capacity(self.cfg.max_num_seqs),
             budget: self.cfg.max_num_batched_tokens,
+            prefill_left: self.prefill_caps(),
         };
         self.schedule_running(&mut draft);
         let admit = match self.cfg.batching {
@@ -132,6 +154,56 @@ impl Scheduler {
             self.admit_waiting(now, &mut draft);
         }
         self.finalize(draft)
+    }
+
+    /// Prefill tokens each tier may add to one step. While a more protected
+    /// tier has work (running or waiting), a less protected tier's prompts
+    /// get only its weighted share of the step budget: a step full of free
+    /// prompts would otherwise make a paid request wait a long step before
+    /// its own prefill, and share that step too (paid TTFT under a free
+    /// flood). Decodes are never capped; without higher-tier work, or in
+    /// static mode, nothing is.
+    fn prefill_caps(&self) -> Vec<usize> {
+        let ntiers = self.cfg.tiers.len();
+        let budget = self.cfg.max_num_batched_tokens;
+        if self.cfg.batching == Batching::Static {
+            return vec![usize::MAX; ntiers];
+        }
+        let mut active = vec![false; ntiers];
+        for id in &self.running {
+            active[self.seqs[id].tier] = true;
+        }
+        for (n, q) in self.waiting.iter().enumerate() {
+            if !q.is_empty() {
+                active[usize::from(self.cfg.tenants[n].tier.0)] = true;
+            }
+        }
+        let top = (0..ntiers)
+            .filter(|&t| active[t])
+            .map(|t| self.cfg.tiers[t].priority)
+            .max();
+        let weights: u64 = (0..ntiers)
+            .filter(|&t| active[t])
+            .map(|t| u64::from(self.cfg.tiers[t].weight))
+            .sum();
+        (0..ntiers)
+            .map(|t| match top {
+                Some(p) if active[t] && self.cfg.tiers[t].priority < p => {
+                    let share =
+                        budget as u64 * u64::from(self.cfg.tiers[t].weight) / weights.max(1);
+                    (share as usize).max(1)
+                }
+                _ => usize::MAX,
+            })
+            .collect()
+    }
+
+    /// Whether a sequence's prefill counts against its tier's cap: a prompt
+    /// not yet answered does; a preempted sequence recomputing what it had
+    /// does not, or a higher tier's growth could preempt it again before it
+    /// caught up, every time (starvation).
+    fn prefill_capped(seq: &Seq) -> bool {
+        seq.tokens.len() == seq.prompt_len
     }
 
     /// Gives every running sequence its next chunk, decodes before prefill
@@ -155,9 +227,14 @@ impl Scheduler {
                     continue;
                 }
                 let start = seq.num_computed;
-                let chunk = n.min(draft.budget);
+                let capped = (!decode_pass && Self::prefill_capped(seq)).then_some(seq.tier);
+                let room = capped.map_or(draft.budget, |t| draft.prefill_room(t));
+                let chunk = n.min(room);
+                if chunk == 0 {
+                    continue;
+                }
                 if self.grow_running(id, start + chunk, draft) {
-                    draft.push(id, start, chunk);
+                    draft.push(id, start, chunk, capped);
                 }
             }
         }
@@ -345,6 +422,12 @@ impl Scheduler {
     ) -> Admit {
         let continuous = self.cfg.batching == Batching::Continuous;
         let (tier, tenant) = (self.seqs[&id].tier, self.seqs[&id].tenant);
+        let capped = Self::prefill_capped(&self.seqs[&id]).then_some(tier);
+        let room = capped.map_or(draft.budget, |t| draft.prefill_room(t));
+        if continuous && room == 0 {
+            // The tier's prefill share of this step is spent.
+            return Admit::NoSeat;
+        }
         let seat_free = |s: &Self| s.running.len() < s.cfg.max_num_seqs;
         // A static batch preempts nobody; a continuous one only by seat share.
         let can_seat = seat_free(self) || (continuous && self.victim_for_admission(tier).is_some());
@@ -365,7 +448,7 @@ impl Scheduler {
         };
         let known = seq.tokens.len();
         debug_assert!(cached < known && cached.is_multiple_of(bs));
-        let chunk = (known - cached).min(draft.budget);
+        let chunk = (known - cached).min(room);
         // A static batch is admitted once, so it takes blocks for every known
         // token now rather than discover at its second chunk that they are gone.
         let target = if continuous { cached + chunk } else { known };
@@ -431,7 +514,7 @@ impl Scheduler {
         }
         self.admit(now, id, lease, cached);
         if chunk > 0 {
-            draft.push(id, cached, chunk);
+            draft.push(id, cached, chunk, capped);
         }
         Admit::Admitted
     }
@@ -488,7 +571,7 @@ impl Scheduler {
         let items: Vec<PlanItem> = draft
             .chunks
             .iter()
-            .map(|&(id, start, len)| {
+            .map(|&(id, start, len, _)| {
                 let seq = &self.seqs[&id];
                 let lease = seq.lease.as_ref().expect("planned sequence is running");
                 assert_eq!(start, seq.num_computed);

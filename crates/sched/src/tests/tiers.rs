@@ -253,3 +253,51 @@ fn no_victim_is_preempted_for_a_newcomer_that_cannot_fit() {
     }
     sim.assert_all_done();
 }
+
+#[test]
+fn free_prompts_get_their_share_of_a_step_while_paid_has_work() {
+    // Budget 256; free weight 1, paid weight 3: while paid has work, free
+    // prompts may add at most 256 * 1 / 4 = 64 tokens to a step.
+    let mut sim = Sim::new(two_tiers(512, 16));
+    let alone = sim.submit(0, 300, 4).unwrap();
+    let p = sim.plan();
+    let first = p.items.iter().find(|i| i.id == alone).unwrap().tokens.len();
+    assert_eq!(
+        first, 256,
+        "without paid work a free prompt takes the whole budget"
+    );
+    sim.execute(&p);
+    sim.run_until_idle(100);
+
+    sim.submit(2, 8, 200).unwrap();
+    sim.step();
+    let free: Vec<_> = (0..3).map(|_| sim.submit(0, 300, 4).unwrap()).collect();
+    let paid_prompt = sim.submit(2, 200, 4).unwrap();
+    let mut free_tokens = 0;
+    let mut paid_prompt_first = None;
+    for _ in 0..12 {
+        let p = sim.step();
+        let free_prefill: usize = p
+            .items
+            .iter()
+            .filter(|i| free.contains(&i.id) && i.sample.is_none())
+            .map(|i| i.tokens.len())
+            .sum();
+        assert!(
+            free_prefill <= 64,
+            "free prompts took {free_prefill} tokens of one step"
+        );
+        free_tokens += free_prefill;
+        if let Some(i) = p.items.iter().find(|i| i.id == paid_prompt) {
+            paid_prompt_first.get_or_insert(i.tokens.len());
+        }
+    }
+    assert!(free_tokens > 0, "free prompts made no progress");
+    assert_eq!(
+        paid_prompt_first,
+        Some(200),
+        "a paid prompt is not capped by the free tier's share"
+    );
+    sim.run_until_idle(3000);
+    sim.assert_all_done();
+}
