@@ -38,7 +38,7 @@ pub fn max_tokens_for(seed: u64, index: u64, min: u32, max: u32) -> u32 {
     if min >= max {
         return max;
     }
-    let mut r = SplitMix64(seed ^ index.wrapping_mul(0x9FB2_1C65_1E98_DF25) ^ 0x5EED_0F_0A1E);
+    let mut r = SplitMix64(seed ^ index.wrapping_mul(0x9FB2_1C65_1E98_DF25) ^ 0x005E_ED0F_0A1E);
     min + r.below(u64::from(max - min) + 1) as u32
 }
 
