@@ -36,6 +36,8 @@ pub(crate) enum SchedMsg {
     },
     /// The client went away: drop the request wherever it is.
     Cancel(RequestId),
+    /// The Router ended the request at a stop string: finish it now.
+    StopString(RequestId),
     /// The worker finished a step.
     StepDone(Box<StepResult>),
     /// A queue deadline may have passed.
@@ -147,10 +149,14 @@ impl Actor for SchedulerActor {
                         RequestStream::new(
                             id,
                             rx,
-                            Box::new(move || {
+                            Box::new(move |stop_string| {
                                 // After the end, or with the engine gone,
                                 // there is nothing left to cancel.
-                                let _ = me.cast(SchedMsg::Cancel(id));
+                                let _ = me.cast(if stop_string {
+                                    SchedMsg::StopString(id)
+                                } else {
+                                    SchedMsg::Cancel(id)
+                                });
                             }),
                         )
                     })
@@ -172,6 +178,11 @@ impl Actor for SchedulerActor {
             // already failed, and the state machine no longer expects it.
             SchedMsg::StepDone(_) if !st.busy => {
                 tracing::warn!("dropping the result of an abandoned step");
+            }
+            SchedMsg::StopString(id) => {
+                // Finished (with usage and latencies) through the usual
+                // event; `deliver` drops the live entry.
+                st.sched.finish_early(now, id);
             }
             SchedMsg::StepDone(r) => {
                 let StepResult {

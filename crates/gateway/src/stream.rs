@@ -74,6 +74,7 @@ async fn next_step(
         Some(EngineEvent::Token(s)) => {
             let d = asm.push(&s);
             if d.stopped {
+                rs.ended_by_stop_string();
                 let usage = Usage {
                     prompt_tokens: meta.prompt_tokens,
                     completion_tokens: asm.tokens(),

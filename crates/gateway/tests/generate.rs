@@ -136,6 +136,10 @@ async fn stop_string_truncates_and_cancels_the_engine_request() {
     assert_eq!(v["choices"][0]["message"]["content"], " Hello worl");
     assert_eq!(v["choices"][0]["finish_reason"], "stop");
     assert!(s.fake.last().1.cancelled.load(Ordering::SeqCst));
+    assert!(
+        s.fake.last().1.stop_string.load(Ordering::SeqCst),
+        "a stop-string end must reach the engine as such, not as a disconnect"
+    );
 
     let body = json!({"prompt": "x", "max_tokens": 64, "stop": ".", "stream": true,
                       "stream_options": {"include_usage": true}});

@@ -209,27 +209,39 @@ pub struct EngineStatus {
 
 /// The events of one accepted request. Dropping it cancels the request: the
 /// engine drops it from its queue or batch at the next step and its blocks
-/// go back to the pool.
+/// go back to the pool. A stream the Router ended at a stop string is marked
+/// first ([`RequestStream::ended_by_stop_string`]), so the engine finishes
+/// the request (counted as finished, with its latencies) instead.
 pub struct RequestStream {
     /// The engine's id for the request.
     pub id: RequestId,
     rx: mpsc::UnboundedReceiver<EngineEvent>,
-    on_drop: Option<Box<dyn FnOnce() + Send>>,
+    on_drop: Option<Box<dyn FnOnce(bool) + Send>>,
+    stop_string: bool,
 }
 
 impl RequestStream {
-    /// A stream fed by `rx`; `on_drop` runs once when the stream is dropped
-    /// (it tells the engine to cancel, harmless after the end).
+    /// A stream fed by `rx`; `on_drop` runs once when the stream is dropped,
+    /// with `true` if the Router ended it at a stop string (it tells the
+    /// engine to cancel or finish; harmless after the end).
     pub fn new(
         id: RequestId,
         rx: mpsc::UnboundedReceiver<EngineEvent>,
-        on_drop: Box<dyn FnOnce() + Send>,
+        on_drop: Box<dyn FnOnce(bool) + Send>,
     ) -> Self {
         RequestStream {
             id,
             rx,
             on_drop: Some(on_drop),
+            stop_string: false,
         }
+    }
+
+    /// The Router found a stop string: when this stream is dropped, the
+    /// engine finishes the request with reason `Stop` rather than counting
+    /// a cancellation.
+    pub fn ended_by_stop_string(&mut self) {
+        self.stop_string = true;
     }
 
     /// The next event; `None` once the engine has dropped its side (after
@@ -242,7 +254,7 @@ impl RequestStream {
 impl Drop for RequestStream {
     fn drop(&mut self) {
         if let Some(f) = self.on_drop.take() {
-            f();
+            f(self.stop_string);
         }
     }
 }

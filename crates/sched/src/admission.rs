@@ -2,7 +2,7 @@
 
 use std::time::Duration;
 
-use flotilla_proto::{EngineFailure, EngineRequest, Rejection, RequestId};
+use flotilla_proto::{EngineFailure, EngineRequest, FinishReason, Rejection, RequestId};
 
 use crate::Scheduler;
 use crate::seq::Seq;
@@ -169,6 +169,17 @@ impl Scheduler {
             });
         }
         Ok(())
+    }
+
+    /// The Router ended the request at a stop string: it finishes now with
+    /// reason `Stop` (a `Finished` event with its usage and timings; its
+    /// blocks go back). False if it had already ended.
+    pub fn finish_early(&mut self, now: Duration, id: RequestId) -> bool {
+        if !self.seqs.contains_key(&id) {
+            return false;
+        }
+        self.finish(now, id, FinishReason::Stop);
+        true
     }
 
     /// Drops a request wherever it is (queue or batch) and returns its blocks;

@@ -58,6 +58,8 @@ pub struct Probe {
     pub dropped: AtomicBool,
     /// ... before the terminal event was sent (a cancel).
     pub cancelled: AtomicBool,
+    /// The stream was marked as ended by a stop string.
+    pub stop_string: AtomicBool,
 }
 
 pub struct Fake {
@@ -116,7 +118,8 @@ impl Engine for Fake {
         }
         let (tx, rx) = mpsc::unbounded_channel();
         let p = probe.clone();
-        let on_drop = Box::new(move || {
+        let on_drop = Box::new(move |stop_string: bool| {
+            p.stop_string.store(stop_string, Ordering::SeqCst);
             if !p.ended.load(Ordering::SeqCst) {
                 p.cancelled.store(true, Ordering::SeqCst);
             }

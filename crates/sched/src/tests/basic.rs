@@ -449,3 +449,32 @@ fn status_reports_queues_and_kv() {
     sim.run_until_idle(50);
     sim.assert_all_done();
 }
+
+#[test]
+fn a_stop_string_end_finishes_with_usage_and_returns_blocks() {
+    let mut sim = Sim::new(two_tiers(64, 16));
+    let a = sim.submit(0, 40, 50).unwrap();
+    for _ in 0..4 {
+        sim.step();
+    }
+    // Ended by the Router between schedule and complete: finished now, the
+    // step's result for it is skipped.
+    let p = sim.plan();
+    assert!(sim.finish_early(a));
+    assert!(!sim.finish_early(a), "ends once");
+    assert!(!sim.s.cancel(sim.now, a), "nothing left to cancel");
+    assert_eq!(sim.s.kv_usage().used, 0);
+    sim.execute(&p);
+    match &sim.reqs[&a].end {
+        Some(End::Finished(FinishReason::Stop, usage, t)) => {
+            assert_eq!(usage.completion_tokens as usize, sim.reqs[&a].out.len());
+            assert!(usage.completion_tokens >= 3, "{usage:?}");
+            assert!(t.ttft.is_some());
+        }
+        other => panic!("expected Finished(Stop), got {other:?}"),
+    }
+    assert_eq!(sim.s.counters().finished, 1);
+    assert_eq!(sim.s.counters().cancelled, 0);
+    assert!(sim.s.is_idle());
+    sim.assert_all_done();
+}

@@ -39,6 +39,8 @@ pub(crate) struct Tracked {
     pub out: Vec<u32>,
     pub end: Option<End>,
     pub cancelled: bool,
+    /// Ended by the Router at a stop string (`finish_early`).
+    pub stopped_early: bool,
     pub preempted: u32,
     pub submitted_step: u64,
     pub first_planned_step: Option<u64>,
@@ -130,6 +132,7 @@ impl Sim {
             out: Vec::new(),
             end: None,
             cancelled: false,
+            stopped_early: false,
             preempted: 0,
             submitted_step: self.steps,
             first_planned_step: None,
@@ -151,6 +154,22 @@ impl Sim {
         if done {
             self.reqs.get_mut(&id).unwrap().cancelled = true;
         }
+        self.check();
+        done
+    }
+
+    /// The Router ends a request at a stop string.
+    pub(crate) fn finish_early(&mut self, id: RequestId) -> bool {
+        let live = self
+            .reqs
+            .get(&id)
+            .is_some_and(|t| t.end.is_none() && !t.cancelled);
+        let done = self.s.finish_early(self.now, id);
+        assert_eq!(done, live, "finish_early of {id}");
+        if done {
+            self.reqs.get_mut(&id).unwrap().stopped_early = true;
+        }
+        self.collect();
         self.check();
         done
     }
@@ -324,6 +343,7 @@ impl Sim {
                     assert_eq!(timings.output_tokens as usize, t.out.len());
                     match reason {
                         FinishReason::Length => assert_eq!(t.out.len(), t.max_tokens as usize),
+                        FinishReason::Stop if t.stopped_early => {}
                         FinishReason::Stop => {
                             let last = *t.out.last().expect("stopped on a token");
                             let model_stop = self.s.config().stop_tokens.contains(&last);
