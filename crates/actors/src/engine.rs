@@ -17,7 +17,7 @@ use std::time::Duration;
 use flotilla_model::Executor;
 use flotilla_proto::{
     BoxFuture, Engine, EngineEvent, EngineFailure, EngineRequest, EngineStatus, Rejection,
-    RequestId, RequestStream,
+    RequestId, RequestStream, TierId,
 };
 use flotilla_sched::{SchedConfig, SchedEvent, Scheduler, Timings};
 use flotilla_telemetry::{Metrics, PhaseTimes, Terminal};
@@ -327,15 +327,15 @@ fn deliver(st: &mut SchedState) {
                 usage,
                 timings,
             } => {
-                let tier = tier_name(st, &timings);
-                st.metrics.record_phases(&tier, &phases(&timings));
+                let tier = tier_name(&st.tier_names, timings.tier);
+                st.metrics.record_phases(tier, &phases(&timings));
                 st.metrics.tokens(
-                    &tier,
+                    tier,
                     usage.prompt_tokens as u64,
                     usage.completion_tokens as u64,
                     usage.cached_tokens as u64,
                 );
-                st.metrics.request_ended(&tier, Terminal::Finished);
+                st.metrics.request_ended(tier, Terminal::Finished);
                 if let Some(l) = st.live.remove(&id) {
                     let _ = l.tx.send(EngineEvent::Finished { reason, usage });
                 }
@@ -345,33 +345,27 @@ fn deliver(st: &mut SchedState) {
                 failure,
                 timings,
             } => {
-                let tier = tier_name(st, &timings);
+                let tier = tier_name(&st.tier_names, timings.tier);
                 let state = match failure {
                     EngineFailure::QueueTimeout { .. } => Terminal::TimedOut,
                     _ => Terminal::Error,
                 };
-                st.metrics.request_ended(&tier, state);
+                st.metrics.request_ended(tier, state);
                 if let Some(l) = st.live.remove(&id) {
                     let _ = l.tx.send(EngineEvent::Failed(failure));
                 }
             }
             SchedEvent::Preempted { tier, .. } => {
-                let name = st
-                    .tier_names
-                    .get(tier.0 as usize)
-                    .map_or("unknown", |s| s.as_str());
-                st.metrics.preempted(name);
+                st.metrics.preempted(tier_name(&st.tier_names, tier));
             }
         }
     }
     st.events = events;
 }
 
-fn tier_name(st: &SchedState, t: &Timings) -> String {
-    st.tier_names
-        .get(t.tier.0 as usize)
-        .cloned()
-        .unwrap_or_else(|| "unknown".into())
+/// The metrics label of a tier.
+fn tier_name(names: &[String], tier: TierId) -> &str {
+    names.get(tier.0 as usize).map_or("unknown", |s| s.as_str())
 }
 
 fn phases(t: &Timings) -> PhaseTimes {

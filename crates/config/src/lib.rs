@@ -178,6 +178,31 @@ fn default_queue_len_max() -> usize {
 /// Largest queue a tier may declare: every queue is bounded.
 pub const QUEUE_LEN_MAX_LIMIT: usize = 1 << 20;
 
+/// Longest queue timeout, seconds: a client waiting longer is lost anyway,
+/// and larger values overflow `Duration` arithmetic.
+pub const QUEUE_TIMEOUT_S_MAX: f64 = 86_400.0;
+
+/// Checks a queue timeout in seconds (file or command line): in
+/// `(0, QUEUE_TIMEOUT_S_MAX]`.
+pub fn check_queue_timeout_s(s: f64) -> Result<(), String> {
+    if s > 0.0 && s <= QUEUE_TIMEOUT_S_MAX {
+        Ok(())
+    } else {
+        Err(format!(
+            "must be a number of seconds in (0, {QUEUE_TIMEOUT_S_MAX}]"
+        ))
+    }
+}
+
+/// Checks a KV cache fraction of available memory: in `(0, 1]`.
+pub fn check_kv_cache_fraction(f: f64) -> Result<(), String> {
+    if f > 0.0 && f <= 1.0 {
+        Ok(())
+    } else {
+        Err("must be in (0, 1]".into())
+    }
+}
+
 fn line_of(text: &str, offset: usize) -> usize {
     text[..offset.min(text.len())].matches('\n').count() + 1
 }
@@ -325,20 +350,14 @@ impl ClusterConfig {
         }
         let e = &raw.engine;
         if let Some(f) = e.kv_cache_fraction
-            && !(f > 0.0 && f <= 1.0)
+            && let Err(why) = check_kv_cache_fraction(f)
         {
-            return Err(invalid(
-                0,
-                format!("engine.kv_cache_fraction {f} must be in (0, 1]"),
-            ));
+            return Err(invalid(0, format!("engine.kv_cache_fraction {f} {why}")));
         }
         if let Some(q) = e.queue_timeout_s
-            && !(q > 0.0 && q.is_finite())
+            && let Err(why) = check_queue_timeout_s(q)
         {
-            return Err(invalid(
-                0,
-                format!("engine.queue_timeout_s {q} must be > 0"),
-            ));
+            return Err(invalid(0, format!("engine.queue_timeout_s {q} {why}")));
         }
         Ok(ClusterConfig {
             engine: raw.engine,
@@ -467,6 +486,8 @@ max_concurrent = 4
         assert!(err_of(&GOOD.replace("sk-hobby-002", "short")).contains("8 characters"));
         assert!(err_of(&GOOD.replace("weight = 8", "weight = 0")).contains("weight must be > 0"));
         assert!(err_of("").contains("at least one [[tiers]]"));
+        let long = GOOD.replace("max_num_seqs = 32", "queue_timeout_s = 100000.0");
+        assert!(err_of(&long).contains("(0, 86400]"), "{}", err_of(&long));
         assert!(err_of("[[tiers]]\nname = \"a\"\n[[tiers]]\nname = \"a\"\n").contains("twice"));
         assert!(err_of(&format!("{GOOD}\n[engine2]\n")).contains("engine2"));
     }

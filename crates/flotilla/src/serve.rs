@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
 use flotilla_actors::{Clock, EngineOptions, spawn_engine};
-use flotilla_config::ClusterConfig;
+use flotilla_config::{ClusterConfig, check_kv_cache_fraction, check_queue_timeout_s};
 use flotilla_gateway::GatewayConfig;
 use flotilla_model::gguf::GgufFile;
 use flotilla_model::llama::LlamaConfig;
@@ -132,15 +132,9 @@ pub struct Resolved {
     pub config_origin: String,
 }
 
-/// Longest `--queue-timeout`, seconds (a day): a request waiting longer is
-/// lost anyway, and larger values overflow `Duration` arithmetic.
-const QUEUE_TIMEOUT_S_MAX: f64 = 86_400.0;
-
 /// `--queue-timeout` (or `engine.queue_timeout_s`) checked and converted.
 fn queue_timeout(s: f64) -> Result<Duration> {
-    if !(s > 0.0 && s <= QUEUE_TIMEOUT_S_MAX) {
-        bail!("--queue-timeout {s} must be a number of seconds in (0, {QUEUE_TIMEOUT_S_MAX}]");
-    }
+    check_queue_timeout_s(s).map_err(|why| anyhow::anyhow!("--queue-timeout {s} {why}"))?;
     Ok(Duration::from_secs_f64(s))
 }
 
@@ -185,9 +179,8 @@ pub fn resolve(args: &ServeArgs) -> Result<Resolved> {
                 .kv_cache_fraction
                 .or(e.kv_cache_fraction)
                 .unwrap_or(0.1);
-            if !(f > 0.0 && f <= 1.0) {
-                bail!("--kv-cache-fraction {f} must be in (0, 1]");
-            }
+            check_kv_cache_fraction(f)
+                .map_err(|why| anyhow::anyhow!("--kv-cache-fraction {f} {why}"))?;
             let avail = mem_available_bytes().unwrap_or(4 << 30);
             (avail as f64 * f) as u64
         }
