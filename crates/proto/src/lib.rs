@@ -12,6 +12,11 @@ use std::pin::Pin;
 pub use flotilla_model::{Sampled, SamplingParams};
 use tokio::sync::mpsc;
 
+pub mod role;
+pub mod wire;
+
+pub use role::Role;
+
 /// Index of a tenant in the validated config (`[[tenants]]` order).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct TenantId(pub u32);

@@ -1,0 +1,992 @@
+//! The node-to-node wire format: a fixed 32-byte envelope followed by an
+//! rkyv archive of one [`Message`].
+//!
+//! The envelope is plain little-endian bytes, not rkyv, so that a receiver
+//! learns the protocol version, the kind and the length before it touches
+//! the payload: a peer speaking another version gets [`WireError::Version`],
+//! and a frame longer than the configured cap is refused before anything is
+//! allocated for it. The payload is validated with bytecheck
+//! (`rkyv::access`) after a copy into an aligned buffer; nothing from a peer
+//! is ever read unchecked.
+//!
+//! ```text
+//! offset size field
+//!      0    4 magic "FLTL"
+//!      4    2 protocol version
+//!      6    2 message kind
+//!      8    8 correlation id (request id, ping sequence)
+//!     16    4 sender node id (index in the cluster config)
+//!     20    8 sender epoch (changes when the node restarts)
+//!     28    4 payload length, bytes
+//! ```
+
+use rkyv::rancor;
+use rkyv::util::AlignedVec;
+use rkyv::{Archive, Deserialize, Serialize};
+
+use crate::{
+    EngineEvent, EngineFailure, EngineRequest, EngineStatus, FinishReason, KvUsage, Rejection,
+    Role, Sampled, SamplingParams, TenantId, TierStatus, Usage,
+};
+
+/// First four bytes of every frame.
+pub const MAGIC: [u8; 4] = *b"FLTL";
+/// The protocol this build speaks; a peer with another one is refused.
+pub const PROTOCOL_VERSION: u16 = 1;
+/// Bytes of the envelope before the payload.
+pub const HEADER_LEN: usize = 32;
+/// Smallest frame cap a config may set (a load report must fit).
+pub const FRAME_LEN_MIN_BYTES: u32 = 4096;
+
+/// Why a frame was refused.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum WireError {
+    /// Fewer bytes than the envelope says.
+    #[error("frame truncated: {have} bytes, {need} needed")]
+    Truncated {
+        /// Bytes present.
+        have: usize,
+        /// Bytes the envelope requires.
+        need: usize,
+    },
+    /// The first four bytes are not Flotilla's.
+    #[error("not a Flotilla frame (bad magic)")]
+    Magic,
+    /// The peer speaks another protocol version.
+    #[error("peer speaks protocol version {theirs}, this node speaks {ours}")]
+    Version {
+        /// The peer's version.
+        theirs: u16,
+        /// Ours.
+        ours: u16,
+    },
+    /// A message kind this version does not know.
+    #[error("unknown message kind {0}")]
+    UnknownKind(u16),
+    /// The payload is larger than the frame cap.
+    #[error("frame of {len} bytes exceeds the cap of {cap} bytes")]
+    TooLarge {
+        /// Payload length.
+        len: u64,
+        /// The configured cap.
+        cap: u32,
+    },
+    /// The payload failed validation.
+    #[error("invalid payload: {0}")]
+    Invalid(String),
+    /// The payload is valid but of another kind than the envelope says.
+    #[error("envelope says {header:?}, payload is {payload:?}")]
+    KindMismatch {
+        /// Kind in the envelope.
+        header: Kind,
+        /// Kind of the decoded payload.
+        payload: Kind,
+    },
+}
+
+/// Message kinds, as numbered in the envelope.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[repr(u16)]
+pub enum Kind {
+    /// [`Message::Heartbeat`].
+    Heartbeat = 1,
+    /// [`Message::Submit`].
+    Submit = 2,
+    /// [`Message::Admitted`].
+    Admitted = 3,
+    /// [`Message::Refused`].
+    Refused = 4,
+    /// [`Message::Events`].
+    Events = 5,
+    /// [`Message::Cancel`].
+    Cancel = 6,
+    /// [`Message::Ping`].
+    Ping = 7,
+    /// [`Message::Pong`].
+    Pong = 8,
+    /// [`Message::KvBlocks`].
+    KvBlocks = 9,
+}
+
+impl Kind {
+    /// Every kind, in number order.
+    pub const ALL: [Kind; 9] = [
+        Kind::Heartbeat,
+        Kind::Submit,
+        Kind::Admitted,
+        Kind::Refused,
+        Kind::Events,
+        Kind::Cancel,
+        Kind::Ping,
+        Kind::Pong,
+        Kind::KvBlocks,
+    ];
+
+    /// The kind numbered `n`, if any.
+    pub fn from_u16(n: u16) -> Option<Kind> {
+        Kind::ALL.iter().copied().find(|k| *k as u16 == n)
+    }
+
+    /// Whether a node of `role` may send this kind. Receivers check it
+    /// against the role in the sender's certificate, so a compromised or
+    /// misconfigured worker cannot submit work and a router cannot forge
+    /// tokens.
+    pub fn may_send(self, role: Role) -> bool {
+        match self {
+            Kind::Heartbeat | Kind::Ping | Kind::Pong => true,
+            Kind::Submit | Kind::Cancel => role == Role::Router,
+            Kind::Admitted | Kind::Refused | Kind::Events => role.runs_engine(),
+            Kind::KvBlocks => matches!(role, Role::Prefill | Role::Decode | Role::Worker),
+        }
+    }
+}
+
+/// The envelope of one frame.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Header {
+    /// What the payload is.
+    pub kind: Kind,
+    /// Request id or ping sequence; 0 when none.
+    pub correlation: u64,
+    /// Sender's node id (index in the cluster config).
+    pub sender: u32,
+    /// Sender's epoch.
+    pub epoch: u64,
+    /// Payload bytes that follow the envelope.
+    pub len: u32,
+}
+
+impl Header {
+    /// Parses and checks an envelope: magic, version, kind, and `len <= cap`.
+    pub fn decode(b: &[u8], cap: u32) -> Result<Header, WireError> {
+        if b.len() < HEADER_LEN {
+            return Err(WireError::Truncated {
+                have: b.len(),
+                need: HEADER_LEN,
+            });
+        }
+        if b[0..4] != MAGIC {
+            return Err(WireError::Magic);
+        }
+        let u16_at = |o: usize| u16::from_le_bytes([b[o], b[o + 1]]);
+        let u32_at = |o: usize| u32::from_le_bytes(b[o..o + 4].try_into().expect("4 bytes"));
+        let u64_at = |o: usize| u64::from_le_bytes(b[o..o + 8].try_into().expect("8 bytes"));
+        let version = u16_at(4);
+        if version != PROTOCOL_VERSION {
+            return Err(WireError::Version {
+                theirs: version,
+                ours: PROTOCOL_VERSION,
+            });
+        }
+        let kind = Kind::from_u16(u16_at(6)).ok_or(WireError::UnknownKind(u16_at(6)))?;
+        let len = u32_at(28);
+        if len > cap {
+            return Err(WireError::TooLarge {
+                len: len as u64,
+                cap,
+            });
+        }
+        Ok(Header {
+            kind,
+            correlation: u64_at(8),
+            sender: u32_at(16),
+            epoch: u64_at(20),
+            len,
+        })
+    }
+
+    /// The 32 envelope bytes.
+    pub fn encode(&self) -> [u8; HEADER_LEN] {
+        let mut b = [0u8; HEADER_LEN];
+        b[0..4].copy_from_slice(&MAGIC);
+        b[4..6].copy_from_slice(&PROTOCOL_VERSION.to_le_bytes());
+        b[6..8].copy_from_slice(&(self.kind as u16).to_le_bytes());
+        b[8..16].copy_from_slice(&self.correlation.to_le_bytes());
+        b[16..20].copy_from_slice(&self.sender.to_le_bytes());
+        b[20..28].copy_from_slice(&self.epoch.to_le_bytes());
+        b[28..32].copy_from_slice(&self.len.to_le_bytes());
+        b
+    }
+}
+
+/// Encodes one frame (envelope + payload), refusing payloads over `cap`.
+pub fn encode_frame(
+    msg: &Message,
+    correlation: u64,
+    sender: u32,
+    epoch: u64,
+    cap: u32,
+) -> Result<Vec<u8>, WireError> {
+    let payload =
+        rkyv::to_bytes::<rancor::Error>(msg).map_err(|e| WireError::Invalid(e.to_string()))?;
+    if payload.len() as u64 > cap as u64 {
+        return Err(WireError::TooLarge {
+            len: payload.len() as u64,
+            cap,
+        });
+    }
+    let header = Header {
+        kind: msg.kind(),
+        correlation,
+        sender,
+        epoch,
+        len: payload.len() as u32,
+    };
+    let mut out = Vec::with_capacity(HEADER_LEN + payload.len());
+    out.extend_from_slice(&header.encode());
+    out.extend_from_slice(&payload);
+    Ok(out)
+}
+
+/// Validates and decodes the payload that follows `header`. `payload` may
+/// sit at any alignment: it is copied into an aligned buffer first (rkyv
+/// refuses misaligned input).
+pub fn decode_payload(header: &Header, payload: &[u8]) -> Result<Message, WireError> {
+    if payload.len() != header.len as usize {
+        return Err(WireError::Truncated {
+            have: payload.len(),
+            need: header.len as usize,
+        });
+    }
+    let mut aligned = AlignedVec::<16>::with_capacity(payload.len());
+    aligned.extend_from_slice(payload);
+    let archived = rkyv::access::<ArchivedMessage, rancor::Error>(&aligned)
+        .map_err(|e| WireError::Invalid(e.to_string()))?;
+    let msg: Message = rkyv::deserialize::<Message, rancor::Error>(archived)
+        .map_err(|e| WireError::Invalid(e.to_string()))?;
+    if msg.kind() != header.kind {
+        return Err(WireError::KindMismatch {
+            header: header.kind,
+            payload: msg.kind(),
+        });
+    }
+    Ok(msg)
+}
+
+/// Decodes one whole frame from `b` (envelope and payload, nothing after).
+pub fn decode_frame(b: &[u8], cap: u32) -> Result<(Header, Message), WireError> {
+    let header = Header::decode(b, cap)?;
+    let need = HEADER_LEN + header.len as usize;
+    if b.len() != need {
+        return Err(WireError::Truncated {
+            have: b.len(),
+            need,
+        });
+    }
+    let msg = decode_payload(&header, &b[HEADER_LEN..])?;
+    Ok((header, msg))
+}
+
+/// Everything one node says to another.
+#[derive(Archive, Serialize, Deserialize, Clone, Debug, PartialEq)]
+pub enum Message {
+    /// "I am alive", with the sender's load (all zero from a router).
+    Heartbeat(LoadReport),
+    /// Router -> engine: run this request (correlation = request id).
+    Submit(SubmitMsg),
+    /// Engine -> router: the request was queued.
+    Admitted {
+        /// Router's request id.
+        req: u64,
+    },
+    /// Engine -> router: the request was refused at admission.
+    Refused {
+        /// Router's request id.
+        req: u64,
+        /// Why.
+        rejection: WireRejection,
+    },
+    /// Engine -> router: every event of one step for this router's requests.
+    Events(Vec<ReqEvents>),
+    /// Router -> engine: the client went away (or a stop string ended it).
+    Cancel {
+        /// Router's request id.
+        req: u64,
+        /// The Router ended it at a stop string: finish, not cancel.
+        stop_string: bool,
+    },
+    /// Latency probe (benchmarks and tests); answered by `Pong`.
+    Ping {
+        /// Sequence number.
+        seq: u64,
+        /// Padding to a chosen size.
+        pad: Vec<u8>,
+    },
+    /// Answer to `Ping`.
+    Pong {
+        /// The ping's sequence number.
+        seq: u64,
+        /// The ping's padding, echoed.
+        pad: Vec<u8>,
+    },
+    /// Header of a KV block transfer; the raw block bytes follow on the same stream.
+    KvBlocks(KvTransferHeader),
+}
+
+impl Message {
+    /// This message's kind.
+    pub fn kind(&self) -> Kind {
+        match self {
+            Message::Heartbeat(_) => Kind::Heartbeat,
+            Message::Submit(_) => Kind::Submit,
+            Message::Admitted { .. } => Kind::Admitted,
+            Message::Refused { .. } => Kind::Refused,
+            Message::Events(_) => Kind::Events,
+            Message::Cancel { .. } => Kind::Cancel,
+            Message::Ping { .. } => Kind::Ping,
+            Message::Pong { .. } => Kind::Pong,
+            Message::KvBlocks(_) => Kind::KvBlocks,
+        }
+    }
+}
+
+/// A node's load, sent with every heartbeat; the Router routes by it.
+#[derive(Archive, Serialize, Deserialize, Clone, Debug, Default, PartialEq)]
+pub struct LoadReport {
+    /// Model loaded and the step loop alive.
+    pub ready: bool,
+    /// Steps run since start.
+    pub steps: u64,
+    /// Sequences running.
+    pub running: u32,
+    /// Requests waiting, all tiers.
+    pub queued: u32,
+    /// KV blocks in the pool.
+    pub kv_total: u32,
+    /// KV blocks free.
+    pub kv_free: u32,
+    /// KV blocks held by sequences.
+    pub kv_used: u32,
+    /// KV blocks holding an evictable cached prefix.
+    pub kv_cached: u32,
+    /// Preemptions since start.
+    pub preemptions: u64,
+    /// Per-tier queue and running counts.
+    pub tiers: Vec<TierLoad>,
+}
+
+/// One tier's figures in a [`LoadReport`].
+#[derive(Archive, Serialize, Deserialize, Clone, Debug, Default, PartialEq)]
+pub struct TierLoad {
+    /// Tier name.
+    pub name: String,
+    /// Requests waiting.
+    pub queued: u32,
+    /// Requests running.
+    pub running: u32,
+}
+
+impl From<&EngineStatus> for LoadReport {
+    fn from(s: &EngineStatus) -> LoadReport {
+        LoadReport {
+            ready: s.ready,
+            steps: s.steps,
+            running: s.running as u32,
+            queued: s.tiers.iter().map(|t| t.queued as u32).sum(),
+            kv_total: s.kv.total,
+            kv_free: s.kv.free,
+            kv_used: s.kv.used,
+            kv_cached: s.kv.cached,
+            preemptions: s.preemptions,
+            tiers: s
+                .tiers
+                .iter()
+                .map(|t| TierLoad {
+                    name: t.name.clone(),
+                    queued: t.queued as u32,
+                    running: t.running as u32,
+                })
+                .collect(),
+        }
+    }
+}
+
+impl From<&LoadReport> for EngineStatus {
+    fn from(r: &LoadReport) -> EngineStatus {
+        EngineStatus {
+            ready: r.ready,
+            steps: r.steps,
+            running: r.running as usize,
+            tiers: r
+                .tiers
+                .iter()
+                .map(|t| TierStatus {
+                    name: t.name.clone(),
+                    queued: t.queued as usize,
+                    running: t.running as usize,
+                })
+                .collect(),
+            kv: KvUsage {
+                total: r.kv_total,
+                free: r.kv_free,
+                used: r.kv_used,
+                cached: r.kv_cached,
+            },
+            preemptions: r.preemptions,
+        }
+    }
+}
+
+/// A request as it crosses to an engine node.
+#[derive(Archive, Serialize, Deserialize, Clone, Debug, PartialEq)]
+pub struct SubmitMsg {
+    /// Router's request id (unique per router epoch).
+    pub req: u64,
+    /// Tenant index in the shared config.
+    pub tenant: u32,
+    /// Prompt token ids.
+    pub prompt: Vec<u32>,
+    /// Most tokens to generate.
+    pub max_tokens: u32,
+    /// Sampling temperature (0 = greedy).
+    pub temperature: f32,
+    /// Top-k (0 = off).
+    pub top_k: u32,
+    /// Top-p (1 = off).
+    pub top_p: f32,
+    /// Seed of the request's draws.
+    pub seed: u64,
+    /// Return the chosen token's log-probability.
+    pub logprobs: bool,
+    /// Alternatives to return.
+    pub top_logprobs: u32,
+    /// Generate past end-of-sequence.
+    pub ignore_eos: bool,
+    /// Extra stop tokens.
+    pub stop_token_ids: Vec<u32>,
+}
+
+impl SubmitMsg {
+    /// The wire form of `r` under the Router's id `req`.
+    pub fn from_request(req: u64, r: &EngineRequest) -> SubmitMsg {
+        SubmitMsg {
+            req,
+            tenant: r.tenant.0,
+            prompt: r.prompt.clone(),
+            max_tokens: r.max_tokens,
+            temperature: r.sampling.temperature,
+            top_k: r.sampling.top_k,
+            top_p: r.sampling.top_p,
+            seed: r.sampling.seed,
+            logprobs: r.sampling.logprobs,
+            top_logprobs: r.sampling.top_logprobs,
+            ignore_eos: r.ignore_eos,
+            stop_token_ids: r.stop_token_ids.clone(),
+        }
+    }
+
+    /// Back to an engine request. The engine's admission validates it as it
+    /// validates any request; this only moves fields.
+    pub fn into_request(self) -> EngineRequest {
+        EngineRequest {
+            tenant: TenantId(self.tenant),
+            prompt: self.prompt,
+            max_tokens: self.max_tokens,
+            sampling: SamplingParams {
+                temperature: self.temperature,
+                top_k: self.top_k,
+                top_p: self.top_p,
+                seed: self.seed,
+                logprobs: self.logprobs,
+                top_logprobs: self.top_logprobs,
+            },
+            ignore_eos: self.ignore_eos,
+            stop_token_ids: self.stop_token_ids,
+        }
+    }
+}
+
+/// One generated token on the wire.
+#[derive(Archive, Serialize, Deserialize, Clone, Debug, PartialEq)]
+pub struct WireToken {
+    /// Token id.
+    pub token: u32,
+    /// Its log-probability (NaN unless asked).
+    pub logprob: f32,
+    /// Alternatives, best first: (token, log-probability).
+    pub top: Vec<TopLogprob>,
+}
+
+/// One alternative token.
+#[derive(Archive, Serialize, Deserialize, Clone, Copy, Debug, PartialEq)]
+pub struct TopLogprob {
+    /// Token id.
+    pub token: u32,
+    /// Log-probability.
+    pub logprob: f32,
+}
+
+/// One request's events of one step: tokens, then possibly its end.
+#[derive(Archive, Serialize, Deserialize, Clone, Debug, PartialEq)]
+pub struct ReqEvents {
+    /// Router's request id.
+    pub req: u64,
+    /// Tokens in order.
+    pub tokens: Vec<WireToken>,
+    /// The terminal event, when the request ended in this step.
+    pub end: Option<WireEnd>,
+}
+
+/// How a request ended, on the wire.
+#[derive(Archive, Serialize, Deserialize, Clone, Debug, PartialEq)]
+pub enum WireEnd {
+    /// Finished normally.
+    Finished {
+        /// True for `stop`, false for `length`.
+        stop: bool,
+        /// Prompt tokens.
+        prompt_tokens: u32,
+        /// Generated tokens.
+        completion_tokens: u32,
+        /// Prompt tokens from the prefix cache.
+        cached_tokens: u32,
+    },
+    /// Ended by the engine.
+    Failed(WireFailure),
+}
+
+/// [`EngineFailure`] on the wire.
+#[derive(Archive, Serialize, Deserialize, Clone, Debug, PartialEq)]
+pub enum WireFailure {
+    /// See [`EngineFailure::QueueTimeout`].
+    QueueTimeout {
+        /// Waited, ms.
+        waited_ms: u64,
+        /// Limit, ms.
+        limit_ms: u64,
+    },
+    /// See [`EngineFailure::TooLargeForCache`].
+    TooLargeForCache {
+        /// Needed blocks.
+        need_blocks: u32,
+        /// Available blocks.
+        max_blocks: u32,
+    },
+    /// See [`EngineFailure::ShuttingDown`].
+    ShuttingDown,
+    /// See [`EngineFailure::Internal`].
+    Internal(String),
+}
+
+/// [`Rejection`] on the wire.
+#[derive(Archive, Serialize, Deserialize, Clone, Debug, PartialEq)]
+pub enum WireRejection {
+    /// See [`Rejection::TenantLimit`].
+    TenantLimit {
+        /// Tenant.
+        tenant: String,
+        /// Which limit.
+        reason: String,
+        /// Seconds.
+        retry_after_s: u32,
+    },
+    /// See [`Rejection::QueueFull`].
+    QueueFull {
+        /// Tier.
+        tier: String,
+        /// Cap.
+        queue_len_max: u64,
+        /// Seconds.
+        retry_after_s: u32,
+    },
+    /// See [`Rejection::TooLong`].
+    TooLong {
+        /// Prompt tokens.
+        prompt_tokens: u32,
+        /// Requested tokens.
+        max_tokens: u32,
+        /// Model length.
+        max_model_len: u32,
+    },
+    /// See [`Rejection::Invalid`].
+    Invalid(String),
+    /// See [`Rejection::Unavailable`].
+    Unavailable,
+}
+
+/// Header of one KV block transfer (disaggregated prefill/decode): the raw
+/// block bytes follow it on the transfer's own stream.
+#[derive(Archive, Serialize, Deserialize, Clone, Debug, PartialEq)]
+pub struct KvTransferHeader {
+    /// Router's request id.
+    pub req: u64,
+    /// The sending node's epoch.
+    pub epoch: u64,
+    /// Served model name; the receiver refuses another model.
+    pub model: String,
+    /// Tokens per block.
+    pub block_size: u32,
+    /// Element type of the cache (0 = f16, 1 = int8).
+    pub dtype: u8,
+    /// Memory layout version of a block.
+    pub layout: u8,
+    /// First layer carried.
+    pub layer_start: u16,
+    /// One past the last layer carried.
+    pub layer_end: u16,
+    /// Tokens whose KV is carried.
+    pub token_count: u32,
+    /// Blocks carried.
+    pub block_count: u32,
+    /// Raw bytes that follow.
+    pub bytes: u64,
+    /// Checksum of the raw bytes.
+    pub checksum: u64,
+}
+
+impl From<&Sampled> for WireToken {
+    fn from(s: &Sampled) -> WireToken {
+        WireToken {
+            token: s.token,
+            logprob: s.logprob,
+            top: s
+                .top
+                .iter()
+                .map(|&(token, logprob)| TopLogprob { token, logprob })
+                .collect(),
+        }
+    }
+}
+
+impl From<WireToken> for Sampled {
+    fn from(w: WireToken) -> Sampled {
+        Sampled {
+            token: w.token,
+            logprob: w.logprob,
+            top: w.top.into_iter().map(|t| (t.token, t.logprob)).collect(),
+        }
+    }
+}
+
+impl WireEnd {
+    /// The wire form of a terminal event; `None` for a token.
+    pub fn from_event(e: &EngineEvent) -> Option<WireEnd> {
+        match e {
+            EngineEvent::Token(_) => None,
+            EngineEvent::Finished { reason, usage } => Some(WireEnd::Finished {
+                stop: *reason == FinishReason::Stop,
+                prompt_tokens: usage.prompt_tokens,
+                completion_tokens: usage.completion_tokens,
+                cached_tokens: usage.cached_tokens,
+            }),
+            EngineEvent::Failed(f) => Some(WireEnd::Failed(WireFailure::from(f))),
+        }
+    }
+
+    /// Back to the terminal engine event.
+    pub fn into_event(self) -> EngineEvent {
+        match self {
+            WireEnd::Finished {
+                stop,
+                prompt_tokens,
+                completion_tokens,
+                cached_tokens,
+            } => EngineEvent::Finished {
+                reason: if stop {
+                    FinishReason::Stop
+                } else {
+                    FinishReason::Length
+                },
+                usage: Usage {
+                    prompt_tokens,
+                    completion_tokens,
+                    cached_tokens,
+                },
+            },
+            WireEnd::Failed(f) => EngineEvent::Failed(f.into()),
+        }
+    }
+}
+
+impl From<&EngineFailure> for WireFailure {
+    fn from(f: &EngineFailure) -> WireFailure {
+        match f {
+            EngineFailure::QueueTimeout {
+                waited_ms,
+                limit_ms,
+            } => WireFailure::QueueTimeout {
+                waited_ms: *waited_ms,
+                limit_ms: *limit_ms,
+            },
+            EngineFailure::TooLargeForCache {
+                need_blocks,
+                max_blocks,
+            } => WireFailure::TooLargeForCache {
+                need_blocks: *need_blocks,
+                max_blocks: *max_blocks,
+            },
+            EngineFailure::ShuttingDown => WireFailure::ShuttingDown,
+            EngineFailure::Internal(s) => WireFailure::Internal(s.clone()),
+        }
+    }
+}
+
+impl From<WireFailure> for EngineFailure {
+    fn from(f: WireFailure) -> EngineFailure {
+        match f {
+            WireFailure::QueueTimeout {
+                waited_ms,
+                limit_ms,
+            } => EngineFailure::QueueTimeout {
+                waited_ms,
+                limit_ms,
+            },
+            WireFailure::TooLargeForCache {
+                need_blocks,
+                max_blocks,
+            } => EngineFailure::TooLargeForCache {
+                need_blocks,
+                max_blocks,
+            },
+            WireFailure::ShuttingDown => EngineFailure::ShuttingDown,
+            WireFailure::Internal(s) => EngineFailure::Internal(s),
+        }
+    }
+}
+
+impl From<&Rejection> for WireRejection {
+    fn from(r: &Rejection) -> WireRejection {
+        match r {
+            Rejection::TenantLimit {
+                tenant,
+                reason,
+                retry_after_s,
+            } => WireRejection::TenantLimit {
+                tenant: tenant.clone(),
+                reason: reason.clone(),
+                retry_after_s: *retry_after_s,
+            },
+            Rejection::QueueFull {
+                tier,
+                queue_len_max,
+                retry_after_s,
+            } => WireRejection::QueueFull {
+                tier: tier.clone(),
+                queue_len_max: *queue_len_max as u64,
+                retry_after_s: *retry_after_s,
+            },
+            Rejection::TooLong {
+                prompt_tokens,
+                max_tokens,
+                max_model_len,
+            } => WireRejection::TooLong {
+                prompt_tokens: *prompt_tokens,
+                max_tokens: *max_tokens,
+                max_model_len: *max_model_len,
+            },
+            Rejection::Invalid(s) => WireRejection::Invalid(s.clone()),
+            Rejection::Unavailable => WireRejection::Unavailable,
+        }
+    }
+}
+
+impl From<WireRejection> for Rejection {
+    fn from(r: WireRejection) -> Rejection {
+        match r {
+            WireRejection::TenantLimit {
+                tenant,
+                reason,
+                retry_after_s,
+            } => Rejection::TenantLimit {
+                tenant,
+                reason,
+                retry_after_s,
+            },
+            WireRejection::QueueFull {
+                tier,
+                queue_len_max,
+                retry_after_s,
+            } => Rejection::QueueFull {
+                tier,
+                queue_len_max: queue_len_max.min(usize::MAX as u64) as usize,
+                retry_after_s,
+            },
+            WireRejection::TooLong {
+                prompt_tokens,
+                max_tokens,
+                max_model_len,
+            } => Rejection::TooLong {
+                prompt_tokens,
+                max_tokens,
+                max_model_len,
+            },
+            WireRejection::Invalid(s) => Rejection::Invalid(s),
+            WireRejection::Unavailable => Rejection::Unavailable,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const CAP: u32 = 1 << 20;
+
+    fn samples() -> Vec<Message> {
+        let req = EngineRequest {
+            tenant: TenantId(3),
+            prompt: vec![1, 2, 3, 49151],
+            max_tokens: 17,
+            sampling: SamplingParams {
+                temperature: 0.7,
+                top_k: 40,
+                top_p: 0.9,
+                seed: 99,
+                logprobs: true,
+                top_logprobs: 2,
+            },
+            ignore_eos: true,
+            stop_token_ids: vec![2],
+        };
+        vec![
+            Message::Heartbeat(LoadReport {
+                ready: true,
+                steps: 5,
+                running: 2,
+                queued: 1,
+                kv_total: 100,
+                kv_free: 90,
+                kv_used: 8,
+                kv_cached: 2,
+                preemptions: 1,
+                tiers: vec![TierLoad {
+                    name: "paid".into(),
+                    queued: 1,
+                    running: 2,
+                }],
+            }),
+            Message::Submit(SubmitMsg::from_request(7, &req)),
+            Message::Admitted { req: 7 },
+            Message::Refused {
+                req: 8,
+                rejection: WireRejection::from(&Rejection::QueueFull {
+                    tier: "free".into(),
+                    queue_len_max: 32,
+                    retry_after_s: 2,
+                }),
+            },
+            Message::Events(vec![ReqEvents {
+                req: 7,
+                tokens: vec![WireToken::from(&Sampled {
+                    token: 42,
+                    logprob: -0.5,
+                    top: vec![(42, -0.5), (43, -1.5)],
+                })],
+                end: WireEnd::from_event(&EngineEvent::Finished {
+                    reason: FinishReason::Length,
+                    usage: Usage {
+                        prompt_tokens: 4,
+                        completion_tokens: 1,
+                        cached_tokens: 0,
+                    },
+                }),
+            }]),
+            Message::Cancel {
+                req: 7,
+                stop_string: true,
+            },
+            Message::Ping {
+                seq: 1,
+                pad: vec![9; 100],
+            },
+            Message::Pong {
+                seq: 1,
+                pad: vec![],
+            },
+            Message::KvBlocks(KvTransferHeader {
+                req: 7,
+                epoch: 3,
+                model: "m".into(),
+                block_size: 16,
+                dtype: 0,
+                layout: 1,
+                layer_start: 0,
+                layer_end: 30,
+                token_count: 20,
+                block_count: 2,
+                bytes: 737_280,
+                checksum: 0xdead_beef,
+            }),
+        ]
+    }
+
+    #[test]
+    fn every_message_round_trips_with_its_envelope() {
+        for (i, m) in samples().into_iter().enumerate() {
+            let f = encode_frame(&m, i as u64, 2, 77, CAP).unwrap();
+            let (h, back) = decode_frame(&f, CAP).unwrap();
+            assert_eq!(back, m);
+            assert_eq!(h.kind, m.kind());
+            assert_eq!((h.correlation, h.sender, h.epoch), (i as u64, 2, 77));
+        }
+        let req = match &samples()[1] {
+            Message::Submit(s) => s.clone().into_request(),
+            _ => unreachable!(),
+        };
+        assert_eq!(req.prompt, vec![1, 2, 3, 49151]);
+        assert_eq!(req.sampling.top_k, 40);
+    }
+
+    #[test]
+    fn misaligned_payload_decodes() {
+        let f = encode_frame(&samples()[4], 1, 1, 1, CAP).unwrap();
+        let mut shifted = vec![0u8; 1];
+        shifted.extend_from_slice(&f);
+        let (h, m) = decode_frame(&shifted[1..], CAP).unwrap();
+        assert_eq!(h.kind, Kind::Events);
+        assert_eq!(m, samples()[4]);
+    }
+
+    #[test]
+    fn other_version_is_refused_by_name() {
+        let mut f = encode_frame(&samples()[0], 0, 0, 0, CAP).unwrap();
+        f[4..6].copy_from_slice(&2u16.to_le_bytes());
+        let e = decode_frame(&f, CAP).unwrap_err();
+        assert_eq!(e, WireError::Version { theirs: 2, ours: 1 });
+        assert!(e.to_string().contains("protocol version 2"));
+    }
+
+    #[test]
+    fn refusals_before_payload() {
+        let f = encode_frame(&samples()[6], 0, 0, 0, CAP).unwrap();
+        assert!(matches!(
+            decode_frame(&f, 64),
+            Err(WireError::TooLarge { cap: 64, .. })
+        ));
+        assert!(matches!(
+            encode_frame(&samples()[6], 0, 0, 0, 64),
+            Err(WireError::TooLarge { .. })
+        ));
+        let mut bad = f.clone();
+        bad[0] = b'X';
+        assert_eq!(decode_frame(&bad, CAP), Err(WireError::Magic));
+        let mut unk = f.clone();
+        unk[6..8].copy_from_slice(&999u16.to_le_bytes());
+        assert_eq!(decode_frame(&unk, CAP), Err(WireError::UnknownKind(999)));
+        assert!(matches!(
+            decode_frame(&f[..f.len() - 1], CAP),
+            Err(WireError::Truncated { .. })
+        ));
+        let mut lie = f.clone();
+        lie[6..8].copy_from_slice(&(Kind::Pong as u16).to_le_bytes());
+        assert!(matches!(
+            decode_frame(&lie, CAP),
+            Err(WireError::KindMismatch {
+                header: Kind::Pong,
+                payload: Kind::Ping
+            })
+        ));
+    }
+
+    #[test]
+    fn role_policy() {
+        assert!(Kind::Submit.may_send(Role::Router));
+        assert!(!Kind::Submit.may_send(Role::Worker));
+        assert!(!Kind::Events.may_send(Role::Router));
+        assert!(Kind::Events.may_send(Role::Decode));
+        assert!(!Kind::KvBlocks.may_send(Role::Router));
+        for r in Role::ALL {
+            assert!(Kind::Heartbeat.may_send(r));
+        }
+    }
+}

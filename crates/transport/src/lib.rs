@@ -1,0 +1,220 @@
+//! How nodes talk: one small [`Transport`] trait, implemented over QUIC
+//! ([`quic::QuicTransport`], quinn with mutual TLS under a cluster CA) and,
+//! for the deterministic simulation, over a simulated network.
+//!
+//! A transport moves [`Message`]s between node ids (indexes in the cluster
+//! config). Control messages to one peer travel in order on one stream; a
+//! bulk transfer (KV blocks) gets a stream of its own so that it never sits
+//! in front of them. Everything a peer sends is checked before anyone sees
+//! it: envelope and payload ([`flotilla_proto::wire`]), the sender's
+//! certificate against the node it claims to be, the sender's role against
+//! the message kind, and the sender's epoch (a message from a node's
+//! previous life is dropped).
+
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::Mutex;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use bytes::Bytes;
+use flotilla_proto::Role;
+use flotilla_proto::wire::{KvTransferHeader, Message};
+
+pub mod quic;
+pub mod tls;
+
+/// A boxed future, so `dyn Transport` works.
+pub type BoxFuture<T> = Pin<Box<dyn Future<Output = T> + Send + 'static>>;
+
+/// A node's index in the cluster config.
+pub type NodeId = u32;
+
+/// What the transport hands the node: messages and transfers from peers.
+#[derive(Debug)]
+pub enum Inbound {
+    /// One control message.
+    Message {
+        /// Sender.
+        from: NodeId,
+        /// Sender's epoch.
+        epoch: u64,
+        /// Correlation id from the envelope.
+        correlation: u64,
+        /// The message.
+        msg: Message,
+    },
+    /// One whole bulk transfer.
+    Bulk {
+        /// Sender.
+        from: NodeId,
+        /// Sender's epoch.
+        epoch: u64,
+        /// What the bytes are.
+        header: KvTransferHeader,
+        /// The bytes (`header.bytes` of them).
+        data: Bytes,
+    },
+}
+
+/// Why a control message was not queued; the message comes back so the
+/// caller can send it elsewhere without a clone.
+#[derive(Debug, thiserror::Error)]
+#[error("cannot send {:?} to node {to}: {reason}", msg.kind())]
+pub struct SendError {
+    /// The intended peer.
+    pub to: NodeId,
+    /// Why.
+    pub reason: SendFailure,
+    /// The message, handed back.
+    pub msg: Message,
+}
+
+/// The reason in a [`SendError`].
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum SendFailure {
+    /// No such node in the config (or it is this node).
+    #[error("no such peer")]
+    UnknownPeer,
+    /// The peer cannot be reached (its last connection failed); the link
+    /// keeps retrying with backoff.
+    #[error("peer is unreachable")]
+    PeerGone,
+    /// The per-peer send queue is full.
+    #[error("send queue full ({0} messages)")]
+    QueueFull(usize),
+    /// The message does not fit in one frame.
+    #[error("{0}")]
+    Encode(String),
+    /// This node's role may not send this kind.
+    #[error("role {0} may not send this kind")]
+    Forbidden(Role),
+    /// The transport is shut down.
+    #[error("transport closed")]
+    Closed,
+}
+
+/// Why a bulk transfer failed.
+#[derive(Debug, thiserror::Error)]
+pub enum BulkError {
+    /// See [`SendFailure`].
+    #[error("{0}")]
+    Send(SendFailure),
+    /// The connection or stream failed mid-transfer.
+    #[error("transfer failed: {0}")]
+    Io(String),
+}
+
+/// Moves messages between nodes. Small enough that the simulated network
+/// implements it too.
+pub trait Transport: Send + Sync + 'static {
+    /// This node's id.
+    fn node(&self) -> NodeId;
+    /// This node's epoch (new on every start).
+    fn epoch(&self) -> u64;
+    /// Queues one control message; never waits. Messages to one peer arrive
+    /// in the order sent, or not at all if the peer goes away.
+    fn send(&self, to: NodeId, correlation: u64, msg: Message) -> Result<(), SendError>;
+    /// Sends a bulk transfer on a stream of its own; resolves once the peer
+    /// has read all of it.
+    fn send_bulk(
+        &self,
+        to: NodeId,
+        header: KvTransferHeader,
+        data: Bytes,
+    ) -> BoxFuture<Result<(), BulkError>>;
+    /// Counters of what was refused or dropped.
+    fn stats(&self) -> TransportStats;
+}
+
+/// What a transport refused or dropped, since start.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct TransportStats {
+    /// Frames that failed envelope or payload validation.
+    pub frames_invalid: u64,
+    /// Frames whose kind the sender's role may not send.
+    pub frames_forbidden: u64,
+    /// Frames from an older epoch of their sender.
+    pub frames_stale_epoch: u64,
+    /// Connections refused: unknown node, role not the configured one.
+    pub connections_refused: u64,
+    /// Connections established (outbound).
+    pub connects: u64,
+}
+
+/// Counters shared by a transport's tasks.
+#[derive(Default)]
+pub(crate) struct Counters {
+    pub frames_invalid: AtomicU64,
+    pub frames_forbidden: AtomicU64,
+    pub frames_stale_epoch: AtomicU64,
+    pub connections_refused: AtomicU64,
+    pub connects: AtomicU64,
+}
+
+impl Counters {
+    pub(crate) fn snapshot(&self) -> TransportStats {
+        let l = |a: &AtomicU64| a.load(Ordering::Relaxed);
+        TransportStats {
+            frames_invalid: l(&self.frames_invalid),
+            frames_forbidden: l(&self.frames_forbidden),
+            frames_stale_epoch: l(&self.frames_stale_epoch),
+            connections_refused: l(&self.connections_refused),
+            connects: l(&self.connects),
+        }
+    }
+}
+
+/// The newest epoch seen from each peer. A node that restarts picks a
+/// larger epoch; anything still arriving from its old life is dropped.
+pub struct EpochFilter {
+    newest: Mutex<Vec<u64>>,
+}
+
+impl EpochFilter {
+    /// A filter for `nodes` peers.
+    pub fn new(nodes: usize) -> EpochFilter {
+        EpochFilter {
+            newest: Mutex::new(vec![0; nodes]),
+        }
+    }
+
+    /// Whether a message from `from` at `epoch` is current (and records it).
+    pub fn admit(&self, from: NodeId, epoch: u64) -> bool {
+        let mut v = self.newest.lock().expect("epoch filter poisoned");
+        match v.get_mut(from as usize) {
+            Some(e) if epoch >= *e => {
+                *e = epoch;
+                true
+            }
+            _ => false,
+        }
+    }
+}
+
+/// A fresh epoch for a starting node: wall-clock microseconds, so a restart
+/// always gets a larger one than the run before (unless the clock steps
+/// back by more than the restart takes).
+pub fn new_epoch() -> u64 {
+    #[allow(clippy::disallowed_methods)] // the one wall-clock read, at start-up
+    let now = std::time::SystemTime::now();
+    now.duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_micros() as u64)
+        .unwrap_or(1)
+        .max(1)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn epoch_filter_drops_the_old_life() {
+        let f = EpochFilter::new(2);
+        assert!(f.admit(1, 10));
+        assert!(f.admit(1, 10));
+        assert!(f.admit(1, 12));
+        assert!(!f.admit(1, 10), "old epoch after a restart must drop");
+        assert!(f.admit(0, 1));
+        assert!(!f.admit(5, 1), "unknown node");
+    }
+}

@@ -1,0 +1,679 @@
+//! The QUIC transport: quinn endpoints with mutual TLS under the cluster CA.
+//!
+//! Each node dials every peer it sends to and uses that connection only
+//! for its own sends; what a peer sends arrives on the peer's connection.
+//! Two one-way connections per pair need no tie-breaking when both dial at
+//! once, and a restarted node simply dials again.
+//!
+//! On a connection, control messages travel in order on one long-lived uni
+//! stream; each bulk transfer opens a uni stream of its own, so a stalled
+//! or slow transfer never blocks the control stream's frames.
+
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicBool, AtomicU8, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use bytes::{Bytes, BytesMut};
+use flotilla_proto::Role;
+use flotilla_proto::wire::{
+    self, HEADER_LEN, Header, Kind, KvTransferHeader, Message, decode_payload, encode_frame,
+};
+use quinn::{Connection, Endpoint, RecvStream, VarInt};
+use tokio::sync::mpsc;
+
+use crate::tls::{self, TlsMaterial};
+use crate::{
+    BoxFuture, BulkError, Counters, EpochFilter, Inbound, NodeId, SendError, SendFailure,
+    Transport, TransportStats,
+};
+
+/// Close codes a node sends when it refuses a peer.
+mod close {
+    pub const SHUTDOWN: u32 = 0;
+    pub const FORBIDDEN: u32 = 1;
+    pub const UNKNOWN_NODE: u32 = 2;
+    pub const PROTOCOL: u32 = 3;
+}
+
+/// Bulk data is written in slices of this size: quinn copies a larger
+/// `write` into a fresh allocation, and smaller slices bound how much bulk
+/// data can sit in front of a control frame in the send buffer.
+const BULK_CHUNK_BYTES: usize = 256 * 1024;
+
+/// A peer as the transport knows it.
+#[derive(Clone, Debug)]
+pub struct PeerSpec {
+    /// Node name, also the name in its certificate.
+    pub name: String,
+    /// Its role, which its certificate must carry too.
+    pub role: Role,
+    /// `host:port` to dial.
+    pub addr: String,
+}
+
+/// Fault hooks for tests and benchmarks on one machine: this kernel has no
+/// netem, so delay is injected where frames leave the node.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct LinkFaults {
+    /// Added before each control frame is written.
+    pub delay: Duration,
+    /// One frame in this many is delayed three times more (a lost packet's
+    /// retransmission); 0 = never.
+    pub loss_one_in: u32,
+}
+
+/// Everything the QUIC transport needs; the cluster crate builds it from
+/// the validated config.
+#[derive(Clone, Debug)]
+pub struct QuicOptions {
+    /// This node's id (index into `nodes`).
+    pub node: NodeId,
+    /// Every node of the cluster, this one included.
+    pub nodes: Vec<PeerSpec>,
+    /// Socket address to bind.
+    pub listen: SocketAddr,
+    /// This node's epoch.
+    pub epoch: u64,
+    /// Cap on one control frame's payload, bytes.
+    pub frame_len_max_bytes: u32,
+    /// Control frames waiting per peer.
+    pub send_queue_len_max: usize,
+    /// Messages waiting for the node to take them.
+    pub inbound_queue_len_max: usize,
+    /// Cap on one bulk transfer, bytes.
+    pub bulk_len_max_bytes: u64,
+    /// QUIC keep-alive interval.
+    pub keep_alive: Duration,
+    /// A connection silent this long is closed.
+    pub idle_timeout: Duration,
+    /// A dial that has no answer after this long fails (QUIC learns nothing
+    /// from a closed UDP port, so this is how a dead peer is noticed).
+    pub connect_timeout: Duration,
+    /// Longest wait between reconnect attempts.
+    pub reconnect_backoff_max: Duration,
+    /// Injected faults on this node's outgoing links (tests, benchmarks).
+    pub faults: LinkFaults,
+}
+
+/// Why the transport did not start.
+#[derive(Debug, thiserror::Error)]
+pub enum StartError {
+    /// Certificates.
+    #[error("{0}")]
+    Tls(#[from] tls::TlsError),
+    /// The node's certificate does not match its config entry.
+    #[error("certificate is for {cert_name} ({cert_role}), config says node {name} ({role})")]
+    Identity {
+        /// Name in the certificate.
+        cert_name: String,
+        /// Role in the certificate.
+        cert_role: Role,
+        /// Name in the config.
+        name: String,
+        /// Role in the config.
+        role: Role,
+    },
+    /// Bad option.
+    #[error("{0}")]
+    Options(String),
+    /// Binding the UDP socket.
+    #[error("cannot listen on {addr}: {source}")]
+    Bind {
+        /// Address.
+        addr: SocketAddr,
+        /// Error.
+        source: std::io::Error,
+    },
+}
+
+const CONNECTING: u8 = 0;
+const UP: u8 = 1;
+const DOWN: u8 = 2;
+
+struct Link {
+    tx: mpsc::Sender<Vec<u8>>,
+    state: Arc<LinkState>,
+}
+
+struct LinkState {
+    phase: AtomicU8,
+    conn: Mutex<Option<Connection>>,
+}
+
+/// A node's QUIC transport.
+pub struct QuicTransport {
+    node: NodeId,
+    epoch: u64,
+    role: Role,
+    frame_cap: u32,
+    links: Vec<Option<Link>>,
+    endpoint: Endpoint,
+    counters: Arc<Counters>,
+    closed: Arc<AtomicBool>,
+}
+
+impl QuicTransport {
+    /// Binds the endpoint, starts accepting peers and dialing them. Must be
+    /// called inside a tokio runtime. Returns the transport and the stream
+    /// of what peers send.
+    pub fn start(
+        opts: QuicOptions,
+        certs: &TlsMaterial,
+    ) -> Result<(Arc<QuicTransport>, mpsc::Receiver<Inbound>), StartError> {
+        let me = opts
+            .nodes
+            .get(opts.node as usize)
+            .ok_or_else(|| StartError::Options(format!("node id {} not in nodes", opts.node)))?
+            .clone();
+        let id = certs.identity()?;
+        if id.name != me.name || id.role != me.role {
+            return Err(StartError::Identity {
+                cert_name: id.name,
+                cert_role: id.role,
+                name: me.name,
+                role: me.role,
+            });
+        }
+        if opts.frame_len_max_bytes < wire::FRAME_LEN_MIN_BYTES || opts.send_queue_len_max == 0 {
+            return Err(StartError::Options(
+                "frame cap below 4096 bytes or an empty send queue".into(),
+            ));
+        }
+        let tc = Arc::new(transport_config(&opts)?);
+        let server = tls::server_config(certs, tc.clone())?;
+        let client = tls::client_config(certs, tc)?;
+        let mut endpoint =
+            Endpoint::server(server, opts.listen).map_err(|source| StartError::Bind {
+                addr: opts.listen,
+                source,
+            })?;
+        endpoint.set_default_client_config(client);
+
+        let counters = Arc::new(Counters::default());
+        let (in_tx, in_rx) = mpsc::channel(opts.inbound_queue_len_max.max(1));
+        let epochs = Arc::new(EpochFilter::new(opts.nodes.len()));
+        let opts = Arc::new(opts);
+        let closed = Arc::new(AtomicBool::new(false));
+
+        let mut links = Vec::with_capacity(opts.nodes.len());
+        for (i, peer) in opts.nodes.iter().enumerate() {
+            if i as NodeId == opts.node {
+                links.push(None);
+                continue;
+            }
+            let (tx, rx) = mpsc::channel(opts.send_queue_len_max);
+            let state = Arc::new(LinkState {
+                phase: AtomicU8::new(CONNECTING),
+                conn: Mutex::new(None),
+            });
+            tokio::spawn(run_link(
+                endpoint.clone(),
+                peer.clone(),
+                rx,
+                state.clone(),
+                opts.clone(),
+                counters.clone(),
+                closed.clone(),
+            ));
+            links.push(Some(Link { tx, state }));
+        }
+        tokio::spawn(accept_loop(
+            endpoint.clone(),
+            opts.clone(),
+            in_tx,
+            epochs,
+            counters.clone(),
+        ));
+        Ok((
+            Arc::new(QuicTransport {
+                node: opts.node,
+                epoch: opts.epoch,
+                role: me.role,
+                frame_cap: opts.frame_len_max_bytes,
+                links,
+                endpoint,
+                counters,
+                closed,
+            }),
+            in_rx,
+        ))
+    }
+
+    /// The bound UDP address.
+    pub fn local_addr(&self) -> std::io::Result<SocketAddr> {
+        self.endpoint.local_addr()
+    }
+
+    /// Whether the link to `to` has a live connection.
+    pub fn is_connected(&self, to: NodeId) -> bool {
+        self.link(to)
+            .is_some_and(|l| l.state.phase.load(Ordering::Acquire) == UP)
+    }
+
+    /// Closes every connection; further sends fail.
+    pub fn close(&self) {
+        self.closed.store(true, Ordering::Release);
+        self.endpoint
+            .close(VarInt::from_u32(close::SHUTDOWN), b"shutdown");
+    }
+
+    fn link(&self, to: NodeId) -> Option<&Link> {
+        self.links.get(to as usize).and_then(|l| l.as_ref())
+    }
+
+    /// Queues an already-encoded frame, skipping this node's own role check
+    /// (tests use it to play a misbehaving peer).
+    #[doc(hidden)]
+    pub fn send_unchecked(
+        &self,
+        to: NodeId,
+        correlation: u64,
+        msg: Message,
+    ) -> Result<(), SendError> {
+        let frame = match encode_frame(&msg, correlation, self.node, self.epoch, self.frame_cap) {
+            Ok(f) => f,
+            Err(e) => {
+                return Err(SendError {
+                    to,
+                    reason: SendFailure::Encode(e.to_string()),
+                    msg,
+                });
+            }
+        };
+        let Some(link) = self.link(to) else {
+            return Err(SendError {
+                to,
+                reason: SendFailure::UnknownPeer,
+                msg,
+            });
+        };
+        if link.state.phase.load(Ordering::Acquire) == DOWN {
+            return Err(SendError {
+                to,
+                reason: SendFailure::PeerGone,
+                msg,
+            });
+        }
+        match link.tx.try_send(frame) {
+            Ok(()) => Ok(()),
+            Err(mpsc::error::TrySendError::Full(_)) => Err(SendError {
+                to,
+                reason: SendFailure::QueueFull(link.tx.max_capacity()),
+                msg,
+            }),
+            Err(mpsc::error::TrySendError::Closed(_)) => Err(SendError {
+                to,
+                reason: SendFailure::Closed,
+                msg,
+            }),
+        }
+    }
+}
+
+impl Drop for QuicTransport {
+    fn drop(&mut self) {
+        self.close();
+    }
+}
+
+impl Transport for QuicTransport {
+    fn node(&self) -> NodeId {
+        self.node
+    }
+
+    fn epoch(&self) -> u64 {
+        self.epoch
+    }
+
+    fn send(&self, to: NodeId, correlation: u64, msg: Message) -> Result<(), SendError> {
+        if !msg.kind().may_send(self.role) {
+            return Err(SendError {
+                to,
+                reason: SendFailure::Forbidden(self.role),
+                msg,
+            });
+        }
+        self.send_unchecked(to, correlation, msg)
+    }
+
+    fn send_bulk(
+        &self,
+        to: NodeId,
+        header: KvTransferHeader,
+        data: Bytes,
+    ) -> BoxFuture<Result<(), BulkError>> {
+        let conn = match self.link(to) {
+            None => Err(SendFailure::UnknownPeer),
+            Some(l) => l
+                .state
+                .conn
+                .lock()
+                .expect("link state poisoned")
+                .clone()
+                .ok_or(SendFailure::PeerGone),
+        };
+        let frame = encode_frame(
+            &Message::KvBlocks(header.clone()),
+            header.req,
+            self.node,
+            self.epoch,
+            self.frame_cap,
+        );
+        let role = self.role;
+        Box::pin(async move {
+            if !Kind::KvBlocks.may_send(role) {
+                return Err(BulkError::Send(SendFailure::Forbidden(role)));
+            }
+            if header.bytes != data.len() as u64 {
+                return Err(BulkError::Io(format!(
+                    "header says {} bytes, {} given",
+                    header.bytes,
+                    data.len()
+                )));
+            }
+            let conn = conn.map_err(BulkError::Send)?;
+            let frame = frame.map_err(|e| BulkError::Send(SendFailure::Encode(e.to_string())))?;
+            let io = |e: &dyn std::fmt::Display| BulkError::Io(e.to_string());
+            let mut s = conn.open_uni().await.map_err(|e| io(&e))?;
+            s.write_all(&frame).await.map_err(|e| io(&e))?;
+            let mut off = 0;
+            while off < data.len() {
+                let end = (off + BULK_CHUNK_BYTES).min(data.len());
+                s.write_chunk(data.slice(off..end))
+                    .await
+                    .map_err(|e| io(&e))?;
+                off = end;
+            }
+            s.finish().map_err(|e| io(&e))?;
+            // Resolves once the peer has read the stream to its end.
+            s.stopped().await.map_err(|e| io(&e))?;
+            Ok(())
+        })
+    }
+
+    fn stats(&self) -> TransportStats {
+        self.counters.snapshot()
+    }
+}
+
+fn transport_config(opts: &QuicOptions) -> Result<quinn::TransportConfig, StartError> {
+    let mut tc = quinn::TransportConfig::default();
+    tc.keep_alive_interval(Some(opts.keep_alive));
+    tc.max_idle_timeout(Some(
+        quinn::IdleTimeout::try_from(opts.idle_timeout)
+            .map_err(|_| StartError::Options("idle timeout out of range".into()))?,
+    ));
+    // Loopback and jumbo-frame links get large packets after discovery;
+    // the bound keeps MTU x 10 (quinn's GSO batch) under the 64 KiB UDP
+    // limit, above which the kernel drops the batch and quinn falls back
+    // to 1200-byte packets.
+    let mut mtu = quinn::MtuDiscoveryConfig::default();
+    mtu.upper_bound(6500);
+    tc.mtu_discovery_config(Some(mtu));
+    Ok(tc)
+}
+
+/// Dials one peer, keeps the connection, and writes its queued frames in
+/// order on one control stream; reconnects with capped exponential backoff.
+async fn run_link(
+    endpoint: Endpoint,
+    peer: PeerSpec,
+    mut rx: mpsc::Receiver<Vec<u8>>,
+    state: Arc<LinkState>,
+    opts: Arc<QuicOptions>,
+    counters: Arc<Counters>,
+    closed: Arc<AtomicBool>,
+) {
+    let mut backoff = Duration::from_millis(20);
+    let mut batch: Vec<u8> = Vec::new();
+    let mut n: u64 = 0;
+    loop {
+        if rx.is_closed() {
+            return;
+        }
+        let conn = match dial(&endpoint, &peer, opts.connect_timeout).await {
+            Ok(c) => c,
+            Err(e) => {
+                if closed.load(Ordering::Acquire) {
+                    return;
+                }
+                tracing::debug!(peer = %peer.name, "connect failed: {e}");
+                state.phase.store(DOWN, Ordering::Release);
+                // Frames queued for a peer that cannot be reached are for
+                // a conversation that is over; the node learns of it from
+                // heartbeats and fails or re-runs the work.
+                while rx.try_recv().is_ok() {}
+                tokio::time::sleep(backoff).await;
+                backoff = (backoff * 2).min(opts.reconnect_backoff_max);
+                continue;
+            }
+        };
+        backoff = Duration::from_millis(20);
+        let mut stream = match conn.open_uni().await {
+            Ok(s) => s,
+            Err(_) => continue,
+        };
+        *state.conn.lock().expect("link state poisoned") = Some(conn.clone());
+        state.phase.store(UP, Ordering::Release);
+        counters.connects.fetch_add(1, Ordering::Relaxed);
+        loop {
+            let first = tokio::select! {
+                f = rx.recv() => f,
+                _ = conn.closed() => break,
+            };
+            let Some(first) = first else {
+                conn.close(VarInt::from_u32(close::SHUTDOWN), b"shutdown");
+                return;
+            };
+            // Everything already queued goes out in one write.
+            batch.clear();
+            batch.extend_from_slice(&first);
+            while batch.len() < 1 << 20 {
+                match rx.try_recv() {
+                    Ok(f) => batch.extend_from_slice(&f),
+                    Err(_) => break,
+                }
+            }
+            if !opts.faults.delay.is_zero() {
+                n += 1;
+                let lost = opts.faults.loss_one_in > 0 && n % opts.faults.loss_one_in as u64 == 0;
+                let d = if lost {
+                    opts.faults.delay * 4
+                } else {
+                    opts.faults.delay
+                };
+                tokio::time::sleep(d).await;
+            }
+            if stream.write_all(&batch).await.is_err() {
+                break;
+            }
+        }
+        state.phase.store(DOWN, Ordering::Release);
+        *state.conn.lock().expect("link state poisoned") = None;
+        while rx.try_recv().is_ok() {}
+        tracing::info!(peer = %peer.name, "connection lost; reconnecting");
+    }
+}
+
+async fn dial(
+    endpoint: &Endpoint,
+    peer: &PeerSpec,
+    timeout: Duration,
+) -> Result<Connection, String> {
+    let addr = tokio::net::lookup_host(&peer.addr)
+        .await
+        .map_err(|e| format!("resolving {}: {e}", peer.addr))?
+        .next()
+        .ok_or_else(|| format!("{} resolves to nothing", peer.addr))?;
+    let connecting = endpoint
+        .connect(addr, &peer.name)
+        .map_err(|e| e.to_string())?;
+    let conn = tokio::time::timeout(timeout, connecting)
+        .await
+        .map_err(|_| "connect timed out".to_string())?
+        .map_err(|e| e.to_string())?;
+    // The server's certificate chains to our CA (checked by rustls); it must
+    // also be the node we meant to reach, in its configured role.
+    let id = tls::peer_identity(&conn).map_err(|e| e.to_string())?;
+    if id.name != peer.name || id.role != peer.role {
+        conn.close(VarInt::from_u32(close::UNKNOWN_NODE), b"wrong identity");
+        return Err(format!(
+            "{} answered as {} ({}), expected {} ({})",
+            peer.addr, id.name, id.role, peer.name, peer.role
+        ));
+    }
+    Ok(conn)
+}
+
+async fn accept_loop(
+    endpoint: Endpoint,
+    opts: Arc<QuicOptions>,
+    in_tx: mpsc::Sender<Inbound>,
+    epochs: Arc<EpochFilter>,
+    counters: Arc<Counters>,
+) {
+    while let Some(incoming) = endpoint.accept().await {
+        let opts = opts.clone();
+        let in_tx = in_tx.clone();
+        let epochs = epochs.clone();
+        let counters = counters.clone();
+        tokio::spawn(async move {
+            let Ok(conn) = incoming.await else {
+                // Handshake failed: no client certificate, another CA, ...
+                counters.connections_refused.fetch_add(1, Ordering::Relaxed);
+                return;
+            };
+            let Some((from, role)) = known_peer(&conn, &opts) else {
+                counters.connections_refused.fetch_add(1, Ordering::Relaxed);
+                conn.close(VarInt::from_u32(close::UNKNOWN_NODE), b"unknown node");
+                return;
+            };
+            while let Ok(recv) = conn.accept_uni().await {
+                tokio::spawn(read_stream(
+                    recv,
+                    conn.clone(),
+                    from,
+                    role,
+                    opts.clone(),
+                    in_tx.clone(),
+                    epochs.clone(),
+                    counters.clone(),
+                ));
+            }
+        });
+    }
+}
+
+/// The configured node this connection's certificate names, if its role
+/// matches the config.
+fn known_peer(conn: &Connection, opts: &QuicOptions) -> Option<(NodeId, Role)> {
+    let id = tls::peer_identity(conn).ok()?;
+    let (i, spec) = opts
+        .nodes
+        .iter()
+        .enumerate()
+        .find(|(_, n)| n.name == id.name)?;
+    if spec.role != id.role || i as NodeId == opts.node {
+        tracing::warn!(peer = %id.name, "refused: certificate role {} differs from config", id.role);
+        return None;
+    }
+    Some((i as NodeId, id.role))
+}
+
+/// Reads frames from one uni stream: a control stream (frames until the
+/// stream ends) or a bulk stream (one `KvBlocks` frame, then its bytes).
+#[allow(clippy::too_many_arguments)]
+async fn read_stream(
+    mut recv: RecvStream,
+    conn: Connection,
+    from: NodeId,
+    role: Role,
+    opts: Arc<QuicOptions>,
+    in_tx: mpsc::Sender<Inbound>,
+    epochs: Arc<EpochFilter>,
+    counters: Arc<Counters>,
+) {
+    let refuse = |code: u32, why: &str, counter: &std::sync::atomic::AtomicU64| {
+        counter.fetch_add(1, Ordering::Relaxed);
+        tracing::warn!(peer = from, "closing connection: {why}");
+        conn.close(VarInt::from_u32(code), why.as_bytes());
+    };
+    let mut head = [0u8; HEADER_LEN];
+    let mut payload = Vec::new();
+    loop {
+        match recv.read_exact(&mut head).await {
+            Ok(()) => {}
+            // The stream ended at a frame boundary: the peer is done with it.
+            Err(quinn::ReadExactError::FinishedEarly(0)) => return,
+            Err(_) => return,
+        }
+        let header = match Header::decode(&head, opts.frame_len_max_bytes) {
+            Ok(h) => h,
+            Err(e) => return refuse(close::PROTOCOL, &e.to_string(), &counters.frames_invalid),
+        };
+        if header.sender != from {
+            return refuse(
+                close::PROTOCOL,
+                "envelope sender differs from certificate",
+                &counters.frames_invalid,
+            );
+        }
+        if !header.kind.may_send(role) {
+            let why = format!("role {role} may not send {:?}", header.kind);
+            return refuse(close::FORBIDDEN, &why, &counters.frames_forbidden);
+        }
+        payload.resize(header.len as usize, 0);
+        if recv.read_exact(&mut payload).await.is_err() {
+            return;
+        }
+        let msg = match decode_payload(&header, &payload) {
+            Ok(m) => m,
+            Err(e) => return refuse(close::PROTOCOL, &e.to_string(), &counters.frames_invalid),
+        };
+        let current = epochs.admit(from, header.epoch);
+        if let Message::KvBlocks(h) = msg {
+            if h.bytes > opts.bulk_len_max_bytes {
+                let why = format!(
+                    "bulk transfer of {} bytes over the cap of {}",
+                    h.bytes, opts.bulk_len_max_bytes
+                );
+                return refuse(close::PROTOCOL, &why, &counters.frames_invalid);
+            }
+            let mut data = BytesMut::with_capacity(h.bytes as usize);
+            while (data.len() as u64) < h.bytes {
+                let want = (h.bytes - data.len() as u64).min(1 << 20) as usize;
+                match recv.read_chunk(want, true).await {
+                    Ok(Some(c)) => data.extend_from_slice(&c.bytes),
+                    _ => return,
+                }
+            }
+            if !current {
+                counters.frames_stale_epoch.fetch_add(1, Ordering::Relaxed);
+                return;
+            }
+            let _ = in_tx
+                .send(Inbound::Bulk {
+                    from,
+                    epoch: header.epoch,
+                    header: h,
+                    data: data.freeze(),
+                })
+                .await;
+            return;
+        }
+        if !current {
+            counters.frames_stale_epoch.fetch_add(1, Ordering::Relaxed);
+            continue;
+        }
+        let inbound = Inbound::Message {
+            from,
+            epoch: header.epoch,
+            correlation: header.correlation,
+            msg,
+        };
+        if in_tx.send(inbound).await.is_err() {
+            return;
+        }
+    }
+}
