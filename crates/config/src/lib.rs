@@ -18,6 +18,12 @@
 //! api_keys = ["sk-acme-example"]
 //! max_concurrent = 64
 //! ```
+//!
+//! A multi-node deployment adds `[cluster]` and `[[nodes]]` (see [`cluster`]).
+
+pub mod cluster;
+
+pub use cluster::{ClusterSection, NODES_MAX, Node, Role};
 
 use std::collections::HashMap;
 use std::path::Path;
@@ -38,7 +44,7 @@ pub enum ConfigError {
     /// TOML syntax or a field of the wrong type, with its line.
     #[error("{origin}:{line}: {message}")]
     Syntax {
-        /// File name (or "<string>").
+        /// File name (or `"<string>"`).
         origin: String,
         /// 1-based line.
         line: usize,
@@ -48,7 +54,7 @@ pub enum ConfigError {
     /// Well-formed TOML that breaks a rule, with the line of the offending table where known.
     #[error("{origin}:{line}: {message}")]
     Invalid {
-        /// File name (or "<string>").
+        /// File name (or `"<string>"`).
         origin: String,
         /// 1-based line (0 when unknown).
         line: usize,
@@ -122,6 +128,9 @@ pub struct ClusterConfig {
     pub tiers: Vec<Tier>,
     /// Tenants, in file order (their index is the tenant id).
     pub tenants: Vec<Tenant>,
+    /// The nodes of a multi-node cluster; `None` when the file has no
+    /// `[cluster]` and no `[[nodes]]`.
+    pub cluster: Option<ClusterSection>,
     keys: HashMap<String, usize>,
 }
 
@@ -134,6 +143,9 @@ struct RawFile {
     tiers: Vec<toml::Spanned<RawTier>>,
     #[serde(default)]
     tenants: Vec<toml::Spanned<RawTenant>>,
+    cluster: Option<toml::Spanned<cluster::RawCluster>>,
+    #[serde(default)]
+    nodes: Vec<toml::Spanned<cluster::RawNode>>,
 }
 
 #[derive(Deserialize)]
@@ -208,13 +220,21 @@ fn line_of(text: &str, offset: usize) -> usize {
 }
 
 impl ClusterConfig {
-    /// Reads and validates a config file.
+    /// Reads and validates a config file. A relative `cluster.certs_dir` is
+    /// resolved against the file's directory.
     pub fn load(path: &Path) -> Result<ClusterConfig, ConfigError> {
         let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
             path: path.display().to_string(),
             source,
         })?;
-        ClusterConfig::parse(&text, &path.display().to_string())
+        let mut config = ClusterConfig::parse(&text, &path.display().to_string())?;
+        if let Some(c) = &mut config.cluster
+            && c.certs_dir.is_relative()
+        {
+            let dir = path.parent().unwrap_or(Path::new(""));
+            c.certs_dir = dir.join(&c.certs_dir);
+        }
+        Ok(config)
     }
 
     /// Parses and validates config text; `origin` names it in errors.
@@ -359,10 +379,12 @@ impl ClusterConfig {
         {
             return Err(invalid(0, format!("engine.queue_timeout_s {q} {why}")));
         }
+        let cluster = cluster::validate(raw.cluster.as_ref(), &raw.nodes, &invalid)?;
         Ok(ClusterConfig {
             engine: raw.engine,
             tiers,
             tenants,
+            cluster,
             keys,
         })
     }
@@ -380,6 +402,7 @@ impl ClusterConfig {
                 kv_reserved_blocks: 0,
             }],
             tenants: vec![Tenant::open_default(0)],
+            cluster: None,
             keys: HashMap::new(),
         }
     }
@@ -496,13 +519,75 @@ max_concurrent = 4
     fn shipped_configs_parse() {
         let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../cluster-configs");
         let mut n = 0;
+        let mut clusters = 0;
         for e in std::fs::read_dir(&dir).unwrap() {
             let p = e.unwrap().path();
             if p.extension().is_some_and(|x| x == "toml") {
-                ClusterConfig::load(&p).unwrap_or_else(|e| panic!("{}: {e}", p.display()));
+                let c = ClusterConfig::load(&p).unwrap_or_else(|e| panic!("{}: {e}", p.display()));
+                if let Some(cluster) = &c.cluster {
+                    assert_eq!(cluster.router().1.role, Role::Router, "{}", p.display());
+                    assert!(cluster.router().1.http.is_some(), "{}", p.display());
+                    assert!(cluster.engines().count() >= 1, "{}", p.display());
+                    clusters += 1;
+                }
                 n += 1;
             }
         }
         assert!(n >= 1, "no configs in {}", dir.display());
+        // two-workers.toml and k8s.toml at least.
+        assert!(
+            clusters >= 2,
+            "{clusters} cluster configs in {}",
+            dir.display()
+        );
+    }
+
+    /// deploy/k8s/configmap.yaml carries cluster-configs/k8s.toml inline
+    /// (kustomize reads no file outside its directory); the copy must not
+    /// drift, and its workers must be the StatefulSet's pods.
+    #[test]
+    fn k8s_configmap_matches_shipped_toml() {
+        let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
+        let toml = std::fs::read_to_string(root.join("cluster-configs/k8s.toml")).unwrap();
+        let yaml = std::fs::read_to_string(root.join("deploy/k8s/configmap.yaml")).unwrap();
+        let mut lines = yaml.lines();
+        lines
+            .by_ref()
+            .find(|l| *l == "  cluster.toml: |")
+            .expect("configmap.yaml has a `  cluster.toml: |` block");
+        let inline: Vec<&str> = lines
+            .take_while(|l| l.is_empty() || l.starts_with("    "))
+            .map(|l| l.strip_prefix("    ").unwrap_or(l))
+            .collect();
+        assert_eq!(
+            inline.join("\n").trim_end(),
+            toml.trim_end(),
+            "deploy/k8s/configmap.yaml and cluster-configs/k8s.toml differ"
+        );
+
+        let c = ClusterConfig::parse(&toml, "k8s.toml").unwrap();
+        let cluster = c.cluster.unwrap();
+        assert_eq!(cluster.certs_dir, Path::new("/etc/flotilla/certs"));
+        assert_eq!(cluster.router().1.name, "router");
+        let workers = std::fs::read_to_string(root.join("deploy/k8s/workers.yaml")).unwrap();
+        let replicas: usize = workers
+            .lines()
+            .find_map(|l| l.strip_prefix("  replicas: "))
+            .expect("workers.yaml sets replicas")
+            .parse()
+            .unwrap();
+        let engines: Vec<(String, String)> = cluster
+            .engines()
+            .map(|(_, n)| (n.name.clone(), n.addr.clone()))
+            .collect();
+        let pods: Vec<(String, String)> = (0..replicas)
+            .map(|i| {
+                (
+                    format!("flotilla-worker-{i}"),
+                    format!("flotilla-worker-{i}.flotilla-worker:7400"),
+                )
+            })
+            .collect();
+        assert_eq!(engines, pods);
     }
 }

@@ -286,6 +286,10 @@ async fn ready(State(gw): Shared) -> Response {
             "total": s.kv.total, "used": s.kv.used, "free": s.kv.free, "cached": s.kv.cached,
         },
         "preemptions": s.preemptions,
+        "nodes": s.nodes.iter().map(|n| json!({
+            "name": n.name, "up": n.up, "epoch": n.epoch, "in_flight": n.in_flight,
+            "routed": n.routed, "downs": n.downs,
+        })).collect::<Vec<_>>(),
     });
     let status = if s.ready {
         StatusCode::OK

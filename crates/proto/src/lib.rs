@@ -210,6 +210,25 @@ pub struct EngineStatus {
     pub kv: KvUsage,
     /// Preemptions since start.
     pub preemptions: u64,
+    /// Engine nodes behind a cluster Router (empty for an engine in this process).
+    pub nodes: Vec<NodeStatus>,
+}
+
+/// One engine node as a cluster Router sees it.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct NodeStatus {
+    /// Node name.
+    pub name: String,
+    /// Heard from within the down-after bound.
+    pub up: bool,
+    /// The epoch it last spoke with (0 before it was heard).
+    pub epoch: u64,
+    /// Requests in flight on it now.
+    pub in_flight: u32,
+    /// Requests routed to it since the Router started.
+    pub routed: u64,
+    /// Times it was marked down.
+    pub downs: u64,
 }
 
 /// The events of one accepted request. Dropping it cancels the request: the

@@ -423,6 +423,7 @@ impl From<&LoadReport> for EngineStatus {
                 cached: r.kv_cached,
             },
             preemptions: r.preemptions,
+            nodes: Vec::new(),
         }
     }
 }

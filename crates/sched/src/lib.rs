@@ -156,6 +156,7 @@ impl Scheduler {
                 cached: u.cached,
             },
             preemptions: self.counters.preemptions,
+            nodes: Vec::new(),
         }
     }
 

@@ -42,8 +42,8 @@ const CA_COMMON_NAME: &str = "Flotilla cluster CA";
 
 /// How long a node certificate is valid.
 const NODE_VALIDITY: Duration = Duration::from_secs(10 * 365 * 86_400);
-/// How long the CA is valid: longer than a node certificate, so one issued late
-/// in the CA's life does not outlive the CA that vouches for it.
+/// How long the CA is valid: twice a node certificate's life, so nodes issued in
+/// the CA's first ten years expire before the CA that vouches for them.
 const CA_VALIDITY: Duration = Duration::from_secs(20 * 365 * 86_400);
 /// How far back validity starts, so a peer whose clock is behind the issuer's
 /// still accepts a certificate issued a moment ago.

@@ -180,6 +180,7 @@ impl Engine for Fake {
                     cached: 10,
                 },
                 preemptions: 2,
+                nodes: vec![],
             }
         })
     }

@@ -1,0 +1,117 @@
+//! An in-process network for tests: every node's inbox is a channel, a
+//! node can be killed (its inbox closes and its own sends fail) and
+//! rejoin with a new epoch. No latency, loss or reordering: those belong
+//! to the simulator's network.
+
+use std::sync::{Arc, Mutex};
+
+use bytes::Bytes;
+use flotilla_proto::wire::{KvTransferHeader, Message};
+use flotilla_transport::{
+    BoxFuture, BulkError, Inbound, NodeId, SendError, SendFailure, Transport, TransportStats,
+};
+use tokio::sync::mpsc;
+
+/// The network: one slot per node.
+#[derive(Default)]
+pub struct MemNet {
+    nodes: Mutex<Vec<Option<(u64, mpsc::Sender<Inbound>)>>>,
+}
+
+/// One node's end of a [`MemNet`].
+pub struct MemTransport {
+    net: Arc<MemNet>,
+    node: NodeId,
+    epoch: u64,
+}
+
+impl MemNet {
+    /// A network of `n` nodes, none joined yet.
+    pub fn new(n: usize) -> Arc<MemNet> {
+        Arc::new(MemNet {
+            nodes: Mutex::new(vec![None; n]),
+        })
+    }
+
+    /// Node `node` (re)joins at `epoch`.
+    pub fn join(
+        self: &Arc<MemNet>,
+        node: NodeId,
+        epoch: u64,
+    ) -> (Arc<MemTransport>, mpsc::Receiver<Inbound>) {
+        let (tx, rx) = mpsc::channel(4096);
+        self.nodes.lock().expect("memnet poisoned")[node as usize] = Some((epoch, tx));
+        (
+            Arc::new(MemTransport {
+                net: self.clone(),
+                node,
+                epoch,
+            }),
+            rx,
+        )
+    }
+
+    /// Node `node` dies: nothing reaches it and nothing it sends arrives.
+    pub fn kill(&self, node: NodeId) {
+        self.nodes.lock().expect("memnet poisoned")[node as usize] = None;
+    }
+}
+
+impl Transport for MemTransport {
+    fn node(&self) -> NodeId {
+        self.node
+    }
+
+    fn epoch(&self) -> u64 {
+        self.epoch
+    }
+
+    fn send(&self, to: NodeId, correlation: u64, msg: Message) -> Result<(), SendError> {
+        let nodes = self.net.nodes.lock().expect("memnet poisoned");
+        let alive = |n: NodeId| nodes.get(n as usize).and_then(|s| s.as_ref());
+        // A killed node (or an old life of a rejoined one) is mute.
+        let me_alive = alive(self.node).is_some_and(|(e, _)| *e == self.epoch);
+        let reason = match alive(to) {
+            _ if !me_alive => SendFailure::Closed,
+            None if (to as usize) < nodes.len() => SendFailure::PeerGone,
+            None => SendFailure::UnknownPeer,
+            Some((_, tx)) => {
+                let inbound = Inbound::Message {
+                    from: self.node,
+                    epoch: self.epoch,
+                    correlation,
+                    msg,
+                };
+                return tx.try_send(inbound).map_err(|e| {
+                    let msg = match e.into_inner() {
+                        Inbound::Message { msg, .. } => msg,
+                        Inbound::Bulk { .. } => unreachable!("sent a message"),
+                    };
+                    SendError {
+                        to,
+                        reason: SendFailure::QueueFull(4096),
+                        msg,
+                    }
+                });
+            }
+        };
+        Err(SendError { to, reason, msg })
+    }
+
+    fn send_bulk(
+        &self,
+        _to: NodeId,
+        _header: KvTransferHeader,
+        _data: Bytes,
+    ) -> BoxFuture<Result<(), BulkError>> {
+        Box::pin(async {
+            Err(BulkError::Io(
+                "bulk transfers are not modelled by MemNet".into(),
+            ))
+        })
+    }
+
+    fn stats(&self) -> TransportStats {
+        TransportStats::default()
+    }
+}

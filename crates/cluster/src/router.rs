@@ -1,0 +1,534 @@
+//! The Router's cluster view: an [`Engine`] whose requests run on engine
+//! nodes across the transport.
+//!
+//! The HTTP front (`flotilla-gateway`) drives this exactly as it drives an
+//! engine in its own process; it cannot tell the difference. Behind it:
+//!
+//! - Membership: every engine node sends a heartbeat with its load each
+//!   interval. A node silent for `down_after` is marked down: no new work
+//!   goes to it, and its in-flight requests are re-run elsewhere when no
+//!   token has reached the client yet, or end with a clear error. A node
+//!   heard with a new epoch restarted: the same happens to the old life's
+//!   requests, and it takes work again at once.
+//! - Routing: the cost of a worker is the prompt blocks it would have to
+//!   compute (blocks it is believed to hold already are free, see
+//!   [`crate::prefix`]) plus the KV blocks of the requests it is running
+//!   now, so a cached prefix wins unless its worker is much busier.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use flotilla_proto::wire::{LoadReport, Message, SubmitMsg};
+use flotilla_proto::{
+    BoxFuture, Engine, EngineEvent, EngineFailure, EngineRequest, EngineStatus, KvUsage,
+    NodeStatus, Rejection, RequestId, RequestStream, TierStatus,
+};
+use flotilla_transport::{Inbound, NodeId, Transport};
+use tokio::sync::{mpsc, oneshot};
+use tokio::time::Instant;
+
+use crate::prefix::{PrefixIndex, block_hashes};
+
+/// How the Router routes and watches its engine nodes.
+#[derive(Clone, Debug)]
+pub struct RouterOptions {
+    /// Engine nodes: (node id, name).
+    pub workers: Vec<(NodeId, String)>,
+    /// Heartbeat period (the Router sends its own at this rate too).
+    pub heartbeat_interval: Duration,
+    /// A node silent this long is down.
+    pub down_after: Duration,
+    /// Tokens per KV block on the workers.
+    pub block_size: usize,
+    /// Prefix-cache salt per tenant (0 = shared), as the workers salt it.
+    pub tenant_salts: Vec<u64>,
+    /// Times a request that produced no token yet is re-run after its node failed.
+    pub reruns_max: u32,
+    /// Blocks remembered per worker by the prefix index.
+    pub prefix_blocks_max: usize,
+}
+
+struct WorkerView {
+    node: NodeId,
+    name: String,
+    epoch: u64,
+    heard: Option<Instant>,
+    up: bool,
+    load: LoadReport,
+    in_flight: u32,
+    in_flight_blocks: u64,
+    routed: u64,
+    downs: u64,
+    prefix: PrefixIndex,
+}
+
+struct Pending {
+    worker: usize,
+    epoch: u64,
+    tx: mpsc::UnboundedSender<EngineEvent>,
+    admitted: Option<oneshot::Sender<Result<(), Rejection>>>,
+    tokens_sent: u32,
+    blocks: u64,
+    reruns: u32,
+    req: EngineRequest,
+}
+
+struct State {
+    workers: Vec<WorkerView>,
+    pending: HashMap<u64, Pending>,
+}
+
+struct Inner {
+    transport: Arc<dyn Transport>,
+    opts: RouterOptions,
+    state: Mutex<State>,
+    next_id: AtomicU64,
+}
+
+/// The Router's engine: requests go to engine nodes over the transport.
+#[derive(Clone)]
+pub struct ClusterEngine {
+    inner: Arc<Inner>,
+}
+
+impl ClusterEngine {
+    /// Starts the Router's inbound loop and heartbeat on the current tokio
+    /// runtime.
+    pub fn start(
+        transport: Arc<dyn Transport>,
+        inbound: mpsc::Receiver<Inbound>,
+        opts: RouterOptions,
+    ) -> ClusterEngine {
+        let workers = opts
+            .workers
+            .iter()
+            .map(|(node, name)| WorkerView {
+                node: *node,
+                name: name.clone(),
+                epoch: 0,
+                heard: None,
+                up: false,
+                load: LoadReport::default(),
+                in_flight: 0,
+                in_flight_blocks: 0,
+                routed: 0,
+                downs: 0,
+                prefix: PrefixIndex::new(opts.prefix_blocks_max),
+            })
+            .collect();
+        let inner = Arc::new(Inner {
+            transport,
+            opts,
+            state: Mutex::new(State {
+                workers,
+                pending: HashMap::new(),
+            }),
+            next_id: AtomicU64::new(1),
+        });
+        tokio::spawn(inbound_loop(Arc::downgrade(&inner), inbound));
+        tokio::spawn(watch_loop(Arc::downgrade(&inner)));
+        ClusterEngine { inner }
+    }
+
+    /// Names of the nodes currently up.
+    pub fn up_nodes(&self) -> Vec<String> {
+        let st = self.inner.state.lock().expect("router state poisoned");
+        st.workers
+            .iter()
+            .filter(|w| w.up)
+            .map(|w| w.name.clone())
+            .collect()
+    }
+}
+
+impl Inner {
+    fn lock(&self) -> std::sync::MutexGuard<'_, State> {
+        self.state.lock().expect("router state poisoned")
+    }
+
+    /// The cheapest up worker for a request, skipping `exclude`.
+    fn pick(
+        &self,
+        st: &State,
+        hashes: &[u64],
+        need_blocks: u64,
+        exclude: Option<usize>,
+    ) -> Option<usize> {
+        st.workers
+            .iter()
+            .enumerate()
+            .filter(|(i, w)| w.up && w.load.ready && Some(*i) != exclude)
+            .min_by_key(|(_, w)| {
+                // A worker whose whole cache is too small comes last; if it
+                // is the only one, its engine gives the client the reason.
+                let too_small = w.load.kv_total != 0 && need_blocks > w.load.kv_total as u64;
+                let compute = (hashes.len() - w.prefix.matched(hashes)) as u64;
+                (
+                    too_small,
+                    compute + w.in_flight_blocks,
+                    w.in_flight,
+                    w.routed,
+                )
+            })
+            .map(|(i, _)| i)
+    }
+
+    /// Sends `req` (under the Router's id `id`) to worker `w` and books it.
+    fn dispatch(&self, st: &mut State, w: usize, id: u64, hashes: &[u64]) -> Result<(), ()> {
+        let p = st.pending.get(&id).expect("dispatch of an unknown request");
+        let msg = Message::Submit(SubmitMsg::from_request(id, &p.req));
+        let blocks = p.blocks;
+        let node = st.workers[w].node;
+        if let Err(e) = self.transport.send(node, id, msg) {
+            tracing::warn!("{e}");
+            return Err(());
+        }
+        let view = &mut st.workers[w];
+        view.in_flight += 1;
+        view.in_flight_blocks += blocks;
+        view.routed += 1;
+        view.prefix.insert(hashes);
+        let epoch = view.epoch;
+        let p = st.pending.get_mut(&id).expect("checked above");
+        p.worker = w;
+        p.epoch = epoch;
+        Ok(())
+    }
+
+    /// Removes a request and gives back its share of its worker's load.
+    fn finish(&self, st: &mut State, id: u64) -> Option<Pending> {
+        let p = st.pending.remove(&id)?;
+        let w = &mut st.workers[p.worker];
+        w.in_flight = w.in_flight.saturating_sub(1);
+        w.in_flight_blocks = w.in_flight_blocks.saturating_sub(p.blocks);
+        Some(p)
+    }
+
+    /// Worker `w` is gone (silent, or restarted with a new epoch): re-run
+    /// what produced nothing yet, fail the rest.
+    fn worker_lost(&self, st: &mut State, w: usize, why: &str) {
+        let ids: Vec<u64> = st
+            .pending
+            .iter()
+            .filter(|(_, p)| p.worker == w && p.epoch <= st.workers[w].epoch)
+            .map(|(id, _)| *id)
+            .collect();
+        st.workers[w].prefix.clear();
+        let name = st.workers[w].name.clone();
+        for id in ids {
+            let Some(mut p) = self.finish(st, id) else {
+                continue;
+            };
+            if p.tokens_sent == 0 && p.reruns < self.opts.reruns_max {
+                p.reruns += 1;
+                let hashes = self.hashes(&p.req);
+                let need = p.blocks;
+                st.pending.insert(id, p);
+                if let Some(to) = self.pick(st, &hashes, need, Some(w))
+                    && self.dispatch(st, to, id, &hashes).is_ok()
+                {
+                    tracing::info!(
+                        "request {id}: {name} {why}; re-running it on {}",
+                        st.workers[to].name
+                    );
+                    continue;
+                }
+                p = st.pending.remove(&id).expect("inserted above");
+            }
+            let msg = format!(
+                "worker {name} {why} after {} tokens of this request were sent; no other \
+                 worker could take it over",
+                p.tokens_sent
+            );
+            fail(p, Rejection::Unavailable, EngineFailure::Internal(msg));
+        }
+    }
+
+    fn hashes(&self, req: &EngineRequest) -> Vec<u64> {
+        let salt = self
+            .opts
+            .tenant_salts
+            .get(req.tenant.0 as usize)
+            .copied()
+            .unwrap_or(0);
+        block_hashes(&req.prompt, self.opts.block_size, salt)
+    }
+
+    fn on_message(&self, from: NodeId, epoch: u64, msg: Message) {
+        let mut st = self.lock();
+        let Some(w) = st.workers.iter().position(|v| v.node == from) else {
+            return;
+        };
+        if epoch > st.workers[w].epoch {
+            if st.workers[w].epoch != 0 {
+                self.worker_lost(&mut st, w, "restarted");
+                tracing::info!(node = %st.workers[w].name, "rejoined with a new epoch");
+            }
+            st.workers[w].epoch = epoch;
+        }
+        let view = &mut st.workers[w];
+        view.heard = Some(Instant::now());
+        if !view.up {
+            tracing::info!(node = %view.name, "up");
+        }
+        view.up = true;
+        match msg {
+            Message::Heartbeat(load) => st.workers[w].load = load,
+            Message::Admitted { req } => {
+                if let Some(p) = st.pending.get_mut(&req)
+                    && p.worker == w
+                    && let Some(a) = p.admitted.take()
+                {
+                    let _ = a.send(Ok(()));
+                }
+            }
+            Message::Refused { req, rejection } => {
+                if st.pending.get(&req).is_some_and(|p| p.worker == w)
+                    && let Some(p) = self.finish(&mut st, req)
+                {
+                    let r = Rejection::from(rejection);
+                    let f = EngineFailure::Internal(format!("re-run refused: {r}"));
+                    fail(p, r, f);
+                }
+            }
+            Message::Events(batch) => {
+                for ev in batch {
+                    let ours = st.pending.get(&ev.req).is_some_and(|p| p.worker == w);
+                    if !ours {
+                        // Work this Router no longer wants (it was failed or
+                        // moved while the node was unreachable): stop it.
+                        if ev.end.is_none() {
+                            let _ = self.transport.send(
+                                from,
+                                ev.req,
+                                Message::Cancel {
+                                    req: ev.req,
+                                    stop_string: false,
+                                },
+                            );
+                        }
+                        continue;
+                    }
+                    let p = st.pending.get_mut(&ev.req).expect("checked above");
+                    if let Some(a) = p.admitted.take() {
+                        let _ = a.send(Ok(()));
+                    }
+                    p.tokens_sent += ev.tokens.len() as u32;
+                    for t in ev.tokens {
+                        let _ = p.tx.send(EngineEvent::Token(t.into()));
+                    }
+                    if let Some(end) = ev.end {
+                        let _ = p.tx.send(end.into_event());
+                        self.finish(&mut st, ev.req);
+                    }
+                }
+            }
+            _ => {}
+        }
+    }
+
+    fn check_silence(&self) {
+        let mut st = self.lock();
+        let now = Instant::now();
+        for w in 0..st.workers.len() {
+            let v = &st.workers[w];
+            let silent = v
+                .heard
+                .is_none_or(|h| now.duration_since(h) > self.opts.down_after);
+            if v.up && silent {
+                let ms = self.opts.down_after.as_millis();
+                tracing::warn!(node = %v.name, "no heartbeat for {ms} ms: marked down");
+                st.workers[w].up = false;
+                st.workers[w].downs += 1;
+                self.worker_lost(
+                    &mut st,
+                    w,
+                    &format!("stopped responding (no heartbeat for {ms} ms)"),
+                );
+            }
+        }
+    }
+}
+
+/// Ends a request that failed: a refusal if the client is still waiting
+/// for admission, else a failure event on its stream.
+fn fail(mut p: Pending, r: Rejection, f: EngineFailure) {
+    match p.admitted.take() {
+        Some(a) => {
+            let _ = a.send(Err(r));
+        }
+        None => {
+            let _ = p.tx.send(EngineEvent::Failed(f));
+        }
+    }
+}
+
+async fn inbound_loop(inner: std::sync::Weak<Inner>, mut inbound: mpsc::Receiver<Inbound>) {
+    while let Some(m) = inbound.recv().await {
+        let Some(inner) = inner.upgrade() else { return };
+        if let Inbound::Message {
+            from, epoch, msg, ..
+        } = m
+        {
+            inner.on_message(from, epoch, msg);
+        }
+    }
+}
+
+async fn watch_loop(inner: std::sync::Weak<Inner>) {
+    let period = match inner.upgrade() {
+        Some(i) => i.opts.heartbeat_interval,
+        None => return,
+    };
+    let mut tick = tokio::time::interval(period);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tick.tick().await;
+        let Some(inner) = inner.upgrade() else { return };
+        inner.check_silence();
+        // Workers watch the Router the same way: a silent Router's requests
+        // are cancelled on the workers.
+        let nodes: Vec<NodeId> = inner.lock().workers.iter().map(|w| w.node).collect();
+        for n in nodes {
+            let _ = inner
+                .transport
+                .send(n, 0, Message::Heartbeat(LoadReport::default()));
+        }
+    }
+}
+
+impl Engine for ClusterEngine {
+    fn submit(&self, req: EngineRequest) -> BoxFuture<Result<RequestStream, Rejection>> {
+        let inner = self.inner.clone();
+        Box::pin(async move {
+            let id = inner.next_id.fetch_add(1, Ordering::Relaxed);
+            let hashes = inner.hashes(&req);
+            let blocks = (req.prompt.len() as u64 + req.max_tokens as u64)
+                .div_ceil(inner.opts.block_size.max(1) as u64);
+            let (tx, rx) = mpsc::unbounded_channel();
+            let (atx, arx) = oneshot::channel();
+            {
+                let mut st = inner.lock();
+                st.pending.insert(
+                    id,
+                    Pending {
+                        worker: 0,
+                        epoch: 0,
+                        tx,
+                        admitted: Some(atx),
+                        tokens_sent: 0,
+                        blocks,
+                        reruns: 0,
+                        req,
+                    },
+                );
+                let mut exclude = None;
+                loop {
+                    let Some(w) = inner.pick(&st, &hashes, blocks, exclude) else {
+                        st.pending.remove(&id);
+                        return Err(Rejection::Unavailable);
+                    };
+                    if inner.dispatch(&mut st, w, id, &hashes).is_ok() {
+                        break;
+                    }
+                    if exclude.is_some() {
+                        st.pending.remove(&id);
+                        return Err(Rejection::Unavailable);
+                    }
+                    exclude = Some(w);
+                }
+            }
+            // Admission is answered within one round trip; a node that dies
+            // first is noticed by silence and the request re-run or refused,
+            // which also answers here. The timeout is a last resort.
+            let wait = inner.opts.down_after * 3 + Duration::from_secs(5);
+            let answer = tokio::time::timeout(wait, arx).await;
+            match answer {
+                Ok(Ok(Ok(()))) => {}
+                Ok(Ok(Err(r))) => return Err(r),
+                _ => {
+                    let mut st = inner.lock();
+                    if let Some(p) = inner.finish(&mut st, id) {
+                        let node = st.workers[p.worker].node;
+                        let _ = inner.transport.send(
+                            node,
+                            id,
+                            Message::Cancel {
+                                req: id,
+                                stop_string: false,
+                            },
+                        );
+                    }
+                    return Err(Rejection::Unavailable);
+                }
+            }
+            let weak = Arc::downgrade(&inner);
+            let on_drop = Box::new(move |stop_string: bool| {
+                let Some(inner) = weak.upgrade() else { return };
+                let mut st = inner.lock();
+                if let Some(p) = inner.finish(&mut st, id) {
+                    let node = st.workers[p.worker].node;
+                    let _ = inner.transport.send(
+                        node,
+                        id,
+                        Message::Cancel {
+                            req: id,
+                            stop_string,
+                        },
+                    );
+                }
+            });
+            Ok(RequestStream::new(RequestId(id), rx, on_drop))
+        })
+    }
+
+    fn status(&self) -> BoxFuture<EngineStatus> {
+        let inner = self.inner.clone();
+        Box::pin(async move {
+            let st = inner.lock();
+            let mut s = EngineStatus::default();
+            let mut tiers: Vec<TierStatus> = Vec::new();
+            for w in &st.workers {
+                s.nodes.push(NodeStatus {
+                    name: w.name.clone(),
+                    up: w.up,
+                    epoch: w.epoch,
+                    in_flight: w.in_flight,
+                    routed: w.routed,
+                    downs: w.downs,
+                });
+                if !w.up {
+                    continue;
+                }
+                let l = &w.load;
+                s.ready |= l.ready;
+                s.steps += l.steps;
+                s.running += l.running as usize;
+                s.preemptions += l.preemptions;
+                s.kv = KvUsage {
+                    total: s.kv.total + l.kv_total,
+                    free: s.kv.free + l.kv_free,
+                    used: s.kv.used + l.kv_used,
+                    cached: s.kv.cached + l.kv_cached,
+                };
+                for t in &l.tiers {
+                    match tiers.iter_mut().find(|x| x.name == t.name) {
+                        Some(x) => {
+                            x.queued += t.queued as usize;
+                            x.running += t.running as usize;
+                        }
+                        None => tiers.push(TierStatus {
+                            name: t.name.clone(),
+                            queued: t.queued as usize,
+                            running: t.running as usize,
+                        }),
+                    }
+                }
+            }
+            s.tiers = tiers;
+            s
+        })
+    }
+}

@@ -1,0 +1,396 @@
+//! Router and worker bridge over the in-process network, with a fake
+//! engine: routing, membership, re-runs, epochs and cleanup.
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use flotilla_proto::{
+    BoxFuture, Engine, EngineEvent, EngineRequest, EngineStatus, FinishReason, KvUsage, Rejection,
+    RequestId, RequestStream, Sampled, SamplingParams, TenantId, Usage,
+};
+use tokio::sync::mpsc;
+
+use crate::memnet::MemNet;
+use crate::{ClusterEngine, RouterOptions, WorkerOptions, run_worker};
+
+const HB: Duration = Duration::from_millis(20);
+const DOWN: Duration = Duration::from_millis(60);
+
+/// Emits `max_tokens` tokens, one every 5 ms, after `prompt[0]` ms; counts
+/// live requests (dropped streams give theirs back).
+#[derive(Default)]
+struct FakeEngine {
+    /// Ignore `prompt[0]`: start at once.
+    eager: bool,
+    live: Arc<AtomicUsize>,
+    seen: Mutex<Vec<u64>>,
+    next: AtomicUsize,
+}
+
+impl Engine for FakeEngine {
+    fn submit(&self, req: EngineRequest) -> BoxFuture<Result<RequestStream, Rejection>> {
+        let live = self.live.clone();
+        let eager = self.eager;
+        let id = self.next.fetch_add(1, Ordering::Relaxed) as u64;
+        self.seen.lock().unwrap().push(req.sampling.seed);
+        Box::pin(async move {
+            let (tx, rx) = mpsc::unbounded_channel();
+            live.fetch_add(1, Ordering::SeqCst);
+            let l2 = live.clone();
+            let first = Duration::from_millis(if eager { 0 } else { req.prompt[0] as u64 });
+            tokio::spawn(async move {
+                tokio::time::sleep(first).await;
+                for i in 0..req.max_tokens {
+                    tokio::time::sleep(Duration::from_millis(5)).await;
+                    let t = Sampled {
+                        token: i,
+                        logprob: f32::NAN,
+                        top: vec![],
+                    };
+                    if tx.send(EngineEvent::Token(t)).is_err() {
+                        return;
+                    }
+                }
+                let usage = Usage {
+                    prompt_tokens: req.prompt.len() as u32,
+                    completion_tokens: req.max_tokens,
+                    cached_tokens: 0,
+                };
+                let _ = tx.send(EngineEvent::Finished {
+                    reason: FinishReason::Length,
+                    usage,
+                });
+            });
+            Ok(RequestStream::new(
+                RequestId(id),
+                rx,
+                Box::new(move |_| {
+                    l2.fetch_sub(1, Ordering::SeqCst);
+                }),
+            ))
+        })
+    }
+
+    fn status(&self) -> BoxFuture<EngineStatus> {
+        Box::pin(async {
+            EngineStatus {
+                ready: true,
+                kv: KvUsage {
+                    total: 100_000,
+                    free: 100_000,
+                    used: 0,
+                    cached: 0,
+                },
+                ..EngineStatus::default()
+            }
+        })
+    }
+}
+
+struct Rig {
+    net: Arc<MemNet>,
+    router: ClusterEngine,
+    engines: Vec<Arc<FakeEngine>>,
+}
+
+fn worker_opts() -> WorkerOptions {
+    WorkerOptions {
+        routers: vec![0],
+        heartbeat_interval: HB,
+        down_after: DOWN,
+        num_tenants: 1,
+        frame_len_max_bytes: 1 << 20,
+    }
+}
+
+fn start_worker(net: &Arc<MemNet>, node: u32, epoch: u64) -> Arc<FakeEngine> {
+    start_engine(net, node, epoch, FakeEngine::default())
+}
+
+fn start_engine(net: &Arc<MemNet>, node: u32, epoch: u64, e: FakeEngine) -> Arc<FakeEngine> {
+    let e = Arc::new(e);
+    let (t, rx) = net.join(node, epoch);
+    tokio::spawn(run_worker(t, rx, e.clone(), worker_opts()));
+    e
+}
+
+async fn rig(workers: usize) -> Rig {
+    rig_with(workers, workers).await
+}
+
+/// A Router that knows `workers` engine nodes, of which the first `started` run.
+async fn rig_with(workers: usize, started: usize) -> Rig {
+    let net = MemNet::new(workers + 1);
+    let (t, rx) = net.join(0, 1);
+    let router = ClusterEngine::start(
+        t,
+        rx,
+        RouterOptions {
+            workers: (1..=workers as u32).map(|n| (n, format!("w{n}"))).collect(),
+            heartbeat_interval: HB,
+            down_after: DOWN,
+            block_size: 4,
+            tenant_salts: vec![0],
+            reruns_max: 2,
+            prefix_blocks_max: 1000,
+        },
+    );
+    let engines = (1..=started as u32)
+        .map(|n| start_worker(&net, n, 1))
+        .collect();
+    let r = Rig {
+        net,
+        router,
+        engines,
+    };
+    wait_up(&r, started).await;
+    r
+}
+
+async fn wait_up(r: &Rig, n: usize) {
+    for _ in 0..200 {
+        if r.router.up_nodes().len() == n {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    panic!("only {:?} came up", r.router.up_nodes());
+}
+
+fn req(first_token_ms: u32, prompt_len: usize, max_tokens: u32, tag: u64) -> EngineRequest {
+    let mut prompt: Vec<u32> = (0..prompt_len as u32).map(|i| i + 100).collect();
+    prompt[0] = first_token_ms;
+    EngineRequest {
+        tenant: TenantId(0),
+        prompt,
+        max_tokens,
+        sampling: SamplingParams {
+            seed: tag,
+            ..SamplingParams::default()
+        },
+        ignore_eos: false,
+        stop_token_ids: vec![],
+    }
+}
+
+/// Reads a stream to its end: (tokens, terminal event).
+async fn drain(mut s: RequestStream) -> (u32, EngineEvent) {
+    let mut n = 0;
+    loop {
+        let ev = tokio::time::timeout(Duration::from_secs(5), s.recv())
+            .await
+            .expect("stream stalled")
+            .expect("stream ended without a terminal event");
+        match ev {
+            EngineEvent::Token(_) => n += 1,
+            e => return (n, e),
+        }
+    }
+}
+
+fn routed(r: &Rig) -> Vec<u64> {
+    let s = futures_lite_block(r.router.status());
+    s.nodes.iter().map(|n| n.routed).collect()
+}
+
+fn futures_lite_block(f: BoxFuture<EngineStatus>) -> EngineStatus {
+    // status() takes the state lock and returns at once; polling it on this
+    // thread needs no runtime.
+    let waker = std::task::Waker::noop();
+    let mut cx = std::task::Context::from_waker(waker);
+    let mut f = f;
+    match f.as_mut().poll(&mut cx) {
+        std::task::Poll::Ready(s) => s,
+        std::task::Poll::Pending => panic!("status() waited"),
+    }
+}
+
+#[tokio::test]
+async fn requests_stream_from_both_workers() {
+    let r = rig(2).await;
+    let mut streams = Vec::new();
+    for i in 0..8 {
+        // Distinct prompts: no prefix affinity, so load spreads them.
+        let mut q = req(0, 8, 6, i);
+        q.prompt[1] = 1000 + i as u32;
+        streams.push(r.router.submit(q).await.unwrap());
+    }
+    for s in streams {
+        let (n, end) = drain(s).await;
+        assert_eq!(n, 6);
+        assert!(matches!(end, EngineEvent::Finished { usage, .. } if usage.completion_tokens == 6));
+    }
+    let by = routed(&r);
+    assert_eq!(by.iter().sum::<u64>(), 8);
+    assert!(by.iter().all(|&n| n >= 2), "load did not spread: {by:?}");
+    for e in &r.engines {
+        assert_eq!(
+            e.live.load(Ordering::SeqCst),
+            0,
+            "a finished request is still live"
+        );
+    }
+}
+
+#[tokio::test]
+async fn a_cached_prefix_wins_unless_its_worker_is_much_busier() {
+    let r = rig(2).await;
+    let first = r.router.submit(req(0, 32, 2, 0)).await.unwrap();
+    drain(first).await;
+    let home = routed(&r).iter().position(|&n| n == 1).unwrap();
+    for i in 1..4 {
+        let s = r.router.submit(req(0, 36, 2, i)).await.unwrap();
+        drain(s).await;
+    }
+    assert_eq!(
+        routed(&r)[home],
+        4,
+        "shared-prefix requests left the worker holding it"
+    );
+    // Long same-prefix requests that stay in flight: the first still goes
+    // home (one block to compute there, nine elsewhere), but its running KV
+    // (19 blocks) then outweighs the cached prefix and the next one goes to
+    // the idle worker.
+    let mut busy = Vec::new();
+    let mut went = Vec::new();
+    for i in 0..3 {
+        let before = routed(&r);
+        busy.push(r.router.submit(req(0, 36, 4000, 100 + i)).await.unwrap());
+        let after = routed(&r);
+        went.push((0..2).find(|&w| after[w] > before[w]).unwrap());
+    }
+    assert_eq!(
+        went[0], home,
+        "a cached prefix on an idle worker lost: {went:?}"
+    );
+    assert!(
+        went[1..].contains(&(1 - home)),
+        "a busy worker kept all work: {went:?}"
+    );
+    drop(busy);
+}
+
+#[tokio::test]
+async fn a_dead_worker_is_marked_down_its_requests_rerun_or_fail() {
+    // The second worker starts later, so the first takes both requests.
+    let r = rig_with(2, 1).await;
+    let streaming = r.router.submit(req(0, 8, 400, 1)).await.unwrap();
+    let waiting = r.router.submit(req(10_000, 8, 3, 2)).await.unwrap();
+    let mut streaming = streaming;
+    assert!(matches!(
+        streaming.recv().await,
+        Some(EngineEvent::Token(_))
+    ));
+    let net2 = r.net.clone();
+    let eager = FakeEngine {
+        eager: true,
+        ..FakeEngine::default()
+    };
+    let _e2 = start_engine(&net2, 2, 1, eager);
+    r.net.kill(1);
+    let t0 = tokio::time::Instant::now();
+    let (_, end) = drain(streaming).await;
+    let failed_after = t0.elapsed();
+    match end {
+        EngineEvent::Failed(f) => {
+            let m = f.to_string();
+            assert!(m.contains("w1") && m.contains("stopped responding"), "{m}");
+        }
+        e => panic!("a request whose tokens were sent should fail, got {e:?}"),
+    }
+    assert!(
+        failed_after < DOWN + 4 * HB,
+        "marked down after {failed_after:?}"
+    );
+    // The one with no token yet moved to w2 and completes there.
+    let (n, end) = drain(waiting).await;
+    assert!(matches!(end, EngineEvent::Finished { .. }), "{end:?}");
+    assert_eq!(n, 3);
+    let s = futures_lite_block(r.router.status());
+    assert!(!s.nodes[0].up && s.nodes[0].downs == 1, "{:?}", s.nodes);
+    // New work goes to the live worker.
+    let (n, _) = drain(r.router.submit(req(0, 8, 2, 3)).await.unwrap()).await;
+    assert_eq!(n, 2);
+}
+
+#[tokio::test]
+async fn a_restarted_worker_rejoins_with_a_new_epoch_and_takes_work() {
+    let r = rig(2).await;
+    r.net.kill(1);
+    for _ in 0..100 {
+        if r.router.up_nodes() == ["w2"] {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    assert_eq!(r.router.up_nodes(), ["w2"]);
+    let e1 = start_worker(&r.net, 1, 2);
+    wait_up(&r, 2).await;
+    let s = futures_lite_block(r.router.status());
+    assert_eq!(s.nodes[0].epoch, 2);
+    for i in 0..4 {
+        let mut q = req(0, 8, 2, i);
+        q.prompt[1] = 5000 + i as u32;
+        drain(r.router.submit(q).await.unwrap()).await;
+    }
+    assert!(
+        !e1.seen.lock().unwrap().is_empty(),
+        "the rejoined worker took no work"
+    );
+}
+
+#[tokio::test]
+async fn a_dropped_stream_frees_the_request_on_its_worker() {
+    let r = rig(1).await;
+    let mut s = r.router.submit(req(0, 8, 10_000, 1)).await.unwrap();
+    assert!(matches!(s.recv().await, Some(EngineEvent::Token(_))));
+    assert_eq!(r.engines[0].live.load(Ordering::SeqCst), 1);
+    drop(s);
+    for _ in 0..100 {
+        if r.engines[0].live.load(Ordering::SeqCst) == 0 {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    panic!("the worker kept the cancelled request");
+}
+
+#[tokio::test]
+async fn a_silent_router_gets_its_requests_cancelled_on_the_workers() {
+    let r = rig(1).await;
+    let mut s = r.router.submit(req(0, 8, 10_000, 1)).await.unwrap();
+    assert!(matches!(s.recv().await, Some(EngineEvent::Token(_))));
+    r.net.kill(0);
+    for _ in 0..100 {
+        if r.engines[0].live.load(Ordering::SeqCst) == 0 {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    panic!("the worker kept a dead router's request");
+}
+
+#[tokio::test]
+async fn no_worker_up_is_a_refusal_not_a_hang() {
+    let net = MemNet::new(2);
+    let (t, rx) = net.join(0, 1);
+    let router = ClusterEngine::start(
+        t,
+        rx,
+        RouterOptions {
+            workers: vec![(1, "w1".into())],
+            heartbeat_interval: HB,
+            down_after: DOWN,
+            block_size: 4,
+            tenant_salts: vec![0],
+            reruns_max: 2,
+            prefix_blocks_max: 10,
+        },
+    );
+    assert!(matches!(
+        router.submit(req(0, 4, 1, 0)).await,
+        Err(Rejection::Unavailable)
+    ));
+    assert!(!futures_lite_block(router.status()).ready);
+}

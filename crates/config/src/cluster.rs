@@ -1,0 +1,916 @@
+//! The `[cluster]` section and its `[[nodes]]`: who is in the cluster, where
+//! each node is reached and binds, and the caps of the control channel.
+//!
+//! ```toml
+//! [cluster]
+//! certs_dir = "../.flotilla/certs/two-workers"
+//! heartbeat_interval_ms = 500
+//!
+//! [[nodes]]
+//! name = "router"
+//! role = "router"
+//! addr = "127.0.0.1:7400"
+//! http = "127.0.0.1:8000"
+//!
+//! [[nodes]]
+//! name = "worker-1"
+//! role = "worker"
+//! addr = "127.0.0.1:7401"
+//! ```
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use serde::Deserialize;
+
+use crate::ConfigError;
+pub use flotilla_proto::Role;
+
+/// Most nodes one cluster may declare: node ids are `u32`, but every table
+/// the router keeps per node is sized from this count.
+pub const NODES_MAX: usize = 1024;
+
+/// Where certificates live when `[cluster]` does not say: `certs` beside the
+/// config file.
+const CERTS_DIR_DEFAULT: &str = "certs";
+
+/// The `[cluster]` section and its nodes, validated.
+#[derive(Clone, Debug, PartialEq)]
+pub struct ClusterSection {
+    /// Holds `ca.pem`, `ca.key`, `NODE.pem`, `NODE.key`. As written by
+    /// [`crate::ClusterConfig::parse`]; [`crate::ClusterConfig::load`]
+    /// resolves a relative path against the config file's directory.
+    pub certs_dir: PathBuf,
+    /// How often each node sends a heartbeat, ms (10..=60000).
+    pub heartbeat_interval_ms: u64,
+    /// A node silent for this many heartbeat intervals is down (1..=100).
+    pub down_after_missed: u32,
+    /// Cap on one control frame, bytes (4096..=268435456).
+    pub frame_len_max_bytes: u32,
+    /// Messages that may wait to be sent to one peer (1..=1048576).
+    pub send_queue_len_max: usize,
+    /// Longest wait between reconnect attempts, ms (10..=60000).
+    pub reconnect_backoff_max_ms: u64,
+    /// A QUIC connection with no traffic for this long is closed, ms
+    /// (at least 2 heartbeat intervals, at most 600000).
+    pub idle_timeout_ms: u64,
+    /// Nodes in file order; a node's index is its node id.
+    pub nodes: Vec<Node>,
+}
+
+/// One `[[nodes]]` table, validated.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Node {
+    /// Unique name, `[A-Za-z0-9-]{1,63}`; also the name in its certificate.
+    pub name: String,
+    /// What the node does.
+    pub role: Role,
+    /// How peers reach its QUIC endpoint: `host:port`, host an IP or a DNS name.
+    pub addr: String,
+    /// The UDP socket its QUIC endpoint binds.
+    pub listen: SocketAddr,
+    /// Where the OpenAI API listens (TCP); set on the router and only there.
+    pub http: Option<SocketAddr>,
+}
+
+impl ClusterSection {
+    /// The id (index) of the node with this name.
+    pub fn node_id(&self, name: &str) -> Option<u32> {
+        self.nodes
+            .iter()
+            .position(|n| n.name == name)
+            .map(|i| i as u32)
+    }
+
+    /// The node with this name.
+    pub fn node(&self, name: &str) -> Option<&Node> {
+        self.nodes.iter().find(|n| n.name == name)
+    }
+
+    /// The router and its id. Validation guarantees exactly one; panics on a
+    /// hand-built section without one.
+    pub fn router(&self) -> (u32, &Node) {
+        let mut routers = self.ids().filter(|(_, n)| n.role == Role::Router);
+        let router = routers.next().expect("a validated cluster has a router");
+        debug_assert!(routers.next().is_none(), "a cluster has one router");
+        router
+    }
+
+    /// The nodes that run an engine (all but the router), with their ids.
+    pub fn engines(&self) -> impl Iterator<Item = (u32, &Node)> {
+        self.ids().filter(|(_, n)| n.role.runs_engine())
+    }
+
+    /// How long a silent node stays up: `down_after_missed` heartbeat intervals.
+    pub fn down_after(&self) -> Duration {
+        Duration::from_millis(
+            self.heartbeat_interval_ms
+                .saturating_mul(u64::from(self.down_after_missed)),
+        )
+    }
+
+    fn ids(&self) -> impl Iterator<Item = (u32, &Node)> {
+        self.nodes.iter().enumerate().map(|(i, n)| (i as u32, n))
+    }
+}
+
+/// `[cluster]` as written. Numbers are read as `i64` so that an out-of-range
+/// value is refused with the field's range rather than a serde type error.
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(crate) struct RawCluster {
+    certs_dir: Option<String>,
+    heartbeat_interval_ms: Option<i64>,
+    down_after_missed: Option<i64>,
+    frame_len_max_bytes: Option<i64>,
+    send_queue_len_max: Option<i64>,
+    reconnect_backoff_max_ms: Option<i64>,
+    idle_timeout_ms: Option<i64>,
+}
+
+/// One `[[nodes]]` table as written.
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(crate) struct RawNode {
+    name: String,
+    role: String,
+    addr: String,
+    listen: Option<String>,
+    http: Option<String>,
+}
+
+/// Builds an error at a byte offset of the file.
+pub(crate) type Invalid<'a> = &'a dyn Fn(usize, String) -> ConfigError;
+
+/// Validates `[cluster]` and `[[nodes]]`; `None` when the file has neither.
+pub(crate) fn validate(
+    cluster: Option<&toml::Spanned<RawCluster>>,
+    nodes: &[toml::Spanned<RawNode>],
+    invalid: Invalid<'_>,
+) -> Result<Option<ClusterSection>, ConfigError> {
+    let Some(first) = nodes.first() else {
+        return match cluster {
+            None => Ok(None),
+            Some(c) => Err(invalid(
+                c.span().start,
+                "[cluster] has no nodes: add [[nodes]] tables (one router and at least one worker)"
+                    .into(),
+            )),
+        };
+    };
+    // Errors about the cluster as a whole point at [cluster], or at the
+    // first node when the file relies on the defaults.
+    let whole_at = cluster.map_or(first.span().start, |c| c.span().start);
+    let section = settings(cluster, invalid)?;
+    if nodes.len() > NODES_MAX {
+        return Err(invalid(
+            whole_at,
+            format!("{} nodes: at most {NODES_MAX}", nodes.len()),
+        ));
+    }
+    let mut out: Vec<Node> = Vec::with_capacity(nodes.len());
+    // The host part of each addr, lowercased: nodes with the same host share
+    // its sockets.
+    let mut hosts: Vec<String> = Vec::with_capacity(nodes.len());
+    for raw in nodes {
+        let at = raw.span().start;
+        let node = node(raw.get_ref(), &|m| invalid(at, m))?;
+        let host = addr_host(&node.addr);
+        let name = &node.name;
+        for (other, other_host) in out.iter().zip(&hosts) {
+            if other.name == *name {
+                return Err(invalid(at, format!("node '{name}' is defined twice")));
+            }
+            // A name is also a certificate's DNS name, which peers match
+            // without case: 'W-1' could present 'w-1''s certificate.
+            if other.name.eq_ignore_ascii_case(name) {
+                return Err(invalid(
+                    at,
+                    format!(
+                        "node '{name}' is defined twice: node '{}' differs only in case, and certificate names ignore case",
+                        other.name
+                    ),
+                ));
+            }
+            if other.addr.eq_ignore_ascii_case(&node.addr) {
+                return Err(invalid(
+                    at,
+                    format!(
+                        "node '{name}': addr '{}' is also node '{}''s",
+                        node.addr, other.name
+                    ),
+                ));
+            }
+            // 0.0.0.0:7400 on two pods is fine; on one host it is not. A
+            // specific IP names one host, so a repeat always collides.
+            if other.listen == node.listen
+                && (!node.listen.ip().is_unspecified() || *other_host == host)
+            {
+                return Err(invalid(
+                    at,
+                    format!(
+                        "node '{name}': listen {} is also node '{}''s",
+                        node.listen, other.name
+                    ),
+                ));
+            }
+            if node.role == Role::Router && other.role == Role::Router {
+                return Err(invalid(
+                    at,
+                    format!(
+                        "node '{name}': a second router (node '{}' is one); a cluster has exactly one",
+                        other.name
+                    ),
+                ));
+            }
+        }
+        out.push(node);
+        hosts.push(host);
+    }
+    if !out.iter().any(|n| n.role == Role::Router) {
+        return Err(invalid(
+            whole_at,
+            "the cluster has no router: exactly one [[nodes]] needs role = \"router\"".into(),
+        ));
+    }
+    if !out.iter().any(|n| n.role.runs_engine()) {
+        return Err(invalid(
+            whole_at,
+            "the cluster has no engine node: add a [[nodes]] with role worker, prefill or decode"
+                .into(),
+        ));
+    }
+    Ok(Some(ClusterSection {
+        nodes: out,
+        ..section
+    }))
+}
+
+/// The `[cluster]` settings with defaults filled in and ranges checked;
+/// `nodes` is left empty.
+fn settings(
+    cluster: Option<&toml::Spanned<RawCluster>>,
+    invalid: Invalid<'_>,
+) -> Result<ClusterSection, ConfigError> {
+    let at = cluster.map_or(0, |c| c.span().start);
+    let empty = RawCluster {
+        certs_dir: None,
+        heartbeat_interval_ms: None,
+        down_after_missed: None,
+        frame_len_max_bytes: None,
+        send_queue_len_max: None,
+        reconnect_backoff_max_ms: None,
+        idle_timeout_ms: None,
+    };
+    let c = cluster.map_or(&empty, |c| c.get_ref());
+    let range = |field: &str, v: Option<i64>, default: i64, lo: i64, hi: i64| {
+        let v = v.unwrap_or(default);
+        if (lo..=hi).contains(&v) {
+            Ok(v)
+        } else {
+            Err(invalid(
+                at,
+                format!("cluster.{field} = {v} is out of range {lo}..={hi}"),
+            ))
+        }
+    };
+    let certs_dir = c.certs_dir.as_deref().unwrap_or(CERTS_DIR_DEFAULT);
+    if certs_dir.is_empty() {
+        return Err(invalid(at, "cluster.certs_dir is empty".into()));
+    }
+    let heartbeat_interval_ms = range(
+        "heartbeat_interval_ms",
+        c.heartbeat_interval_ms,
+        500,
+        10,
+        60_000,
+    )?;
+    let down_after_missed = range("down_after_missed", c.down_after_missed, 3, 1, 100)?;
+    let frame_len_max_bytes = range(
+        "frame_len_max_bytes",
+        c.frame_len_max_bytes,
+        1 << 20,
+        4096,
+        1 << 28,
+    )?;
+    let send_queue_len_max = range("send_queue_len_max", c.send_queue_len_max, 4096, 1, 1 << 20)?;
+    let reconnect_backoff_max_ms = range(
+        "reconnect_backoff_max_ms",
+        c.reconnect_backoff_max_ms,
+        2000,
+        10,
+        60_000,
+    )?;
+    let idle_timeout_ms = range("idle_timeout_ms", c.idle_timeout_ms, 10_000, 10, 600_000)?;
+    // A connection must outlive at least one lost heartbeat, or a single
+    // dropped datagram closes it.
+    if idle_timeout_ms < 2 * heartbeat_interval_ms {
+        return Err(invalid(
+            at,
+            format!(
+                "cluster.idle_timeout_ms = {idle_timeout_ms} must be at least 2 * heartbeat_interval_ms ({})",
+                2 * heartbeat_interval_ms
+            ),
+        ));
+    }
+    // The ranges above fit every target type: the casts cannot truncate.
+    Ok(ClusterSection {
+        certs_dir: PathBuf::from(certs_dir),
+        heartbeat_interval_ms: heartbeat_interval_ms as u64,
+        down_after_missed: down_after_missed as u32,
+        frame_len_max_bytes: frame_len_max_bytes as u32,
+        send_queue_len_max: send_queue_len_max as usize,
+        reconnect_backoff_max_ms: reconnect_backoff_max_ms as u64,
+        idle_timeout_ms: idle_timeout_ms as u64,
+        nodes: Vec::new(),
+    })
+}
+
+/// Validates one node on its own (name, role, addresses); `fail` builds an
+/// error at its table.
+fn node(raw: &RawNode, fail: &dyn Fn(String) -> ConfigError) -> Result<Node, ConfigError> {
+    let name = &raw.name;
+    if !node_name_ok(name) {
+        return Err(fail(format!(
+            "node name '{name}' must be 1 to 63 characters of A-Z, a-z, 0-9 and '-', \
+             not start or end with '-', not be all digits and not be 'ca'"
+        )));
+    }
+    let role: Role = raw
+        .role
+        .parse()
+        .map_err(|why: String| fail(format!("node '{name}': role: {why}")))?;
+    check_addr(&raw.addr)
+        .map_err(|why| fail(format!("node '{name}': addr '{}' {why}", raw.addr)))?;
+    let listen = match &raw.listen {
+        Some(l) => {
+            let listen: SocketAddr = l.parse().map_err(|_| {
+                fail(format!(
+                    "node '{name}': listen '{l}' is not a socket address (ip:port, e.g. 0.0.0.0:7400)"
+                ))
+            })?;
+            if listen.port() == 0 {
+                return Err(fail(format!(
+                    "node '{name}': listen '{l}' needs a port in 1..=65535 (peers dial a fixed port)"
+                )));
+            }
+            listen
+        }
+        None => raw.addr.parse().map_err(|_| {
+            fail(format!(
+                "node '{name}': addr '{}' is a host name, set listen (e.g. listen = \"0.0.0.0:7400\")",
+                raw.addr
+            ))
+        })?,
+    };
+    let http = match (&raw.http, role) {
+        (None, Role::Router) => {
+            return Err(fail(format!(
+                "node '{name}': a router needs http (the socket address of the OpenAI API, e.g. \"127.0.0.1:8000\")"
+            )));
+        }
+        (None, _) => None,
+        (Some(_), r) if r != Role::Router => {
+            return Err(fail(format!(
+                "node '{name}': http is only for the router (this node's role is {r})"
+            )));
+        }
+        (Some(h), _) => Some(h.parse::<SocketAddr>().map_err(|_| {
+            fail(format!(
+                "node '{name}': http '{h}' is not a socket address (ip:port, e.g. 127.0.0.1:8000)"
+            ))
+        })?),
+    };
+    Ok(Node {
+        name: name.clone(),
+        role,
+        addr: raw.addr.clone(),
+        listen,
+        http,
+    })
+}
+
+/// Whether a node name can be a certificate's DNS name and a file name in
+/// certs_dir: the same rule `flotilla certs issue` applies, so a config is
+/// refused here rather than at the first dial.
+fn node_name_ok(name: &str) -> bool {
+    (1..=63).contains(&name.len())
+        && name.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'-')
+        && !name.starts_with('-')
+        && !name.ends_with('-')
+        && !name.bytes().all(|b| b.is_ascii_digit())
+        // ca.pem and ca.key are the CA's files.
+        && !name.eq_ignore_ascii_case("ca")
+}
+
+/// Checks a peer address: `ip:port`, `[ipv6]:port` or `dns-name:port`, with a
+/// port in 1..=65535 and a host a peer can dial. The error completes the
+/// sentence "addr 'X' ...".
+fn check_addr(addr: &str) -> Result<(), String> {
+    let need_port = "needs a port in 1..=65535 (host:port)";
+    if let Ok(sa) = addr.parse::<SocketAddr>() {
+        if sa.port() == 0 {
+            return Err(need_port.into());
+        }
+        if sa.ip().is_unspecified() {
+            return Err(format!(
+                "is not an address peers can dial: set addr to this node's reachable address and listen = \"{sa}\""
+            ));
+        }
+        return Ok(());
+    }
+    let Some((host, port)) = addr.rsplit_once(':') else {
+        return Err(need_port.into());
+    };
+    match port.parse::<u16>() {
+        Ok(p) if p > 0 => {}
+        _ => return Err(need_port.into()),
+    }
+    if host.contains(':') || host.starts_with('[') {
+        return Err("is not a valid address (write IPv6 as [addr]:port)".into());
+    }
+    let label_ok = |l: &str| {
+        (1..=63).contains(&l.len())
+            && l.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'-')
+            && !l.starts_with('-')
+            && !l.ends_with('-')
+    };
+    if host.is_empty() || host.len() > 253 || !host.split('.').all(label_ok) {
+        return Err("has no valid host (an IP address or a DNS name)".into());
+    }
+    Ok(())
+}
+
+/// The host part of a checked addr, lowercased.
+fn addr_host(addr: &str) -> String {
+    match addr.parse::<SocketAddr>() {
+        Ok(sa) => sa.ip().to_string(),
+        Err(_) => addr
+            .rsplit_once(':')
+            .map_or(addr, |(h, _)| h)
+            .to_ascii_lowercase(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::ClusterConfig;
+
+    const TIERS: &str = "[[tiers]]\nname = \"t\"\n\n";
+
+    const NODES: &str = r#"[[nodes]]
+name = "router"
+role = "router"
+addr = "127.0.0.1:7400"
+http = "127.0.0.1:8000"
+
+[[nodes]]
+name = "worker-1"
+role = "worker"
+addr = "127.0.0.1:7401"
+
+[[nodes]]
+name = "worker-2"
+role = "mixed"
+addr = "127.0.0.1:7402"
+"#;
+
+    fn sock(s: &str) -> SocketAddr {
+        s.parse().unwrap()
+    }
+
+    fn with_cluster(cluster: &str) -> String {
+        format!("{TIERS}[cluster]\n{cluster}\n{NODES}")
+    }
+
+    fn parse(text: &str) -> ClusterSection {
+        ClusterConfig::parse(text, "c.toml")
+            .unwrap_or_else(|e| panic!("{e}\n{text}"))
+            .cluster
+            .expect("a cluster section")
+    }
+
+    /// The line and message of an `Invalid` refusal.
+    fn refusal(text: &str) -> (usize, String) {
+        match ClusterConfig::parse(text, "c.toml") {
+            Err(ConfigError::Invalid { line, message, .. }) => (line, message),
+            other => panic!("expected Invalid, got {other:?}\n{text}"),
+        }
+    }
+
+    /// The 1-based line of the `n`th (0-based) line equal to `header`.
+    fn header_line(text: &str, header: &str, n: usize) -> usize {
+        text.lines()
+            .enumerate()
+            .filter(|(_, l)| *l == header)
+            .nth(n)
+            .unwrap_or_else(|| panic!("no {header} #{n}"))
+            .0
+            + 1
+    }
+
+    /// Asserts a refusal at the `n`th `[[nodes]]` table mentioning `what`.
+    fn refused_at_node(text: &str, n: usize, what: &[&str]) {
+        let (line, message) = refusal(text);
+        assert_eq!(line, header_line(text, "[[nodes]]", n), "{message}");
+        for w in what {
+            assert!(message.contains(w), "{message:?} lacks {w:?}");
+        }
+    }
+
+    /// Asserts a refusal at `[cluster]` mentioning `what`.
+    fn refused_at_cluster(text: &str, what: &[&str]) {
+        let (line, message) = refusal(text);
+        assert_eq!(line, header_line(text, "[cluster]", 0), "{message}");
+        for w in what {
+            assert!(message.contains(w), "{message:?} lacks {w:?}");
+        }
+    }
+
+    #[test]
+    fn no_cluster_is_none() {
+        let c = ClusterConfig::parse(TIERS, "c.toml").unwrap();
+        assert_eq!(c.cluster, None);
+        assert_eq!(ClusterConfig::open().cluster, None);
+    }
+
+    #[test]
+    fn nodes_without_cluster_take_defaults() {
+        let c = parse(&format!("{TIERS}{NODES}"));
+        assert_eq!(c.certs_dir, PathBuf::from("certs"));
+        assert_eq!(c.heartbeat_interval_ms, 500);
+        assert_eq!(c.down_after_missed, 3);
+        assert_eq!(c.frame_len_max_bytes, 1 << 20);
+        assert_eq!(c.send_queue_len_max, 4096);
+        assert_eq!(c.reconnect_backoff_max_ms, 2000);
+        assert_eq!(c.idle_timeout_ms, 10_000);
+        assert_eq!(c.down_after(), Duration::from_millis(1500));
+        assert_eq!(c.nodes.len(), 3);
+        let (id, router) = c.router();
+        assert_eq!((id, router.name.as_str()), (0, "router"));
+        assert_eq!(router.http, Some(sock("127.0.0.1:8000")));
+        assert_eq!(router.listen, sock("127.0.0.1:7400"));
+        let engines: Vec<(u32, &str)> = c.engines().map(|(i, n)| (i, n.name.as_str())).collect();
+        assert_eq!(engines, [(1, "worker-1"), (2, "worker-2")]);
+        assert_eq!(
+            c.node("worker-2").unwrap().role,
+            Role::Worker,
+            "mixed is worker"
+        );
+        assert_eq!(c.node_id("worker-2"), Some(2));
+        assert_eq!(c.node_id("nope"), None);
+        assert!(c.node("nope").is_none());
+    }
+
+    #[test]
+    fn cluster_settings_are_read() {
+        let c = parse(&with_cluster(
+            r#"certs_dir = "/etc/flotilla/certs"
+heartbeat_interval_ms = 100
+down_after_missed = 5
+frame_len_max_bytes = 4096
+send_queue_len_max = 8
+reconnect_backoff_max_ms = 50
+idle_timeout_ms = 200
+"#,
+        ));
+        assert_eq!(c.certs_dir, PathBuf::from("/etc/flotilla/certs"));
+        assert_eq!(c.heartbeat_interval_ms, 100);
+        assert_eq!(c.down_after_missed, 5);
+        assert_eq!(c.frame_len_max_bytes, 4096);
+        assert_eq!(c.send_queue_len_max, 8);
+        assert_eq!(c.reconnect_backoff_max_ms, 50);
+        assert_eq!(c.idle_timeout_ms, 200);
+        assert_eq!(c.down_after(), Duration::from_millis(500));
+    }
+
+    #[test]
+    fn host_name_addr_with_listen_and_prefill_decode_roles() {
+        let text = format!(
+            r#"{TIERS}[[nodes]]
+name = "router"
+role = "router"
+addr = "flotilla-router:7400"
+listen = "0.0.0.0:7400"
+http = "0.0.0.0:8000"
+
+[[nodes]]
+name = "p-0"
+role = "prefill"
+addr = "p-0.flotilla-worker:7400"
+listen = "0.0.0.0:7400"
+
+[[nodes]]
+name = "d-0"
+role = "decode"
+addr = "[::1]:7402"
+"#
+        );
+        let c = parse(&text);
+        assert_eq!(c.nodes[1].role, Role::Prefill);
+        assert_eq!(c.nodes[1].listen, sock("0.0.0.0:7400"));
+        assert_eq!(c.nodes[2].role, Role::Decode);
+        assert_eq!(c.nodes[2].listen, sock("[::1]:7402"));
+        assert_eq!(c.engines().count(), 2);
+    }
+
+    #[test]
+    fn refuses_cluster_without_nodes() {
+        let text = format!("{TIERS}[cluster]\nheartbeat_interval_ms = 100\n");
+        refused_at_cluster(&text, &["[cluster] has no nodes"]);
+    }
+
+    #[test]
+    fn refuses_out_of_range_numbers() {
+        for (field, bad, range) in [
+            ("heartbeat_interval_ms", "9", "10..=60000"),
+            ("heartbeat_interval_ms", "60001", "10..=60000"),
+            ("down_after_missed", "0", "1..=100"),
+            ("down_after_missed", "101", "1..=100"),
+            ("frame_len_max_bytes", "4095", "4096..=268435456"),
+            ("frame_len_max_bytes", "268435457", "4096..=268435456"),
+            ("send_queue_len_max", "0", "1..=1048576"),
+            ("send_queue_len_max", "-1", "1..=1048576"),
+            ("reconnect_backoff_max_ms", "9", "10..=60000"),
+            ("reconnect_backoff_max_ms", "60001", "10..=60000"),
+            ("idle_timeout_ms", "600001", "10..=600000"),
+        ] {
+            let text = with_cluster(&format!("{field} = {bad}\n"));
+            refused_at_cluster(
+                &text,
+                &[
+                    &format!("cluster.{field} = {bad}"),
+                    &format!("out of range {range}"),
+                ],
+            );
+        }
+    }
+
+    #[test]
+    fn refuses_idle_timeout_under_two_heartbeats() {
+        let text = with_cluster("heartbeat_interval_ms = 1000\nidle_timeout_ms = 1999\n");
+        refused_at_cluster(
+            &text,
+            &["idle_timeout_ms = 1999", "2 * heartbeat_interval_ms (2000)"],
+        );
+        parse(&with_cluster(
+            "heartbeat_interval_ms = 1000\nidle_timeout_ms = 2000\n",
+        ));
+    }
+
+    #[test]
+    fn refuses_empty_certs_dir() {
+        refused_at_cluster(&with_cluster("certs_dir = \"\"\n"), &["certs_dir is empty"]);
+    }
+
+    #[test]
+    fn refuses_unknown_cluster_and_node_fields() {
+        let e = ClusterConfig::parse(&with_cluster("heartbeat_ms = 5\n"), "c.toml").unwrap_err();
+        assert!(e.to_string().contains("heartbeat_ms"), "{e}");
+        let text = with_cluster("").replace("name = \"worker-1\"", "name = \"worker-1\"\nport = 1");
+        let e = ClusterConfig::parse(&text, "c.toml").unwrap_err();
+        assert!(e.to_string().contains("port"), "{e}");
+    }
+
+    #[test]
+    fn refuses_duplicate_node_name() {
+        let text = with_cluster("").replace("\"worker-2\"", "\"worker-1\"");
+        refused_at_node(&text, 2, &["node 'worker-1' is defined twice"]);
+        let text = with_cluster("").replace("\"worker-2\"", "\"Worker-1\"");
+        refused_at_node(
+            &text,
+            2,
+            &[
+                "node 'Worker-1' is defined twice",
+                "node 'worker-1' differs only in case",
+            ],
+        );
+    }
+
+    #[test]
+    fn refuses_too_many_nodes() {
+        let mut text = format!("{TIERS}{NODES}");
+        for i in 3..=NODES_MAX {
+            text.push_str(&format!(
+                "\n[[nodes]]\nname = \"w{i}\"\nrole = \"worker\"\naddr = \"127.0.0.1:{}\"\n",
+                10_000 + i
+            ));
+        }
+        let (line, message) = refusal(&text);
+        assert_eq!(line, header_line(&text, "[[nodes]]", 0), "{message}");
+        assert!(message.contains("1025 nodes: at most 1024"), "{message}");
+        // One fewer is accepted.
+        let cut = text.rfind("\n[[nodes]]").unwrap();
+        assert_eq!(parse(&text[..cut]).nodes.len(), NODES_MAX);
+    }
+
+    #[test]
+    fn refuses_duplicate_addr() {
+        let text = with_cluster("").replace("127.0.0.1:7402", "127.0.0.1:7401");
+        refused_at_node(
+            &text,
+            2,
+            &[
+                "node 'worker-2'",
+                "addr '127.0.0.1:7401'",
+                "node 'worker-1'",
+            ],
+        );
+        let text = format!("{TIERS}{NODES}")
+            .replace(
+                "addr = \"127.0.0.1:7401\"",
+                "addr = \"w:7400\"\nlisten = \"0.0.0.0:7401\"",
+            )
+            .replace(
+                "addr = \"127.0.0.1:7402\"",
+                "addr = \"W:7400\"\nlisten = \"0.0.0.0:7402\"",
+            );
+        refused_at_node(&text, 2, &["addr 'W:7400' is also node 'worker-1''s"]);
+    }
+
+    #[test]
+    fn refuses_duplicate_listen() {
+        // Two nodes on one IP cannot both bind it.
+        let text = format!("{TIERS}{NODES}").replace(
+            "addr = \"127.0.0.1:7402\"",
+            "addr = \"127.0.0.1:7402\"\nlisten = \"127.0.0.1:7401\"",
+        );
+        refused_at_node(
+            &text,
+            2,
+            &[
+                "node 'worker-2'",
+                "listen 127.0.0.1:7401",
+                "node 'worker-1'",
+            ],
+        );
+        // 0.0.0.0:7400 on two hosts is fine; on one host it collides.
+        let two_hosts = format!("{TIERS}{NODES}")
+            .replace(
+                "addr = \"127.0.0.1:7401\"",
+                "addr = \"w1:7400\"\nlisten = \"0.0.0.0:7400\"",
+            )
+            .replace(
+                "addr = \"127.0.0.1:7402\"",
+                "addr = \"w2:7400\"\nlisten = \"0.0.0.0:7400\"",
+            );
+        parse(&two_hosts);
+        let one_host = two_hosts.replace("\"w2:7400\"", "\"w1:7401\"");
+        refused_at_node(
+            &one_host,
+            2,
+            &["listen 0.0.0.0:7400 is also node 'worker-1''s"],
+        );
+    }
+
+    #[test]
+    fn refuses_no_router_and_two_routers() {
+        let none = with_cluster("").replace("role = \"router\"\n", "role = \"worker\"\n");
+        let none = none.replace("http = \"127.0.0.1:8000\"\n", "");
+        refused_at_cluster(&none, &["no router"]);
+        // Without [cluster], the whole-cluster line is the first node's.
+        let none = none.replace("[cluster]\n", "");
+        refused_at_node(&none, 0, &["no router"]);
+
+        let two = with_cluster("").replace(
+            "role = \"worker\"\naddr = \"127.0.0.1:7401\"",
+            "role = \"router\"\naddr = \"127.0.0.1:7401\"\nhttp = \"127.0.0.1:8001\"",
+        );
+        refused_at_node(
+            &two,
+            1,
+            &["node 'worker-1': a second router", "node 'router'"],
+        );
+    }
+
+    #[test]
+    fn refuses_router_only() {
+        let text = format!(
+            "{TIERS}[cluster]\n\n{}",
+            &NODES[..NODES.find("\n\n").unwrap()]
+        );
+        refused_at_cluster(&text, &["no engine node"]);
+    }
+
+    #[test]
+    fn refuses_router_without_http_and_http_elsewhere() {
+        let text = with_cluster("").replace("http = \"127.0.0.1:8000\"\n", "");
+        refused_at_node(&text, 0, &["node 'router'", "needs http"]);
+        let text = with_cluster("").replace(
+            "addr = \"127.0.0.1:7402\"",
+            "addr = \"127.0.0.1:7402\"\nhttp = \"127.0.0.1:8002\"",
+        );
+        refused_at_node(
+            &text,
+            2,
+            &["node 'worker-2'", "http is only for the router", "worker"],
+        );
+        let text = with_cluster("").replace("\"127.0.0.1:8000\"", "\"localhost:8000\"");
+        refused_at_node(
+            &text,
+            0,
+            &[
+                "node 'router'",
+                "http 'localhost:8000' is not a socket address",
+            ],
+        );
+    }
+
+    #[test]
+    fn refuses_bad_name() {
+        for bad in [
+            "",
+            "worker_1",
+            "wörker",
+            "-worker",
+            "worker-",
+            "1234",
+            "CA",
+            &"w".repeat(64),
+        ] {
+            let text = with_cluster("").replace("\"worker-1\"", &format!("\"{bad}\""));
+            refused_at_node(&text, 1, &[&format!("node name '{bad}' must be 1 to 63")]);
+        }
+        for good in ["W".repeat(63), "1a".into(), "cab".into()] {
+            parse(&with_cluster("").replace("\"worker-1\"", &format!("\"{good}\"")));
+        }
+    }
+
+    #[test]
+    fn refuses_bad_role() {
+        let text = with_cluster("").replace("\"mixed\"", "\"gpu\"");
+        refused_at_node(
+            &text,
+            2,
+            &["node 'worker-2': role: unknown role 'gpu' (expected router"],
+        );
+    }
+
+    #[test]
+    fn refuses_addr_without_valid_port() {
+        for bad in [
+            "127.0.0.1",
+            "127.0.0.1:0",
+            "127.0.0.1:65536",
+            "w1",
+            "w1:",
+            "w1:0",
+            "w1:x",
+            ":7401",
+            "::1",
+            "[::1]:0",
+            "bad_host:7401",
+            "0.0.0.0:7401",
+        ] {
+            let text = with_cluster("").replace("\"127.0.0.1:7401\"", &format!("\"{bad}\""));
+            refused_at_node(&text, 1, &[&format!("node 'worker-1': addr '{bad}'")]);
+        }
+        let text = with_cluster("").replace("\"127.0.0.1:7401\"", "\"w1\"");
+        refused_at_node(&text, 1, &["needs a port in 1..=65535"]);
+    }
+
+    #[test]
+    fn refuses_host_name_addr_without_listen() {
+        let text = with_cluster("").replace("\"127.0.0.1:7401\"", "\"worker-1.local:7401\"");
+        refused_at_node(
+            &text,
+            1,
+            &["node 'worker-1': addr 'worker-1.local:7401' is a host name, set listen"],
+        );
+    }
+
+    #[test]
+    fn refuses_bad_listen() {
+        for bad in ["w1:7401", "0.0.0.0", "0.0.0.0:0"] {
+            let text = with_cluster("").replace(
+                "addr = \"127.0.0.1:7401\"",
+                &format!("addr = \"127.0.0.1:7401\"\nlisten = \"{bad}\""),
+            );
+            refused_at_node(&text, 1, &[&format!("node 'worker-1': listen '{bad}'")]);
+        }
+    }
+
+    #[test]
+    fn load_resolves_relative_certs_dir() {
+        let dir = tempfile::tempdir().unwrap();
+        let sub = dir.path().join("configs");
+        std::fs::create_dir(&sub).unwrap();
+        let path = sub.join("c.toml");
+        std::fs::write(&path, with_cluster("certs_dir = \"../certs/two\"\n")).unwrap();
+        let c = ClusterConfig::load(&path).unwrap().cluster.unwrap();
+        assert_eq!(c.certs_dir, sub.join("../certs/two"));
+        // parse() keeps the path as written.
+        let text = std::fs::read_to_string(&path).unwrap();
+        assert_eq!(parse(&text).certs_dir, PathBuf::from("../certs/two"));
+
+        // The default is relative too; an absolute path is kept.
+        std::fs::write(&path, format!("{TIERS}{NODES}")).unwrap();
+        let c = ClusterConfig::load(&path).unwrap().cluster.unwrap();
+        assert_eq!(c.certs_dir, sub.join("certs"));
+        std::fs::write(&path, with_cluster("certs_dir = \"/etc/flotilla/certs\"\n")).unwrap();
+        let c = ClusterConfig::load(&path).unwrap().cluster.unwrap();
+        assert_eq!(c.certs_dir, PathBuf::from("/etc/flotilla/certs"));
+    }
+}
