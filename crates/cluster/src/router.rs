@@ -382,12 +382,17 @@ async fn watch_loop(inner: std::sync::Weak<Inner>) {
         Some(i) => i.opts.heartbeat_interval,
         None => return,
     };
-    let mut tick = tokio::time::interval(period);
+    // Silence is checked four times per heartbeat interval, so a node is
+    // marked down at most a quarter interval after its bound passes.
+    let mut tick = tokio::time::interval(period / 4);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    loop {
+    for n in 0u64.. {
         tick.tick().await;
         let Some(inner) = inner.upgrade() else { return };
         inner.check_silence();
+        if n % 4 != 0 {
+            continue;
+        }
         // Workers watch the Router the same way: a silent Router's requests
         // are cancelled on the workers.
         let nodes: Vec<NodeId> = inner.lock().workers.iter().map(|w| w.node).collect();

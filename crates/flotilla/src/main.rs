@@ -2,6 +2,7 @@
 //! `fetch-model`.
 
 mod bench;
+mod node;
 mod serve;
 
 use std::io::Write;
@@ -126,6 +127,13 @@ enum Cmd {
     BenchModel(bench::BenchArgs),
     /// Download the default model into the cache (if needed) and print its path.
     FetchModel,
+    /// Run one node of a multi-node cluster (router or engine), named in --config.
+    Node(node::NodeArgs),
+    /// Run every node of a cluster config as its own process on this machine.
+    Cluster(node::ClusterArgs),
+    /// Create the cluster CA and node certificates.
+    #[command(subcommand)]
+    Certs(node::CertsCmd),
 }
 
 fn main() {
@@ -164,6 +172,9 @@ fn run() -> Result<()> {
         Cmd::Serve(args) => serve::run(args),
         Cmd::Bench(args) => load_test(&args),
         Cmd::BenchModel(args) => bench::run(&args),
+        Cmd::Node(args) => node::run(args),
+        Cmd::Cluster(args) => node::cluster(args),
+        Cmd::Certs(cmd) => node::certs(cmd),
         Cmd::FetchModel => {
             println!(
                 "{}",

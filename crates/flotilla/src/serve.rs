@@ -74,7 +74,7 @@ pub struct ServeArgs {
     pub max_body_bytes: usize,
 }
 
-struct MonotonicClock(Instant);
+pub struct MonotonicClock(pub Instant);
 
 impl Clock for MonotonicClock {
     fn now(&self) -> Duration {
@@ -97,6 +97,16 @@ fn salt_of(name: &str) -> u64 {
         h = h.wrapping_mul(0x100000001b3);
     }
     h.max(1)
+}
+
+/// The prefix-cache salt of a tenant: 0 shares its cached prefixes with
+/// other tenants, anything else keeps them apart.
+pub fn tenant_salt(t: &flotilla_config::Tenant) -> u64 {
+    if t.isolate_prefix_cache {
+        salt_of(&t.name)
+    } else {
+        0
+    }
 }
 
 fn load_config(args: &ServeArgs) -> Result<(ClusterConfig, String)> {
@@ -138,7 +148,20 @@ fn queue_timeout(s: f64) -> Result<Duration> {
     Ok(Duration::from_secs_f64(s))
 }
 
-pub fn resolve(args: &ServeArgs) -> Result<Resolved> {
+/// What the Router needs of the model: its text side and its length, not
+/// its weights.
+pub struct Front {
+    pub cluster: ClusterConfig,
+    pub config_origin: String,
+    pub text: TextSide,
+    pub model_name: String,
+    pub max_model_len: usize,
+    pub path: PathBuf,
+    pub llama: LlamaConfig,
+}
+
+/// Config, tokenizer and model length from flags, config and the model file.
+pub fn front(args: &ServeArgs) -> Result<Front> {
     let (cluster, config_origin) = load_config(args)?;
     let e = &cluster.engine;
     let path = args.model.path()?;
@@ -152,6 +175,34 @@ pub fn resolve(args: &ServeArgs) -> Result<Resolved> {
             lc.ctx_len
         );
     }
+    let model_name = args.served_model_name.clone().unwrap_or_else(|| {
+        path.file_stem()
+            .map(|s| s.to_string_lossy().into_owned())
+            .unwrap_or_else(|| "model".into())
+    });
+    Ok(Front {
+        cluster,
+        config_origin,
+        text,
+        model_name,
+        max_model_len,
+        path,
+        llama: lc,
+    })
+}
+
+pub fn resolve(args: &ServeArgs) -> Result<Resolved> {
+    let Front {
+        cluster,
+        config_origin,
+        text,
+        model_name,
+        max_model_len,
+        path,
+        llama: lc,
+    } = front(args)?;
+    let g = GgufFile::open(&path)?;
+    let e = &cluster.engine;
     let max_num_seqs = args.max_num_seqs.or(e.max_num_seqs).unwrap_or(32);
     let max_num_batched_tokens = args
         .max_num_batched_tokens
@@ -233,19 +284,10 @@ pub fn resolve(args: &ServeArgs) -> Result<Resolved> {
                 max_concurrent: t.max_concurrent,
                 requests_per_minute: t.requests_per_minute,
                 kv_blocks_max: t.kv_blocks_max,
-                prefix_salt: if t.isolate_prefix_cache {
-                    salt_of(&t.name)
-                } else {
-                    0
-                },
+                prefix_salt: tenant_salt(t),
             })
             .collect(),
     };
-    let model_name = args.served_model_name.clone().unwrap_or_else(|| {
-        path.file_stem()
-            .map(|s| s.to_string_lossy().into_owned())
-            .unwrap_or_else(|| "model".into())
-    });
     Ok(Resolved {
         cluster: Arc::new(cluster),
         sched,
@@ -294,33 +336,45 @@ async fn serve(r: Resolved, addr: SocketAddr, max_body_bytes: usize) -> Result<(
     )
     .await
     .context("starting the engine")?;
-    let app = flotilla_gateway::router(
-        Arc::new(engine.clone()),
-        Arc::new(r.text),
-        metrics,
-        GatewayConfig {
-            model_name: r.model_name.clone(),
-            max_model_len: r.max_model_len,
-            body_limit_bytes: max_body_bytes,
-            cluster: r.cluster.clone(),
-        },
-    );
-    let listener = tokio::net::TcpListener::bind(addr)
-        .await
-        .with_context(|| format!("cannot listen on {addr}"))?;
-    let local = listener.local_addr()?;
     let auth = if r.cluster.is_open() {
         "no API keys (open)".to_string()
     } else {
         format!("API keys from {}", r.config_origin)
     };
-    eprintln!(
-        "flotilla: serving {} at http://{local}/v1 (tiers: {}; KV cache {} blocks, {} MiB; {auth})",
-        r.model_name,
+    let what = format!(
+        "tiers: {}; KV cache {} blocks, {} MiB; {auth}",
         tiers.join(", "),
         num_blocks,
         r.kv_bytes >> 20,
     );
+    let gw = GatewayConfig {
+        model_name: r.model_name.clone(),
+        max_model_len: r.max_model_len,
+        body_limit_bytes: max_body_bytes,
+        cluster: r.cluster.clone(),
+    };
+    serve_http(Arc::new(engine.clone()), r.text, metrics, gw, addr, &what).await?;
+    engine.stop();
+    Ok(())
+}
+
+/// Serves the OpenAI API over `engine` at `addr` until Ctrl-C, after one
+/// line that names the URL (scripts and tests wait for it).
+pub async fn serve_http(
+    engine: Arc<dyn flotilla_proto::Engine>,
+    text: TextSide,
+    metrics: Arc<Metrics>,
+    gw: GatewayConfig,
+    addr: SocketAddr,
+    what: &str,
+) -> Result<()> {
+    let model_name = gw.model_name.clone();
+    let app = flotilla_gateway::router(engine, Arc::new(text), metrics, gw);
+    let listener = tokio::net::TcpListener::bind(addr)
+        .await
+        .with_context(|| format!("cannot listen on {addr}"))?;
+    let local = listener.local_addr()?;
+    eprintln!("flotilla: serving {model_name} at http://{local}/v1 ({what})");
     let shutdown = async {
         let _ = tokio::signal::ctrl_c().await;
     };
@@ -328,7 +382,6 @@ async fn serve(r: Resolved, addr: SocketAddr, max_body_bytes: usize) -> Result<(
         .with_graceful_shutdown(shutdown)
         .await
         .context("serving HTTP")?;
-    engine.stop();
     Ok(())
 }
 

@@ -1,0 +1,317 @@
+//! `flotilla node` (one node of a multi-node cluster), `flotilla cluster`
+//! (every node of a config as its own process on this machine, for a
+//! try-out) and `flotilla certs` (the cluster CA and node certificates).
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result, bail};
+use flotilla_actors::{Clock, EngineOptions, spawn_engine};
+use flotilla_cluster::{ClusterEngine, RouterOptions, WorkerOptions, run_worker};
+use flotilla_config::{ClusterConfig, ClusterSection, Role};
+use flotilla_gateway::GatewayConfig;
+use flotilla_model::Executor;
+use flotilla_telemetry::Metrics;
+use flotilla_transport::quic::{LinkFaults, PeerSpec, QuicOptions, QuicTransport};
+use flotilla_transport::tls::{self, TlsMaterial};
+use flotilla_transport::{Transport, new_epoch};
+
+use crate::serve::{self, MonotonicClock, ServeArgs, serve_http, tenant_salt};
+
+/// `flotilla node` flags: the node's name plus every `serve` flag (engine
+/// and model flags apply to engine nodes; the Router listens on its
+/// config's `http` address, not on --host/--port).
+#[derive(clap::Args, Clone)]
+pub struct NodeArgs {
+    /// This node's name in the config's [[nodes]].
+    #[arg(long)]
+    pub name: String,
+    #[command(flatten)]
+    pub serve: ServeArgs,
+}
+
+/// `flotilla cluster` flags.
+#[derive(clap::Args, Clone)]
+pub struct ClusterArgs {
+    /// Cluster config with [[nodes]].
+    #[arg(long, default_value = "cluster-configs/two-workers.toml")]
+    pub config: PathBuf,
+    /// Flags for every node (model and engine flags), after `--`.
+    #[arg(last = true)]
+    pub node_args: Vec<String>,
+}
+
+/// `flotilla certs` subcommands.
+#[derive(clap::Subcommand, Clone)]
+pub enum CertsCmd {
+    /// Create the cluster CA (ca.pem, ca.key) in --dir.
+    Init {
+        /// Directory for the CA.
+        #[arg(long)]
+        dir: PathBuf,
+    },
+    /// Issue a node certificate (NODE.pem, NODE.key) signed by the CA in --dir.
+    Issue {
+        /// Directory holding the CA.
+        #[arg(long)]
+        dir: PathBuf,
+        /// Node name (as in the config's [[nodes]]).
+        #[arg(long)]
+        node: String,
+        /// router, worker (mixed), prefill or decode.
+        #[arg(long)]
+        role: String,
+    },
+}
+
+pub fn certs(cmd: CertsCmd) -> Result<()> {
+    match cmd {
+        CertsCmd::Init { dir } => {
+            tls::init_ca(&dir)?;
+            println!("created the cluster CA in {}", dir.display());
+        }
+        CertsCmd::Issue { dir, node, role } => {
+            let role: Role = role.parse().map_err(anyhow::Error::msg)?;
+            tls::issue(&dir, &node, role)?;
+            println!("issued {node} ({role}) in {}", dir.display());
+        }
+    }
+    Ok(())
+}
+
+fn init_logging() {
+    let filter = tracing_subscriber::EnvFilter::try_from_env("FLOTILLA_LOG").unwrap_or_else(|_| {
+        tracing_subscriber::EnvFilter::new("warn,flotilla_cluster=info,flotilla_transport=info")
+    });
+    tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .init();
+}
+
+fn load_cluster(path: &Path) -> Result<(ClusterConfig, ClusterSection)> {
+    let cfg = ClusterConfig::load(path)?;
+    let cl = cfg.cluster.clone().with_context(|| {
+        format!(
+            "{} has no [[nodes]]: `flotilla node` and `flotilla cluster` need a cluster config \
+             (see cluster-configs/two-workers.toml); `flotilla serve` runs one node without one",
+            path.display()
+        )
+    })?;
+    Ok((cfg, cl))
+}
+
+/// Transport settings from the config's [cluster] table.
+fn quic_options(cl: &ClusterSection, node: u32) -> QuicOptions {
+    let hb = Duration::from_millis(cl.heartbeat_interval_ms);
+    QuicOptions {
+        node,
+        nodes: cl
+            .nodes
+            .iter()
+            .map(|n| PeerSpec {
+                name: n.name.clone(),
+                role: n.role,
+                addr: n.addr.clone(),
+            })
+            .collect(),
+        listen: cl.nodes[node as usize].listen,
+        epoch: new_epoch(),
+        frame_len_max_bytes: cl.frame_len_max_bytes,
+        send_queue_len_max: cl.send_queue_len_max,
+        inbound_queue_len_max: 65_536,
+        bulk_len_max_bytes: 4 << 30,
+        keep_alive: hb,
+        idle_timeout: Duration::from_millis(cl.idle_timeout_ms),
+        // A dead peer must be noticed within the down-after bound.
+        connect_timeout: cl.down_after().max(Duration::from_millis(200)),
+        reconnect_backoff_max: Duration::from_millis(cl.reconnect_backoff_max_ms),
+        faults: LinkFaults::default(),
+    }
+}
+
+pub fn run(args: NodeArgs) -> Result<()> {
+    init_logging();
+    let Some(path) = args.serve.config.clone() else {
+        bail!("flotilla node needs --config: a cluster config with [[nodes]]");
+    };
+    if args.serve.no_auth {
+        bail!("--no-auth is for `flotilla serve`; a cluster takes its tenants from --config");
+    }
+    let (cfg, cl) = load_cluster(&path)?;
+    let Some(id) = cl.node_id(&args.name) else {
+        let names: Vec<&str> = cl.nodes.iter().map(|n| n.name.as_str()).collect();
+        bail!(
+            "{} has no node named '{}' (nodes: {})",
+            path.display(),
+            args.name,
+            names.join(", ")
+        );
+    };
+    let node = cl.nodes[id as usize].clone();
+    let certs = TlsMaterial::load(&cl.certs_dir, &node.name).with_context(|| {
+        format!(
+            "loading the certificates of node {} from {}: create them with `flotilla certs init \
+             --dir {dir}` and `flotilla certs issue --dir {dir} --node {} --role {}` \
+             (`flotilla cluster` does this for a local try-out)",
+            node.name,
+            cl.certs_dir.display(),
+            node.name,
+            node.role,
+            dir = cl.certs_dir.display(),
+        )
+    })?;
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()?;
+    rt.block_on(async move {
+        let hb = Duration::from_millis(cl.heartbeat_interval_ms);
+        if node.role == Role::Router {
+            let f = serve::front(&args.serve)?;
+            let (t, inbound) = QuicTransport::start(quic_options(&cl, id), &certs)
+                .with_context(|| format!("starting QUIC on {}", node.listen))?;
+            let epoch = t.epoch();
+            let block_size = cfg.engine.block_size.unwrap_or(args.serve.model.block_size);
+            let engine = ClusterEngine::start(
+                t,
+                inbound,
+                RouterOptions {
+                    workers: cl.engines().map(|(i, n)| (i, n.name.clone())).collect(),
+                    heartbeat_interval: hb,
+                    down_after: cl.down_after(),
+                    block_size,
+                    tenant_salts: cfg.tenants.iter().map(tenant_salt).collect(),
+                    reruns_max: 2,
+                    prefix_blocks_max: 1 << 20,
+                },
+            );
+            let workers: Vec<&str> = cl.engines().map(|(_, n)| n.name.as_str()).collect();
+            let what = format!(
+                "router {} on QUIC {} epoch {epoch}; workers: {}; API keys from {}",
+                node.name,
+                node.listen,
+                workers.join(", "),
+                path.display()
+            );
+            let http = node.http.expect("a validated router has http");
+            let gw = GatewayConfig {
+                model_name: f.model_name.clone(),
+                max_model_len: f.max_model_len,
+                body_limit_bytes: args.serve.max_body_bytes,
+                cluster: Arc::new(f.cluster),
+            };
+            let metrics = Arc::new(Metrics::new()?);
+            serve_http(Arc::new(engine), f.text, metrics, gw, http, &what).await
+        } else {
+            let r = serve::resolve(&args.serve)?;
+            let metrics = Arc::new(Metrics::new()?);
+            let clock: Arc<dyn Clock> = Arc::new(MonotonicClock(Instant::now()));
+            let blocks = r.sched.num_blocks;
+            let exec: Box<dyn Executor> = Box::new(r.exec);
+            let engine = spawn_engine(exec, EngineOptions { sched: r.sched }, clock, metrics)
+                .await
+                .context("starting the engine")?;
+            let (t, inbound) = QuicTransport::start(quic_options(&cl, id), &certs)
+                .with_context(|| format!("starting QUIC on {}", node.listen))?;
+            eprintln!(
+                "flotilla: node {} ({}) on QUIC {} epoch {}; KV cache {blocks} blocks",
+                node.name,
+                node.role,
+                node.listen,
+                t.epoch()
+            );
+            let opts = WorkerOptions {
+                routers: vec![cl.router().0],
+                heartbeat_interval: hb,
+                down_after: cl.down_after(),
+                num_tenants: cfg.tenants.len().max(1) as u32,
+                frame_len_max_bytes: cl.frame_len_max_bytes,
+            };
+            let transport: Arc<dyn Transport> = t.clone();
+            tokio::select! {
+                _ = run_worker(transport, inbound, Arc::new(engine.clone()), opts) => {}
+                _ = tokio::signal::ctrl_c() => {}
+            }
+            t.close();
+            engine.stop();
+            Ok(())
+        }
+    })
+}
+
+/// Creates the CA and any missing node certificates for a local try-out.
+fn ensure_certs(cl: &ClusterSection) -> Result<()> {
+    let dir = &cl.certs_dir;
+    if !dir.join("ca.pem").exists() {
+        tls::init_ca(dir)?;
+        eprintln!("flotilla: created a cluster CA in {}", dir.display());
+    }
+    for n in &cl.nodes {
+        if !tls::has_node(dir, &n.name) {
+            tls::issue(dir, &n.name, n.role)?;
+        }
+    }
+    Ok(())
+}
+
+pub fn cluster(args: ClusterArgs) -> Result<()> {
+    let (_, cl) = load_cluster(&args.config)?;
+    ensure_certs(&cl)?;
+    let exe = std::env::current_exe().context("finding this binary")?;
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()?;
+    rt.block_on(async move {
+        let mut children = Vec::new();
+        // Engine nodes first: the Router's first requests find them loading.
+        let mut order: Vec<_> = cl.nodes.iter().collect();
+        order.sort_by_key(|n| n.role == Role::Router);
+        for n in order {
+            let child = tokio::process::Command::new(&exe)
+                .arg("node")
+                .arg("--config")
+                .arg(&args.config)
+                .arg("--name")
+                .arg(&n.name)
+                .args(&args.node_args)
+                .kill_on_drop(true)
+                .spawn()
+                .with_context(|| format!("starting node {}", n.name))?;
+            eprintln!(
+                "flotilla: started node {} ({}) as process {}",
+                n.name,
+                n.role,
+                child.id().unwrap_or(0)
+            );
+            children.push((n.name.clone(), child));
+        }
+        let (name_tx, mut name_rx) = tokio::sync::mpsc::unbounded_channel();
+        for (name, mut child) in children {
+            let tx = name_tx.clone();
+            tokio::spawn(async move {
+                let status = child.wait().await;
+                let _ = tx.send((name, status));
+            });
+        }
+        // A node that exits is reported and the rest keep running (the
+        // Router routes around it), so a try-out can show fail-over; a
+        // restarted node is the user's to start (`flotilla node ...`).
+        let mut running = cl.nodes.len();
+        loop {
+            tokio::select! {
+                _ = tokio::signal::ctrl_c() => {
+                    eprintln!("flotilla: stopping the cluster");
+                    return Ok(());
+                }
+                Some((name, status)) = name_rx.recv() => {
+                    running -= 1;
+                    eprintln!("flotilla: node {name} exited ({status:?}); {running} still running");
+                    if running == 0 {
+                        bail!("every node exited");
+                    }
+                }
+            }
+        }
+    })
+}
