@@ -12,10 +12,13 @@ use flotilla_transport::{
 };
 use tokio::sync::mpsc;
 
+/// A joined node: its epoch and its inbox.
+type Slot = Option<(u64, mpsc::Sender<Inbound>)>;
+
 /// The network: one slot per node.
 #[derive(Default)]
 pub struct MemNet {
-    nodes: Mutex<Vec<Option<(u64, mpsc::Sender<Inbound>)>>>,
+    nodes: Mutex<Vec<Slot>>,
 }
 
 /// One node's end of a [`MemNet`].
@@ -90,12 +93,16 @@ impl Transport for MemTransport {
                     SendError {
                         to,
                         reason: SendFailure::QueueFull(4096),
-                        msg,
+                        msg: Box::new(msg),
                     }
                 });
             }
         };
-        Err(SendError { to, reason, msg })
+        Err(SendError {
+            to,
+            reason,
+            msg: Box::new(msg),
+        })
     }
 
     fn send_bulk(

@@ -4,6 +4,7 @@
 mod bench;
 mod node;
 mod serve;
+mod transport_bench;
 
 use std::io::Write;
 use std::path::PathBuf;
@@ -131,6 +132,8 @@ enum Cmd {
     Node(node::NodeArgs),
     /// Run every node of a cluster config as its own process on this machine.
     Cluster(node::ClusterArgs),
+    /// Measure the QUIC transport between two nodes on loopback.
+    BenchTransport(transport_bench::TransportBenchArgs),
     /// Create the cluster CA and node certificates.
     #[command(subcommand)]
     Certs(node::CertsCmd),
@@ -175,6 +178,7 @@ fn run() -> Result<()> {
         Cmd::Node(args) => node::run(args),
         Cmd::Cluster(args) => node::cluster(args),
         Cmd::Certs(cmd) => node::certs(cmd),
+        Cmd::BenchTransport(args) => transport_bench::run(&args),
         Cmd::FetchModel => {
             println!(
                 "{}",

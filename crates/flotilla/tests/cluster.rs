@@ -192,13 +192,12 @@ fn start_cluster() -> Cluster {
     let (w1, _) = start_node(&config, "worker-1");
     let (w2, _) = start_node(&config, "worker-2");
     let (r, url) = start_node(&config, "router");
-    let c = Cluster {
+    Cluster {
         dir,
         config,
         base: url.expect("the router prints its URL"),
         nodes: vec![r, w1, w2],
-    };
-    c
+    }
 }
 
 fn client() -> reqwest::Client {

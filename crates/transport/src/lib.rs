@@ -51,8 +51,9 @@ pub enum Inbound {
         epoch: u64,
         /// What the bytes are.
         header: KvTransferHeader,
-        /// The bytes (`header.bytes` of them).
-        data: Bytes,
+        /// The bytes (`header.bytes` of them), in order, in the pieces they
+        /// arrived in.
+        data: Vec<Bytes>,
     },
 }
 
@@ -65,8 +66,9 @@ pub struct SendError {
     pub to: NodeId,
     /// Why.
     pub reason: SendFailure,
-    /// The message, handed back.
-    pub msg: Message,
+    /// The message, handed back (boxed: the error path is rare and the
+    /// message is large).
+    pub msg: Box<Message>,
 }
 
 /// The reason in a [`SendError`].

@@ -14,7 +14,7 @@ use std::sync::atomic::{AtomicBool, AtomicU8, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use bytes::{Bytes, BytesMut};
+use bytes::Bytes;
 use flotilla_proto::Role;
 use flotilla_proto::wire::{
     self, HEADER_LEN, Header, Kind, KvTransferHeader, Message, decode_payload, encode_frame,
@@ -40,6 +40,11 @@ mod close {
 /// `write` into a fresh allocation, and smaller slices bound how much bulk
 /// data can sit in front of a control frame in the send buffer.
 const BULK_CHUNK_BYTES: usize = 256 * 1024;
+
+/// Upper bound of MTU discovery: quinn sends up to 10 packets per GSO
+/// call, and the kernel refuses a batch over 64 KiB (quinn then takes the
+/// MTU for a black hole and falls back to 1200).
+const MTU_MAX_BYTES: u16 = 6500;
 
 /// A peer as the transport knows it.
 #[derive(Clone, Debug)]
@@ -139,6 +144,12 @@ struct Link {
 struct LinkState {
     phase: AtomicU8,
     conn: Mutex<Option<Connection>>,
+    /// A second connection for bulk transfers, dialed on first use: its
+    /// packets have their own congestion window, send queue and driver
+    /// task, so control frames on `conn` never wait behind bulk packets
+    /// inside quinn.
+    bulk: tokio::sync::Mutex<Option<Connection>>,
+    peer: PeerSpec,
 }
 
 /// A node's QUIC transport.
@@ -151,6 +162,7 @@ pub struct QuicTransport {
     endpoint: Endpoint,
     counters: Arc<Counters>,
     closed: Arc<AtomicBool>,
+    connect_timeout: Duration,
 }
 
 impl QuicTransport {
@@ -183,11 +195,19 @@ impl QuicTransport {
         let tc = Arc::new(transport_config(&opts)?);
         let server = tls::server_config(certs, tc.clone())?;
         let client = tls::client_config(certs, tc)?;
-        let mut endpoint =
-            Endpoint::server(server, opts.listen).map_err(|source| StartError::Bind {
-                addr: opts.listen,
-                source,
-            })?;
+        // The endpoint's UDP payload cap (1472 by default) also caps MTU
+        // discovery; raise it to the discovery bound.
+        let mut ec = quinn::EndpointConfig::default();
+        ec.max_udp_payload_size(MTU_MAX_BYTES + 28)
+            .map_err(|e| StartError::Options(e.to_string()))?;
+        let bind = |source| StartError::Bind {
+            addr: opts.listen,
+            source,
+        };
+        let socket = std::net::UdpSocket::bind(opts.listen).map_err(bind)?;
+        let runtime = quinn::default_runtime()
+            .ok_or_else(|| StartError::Options("no async runtime for quinn".into()))?;
+        let mut endpoint = Endpoint::new(ec, Some(server), socket, runtime).map_err(bind)?;
         endpoint.set_default_client_config(client);
 
         let counters = Arc::new(Counters::default());
@@ -206,6 +226,8 @@ impl QuicTransport {
             let state = Arc::new(LinkState {
                 phase: AtomicU8::new(CONNECTING),
                 conn: Mutex::new(None),
+                bulk: tokio::sync::Mutex::new(None),
+                peer: peer.clone(),
             });
             tokio::spawn(run_link(
                 endpoint.clone(),
@@ -235,6 +257,7 @@ impl QuicTransport {
                 endpoint,
                 counters,
                 closed,
+                connect_timeout: opts.connect_timeout,
             }),
             in_rx,
         ))
@@ -249,6 +272,18 @@ impl QuicTransport {
     pub fn is_connected(&self, to: NodeId) -> bool {
         self.link(to)
             .is_some_and(|l| l.state.phase.load(Ordering::Acquire) == UP)
+    }
+
+    /// The current path MTUs of the links to `to`: (control, bulk), each
+    /// when connected.
+    pub fn path_mtu(&self, to: NodeId) -> (Option<u16>, Option<u16>) {
+        let Some(l) = self.link(to) else {
+            return (None, None);
+        };
+        let mtu = |c: Option<&Connection>| c.map(|c| c.stats().path.current_mtu);
+        let control = mtu(l.state.conn.lock().expect("link state poisoned").as_ref());
+        let bulk = l.state.bulk.try_lock().ok().and_then(|b| mtu(b.as_ref()));
+        (control, bulk)
     }
 
     /// Closes every connection; further sends fail.
@@ -277,7 +312,7 @@ impl QuicTransport {
                 return Err(SendError {
                     to,
                     reason: SendFailure::Encode(e.to_string()),
-                    msg,
+                    msg: Box::new(msg),
                 });
             }
         };
@@ -285,14 +320,14 @@ impl QuicTransport {
             return Err(SendError {
                 to,
                 reason: SendFailure::UnknownPeer,
-                msg,
+                msg: Box::new(msg),
             });
         };
         if link.state.phase.load(Ordering::Acquire) == DOWN {
             return Err(SendError {
                 to,
                 reason: SendFailure::PeerGone,
-                msg,
+                msg: Box::new(msg),
             });
         }
         match link.tx.try_send(frame) {
@@ -300,12 +335,12 @@ impl QuicTransport {
             Err(mpsc::error::TrySendError::Full(_)) => Err(SendError {
                 to,
                 reason: SendFailure::QueueFull(link.tx.max_capacity()),
-                msg,
+                msg: Box::new(msg),
             }),
             Err(mpsc::error::TrySendError::Closed(_)) => Err(SendError {
                 to,
                 reason: SendFailure::Closed,
-                msg,
+                msg: Box::new(msg),
             }),
         }
     }
@@ -331,7 +366,7 @@ impl Transport for QuicTransport {
             return Err(SendError {
                 to,
                 reason: SendFailure::Forbidden(self.role),
-                msg,
+                msg: Box::new(msg),
             });
         }
         self.send_unchecked(to, correlation, msg)
@@ -343,16 +378,13 @@ impl Transport for QuicTransport {
         header: KvTransferHeader,
         data: Bytes,
     ) -> BoxFuture<Result<(), BulkError>> {
-        let conn = match self.link(to) {
+        let link = match self.link(to) {
             None => Err(SendFailure::UnknownPeer),
-            Some(l) => l
-                .state
-                .conn
-                .lock()
-                .expect("link state poisoned")
-                .clone()
-                .ok_or(SendFailure::PeerGone),
+            Some(l) if l.state.phase.load(Ordering::Acquire) != UP => Err(SendFailure::PeerGone),
+            Some(l) => Ok(l.state.clone()),
         };
+        let endpoint = self.endpoint.clone();
+        let connect_timeout = self.connect_timeout;
         let frame = encode_frame(
             &Message::KvBlocks(header.clone()),
             header.req,
@@ -372,9 +404,22 @@ impl Transport for QuicTransport {
                     data.len()
                 )));
             }
-            let conn = conn.map_err(BulkError::Send)?;
+            let link = link.map_err(BulkError::Send)?;
             let frame = frame.map_err(|e| BulkError::Send(SendFailure::Encode(e.to_string())))?;
             let io = |e: &dyn std::fmt::Display| BulkError::Io(e.to_string());
+            let conn = {
+                let mut bulk = link.bulk.lock().await;
+                match bulk.as_ref() {
+                    Some(c) if c.close_reason().is_none() => c.clone(),
+                    _ => {
+                        let c = dial(&endpoint, &link.peer, connect_timeout)
+                            .await
+                            .map_err(BulkError::Io)?;
+                        *bulk = Some(c.clone());
+                        c
+                    }
+                }
+            };
             let mut s = conn.open_uni().await.map_err(|e| io(&e))?;
             s.write_all(&frame).await.map_err(|e| io(&e))?;
             let mut off = 0;
@@ -405,11 +450,9 @@ fn transport_config(opts: &QuicOptions) -> Result<quinn::TransportConfig, StartE
             .map_err(|_| StartError::Options("idle timeout out of range".into()))?,
     ));
     // Loopback and jumbo-frame links get large packets after discovery;
-    // the bound keeps MTU x 10 (quinn's GSO batch) under the 64 KiB UDP
-    // limit, above which the kernel drops the batch and quinn falls back
-    // to 1200-byte packets.
+    // ordinary Ethernet settles at its 1500.
     let mut mtu = quinn::MtuDiscoveryConfig::default();
-    mtu.upper_bound(6500);
+    mtu.upper_bound(MTU_MAX_BYTES);
     tc.mtu_discovery_config(Some(mtu));
     Ok(tc)
 }
@@ -477,7 +520,8 @@ async fn run_link(
             }
             if !opts.faults.delay.is_zero() {
                 n += 1;
-                let lost = opts.faults.loss_one_in > 0 && n % opts.faults.loss_one_in as u64 == 0;
+                let lost =
+                    opts.faults.loss_one_in > 0 && n.is_multiple_of(opts.faults.loss_one_in as u64);
                 let d = if lost {
                     opts.faults.delay * 4
                 } else {
@@ -640,11 +684,17 @@ async fn read_stream(
                 );
                 return refuse(close::PROTOCOL, &why, &counters.frames_invalid);
             }
-            let mut data = BytesMut::with_capacity(h.bytes as usize);
-            while (data.len() as u64) < h.bytes {
-                let want = (h.bytes - data.len() as u64).min(1 << 20) as usize;
-                match recv.read_chunk(want, true).await {
-                    Ok(Some(c)) => data.extend_from_slice(&c.bytes),
+            // The chunks quinn hands out are kept as they are: no copy and
+            // no fresh 64 MiB buffer to fault in; the receiver copies them
+            // once, into their final place (its KV pool).
+            let mut data = Vec::new();
+            let mut got = 0u64;
+            while got < h.bytes {
+                match recv.read_chunk((h.bytes - got) as usize, true).await {
+                    Ok(Some(c)) => {
+                        got += c.bytes.len() as u64;
+                        data.push(c.bytes);
+                    }
                     _ => return,
                 }
             }
@@ -657,7 +707,7 @@ async fn read_stream(
                     from,
                     epoch: header.epoch,
                     header: h,
-                    data: data.freeze(),
+                    data,
                 })
                 .await;
             return;

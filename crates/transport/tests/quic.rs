@@ -84,7 +84,7 @@ async fn send_when_up(t: &QuicTransport, to: u32, corr: u64, msg: Message) {
         if t.is_connected(to) {
             match t.send(to, corr, msg) {
                 Ok(()) => return,
-                Err(e) => msg = e.msg,
+                Err(e) => msg = *e.msg,
             }
         }
         tokio::time::sleep(Duration::from_millis(10)).await;
@@ -153,7 +153,7 @@ async fn a_role_that_may_not_send_a_kind_is_refused() {
     let e = w1.send(2, 5, submit(5)).unwrap_err();
     assert_eq!(e.reason, SendFailure::Forbidden(Role::Worker));
     assert!(
-        matches!(e.msg, Message::Submit(_)),
+        matches!(*e.msg, Message::Submit(_)),
         "the message comes back"
     );
     // ...and a peer that skips it is refused by the receiver, which closes
@@ -260,7 +260,7 @@ async fn an_unreachable_peer_is_a_clear_error_and_the_message_comes_back() {
         }
     }
     let e = last.expect("send to a dead peer never failed");
-    assert!(matches!(e.msg, Message::Submit(ref s) if s.req == 9));
+    assert!(matches!(*e.msg, Message::Submit(ref s) if s.req == 9));
     assert!(e.to_string().contains("unreachable"), "{e}");
     assert_eq!(
         r.send(7, 0, submit(1)).unwrap_err().reason,
@@ -332,5 +332,5 @@ async fn a_bulk_transfer_arrives_whole_beside_control_messages() {
     }
     let (h, d) = bulk.unwrap();
     assert_eq!(h, header);
-    assert!(d[..] == data[..], "bulk bytes differ");
+    assert!(d.concat() == data, "bulk bytes differ");
 }
