@@ -29,6 +29,14 @@ pub struct NodeArgs {
     pub name: String,
     #[command(flatten)]
     pub serve: ServeArgs,
+    /// Test hook: delay every frame this node sends by this many ms (this
+    /// kernel has no netem).
+    #[arg(long, hide = true, default_value_t = 0)]
+    pub fault_delay_ms: u64,
+    /// Test hook: one frame in this many is delayed four times as long, as
+    /// a lost packet's retransmission would be (0 = never).
+    #[arg(long, hide = true, default_value_t = 0)]
+    pub fault_loss_one_in: u32,
 }
 
 /// `flotilla cluster` flags.
@@ -103,7 +111,7 @@ fn load_cluster(path: &Path) -> Result<(ClusterConfig, ClusterSection)> {
 }
 
 /// Transport settings from the config's [cluster] table.
-fn quic_options(cl: &ClusterSection, node: u32) -> QuicOptions {
+fn quic_options(cl: &ClusterSection, node: u32, faults: LinkFaults) -> QuicOptions {
     let hb = Duration::from_millis(cl.heartbeat_interval_ms);
     QuicOptions {
         node,
@@ -127,7 +135,7 @@ fn quic_options(cl: &ClusterSection, node: u32) -> QuicOptions {
         // A dead peer must be noticed within the down-after bound.
         connect_timeout: cl.down_after().max(Duration::from_millis(200)),
         reconnect_backoff_max: Duration::from_millis(cl.reconnect_backoff_max_ms),
-        faults: LinkFaults::default(),
+        faults,
     }
 }
 
@@ -162,6 +170,10 @@ pub fn run(args: NodeArgs) -> Result<()> {
             dir = cl.certs_dir.display(),
         )
     })?;
+    let faults = LinkFaults {
+        delay: Duration::from_millis(args.fault_delay_ms),
+        loss_one_in: args.fault_loss_one_in,
+    };
     let rt = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()?;
@@ -169,7 +181,7 @@ pub fn run(args: NodeArgs) -> Result<()> {
         let hb = Duration::from_millis(cl.heartbeat_interval_ms);
         if node.role == Role::Router {
             let f = serve::front(&args.serve)?;
-            let (t, inbound) = QuicTransport::start(quic_options(&cl, id), &certs)
+            let (t, inbound) = QuicTransport::start(quic_options(&cl, id, faults), &certs)
                 .with_context(|| format!("starting QUIC on {}", node.listen))?;
             let epoch = t.epoch();
             let block_size = cfg.engine.block_size.unwrap_or(args.serve.model.block_size);
@@ -212,7 +224,7 @@ pub fn run(args: NodeArgs) -> Result<()> {
             let engine = spawn_engine(exec, EngineOptions { sched: r.sched }, clock, metrics)
                 .await
                 .context("starting the engine")?;
-            let (t, inbound) = QuicTransport::start(quic_options(&cl, id), &certs)
+            let (t, inbound) = QuicTransport::start(quic_options(&cl, id, faults), &certs)
                 .with_context(|| format!("starting QUIC on {}", node.listen))?;
             eprintln!(
                 "flotilla: node {} ({}) on QUIC {} epoch {}; KV cache {blocks} blocks",

@@ -72,7 +72,7 @@ fn run_ok(cmd: &mut Command) -> String {
     text
 }
 
-fn config_text(certs: &Path, ports: [u16; 3], http: u16) -> String {
+fn config_text(certs: &Path, addrs: [String; 3], http: String) -> String {
     format!(
         r#"
 [cluster]
@@ -84,18 +84,18 @@ reconnect_backoff_max_ms = 200
 [[nodes]]
 name = "router"
 role = "router"
-addr = "127.0.0.1:{}"
-http = "127.0.0.1:{http}"
+addr = "{}"
+http = "{http}"
 
 [[nodes]]
 name = "worker-1"
 role = "worker"
-addr = "127.0.0.1:{}"
+addr = "{}"
 
 [[nodes]]
 name = "worker-2"
 role = "worker"
-addr = "127.0.0.1:{}"
+addr = "{}"
 
 [[tiers]]
 name = "paid"
@@ -105,9 +105,9 @@ name = "paid-co"
 tier = "paid"
 api_keys = ["{PAID_KEY}"]
 "#,
-        ports[0],
-        ports[1],
-        ports[2],
+        addrs[0],
+        addrs[1],
+        addrs[2],
         certs = certs.display(),
     )
 }
@@ -115,8 +115,18 @@ api_keys = ["{PAID_KEY}"]
 /// Starts `flotilla node --name NAME`; returns it and, for the Router, the
 /// URL from its ready line.
 fn start_node(config: &Path, name: &str) -> (Node, Option<String>) {
+    start_node_with(flotilla(), config, name, &[])
+}
+
+/// Starts a node with `cmd` (the binary, or `ip netns exec NS <binary>`).
+fn start_node_with(
+    mut cmd: Command,
+    config: &Path,
+    name: &str,
+    extra: &[&str],
+) -> (Node, Option<String>) {
     let model = flotilla_model::testutil::model_path();
-    let mut child = flotilla()
+    let mut child = cmd
         .args(["node", "--name", name, "--config"])
         .arg(config)
         .arg("--model")
@@ -162,7 +172,9 @@ fn start_node(config: &Path, name: &str) -> (Node, Option<String>) {
     )
 }
 
-fn start_cluster() -> Cluster {
+/// A temporary directory with a cluster CA and certificates for router,
+/// worker-1 and worker-2, made with `flotilla certs`.
+fn certs_dir() -> (Dir, PathBuf) {
     let dir = std::env::temp_dir().join(format!(
         "flotilla-cluster-test-{}-{}",
         std::process::id(),
@@ -186,9 +198,15 @@ fn start_cluster() -> Cluster {
         );
         assert!(out.contains(n), "{out}");
     }
+    (dir, certs)
+}
+
+fn start_cluster() -> Cluster {
+    let (dir, certs) = certs_dir();
     let config = dir.0.join("cluster.toml");
-    let ports = [free_port(), free_port(), free_port()];
-    std::fs::write(&config, config_text(&certs, ports, free_tcp_port())).unwrap();
+    let addrs = [0, 1, 2].map(|_| format!("127.0.0.1:{}", free_port()));
+    let http = format!("127.0.0.1:{}", free_tcp_port());
+    std::fs::write(&config, config_text(&certs, addrs, http)).unwrap();
     let (w1, _) = start_node(&config, "worker-1");
     let (w2, _) = start_node(&config, "worker-2");
     let (r, url) = start_node(&config, "router");
@@ -441,4 +459,142 @@ async fn a_killed_worker_is_marked_down_its_streams_end_and_it_rejoins() {
     })
     .await;
     drop(c.dir);
+}
+
+/// Three network namespaces on a bridge, one per node; removed on drop.
+struct Netns {
+    tag: String,
+}
+
+impl Netns {
+    fn ns(&self, i: usize) -> String {
+        format!("{}n{i}", self.tag)
+    }
+    fn ip(&self, i: usize) -> String {
+        format!("10.{}.{}.{}", 77, std::process::id() % 200 + 20, i + 2)
+    }
+}
+
+impl Drop for Netns {
+    fn drop(&mut self) {
+        for i in 0..3 {
+            let _ = Command::new("ip")
+                .args(["netns", "del", &self.ns(i)])
+                .status();
+        }
+        let _ = Command::new("ip")
+            .args(["link", "del", &format!("{}b", self.tag)])
+            .status();
+    }
+}
+
+fn ip(args: &[&str]) -> Result<(), String> {
+    let out = Command::new("ip")
+        .args(args)
+        .output()
+        .map_err(|e| format!("ip: {e}"))?;
+    if out.status.success() {
+        Ok(())
+    } else {
+        Err(format!(
+            "ip {}: {}",
+            args.join(" "),
+            String::from_utf8_lossy(&out.stderr).trim()
+        ))
+    }
+}
+
+fn make_netns() -> Result<Netns, String> {
+    let n = Netns {
+        tag: format!("fl{}", std::process::id() % 1_000_000),
+    };
+    let bridge = format!("{}b", n.tag);
+    let gw = format!("10.77.{}.1/24", std::process::id() % 200 + 20);
+    ip(&["link", "add", &bridge, "type", "bridge"])?;
+    ip(&["addr", "add", &gw, "dev", &bridge])?;
+    ip(&["link", "set", &bridge, "up"])?;
+    for i in 0..3 {
+        let ns = n.ns(i);
+        let (v, p) = (format!("{}v{i}", n.tag), format!("{}p{i}", n.tag));
+        ip(&["netns", "add", &ns])?;
+        ip(&["link", "add", &v, "type", "veth", "peer", "name", &p])?;
+        ip(&["link", "set", &v, "netns", &ns])?;
+        ip(&["link", "set", &p, "master", &bridge])?;
+        ip(&["link", "set", &p, "up"])?;
+        let addr = format!("{}/24", n.ip(i));
+        ip(&["netns", "exec", &ns, "ip", "addr", "add", &addr, "dev", &v])?;
+        ip(&["netns", "exec", &ns, "ip", "link", "set", &v, "up"])?;
+        ip(&["netns", "exec", &ns, "ip", "link", "set", "lo", "up"])?;
+    }
+    Ok(n)
+}
+
+/// The same cluster with each node in its own network namespace, joined
+/// by veth pairs on a bridge; worker-2's link is slowed and lossy. The
+/// kernel here has no netem qdisc, so the delay and loss are injected by
+/// the transport's own hooks on worker-2's outgoing frames.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn across_network_namespaces_with_a_slow_lossy_link() {
+    let is_root = Command::new("id")
+        .arg("-u")
+        .output()
+        .is_ok_and(|o| String::from_utf8_lossy(&o.stdout).trim() == "0");
+    if !is_root {
+        eprintln!("SKIPPED: network namespaces need root");
+        return;
+    }
+    let net = match make_netns() {
+        Ok(n) => n,
+        Err(e) => {
+            eprintln!("SKIPPED: cannot make network namespaces here: {e}");
+            return;
+        }
+    };
+    let (dir, certs) = certs_dir();
+    let config = dir.0.join("cluster.toml");
+    let addrs = [0, 1, 2].map(|i| format!("{}:7400", net.ip(i)));
+    let http = format!("{}:8000", net.ip(0));
+    std::fs::write(&config, config_text(&certs, addrs, http)).unwrap();
+    let in_ns = |i: usize| {
+        let mut c = Command::new("ip");
+        c.args(["netns", "exec", &net.ns(i), env!("CARGO_BIN_EXE_flotilla")]);
+        c
+    };
+    let (_w1, _) = start_node_with(in_ns(1), &config, "worker-1", &[]);
+    let lossy = ["--fault-delay-ms", "5", "--fault-loss-one-in", "10"];
+    let (_w2, _) = start_node_with(in_ns(2), &config, "worker-2", &lossy);
+    let (_r, url) = start_node_with(in_ns(0), &config, "router", &[]);
+    let base = url.expect("router URL");
+    assert!(base.contains(&net.ip(0)), "{base}");
+    wait_for(&base, "both workers up across namespaces", |r| {
+        node(r, "worker-1")["up"] == true && node(r, "worker-2")["up"] == true
+    })
+    .await;
+    // Enough distinct prompts that both workers serve some.
+    let mut tasks = Vec::new();
+    for i in 0..6 {
+        let base = base.clone();
+        tasks.push(tokio::spawn(async move {
+            let body = completion(&format!("Story number {i} begins"), 24, true);
+            read_sse(post(&base, &body).await).await
+        }));
+    }
+    for t in tasks {
+        let (tokens, err, done) = t.await.unwrap();
+        assert!(done && err.is_none(), "{err:?}");
+        assert_eq!(tokens, 24);
+    }
+    let r = ready(&base).await;
+    for w in ["worker-1", "worker-2"] {
+        assert!(
+            node(&r, w)["routed"].as_u64().unwrap() >= 1,
+            "{w} got no work: {r}"
+        );
+        assert_eq!(
+            node(&r, w)["downs"],
+            0,
+            "{w} flapped under delay and loss: {r}"
+        );
+    }
+    drop(dir);
 }

@@ -334,3 +334,40 @@ async fn a_bulk_transfer_arrives_whole_beside_control_messages() {
     assert_eq!(h, header);
     assert!(d.concat() == data, "bulk bytes differ");
 }
+
+#[tokio::test]
+async fn the_delay_hook_fires_on_outgoing_frames() {
+    let c = Cluster::new(&[("router", Role::Router), ("worker-1", Role::Worker)]);
+    let mut opts = c.opts(0, 1);
+    opts.faults = LinkFaults {
+        delay: Duration::from_millis(40),
+        loss_one_in: 2,
+    };
+    let m = TlsMaterial::load(c.certs(), "router").unwrap();
+    let (r, _rrx) = QuicTransport::start(opts, &m).unwrap();
+    let (_w, mut wrx) = c.start(1, 1);
+    send_when_up(&r, 1, 0, Message::Heartbeat(LoadReport::default())).await;
+    next(&mut wrx).await;
+    // Frames 2 and 3: one plain delay, one "lost" (four times the delay).
+    let mut took = Vec::new();
+    for i in 1..=2u64 {
+        let t0 = std::time::Instant::now();
+        r.send(
+            1,
+            i,
+            Message::Ping {
+                seq: i,
+                pad: vec![],
+            },
+        )
+        .unwrap();
+        next(&mut wrx).await;
+        took.push(t0.elapsed());
+    }
+    took.sort();
+    assert!(took[0] >= Duration::from_millis(40), "no delay: {took:?}");
+    assert!(
+        took[1] >= Duration::from_millis(160),
+        "no loss-like delay: {took:?}"
+    );
+}
