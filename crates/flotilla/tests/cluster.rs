@@ -139,6 +139,7 @@ fn start_node_with(
             "--max-model-len",
             "2048",
         ])
+        .args(extra)
         .stderr(Stdio::piped())
         .stdout(Stdio::null())
         .spawn()
