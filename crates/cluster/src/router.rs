@@ -206,6 +206,20 @@ impl Inner {
         Some(p)
     }
 
+    /// The client no longer wants request `id` (disconnect, stop string,
+    /// admission timeout): forget it and tell its worker, if it still runs.
+    fn abandon(&self, id: u64, stop_string: bool) {
+        let mut st = self.lock();
+        if let Some(p) = self.finish(&mut st, id) {
+            let node = st.workers[p.worker].node;
+            let cancel = Message::Cancel {
+                req: id,
+                stop_string,
+            };
+            let _ = self.transport.send(node, id, cancel);
+        }
+    }
+
     /// Worker `w` is gone (silent, or restarted with a new epoch): re-run
     /// what produced nothing yet, fail the rest.
     fn worker_lost(&self, st: &mut State, w: usize, why: &str) {
@@ -454,35 +468,14 @@ impl Engine for ClusterEngine {
                 Ok(Ok(Ok(()))) => {}
                 Ok(Ok(Err(r))) => return Err(r),
                 _ => {
-                    let mut st = inner.lock();
-                    if let Some(p) = inner.finish(&mut st, id) {
-                        let node = st.workers[p.worker].node;
-                        let _ = inner.transport.send(
-                            node,
-                            id,
-                            Message::Cancel {
-                                req: id,
-                                stop_string: false,
-                            },
-                        );
-                    }
+                    inner.abandon(id, false);
                     return Err(Rejection::Unavailable);
                 }
             }
             let weak = Arc::downgrade(&inner);
             let on_drop = Box::new(move |stop_string: bool| {
-                let Some(inner) = weak.upgrade() else { return };
-                let mut st = inner.lock();
-                if let Some(p) = inner.finish(&mut st, id) {
-                    let node = st.workers[p.worker].node;
-                    let _ = inner.transport.send(
-                        node,
-                        id,
-                        Message::Cancel {
-                            req: id,
-                            stop_string,
-                        },
-                    );
+                if let Some(inner) = weak.upgrade() {
+                    inner.abandon(id, stop_string);
                 }
             });
             Ok(RequestStream::new(RequestId(id), rx, on_drop))
