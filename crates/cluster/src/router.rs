@@ -159,7 +159,9 @@ impl Inner {
         st.workers
             .iter()
             .enumerate()
-            .filter(|(i, w)| w.up && w.load.ready && Some(*i) != exclude)
+            .filter(|(i, w)| {
+                w.up && w.load.ready && Some(*i) != exclude && self.transport.is_reachable(w.node)
+            })
             .min_by_key(|(_, w)| {
                 // A worker whose whole cache is too small comes last; if it
                 // is the only one, its engine gives the client the reason.

@@ -126,6 +126,12 @@ pub trait Transport: Send + Sync + 'static {
     ) -> BoxFuture<Result<(), BulkError>>;
     /// Counters of what was refused or dropped.
     fn stats(&self) -> TransportStats;
+    /// Whether a message sent to `to` now has a way there: false while
+    /// the link to it is down and waiting to redial.
+    fn is_reachable(&self, to: NodeId) -> bool {
+        let _ = to;
+        true
+    }
 }
 
 /// What a transport refused or dropped, since start.

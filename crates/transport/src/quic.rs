@@ -150,6 +150,9 @@ struct LinkState {
     /// inside quinn.
     bulk: tokio::sync::Mutex<Option<Connection>>,
     peer: PeerSpec,
+    /// Rung when the peer connects to us: it is back, so the dialer skips
+    /// the rest of its backoff.
+    wake: tokio::sync::Notify,
 }
 
 /// A node's QUIC transport.
@@ -228,6 +231,7 @@ impl QuicTransport {
                 conn: Mutex::new(None),
                 bulk: tokio::sync::Mutex::new(None),
                 peer: peer.clone(),
+                wake: tokio::sync::Notify::new(),
             });
             tokio::spawn(run_link(
                 endpoint.clone(),
@@ -240,8 +244,13 @@ impl QuicTransport {
             ));
             links.push(Some(Link { tx, state }));
         }
+        let states = links
+            .iter()
+            .map(|l: &Option<Link>| l.as_ref().map(|l| l.state.clone()))
+            .collect();
         tokio::spawn(accept_loop(
             endpoint.clone(),
+            states,
             opts.clone(),
             in_tx,
             epochs,
@@ -440,6 +449,11 @@ impl Transport for QuicTransport {
     fn stats(&self) -> TransportStats {
         self.counters.snapshot()
     }
+
+    fn is_reachable(&self, to: NodeId) -> bool {
+        self.link(to)
+            .is_some_and(|l| l.state.phase.load(Ordering::Acquire) != DOWN)
+    }
 }
 
 fn transport_config(opts: &QuicOptions) -> Result<quinn::TransportConfig, StartError> {
@@ -487,7 +501,10 @@ async fn run_link(
                 // a conversation that is over; the node learns of it from
                 // heartbeats and fails or re-runs the work.
                 while rx.try_recv().is_ok() {}
-                tokio::time::sleep(backoff).await;
+                tokio::select! {
+                    _ = tokio::time::sleep(backoff) => {}
+                    _ = state.wake.notified() => {}
+                }
                 backoff = (backoff * 2).min(opts.reconnect_backoff_max);
                 continue;
             }
@@ -572,12 +589,15 @@ async fn dial(
 
 async fn accept_loop(
     endpoint: Endpoint,
+    links: Vec<Option<Arc<LinkState>>>,
     opts: Arc<QuicOptions>,
     in_tx: mpsc::Sender<Inbound>,
     epochs: Arc<EpochFilter>,
     counters: Arc<Counters>,
 ) {
+    let links = Arc::new(links);
     while let Some(incoming) = endpoint.accept().await {
+        let links = links.clone();
         let opts = opts.clone();
         let in_tx = in_tx.clone();
         let epochs = epochs.clone();
@@ -593,6 +613,13 @@ async fn accept_loop(
                 conn.close(VarInt::from_u32(close::UNKNOWN_NODE), b"unknown node");
                 return;
             };
+            // A peer that dials us is up: our own link to it redials now
+            // rather than at the end of its backoff.
+            if let Some(Some(link)) = links.get(from as usize)
+                && link.phase.load(Ordering::Acquire) == DOWN
+            {
+                link.wake.notify_one();
+            }
             while let Ok(recv) = conn.accept_uni().await {
                 tokio::spawn(read_stream(
                     recv,

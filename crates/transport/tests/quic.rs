@@ -4,7 +4,7 @@
 use std::net::SocketAddr;
 use std::path::Path;
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use flotilla_proto::Role;
@@ -370,4 +370,39 @@ async fn the_delay_hook_fires_on_outgoing_frames() {
         took[1] >= Duration::from_millis(160),
         "no loss-like delay: {took:?}"
     );
+}
+
+#[tokio::test]
+async fn a_peer_that_dials_in_cuts_the_redial_backoff_short() {
+    let c = Cluster::new(&[("router", Role::Router), ("worker-1", Role::Worker)]);
+    let mut opts = c.opts(0, 1);
+    opts.reconnect_backoff_max = Duration::from_secs(60);
+    opts.connect_timeout = Duration::from_millis(50);
+    let m = TlsMaterial::load(c.certs(), "router").unwrap();
+    let (r, _rrx) = QuicTransport::start(opts, &m).unwrap();
+    // worker-1 is absent long enough for the router's backoff to grow to
+    // seconds: dials of 50 ms with sleeps of 20 ms doubling put it in a
+    // sleep from about 2.9 s to 5.5 s.
+    let waited = Instant::now();
+    while waited.elapsed() < Duration::from_millis(3500) {
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert!(!r.is_reachable(1), "a link to an absent peer is down");
+    // worker-1 starts and dials the router; the router's link follows at
+    // once instead of at the end of a multi-second backoff.
+    let (_w, mut wrx) = c.start(1, 1);
+    let up = Instant::now();
+    while !r.is_connected(1) {
+        assert!(
+            up.elapsed() < Duration::from_millis(1000),
+            "the router's link waited out its backoff"
+        );
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    assert!(r.is_reachable(1));
+    r.send(1, 4, submit(4)).unwrap();
+    assert!(matches!(
+        next(&mut wrx).await,
+        Inbound::Message { correlation: 4, .. }
+    ));
 }
