@@ -14,10 +14,10 @@ use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Duration;
 
-use flotilla_model::Executor;
+use flotilla_model::{Executor, KvDtype};
 use flotilla_proto::{
-    BoxFuture, Engine, EngineEvent, EngineFailure, EngineRequest, EngineStatus, Rejection,
-    RequestId, RequestStream, TierId,
+    BoxFuture, Engine, EngineEvent, EngineFailure, EngineRequest, EngineStatus, KvExport, KvLayout,
+    KvMigration, Rejection, RequestId, RequestStream, Sampled, TenantId, TierId,
 };
 use flotilla_sched::{SchedConfig, SchedEvent, Scheduler, Timings};
 use flotilla_telemetry::{Metrics, PhaseTimes, Terminal};
@@ -44,6 +44,47 @@ pub(crate) enum SchedMsg {
     Wake,
     /// Figures for `/ready`.
     Status(RpcReplyPort<EngineStatus>),
+    /// Admit a request whose blocks stay held after it finishes.
+    SubmitHeld {
+        req: EngineRequest,
+        hold_for: Duration,
+        reply: RpcReplyPort<Result<RequestStream, Rejection>>,
+    },
+    /// Read a finished request's held blocks (through the worker).
+    Export {
+        id: RequestId,
+        reply: RpcReplyPort<Result<KvExport, String>>,
+    },
+    /// Give back held blocks.
+    Release {
+        id: RequestId,
+        reply: RpcReplyPort<bool>,
+    },
+    /// Reserve blocks for an import.
+    Reserve {
+        tenant: TenantId,
+        tokens: u32,
+        ttl: Duration,
+        reply: RpcReplyPort<Result<RequestId, Rejection>>,
+    },
+    /// Write KV into a reservation (through the worker), then continue the request.
+    Import(Box<PendingImport>, Vec<u8>),
+    /// The worker wrote (or failed to write) an import's blocks.
+    Imported(Box<PendingImport>, Result<(), String>),
+    /// Give back a reservation.
+    CancelReservation {
+        id: RequestId,
+        reply: RpcReplyPort<bool>,
+    },
+}
+
+/// An import on its way through the worker.
+pub(crate) struct PendingImport {
+    reservation: RequestId,
+    tokens: u32,
+    req: EngineRequest,
+    first: Sampled,
+    reply: RpcReplyPort<Result<RequestStream, Rejection>>,
 }
 
 /// How to build an engine.
@@ -75,6 +116,8 @@ struct SchedState {
     /// The worker is alive and its executor trusted; once false, never true again.
     worker_ok: bool,
     events: Vec<SchedEvent>,
+    /// Bytes of one KV block (import size checks).
+    bytes_per_block: u64,
 }
 
 struct SchedArgs {
@@ -84,6 +127,7 @@ struct SchedArgs {
     metrics: Arc<Metrics>,
     tier_names: Vec<String>,
     tenant_tier: Vec<usize>,
+    bytes_per_block: u64,
 }
 
 impl Actor for SchedulerActor {
@@ -120,6 +164,7 @@ impl Actor for SchedulerActor {
             wake_at: None,
             worker_ok: true,
             events: Vec::new(),
+            bytes_per_block: a.bytes_per_block,
         })
     }
 
@@ -142,27 +187,92 @@ impl Actor for SchedulerActor {
                 let answer = if !st.worker_ok {
                     Err(Rejection::Unavailable)
                 } else {
-                    st.sched.submit(now, id, req).map(|()| {
-                        let (tx, rx) = mpsc::unbounded_channel();
-                        st.live.insert(id, Live { tx, tier });
-                        let me = myself.clone();
-                        RequestStream::new(
-                            id,
-                            rx,
-                            Box::new(move |stop_string| {
-                                // After the end, or with the engine gone,
-                                // there is nothing left to cancel.
-                                let _ = me.cast(if stop_string {
-                                    SchedMsg::StopString(id)
-                                } else {
-                                    SchedMsg::Cancel(id)
-                                });
-                            }),
-                        )
-                    })
+                    st.sched
+                        .submit(now, id, req)
+                        .map(|()| open_stream(&myself, st, id, tier))
                 };
                 // The caller may have given up waiting; then the stream it
                 // would have got is dropped here and cancels itself.
+                let _ = reply.send(answer);
+            }
+            SchedMsg::SubmitHeld {
+                req,
+                hold_for,
+                reply,
+            } => {
+                let id = RequestId(st.next_id);
+                st.next_id += 1;
+                let tier = st.tier_of(req.tenant);
+                let answer = if !st.worker_ok {
+                    Err(Rejection::Unavailable)
+                } else {
+                    st.sched
+                        .submit_held(now, id, req, hold_for)
+                        .map(|()| open_stream(&myself, st, id, tier))
+                };
+                let _ = reply.send(answer);
+            }
+            SchedMsg::Export { id, reply } => match st.sched.held_kv(id) {
+                None => {
+                    let _ = reply.send(Err(format!("no KV is held for {id}")));
+                }
+                Some((blocks, tokens)) => {
+                    let read = WorkerMsg::ReadBlocks {
+                        blocks,
+                        tokens: tokens as u32,
+                        reply,
+                    };
+                    // A worker that is gone drops the reply port: the caller
+                    // sees the export fail.
+                    let _ = st.worker.cast(read);
+                }
+            },
+            SchedMsg::Release { id, reply } => {
+                let _ = reply.send(st.sched.release_held(id));
+            }
+            SchedMsg::Reserve {
+                tenant,
+                tokens,
+                ttl,
+                reply,
+            } => {
+                let id = RequestId(st.next_id);
+                st.next_id += 1;
+                let answer = if !st.worker_ok {
+                    Err(Rejection::Unavailable)
+                } else {
+                    st.sched
+                        .reserve(now, id, tenant, tokens as usize, ttl)
+                        .map(|()| id)
+                };
+                let _ = reply.send(answer);
+            }
+            SchedMsg::CancelReservation { id, reply } => {
+                let _ = reply.send(st.sched.cancel_reservation(id));
+            }
+            SchedMsg::Import(p, data) => start_import(&myself, st, p, data),
+            SchedMsg::Imported(p, written) => {
+                let PendingImport {
+                    reservation,
+                    req,
+                    first,
+                    reply,
+                    ..
+                } = *p;
+                let answer = match written {
+                    Err(e) => {
+                        tracing::error!(error = %e, "writing imported KV failed");
+                        st.sched.cancel_reservation(reservation);
+                        Err(Rejection::Unavailable)
+                    }
+                    Ok(()) => {
+                        let tier = st.tier_of(req.tenant);
+                        // Live before the first token is delivered below.
+                        st.sched
+                            .submit_imported(now, reservation, req, first)
+                            .map(|()| open_stream(&myself, st, reservation, tier))
+                    }
+                };
                 let _ = reply.send(answer);
             }
             SchedMsg::Cancel(id) => {
@@ -262,6 +372,88 @@ impl Actor for SchedulerActor {
         }
         st.worker.stop(None);
         Ok(())
+    }
+}
+
+impl SchedState {
+    /// The tier index of a tenant (0 for an unknown one, which `submit` refuses).
+    fn tier_of(&self, tenant: TenantId) -> usize {
+        self.tenant_tier
+            .get(tenant.0 as usize)
+            .copied()
+            .unwrap_or(0)
+    }
+}
+
+/// The client's end of an accepted request: dropping it before the end
+/// cancels the request; ending it at a stop string finishes it.
+fn open_stream(
+    myself: &ActorRef<SchedMsg>,
+    st: &mut SchedState,
+    id: RequestId,
+    tier: usize,
+) -> RequestStream {
+    let (tx, rx) = mpsc::unbounded_channel();
+    st.live.insert(id, Live { tx, tier });
+    let me = myself.clone();
+    RequestStream::new(
+        id,
+        rx,
+        Box::new(move |stop_string| {
+            // After the end, or with the engine gone, there is nothing
+            // left to cancel.
+            let _ = me.cast(if stop_string {
+                SchedMsg::StopString(id)
+            } else {
+                SchedMsg::Cancel(id)
+            });
+        }),
+    )
+}
+
+/// Pins the reservation and sends its blocks to the worker to write; the
+/// answer goes out when `Imported` comes back.
+fn start_import(
+    myself: &ActorRef<SchedMsg>,
+    st: &mut SchedState,
+    p: Box<PendingImport>,
+    data: Vec<u8>,
+) {
+    let refuse = |st: &mut SchedState, p: Box<PendingImport>, why: Rejection| {
+        st.sched.cancel_reservation(p.reservation);
+        let _ = p.reply.send(Err(why));
+    };
+    if !st.worker_ok {
+        return refuse(st, p, Rejection::Unavailable);
+    }
+    let (blocks, tokens) = match st.sched.start_import(p.reservation) {
+        Ok(b) => b,
+        Err(e) => {
+            let _ = p.reply.send(Err(Rejection::Invalid(e)));
+            return;
+        }
+    };
+    let expected = blocks.len() as u64 * st.bytes_per_block;
+    if tokens != p.tokens as usize || data.len() as u64 != expected {
+        let why = format!(
+            "{} bytes of KV for {} tokens; the reservation holds {tokens} tokens in {} bytes",
+            data.len(),
+            p.tokens,
+            expected
+        );
+        return refuse(st, p, Rejection::Invalid(why));
+    }
+    let write = WorkerMsg::WriteBlocks {
+        blocks,
+        data,
+        pending: p,
+        reply: myself.clone(),
+    };
+    if st.worker.cast(write).is_err() {
+        // The pending reply went with the message: the caller sees the
+        // import fail, and `worker_lost` gives every reservation back.
+        let now = st.clock.now();
+        worker_lost(st, now, "the GPU worker has stopped".into());
     }
 }
 
@@ -393,6 +585,8 @@ fn record_load(st: &mut SchedState) {
 #[derive(Clone)]
 pub struct LocalEngine {
     pub(crate) sched: ActorRef<SchedMsg>,
+    /// The executor's KV block shape, for migration.
+    layout: KvLayout,
 }
 
 impl std::fmt::Debug for LocalEngine {
@@ -426,6 +620,17 @@ pub async fn spawn_engine(
         .iter()
         .map(|t| t.tier.0 as usize)
         .collect();
+    let spec = exec.kv_spec();
+    let layout = KvLayout {
+        block_size: spec.block_size as u32,
+        dtype: match spec.dtype {
+            KvDtype::F16 => 0,
+            KvDtype::F32 => 1,
+        },
+        layout: 1,
+        layers: u16::try_from(exec.model_spec().n_layer).unwrap_or(u16::MAX),
+        bytes_per_block: spec.bytes_per_block as u64,
+    };
     let sched = Scheduler::new(opts.sched).map_err(|e| EngineStartError::Config(e.to_string()))?;
     let (sched, _) = Actor::spawn(
         None,
@@ -437,11 +642,12 @@ pub async fn spawn_engine(
             metrics,
             tier_names,
             tenant_tier,
+            bytes_per_block: layout.bytes_per_block,
         },
     )
     .await
     .map_err(|e| EngineStartError::Spawn(e.to_string()))?;
-    Ok(LocalEngine { sched })
+    Ok(LocalEngine { sched, layout })
 }
 
 impl LocalEngine {
@@ -473,6 +679,107 @@ impl Engine for LocalEngine {
                 Ok(ractor::rpc::CallResult::Success(s)) => s,
                 _ => EngineStatus::default(),
             }
+        })
+    }
+}
+
+/// The answer of a call to the Scheduler actor, or `gone` if it is not running.
+async fn ask<T: Send + 'static>(
+    sched: &ActorRef<SchedMsg>,
+    msg: impl FnOnce(RpcReplyPort<T>) -> SchedMsg,
+    gone: T,
+) -> T {
+    match sched.call(msg, None).await {
+        Ok(ractor::rpc::CallResult::Success(r)) => r,
+        _ => gone,
+    }
+}
+
+impl KvMigration for LocalEngine {
+    fn kv_layout(&self) -> KvLayout {
+        self.layout.clone()
+    }
+
+    fn submit_for_export(
+        &self,
+        req: EngineRequest,
+        hold_for: Duration,
+    ) -> BoxFuture<Result<RequestStream, Rejection>> {
+        let sched = self.sched.clone();
+        Box::pin(async move {
+            let msg = |reply| SchedMsg::SubmitHeld {
+                req,
+                hold_for,
+                reply,
+            };
+            ask(&sched, msg, Err(Rejection::Unavailable)).await
+        })
+    }
+
+    fn export_kv(&self, id: RequestId) -> BoxFuture<Result<KvExport, String>> {
+        let sched = self.sched.clone();
+        Box::pin(async move {
+            let gone = Err("the engine stopped before the KV was read".to_string());
+            ask(&sched, |reply| SchedMsg::Export { id, reply }, gone).await
+        })
+    }
+
+    fn release_kv(&self, id: RequestId) -> BoxFuture<bool> {
+        let sched = self.sched.clone();
+        Box::pin(async move { ask(&sched, |reply| SchedMsg::Release { id, reply }, false).await })
+    }
+
+    fn reserve_kv(
+        &self,
+        tenant: TenantId,
+        tokens: u32,
+        ttl: Duration,
+    ) -> BoxFuture<Result<RequestId, Rejection>> {
+        let sched = self.sched.clone();
+        Box::pin(async move {
+            let msg = |reply| SchedMsg::Reserve {
+                tenant,
+                tokens,
+                ttl,
+                reply,
+            };
+            ask(&sched, msg, Err(Rejection::Unavailable)).await
+        })
+    }
+
+    fn import_kv(
+        &self,
+        reservation: RequestId,
+        tokens: u32,
+        data: Vec<u8>,
+        req: EngineRequest,
+        first: Sampled,
+    ) -> BoxFuture<Result<RequestStream, Rejection>> {
+        let sched = self.sched.clone();
+        Box::pin(async move {
+            let msg = |reply| {
+                let p = PendingImport {
+                    reservation,
+                    tokens,
+                    req,
+                    first,
+                    reply,
+                };
+                SchedMsg::Import(Box::new(p), data)
+            };
+            ask(&sched, msg, Err(Rejection::Unavailable)).await
+        })
+    }
+
+    fn cancel_reservation(&self, id: RequestId) -> BoxFuture<bool> {
+        let sched = self.sched.clone();
+        Box::pin(async move {
+            ask(
+                &sched,
+                |reply| SchedMsg::CancelReservation { id, reply },
+                false,
+            )
+            .await
         })
     }
 }

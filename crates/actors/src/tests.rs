@@ -10,7 +10,8 @@ use flotilla_model::{
     SeqOutput, StepOutputs,
 };
 use flotilla_proto::{
-    Engine, EngineEvent, EngineFailure, EngineRequest, Rejection, RequestStream, TenantId, TierId,
+    Engine, EngineEvent, EngineFailure, EngineRequest, KvMigration, Rejection, RequestStream,
+    TenantId, TierId,
 };
 use flotilla_sched::{Batching, SchedConfig, TenantConfig, TierConfig};
 use flotilla_telemetry::Metrics;
@@ -26,13 +27,22 @@ impl Clock for TestClock {
     }
 }
 
-/// Samples token 42 for every item that asks; says when a step starts, then
-/// waits for a permit (or for the gate to be dropped) before running it.
+/// Samples token 42 for every item that asks (token 7 if a position before
+/// the item's chunk holds no KV); says when a step starts, then waits for a
+/// permit (or for the gate to be dropped) before running it. Its KV cache
+/// is one byte per position: the token computed there.
 struct FakeExec {
     spec: ModelSpec,
     entered: mpsc::UnboundedSender<()>,
     gate: std_mpsc::Receiver<()>,
     panic: bool,
+    kv: Vec<u8>,
+}
+
+const BLOCK: usize = 4;
+
+fn slot(table: &[u32], pos: usize) -> usize {
+    table[pos / BLOCK] as usize * BLOCK + pos % BLOCK
 }
 
 impl Executor for FakeExec {
@@ -42,10 +52,10 @@ impl Executor for FakeExec {
 
     fn kv_spec(&self) -> KvSpec {
         KvSpec {
-            block_size: 4,
+            block_size: BLOCK,
             num_blocks: 64,
             dtype: KvDtype::F32,
-            bytes_per_block: 0,
+            bytes_per_block: BLOCK,
         }
     }
 
@@ -59,14 +69,21 @@ impl Executor for FakeExec {
         let _ = self.gate.recv();
         assert!(!self.panic, "injected executor panic");
         out.seqs.clear();
-        out.seqs.extend(batch.iter().map(|s| SeqOutput {
-            logits_row: None,
-            sampled: matches!(s.output, OutputKind::Sample(_)).then(|| Sampled {
-                token: 42,
-                logprob: 0.0,
-                top: Vec::new(),
-            }),
-        }));
+        for s in batch {
+            let table = s.block_table;
+            let kv_ok = (0..s.start_pos).all(|p| self.kv[slot(table, p)] != 0);
+            for (i, &t) in s.tokens.iter().enumerate() {
+                self.kv[slot(table, s.start_pos + i)] = t as u8;
+            }
+            out.seqs.push(SeqOutput {
+                logits_row: None,
+                sampled: matches!(s.output, OutputKind::Sample(_)).then(|| Sampled {
+                    token: if kv_ok { 42 } else { 7 },
+                    logprob: 0.0,
+                    top: Vec::new(),
+                }),
+            });
+        }
         Ok(())
     }
 
@@ -74,11 +91,15 @@ impl Executor for FakeExec {
         Ok(())
     }
 
-    fn read_block(&self, _block: u32, _out: &mut [u8]) -> Result<(), ExecError> {
+    fn read_block(&self, block: u32, out: &mut [u8]) -> Result<(), ExecError> {
+        let s = block as usize * BLOCK;
+        out.copy_from_slice(&self.kv[s..s + BLOCK]);
         Ok(())
     }
 
-    fn write_block(&mut self, _block: u32, _data: &[u8]) -> Result<(), ExecError> {
+    fn write_block(&mut self, block: u32, data: &[u8]) -> Result<(), ExecError> {
+        let s = block as usize * BLOCK;
+        self.kv[s..s + BLOCK].copy_from_slice(data);
         Ok(())
     }
 }
@@ -142,6 +163,7 @@ async fn rig(queue_timeout: Duration, panic: bool) -> Rig {
         entered: entered_tx,
         gate: gate_rx,
         panic,
+        kv: vec![0; 64 * BLOCK],
     };
     let sched = SchedConfig {
         num_blocks: 64,
@@ -278,4 +300,150 @@ async fn stop_fails_live_requests_with_shutting_down() {
         );
     }
     r.open_gate();
+}
+
+fn prompt_of(max_tokens: u32) -> EngineRequest {
+    EngineRequest {
+        tenant: TenantId(0),
+        prompt: (1..=10).collect(),
+        max_tokens,
+        sampling: SamplingParams::greedy(),
+        ignore_eos: true,
+        stop_token_ids: Vec::new(),
+    }
+}
+
+/// Waits until the engine's KV blocks in use are `used`.
+async fn kv_used_becomes(engine: &LocalEngine, used: u32) {
+    let mut now = u32::MAX;
+    let waited = tokio::time::timeout(WAIT, async {
+        loop {
+            now = engine.status().await.kv.used;
+            if now == used {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    })
+    .await;
+    assert!(waited.is_ok(), "{now} blocks in use, not {used}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn kv_exported_from_one_engine_continues_on_another() {
+    let (mut p, mut d) = (
+        rig(Duration::from_secs(60), false).await,
+        rig(Duration::from_secs(60), false).await,
+    );
+    p.open_gate();
+    d.open_gate();
+    let hold = Duration::from_secs(60);
+    let mut s = p
+        .engine
+        .submit_for_export(prompt_of(1), hold)
+        .await
+        .unwrap();
+    let id = s.id;
+    let Some(EngineEvent::Token(first)) = next(&mut s).await else {
+        panic!("no first token");
+    };
+    assert!(matches!(
+        next(&mut s).await,
+        Some(EngineEvent::Finished { .. })
+    ));
+    drop(s);
+    // Finished, dropped, and still held: 10 tokens in blocks of 4.
+    kv_used_becomes(&p.engine, 3).await;
+    let exp = p.engine.export_kv(id).await.unwrap();
+    assert_eq!((exp.tokens, exp.blocks, exp.data.len()), (10, 3, 12));
+    assert_eq!(exp.data[..10], (1..=10).collect::<Vec<u8>>()[..]);
+
+    let r = d.engine.reserve_kv(TenantId(0), 10, hold).await.unwrap();
+    kv_used_becomes(&d.engine, 3).await;
+    let mut out = d
+        .engine
+        .import_kv(r, 10, exp.data, prompt_of(5), first.clone())
+        .await
+        .unwrap();
+    let mut tokens = Vec::new();
+    loop {
+        match next(&mut out).await {
+            Some(EngineEvent::Token(t)) => tokens.push(t.token),
+            Some(EngineEvent::Finished { usage, .. }) => {
+                assert_eq!((usage.prompt_tokens, usage.completion_tokens), (10, 5));
+                break;
+            }
+            other => panic!("{other:?}"),
+        }
+    }
+    // 7 would mean a decode step read a position the import did not write.
+    assert_eq!(tokens, [first.token, 42, 42, 42, 42]);
+    kv_used_becomes(&d.engine, 0).await;
+    assert!(p.engine.release_kv(id).await);
+    assert!(!p.engine.release_kv(id).await, "released twice");
+    assert!(p.engine.export_kv(id).await.is_err());
+    kv_used_becomes(&p.engine, 0).await;
+    p.engine.stop();
+    d.engine.stop();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn held_and_reserved_blocks_go_back_by_themselves() {
+    let mut r = rig(Duration::from_secs(60), false).await;
+    r.open_gate();
+    let ttl = Duration::from_millis(200);
+    let mut s = r.engine.submit_for_export(prompt_of(1), ttl).await.unwrap();
+    assert!(matches!(
+        end_of(&mut s).await,
+        Some(EngineEvent::Finished { .. })
+    ));
+    drop(s);
+    kv_used_becomes(&r.engine, 0).await;
+
+    let res = r.engine.reserve_kv(TenantId(0), 10, ttl).await.unwrap();
+    kv_used_becomes(&r.engine, 3).await;
+    kv_used_becomes(&r.engine, 0).await;
+    let first = Sampled {
+        token: 42,
+        logprob: 0.0,
+        top: Vec::new(),
+    };
+    let late = r
+        .engine
+        .import_kv(res, 10, vec![1; 12], prompt_of(5), first.clone())
+        .await;
+    assert!(
+        matches!(late, Err(Rejection::Invalid(_))),
+        "{:?}",
+        late.err()
+    );
+    assert!(!r.engine.cancel_reservation(res).await);
+
+    // A transfer of the wrong size is refused and gives the blocks back.
+    let res = r.engine.reserve_kv(TenantId(0), 10, WAIT).await.unwrap();
+    let short = r
+        .engine
+        .import_kv(res, 10, vec![1; 5], prompt_of(5), first)
+        .await;
+    assert!(
+        matches!(short, Err(Rejection::Invalid(_))),
+        "{:?}",
+        short.err()
+    );
+    kv_used_becomes(&r.engine, 0).await;
+    // Past the free blocks: refused, nothing taken (60 of 64 are reserved).
+    let mut held = Vec::new();
+    for _ in 0..4 {
+        held.push(r.engine.reserve_kv(TenantId(0), 60, WAIT).await.unwrap());
+    }
+    assert_eq!(
+        r.engine.reserve_kv(TenantId(0), 60, WAIT).await.err(),
+        Some(Rejection::Unavailable)
+    );
+    kv_used_becomes(&r.engine, 60).await;
+    for h in held {
+        assert!(r.engine.cancel_reservation(h).await);
+    }
+    kv_used_becomes(&r.engine, 0).await;
+    r.engine.stop();
 }

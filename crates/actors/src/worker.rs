@@ -7,18 +7,33 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use flotilla_model::{Executor, SeqInput, StepOutputs};
-use flotilla_proto::Sampled;
+use flotilla_proto::{KvExport, Sampled};
 use flotilla_sched::Plan;
-use ractor::{Actor, ActorProcessingErr, ActorRef};
+use ractor::{Actor, ActorProcessingErr, ActorRef, RpcReplyPort};
 
 use crate::Clock;
-use crate::engine::SchedMsg;
+use crate::engine::{PendingImport, SchedMsg};
 
-/// What the worker is asked to do.
+/// What the worker is asked to do. Messages run in the order sent, so a
+/// block read or write sent before a step happens before it.
 pub(crate) enum WorkerMsg {
     /// Run one step and send `SchedMsg::StepDone` back.
     Step {
         plan: Plan,
+        reply: ActorRef<SchedMsg>,
+    },
+    /// Read held blocks out for export (`tokens` tokens of KV).
+    ReadBlocks {
+        blocks: Vec<u32>,
+        tokens: u32,
+        reply: RpcReplyPort<Result<KvExport, String>>,
+    },
+    /// Write imported KV into reserved blocks and send
+    /// `SchedMsg::Imported` back.
+    WriteBlocks {
+        blocks: Vec<u32>,
+        data: Vec<u8>,
+        pending: Box<PendingImport>,
         reply: ActorRef<SchedMsg>,
     },
 }
@@ -73,7 +88,27 @@ impl Actor for GpuWorker {
         msg: WorkerMsg,
         st: &mut WorkerState,
     ) -> Result<(), ActorProcessingErr> {
-        let WorkerMsg::Step { plan, reply } = msg;
+        let (plan, reply) = match msg {
+            WorkerMsg::Step { plan, reply } => (plan, reply),
+            WorkerMsg::ReadBlocks {
+                blocks,
+                tokens,
+                reply,
+            } => {
+                let _ = reply.send(read_blocks(st, &blocks, tokens));
+                return Ok(());
+            }
+            WorkerMsg::WriteBlocks {
+                blocks,
+                data,
+                pending,
+                reply,
+            } => {
+                let written = write_blocks(st, &blocks, &data);
+                let _ = reply.cast(SchedMsg::Imported(pending, written));
+                return Ok(());
+            }
+        };
         let t0 = st.clock.now();
         // The step is seconds of CPU work at worst: run it on this thread
         // but let tokio move its other tasks (HTTP, the scheduler) elsewhere.
@@ -106,4 +141,40 @@ fn run_step(st: &mut WorkerState, plan: &Plan) -> Result<Vec<Option<Sampled>>, S
             Err(why)
         }
     }
+}
+
+/// Copies `blocks` out of the executor's KV cache, in order.
+fn read_blocks(st: &mut WorkerState, blocks: &[u32], tokens: u32) -> Result<KvExport, String> {
+    if let Some(why) = &st.broken {
+        return Err(why.clone());
+    }
+    let bpb = st.exec.kv_spec().bytes_per_block;
+    let mut data = vec![0u8; blocks.len() * bpb];
+    for (&b, out) in blocks.iter().zip(data.chunks_exact_mut(bpb)) {
+        st.exec.read_block(b, out).map_err(|e| e.to_string())?;
+    }
+    Ok(KvExport {
+        tokens,
+        blocks: blocks.len() as u32,
+        data,
+    })
+}
+
+/// Writes `data` (whole blocks, in order) into `blocks`.
+fn write_blocks(st: &mut WorkerState, blocks: &[u32], data: &[u8]) -> Result<(), String> {
+    if let Some(why) = &st.broken {
+        return Err(why.clone());
+    }
+    let bpb = st.exec.kv_spec().bytes_per_block;
+    if data.len() != blocks.len() * bpb {
+        return Err(format!(
+            "{} bytes of KV for {} blocks of {bpb} bytes",
+            data.len(),
+            blocks.len()
+        ));
+    }
+    for (&b, chunk) in blocks.iter().zip(data.chunks_exact(bpb)) {
+        st.exec.write_block(b, chunk).map_err(|e| e.to_string())?;
+    }
+    Ok(())
 }

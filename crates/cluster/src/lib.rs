@@ -14,4 +14,6 @@ pub use router::{ClusterEngine, RouterOptions};
 pub use worker::{WorkerOptions, run_worker};
 
 #[cfg(test)]
+mod pd_tests;
+#[cfg(test)]
 mod tests;

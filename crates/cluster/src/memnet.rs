@@ -1,6 +1,6 @@
 //! An in-process network for tests: every node's inbox is a channel, a
 //! node can be killed (its inbox closes and its own sends fail) and
-//! rejoin with a new epoch. No latency, loss or reordering: those belong
+//! rejoin with a new epoch. Bulk transfers arrive whole. No latency, loss or reordering: those belong
 //! to the simulator's network.
 
 use std::sync::{Arc, Mutex};
@@ -107,14 +107,34 @@ impl Transport for MemTransport {
 
     fn send_bulk(
         &self,
-        _to: NodeId,
-        _header: KvTransferHeader,
-        _data: Bytes,
+        to: NodeId,
+        header: KvTransferHeader,
+        data: Bytes,
     ) -> BoxFuture<Result<(), BulkError>> {
-        Box::pin(async {
-            Err(BulkError::Io(
-                "bulk transfers are not modelled by MemNet".into(),
-            ))
+        let target = {
+            let nodes = self.net.nodes.lock().expect("memnet poisoned");
+            let me_alive = nodes
+                .get(self.node as usize)
+                .and_then(|s| s.as_ref())
+                .is_some_and(|(e, _)| *e == self.epoch);
+            match nodes.get(to as usize) {
+                _ if !me_alive => Err(SendFailure::Closed),
+                None => Err(SendFailure::UnknownPeer),
+                Some(None) => Err(SendFailure::PeerGone),
+                Some(Some((_, tx))) => Ok(tx.clone()),
+            }
+        };
+        let (from, epoch) = (self.node, self.epoch);
+        Box::pin(async move {
+            let tx = target.map_err(BulkError::Send)?;
+            tx.send(Inbound::Bulk {
+                from,
+                epoch,
+                header,
+                data: vec![data],
+            })
+            .await
+            .map_err(|_| BulkError::Send(SendFailure::PeerGone))
         })
     }
 

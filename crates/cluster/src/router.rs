@@ -14,6 +14,15 @@
 //!   compute (blocks it is believed to hold already are free, see
 //!   [`crate::prefix`]) plus the KV blocks of the requests it is running
 //!   now, so a cached prefix wins unless its worker is much busier.
+//! - Disaggregated prefill and decode: with `decode` and `prefill` nodes in
+//!   the config, a request goes to a decode node (fewest KV blocks in
+//!   flight, enough free blocks) together with the name of a prefill node
+//!   (fewest prompt blocks to compute, as above). The decode node reserves
+//!   the blocks, the prefill node computes the prompt and its first token
+//!   and sends the KV over; events come from the decode node. If the
+//!   prefill node is lost, or the transfer fails, before any token reached
+//!   the client, the request is run again (colocated on a decode node
+//!   after a failed transfer).
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -21,9 +30,10 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use flotilla_proto::wire::{LoadReport, Message, SubmitMsg};
+use flotilla_proto::wire::{WireEnd, WireFailure};
 use flotilla_proto::{
     BoxFuture, Engine, EngineEvent, EngineFailure, EngineRequest, EngineStatus, KvUsage,
-    NodeStatus, Rejection, RequestId, RequestStream, TierStatus,
+    NodeStatus, Rejection, RequestId, RequestStream, Role, TierStatus,
 };
 use flotilla_transport::{Inbound, NodeId, Transport};
 use tokio::sync::{mpsc, oneshot};
@@ -34,8 +44,8 @@ use crate::prefix::{PrefixIndex, block_hashes};
 /// How the Router routes and watches its engine nodes.
 #[derive(Clone, Debug)]
 pub struct RouterOptions {
-    /// Engine nodes: (node id, name).
-    pub workers: Vec<(NodeId, String)>,
+    /// Engine nodes: (node id, name, role).
+    pub workers: Vec<(NodeId, String, Role)>,
     /// Heartbeat period (the Router sends its own at this rate too).
     pub heartbeat_interval: Duration,
     /// A node silent this long is down.
@@ -53,6 +63,9 @@ pub struct RouterOptions {
 struct WorkerView {
     node: NodeId,
     name: String,
+    role: Role,
+    /// Prefills sent to this (prefill) node whose first token has not come.
+    prefilling: u32,
     epoch: u64,
     heard: Option<Instant>,
     up: bool,
@@ -67,6 +80,10 @@ struct WorkerView {
 struct Pending {
     worker: usize,
     epoch: u64,
+    /// The prefill node computing its prompt, until its first token comes.
+    prefill: Option<usize>,
+    /// Run it whole on one node (a KV transfer for it failed).
+    colocate: bool,
     tx: mpsc::UnboundedSender<EngineEvent>,
     admitted: Option<oneshot::Sender<Result<(), Rejection>>>,
     tokens_sent: u32,
@@ -104,9 +121,11 @@ impl ClusterEngine {
         let workers = opts
             .workers
             .iter()
-            .map(|(node, name)| WorkerView {
+            .map(|(node, name, role)| WorkerView {
                 node: *node,
                 name: name.clone(),
+                role: *role,
+                prefilling: 0,
                 epoch: 0,
                 heard: None,
                 up: false,
@@ -148,42 +167,100 @@ impl Inner {
         self.state.lock().expect("router state poisoned")
     }
 
-    /// The cheapest up worker for a request, skipping `exclude`.
+    /// Whether node `i` can take work now.
+    fn usable(&self, i: usize, w: &WorkerView, exclude: Option<usize>) -> bool {
+        w.up && w.load.ready && Some(i) != exclude && self.transport.is_reachable(w.node)
+    }
+
+    /// The cheapest up node for a request, skipping `exclude`, and the
+    /// prefill node to pair it with when it is a decode node.
     fn pick(
         &self,
         st: &State,
         hashes: &[u64],
         need_blocks: u64,
         exclude: Option<usize>,
-    ) -> Option<usize> {
+        colocate: bool,
+    ) -> Option<(usize, Option<usize>)> {
+        let prefill = if colocate {
+            None
+        } else {
+            st.workers
+                .iter()
+                .enumerate()
+                .filter(|(i, w)| w.role == Role::Prefill && self.usable(*i, w, exclude))
+                .min_by_key(|(_, w)| {
+                    let compute = (hashes.len() - w.prefix.matched(hashes)) as u64;
+                    (compute + w.in_flight_blocks, w.prefilling, w.routed)
+                })
+                .map(|(i, _)| i)
+        };
         st.workers
             .iter()
             .enumerate()
-            .filter(|(i, w)| {
-                w.up && w.load.ready && Some(*i) != exclude && self.transport.is_reachable(w.node)
-            })
+            .filter(|(i, w)| w.role != Role::Prefill && self.usable(*i, w, exclude))
             .min_by_key(|(_, w)| {
                 // A worker whose whole cache is too small comes last; if it
                 // is the only one, its engine gives the client the reason.
                 let too_small = w.load.kv_total != 0 && need_blocks > w.load.kv_total as u64;
-                let compute = (hashes.len() - w.prefix.matched(hashes)) as u64;
+                // A decode node paired with a prefill node computes no
+                // prompt, but needs the blocks free now.
+                let paired = w.role == Role::Decode && prefill.is_some();
+                let short = paired && need_blocks > u64::from(w.load.kv_free);
+                let compute = if paired {
+                    0
+                } else {
+                    (hashes.len() - w.prefix.matched(hashes)) as u64
+                };
                 (
                     too_small,
+                    short,
                     compute + w.in_flight_blocks,
                     w.in_flight,
                     w.routed,
                 )
             })
-            .map(|(i, _)| i)
+            .map(|(i, w)| (i, prefill.filter(|_| w.role == Role::Decode)))
     }
 
-    /// Sends `req` (under the Router's id `id`) to worker `w` and books it.
-    fn dispatch(&self, st: &mut State, w: usize, id: u64, hashes: &[u64]) -> Result<(), ()> {
+    /// Picks a node (and prefill node) for pending request `id` and sends
+    /// it there; tries a second node if the first cannot be reached.
+    fn route(&self, st: &mut State, id: u64, hashes: &[u64], exclude: Option<usize>) -> bool {
+        let (need, colocate) = {
+            let p = &st.pending[&id];
+            (p.blocks, p.colocate)
+        };
+        let mut skip = exclude;
+        loop {
+            let Some((w, prefill)) = self.pick(st, hashes, need, skip, colocate) else {
+                return false;
+            };
+            if self.dispatch(st, w, prefill, id, hashes).is_ok() {
+                return true;
+            }
+            if skip.is_some() {
+                return false;
+            }
+            skip = Some(w);
+        }
+    }
+
+    /// Sends `req` (under the Router's id `id`) to worker `w`, naming
+    /// `prefill` as the node that computes its prompt, and books it.
+    fn dispatch(
+        &self,
+        st: &mut State,
+        w: usize,
+        prefill: Option<usize>,
+        id: u64,
+        hashes: &[u64],
+    ) -> Result<(), ()> {
         let p = st.pending.get(&id).expect("dispatch of an unknown request");
-        let msg = Message::Submit(SubmitMsg::from_request(id, &p.req));
+        let mut submit = SubmitMsg::from_request(id, &p.req);
+        submit.prefill = prefill.map(|i| st.workers[i].node);
         let blocks = p.blocks;
         let node = st.workers[w].node;
-        if let Err(e) = self.transport.send(node, id, msg) {
+        if let Err(e) = self.transport.send(node, id, Message::Submit(submit)) {
             tracing::warn!("{e}");
             return Err(());
         }
@@ -191,16 +268,36 @@ impl Inner {
         view.in_flight += 1;
         view.in_flight_blocks += blocks;
         view.routed += 1;
-        view.prefix.insert(hashes);
         let epoch = view.epoch;
+        match prefill {
+            Some(pi) => {
+                let pv = &mut st.workers[pi];
+                pv.prefilling += 1;
+                pv.routed += 1;
+                pv.prefix.insert(hashes);
+            }
+            None => st.workers[w].prefix.insert(hashes),
+        }
         let p = st.pending.get_mut(&id).expect("checked above");
         p.worker = w;
         p.epoch = epoch;
+        p.prefill = prefill;
         Ok(())
+    }
+
+    /// The first token of `id` came (or it ended): its prefill node is done.
+    fn prefill_done(st: &mut State, id: u64) {
+        if let Some(p) = st.pending.get_mut(&id)
+            && let Some(pi) = p.prefill.take()
+        {
+            let pv = &mut st.workers[pi];
+            pv.prefilling = pv.prefilling.saturating_sub(1);
+        }
     }
 
     /// Removes a request and gives back its share of its worker's load.
     fn finish(&self, st: &mut State, id: u64) -> Option<Pending> {
+        Self::prefill_done(st, id);
         let p = st.pending.remove(&id)?;
         let w = &mut st.workers[p.worker];
         w.in_flight = w.in_flight.saturating_sub(1);
@@ -223,43 +320,58 @@ impl Inner {
     }
 
     /// Worker `w` is gone (silent, or restarted with a new epoch): re-run
-    /// what produced nothing yet, fail the rest.
+    /// what produced nothing yet, fail the rest. Requests whose prompt it
+    /// was computing for a decode node are cancelled there and re-run.
     fn worker_lost(&self, st: &mut State, w: usize, why: &str) {
         let ids: Vec<u64> = st
             .pending
             .iter()
-            .filter(|(_, p)| p.worker == w && p.epoch <= st.workers[w].epoch)
+            .filter(|(_, p)| {
+                (p.worker == w && p.epoch <= st.workers[w].epoch)
+                    || (p.prefill == Some(w) && p.tokens_sent == 0)
+            })
             .map(|(id, _)| *id)
             .collect();
         st.workers[w].prefix.clear();
         let name = st.workers[w].name.clone();
         for id in ids {
-            let Some(mut p) = self.finish(st, id) else {
-                continue;
-            };
-            if p.tokens_sent == 0 && p.reruns < self.opts.reruns_max {
-                p.reruns += 1;
-                let hashes = self.hashes(&p.req);
-                let need = p.blocks;
-                st.pending.insert(id, p);
-                if let Some(to) = self.pick(st, &hashes, need, Some(w))
-                    && self.dispatch(st, to, id, &hashes).is_ok()
-                {
-                    tracing::info!(
-                        "request {id}: {name} {why}; re-running it on {}",
-                        st.workers[to].name
-                    );
-                    continue;
-                }
-                p = st.pending.remove(&id).expect("inserted above");
+            if st.pending[&id].worker != w {
+                // Its decode node is fine: stop it there (which frees the
+                // reservation) before it runs again.
+                let node = st.workers[st.pending[&id].worker].node;
+                let cancel = Message::Cancel {
+                    req: id,
+                    stop_string: false,
+                };
+                let _ = self.transport.send(node, id, cancel);
             }
-            let msg = format!(
-                "worker {name} {why} after {} tokens of this request were sent; no other \
-                 worker could take it over",
-                p.tokens_sent
-            );
-            fail(p, Rejection::Unavailable, EngineFailure::Internal(msg));
+            self.rerun_or_fail(st, id, Some(w), &format!("{name} {why}"));
         }
+    }
+
+    /// Runs `id` again elsewhere if no token reached its client yet (and
+    /// it has re-runs left), else ends it with `why`.
+    fn rerun_or_fail(&self, st: &mut State, id: u64, exclude: Option<usize>, why: &str) {
+        let Some(mut p) = self.finish(st, id) else {
+            return;
+        };
+        if p.tokens_sent == 0 && p.reruns < self.opts.reruns_max {
+            p.reruns += 1;
+            let hashes = self.hashes(&p.req);
+            st.pending.insert(id, p);
+            if self.route(st, id, &hashes, exclude) {
+                let to = &st.workers[st.pending[&id].worker].name;
+                tracing::info!("request {id}: {why}; re-running it on {to}");
+                return;
+            }
+            p = st.pending.remove(&id).expect("inserted above");
+        }
+        let msg = format!(
+            "worker {why} after {} tokens of this request were sent; no other \
+             worker could take it over",
+            p.tokens_sent
+        );
+        fail(p, Rejection::Unavailable, EngineFailure::Internal(msg));
     }
 
     fn hashes(&self, req: &EngineRequest) -> Vec<u64> {
@@ -301,10 +413,17 @@ impl Inner {
                 }
             }
             Message::Refused { req, rejection } => {
-                if st.pending.get(&req).is_some_and(|p| p.worker == w)
-                    && let Some(p) = self.finish(&mut st, req)
-                {
-                    let r = Rejection::from(rejection);
+                if st.pending.get(&req).is_none_or(|p| p.worker != w) {
+                    return;
+                }
+                let r = Rejection::from(rejection);
+                // A decode node without blocks to reserve: another node
+                // (or a colocated run) may have them.
+                let full = matches!(r, Rejection::QueueFull { .. } | Rejection::Unavailable);
+                if full && st.pending[&req].prefill.is_some() {
+                    let why = format!("{} refused it ({r})", st.workers[w].name);
+                    self.rerun_or_fail(&mut st, req, Some(w), &why);
+                } else if let Some(p) = self.finish(&mut st, req) {
                     let f = EngineFailure::Internal(format!("re-run refused: {r}"));
                     fail(p, r, f);
                 }
@@ -328,10 +447,24 @@ impl Inner {
                         continue;
                     }
                     let p = st.pending.get_mut(&ev.req).expect("checked above");
+                    if p.tokens_sent == 0
+                        && let Some(WireEnd::Failed(WireFailure::KvTransfer(why))) = &ev.end
+                    {
+                        // Nothing reached the client: run it again, whole
+                        // on one node this time.
+                        p.colocate = true;
+                        let why = format!("{}: KV transfer failed: {why}", st.workers[w].name);
+                        self.rerun_or_fail(&mut st, ev.req, None, &why);
+                        continue;
+                    }
                     if let Some(a) = p.admitted.take() {
                         let _ = a.send(Ok(()));
                     }
                     p.tokens_sent += ev.tokens.len() as u32;
+                    if !ev.tokens.is_empty() {
+                        Self::prefill_done(&mut st, ev.req);
+                    }
+                    let p = st.pending.get_mut(&ev.req).expect("checked above");
                     for t in ev.tokens {
                         let _ = p.tx.send(EngineEvent::Token(t.into()));
                     }
@@ -437,6 +570,8 @@ impl Engine for ClusterEngine {
                     Pending {
                         worker: 0,
                         epoch: 0,
+                        prefill: None,
+                        colocate: false,
                         tx,
                         admitted: Some(atx),
                         tokens_sent: 0,
@@ -445,20 +580,9 @@ impl Engine for ClusterEngine {
                         req,
                     },
                 );
-                let mut exclude = None;
-                loop {
-                    let Some(w) = inner.pick(&st, &hashes, blocks, exclude) else {
-                        st.pending.remove(&id);
-                        return Err(Rejection::Unavailable);
-                    };
-                    if inner.dispatch(&mut st, w, id, &hashes).is_ok() {
-                        break;
-                    }
-                    if exclude.is_some() {
-                        st.pending.remove(&id);
-                        return Err(Rejection::Unavailable);
-                    }
-                    exclude = Some(w);
+                if !inner.route(&mut st, id, &hashes, None) {
+                    st.pending.remove(&id);
+                    return Err(Rejection::Unavailable);
                 }
             }
             // Admission is answered within one round trip; a node that dies

@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use flotilla_proto::{
     BoxFuture, Engine, EngineEvent, EngineRequest, EngineStatus, FinishReason, KvUsage, Rejection,
-    RequestId, RequestStream, Sampled, SamplingParams, TenantId, Usage,
+    RequestId, RequestStream, Role, Sampled, SamplingParams, TenantId, Usage,
 };
 use tokio::sync::mpsc;
 
@@ -96,11 +96,9 @@ struct Rig {
 
 fn worker_opts() -> WorkerOptions {
     WorkerOptions {
-        routers: vec![0],
         heartbeat_interval: HB,
         down_after: DOWN,
-        num_tenants: 1,
-        frame_len_max_bytes: 1 << 20,
+        ..WorkerOptions::new(vec![0], Role::Worker)
     }
 }
 
@@ -111,7 +109,7 @@ fn start_worker(net: &Arc<MemNet>, node: u32, epoch: u64) -> Arc<FakeEngine> {
 fn start_engine(net: &Arc<MemNet>, node: u32, epoch: u64, e: FakeEngine) -> Arc<FakeEngine> {
     let e = Arc::new(e);
     let (t, rx) = net.join(node, epoch);
-    tokio::spawn(run_worker(t, rx, e.clone(), worker_opts()));
+    tokio::spawn(run_worker(t, rx, e.clone(), None, worker_opts()));
     e
 }
 
@@ -127,7 +125,9 @@ async fn rig_with(workers: usize, started: usize) -> Rig {
         t,
         rx,
         RouterOptions {
-            workers: (1..=workers as u32).map(|n| (n, format!("w{n}"))).collect(),
+            workers: (1..=workers as u32)
+                .map(|n| (n, format!("w{n}"), Role::Worker))
+                .collect(),
             heartbeat_interval: HB,
             down_after: DOWN,
             block_size: 4,
@@ -379,7 +379,7 @@ async fn no_worker_up_is_a_refusal_not_a_hang() {
         t,
         rx,
         RouterOptions {
-            workers: vec![(1, "w1".into())],
+            workers: vec![(1, "w1".into(), Role::Worker)],
             heartbeat_interval: HB,
             down_after: DOWN,
             block_size: 4,

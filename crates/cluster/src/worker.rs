@@ -9,12 +9,20 @@
 //! back with a new epoch, its requests are cancelled here, which gives
 //! their KV blocks back: a dead Router never strands work on a worker.
 
-use std::collections::HashMap;
-use std::sync::Arc;
+use std::cmp::Reverse;
+use std::collections::{BinaryHeap, HashMap};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use flotilla_proto::wire::{LoadReport, Message, ReqEvents, WireEnd, WireRejection, WireToken};
-use flotilla_proto::{Engine, EngineEvent, EngineFailure, RequestStream};
+use bytes::Bytes;
+use flotilla_proto::wire::{
+    KvTransferHeader, LoadReport, Message, PrefillMsg, ReqEvents, SubmitMsg, WireEnd,
+    WireRejection, WireToken,
+};
+use flotilla_proto::{
+    Engine, EngineEvent, EngineFailure, KvLayout, KvMigration, RequestId, RequestStream, Role,
+    TenantId,
+};
 use flotilla_transport::{Inbound, NodeId, Transport};
 use tokio::sync::{mpsc, oneshot};
 use tokio::time::Instant;
@@ -32,73 +40,266 @@ pub struct WorkerOptions {
     pub num_tenants: u32,
     /// Cap on one frame's payload; event batches are split below it.
     pub frame_len_max_bytes: u32,
+    /// `Worker` runs whole requests; `Prefill` computes prompts for decode
+    /// nodes; `Decode` continues them (and runs whole requests sent
+    /// without a prefill node).
+    pub role: Role,
+    /// Served model name; KV from another model is refused.
+    pub model: String,
+    /// Decode side: how long reserved blocks wait for their KV.
+    pub reservation_ttl: Duration,
+    /// Prefill side: how long a finished prefill's blocks wait for the
+    /// decode side's ack.
+    pub hold_ttl: Duration,
+    /// Priority of each tenant's tier (higher goes first): the order of
+    /// waiting KV transfers.
+    pub tenant_priority: Vec<u8>,
+    /// KV transfers a prefill node sends at once.
+    pub transfers_max: usize,
+}
+
+impl WorkerOptions {
+    /// A node of `role` with the defaults of the cluster config.
+    pub fn new(routers: Vec<NodeId>, role: Role) -> WorkerOptions {
+        WorkerOptions {
+            routers,
+            heartbeat_interval: Duration::from_millis(250),
+            down_after: Duration::from_millis(1000),
+            num_tenants: 1,
+            frame_len_max_bytes: 1 << 20,
+            role,
+            model: String::new(),
+            reservation_ttl: Duration::from_secs(30),
+            hold_ttl: Duration::from_secs(30),
+            tenant_priority: Vec::new(),
+            transfers_max: 2,
+        }
+    }
+
+    fn priority(&self, tenant: u32) -> u8 {
+        self.tenant_priority
+            .get(tenant as usize)
+            .copied()
+            .unwrap_or(0)
+    }
 }
 
 /// (router, router epoch, router's request id)
 type Key = (NodeId, u64, u64);
+
+/// A prefill served for a decode node: (decode node, router, request).
+type PfKey = (NodeId, u32, u64);
 
 struct Out {
     key: Key,
     event: EngineEvent,
 }
 
-/// Serves remote Routers until `inbound` closes.
+/// Decode side: a request whose blocks are reserved and whose KV has not
+/// been imported yet.
+struct Importing {
+    /// The Router's epoch.
+    epoch: u64,
+    reservation: RequestId,
+    prefill: NodeId,
+    deadline: Instant,
+    submit: SubmitMsg,
+    /// Its bytes arrived and are being written: the import task owns the
+    /// reservation now and acks the prefill node when it is done.
+    writing: bool,
+}
+
+/// What spawned tasks tell the node's loop.
+enum Ctl {
+    /// An import finished (its stream, or why it failed).
+    Imported {
+        key: (NodeId, u64),
+        prefill: NodeId,
+        result: Result<RequestStream, String>,
+    },
+    /// A prefill task ended; its blocks are given back.
+    PrefillDone(PfKey),
+}
+
+/// What a decode node tells a prefill task.
+enum PfCtl {
+    Ack,
+    Cancel,
+}
+
+/// Serves remote Routers (and, on prefill and decode nodes, each other)
+/// until `inbound` closes. `kv` is the engine's migration side; without
+/// it the node serves whole requests only.
 pub async fn run_worker(
     transport: Arc<dyn Transport>,
     mut inbound: mpsc::Receiver<Inbound>,
     engine: Arc<dyn Engine>,
+    kv: Option<Arc<dyn KvMigration>>,
     opts: WorkerOptions,
 ) {
     let (out_tx, out_rx) = mpsc::unbounded_channel::<Out>();
     let (done_tx, mut done_rx) = mpsc::unbounded_channel::<Key>();
+    let (ctl_tx, mut ctl_rx) = mpsc::unbounded_channel::<Ctl>();
     tokio::spawn(send_events(
         transport.clone(),
         out_rx,
         opts.frame_len_max_bytes,
     ));
+    let layout = kv.as_ref().map(|k| k.kv_layout());
+    let slots = Slots::new(opts.transfers_max.max(1));
     let mut active: HashMap<Key, oneshot::Sender<bool>> = HashMap::new();
     let mut routers: HashMap<NodeId, (u64, Instant)> = HashMap::new();
+    let mut importing: HashMap<(NodeId, u64), Importing> = HashMap::new();
+    let mut prefills: HashMap<PfKey, mpsc::UnboundedSender<PfCtl>> = HashMap::new();
+    let fail = |router: NodeId, epoch: u64, req: u64, why: String| {
+        let _ = out_tx.send(Out {
+            key: (router, epoch, req),
+            event: EngineEvent::Failed(EngineFailure::KvTransfer(why)),
+        });
+    };
+    // Gives back a reservation and tells its prefill node to stop.
+    let drop_import = |key: (NodeId, u64), e: &Importing| {
+        if !e.writing {
+            if let Some(kv) = &kv {
+                let kv = kv.clone();
+                let r = e.reservation;
+                tokio::spawn(async move { kv.cancel_reservation(r).await });
+            }
+            let cancel = Message::PrefillCancel {
+                router: key.0,
+                req: key.1,
+            };
+            let _ = transport.send(e.prefill, key.1, cancel);
+        }
+    };
     let mut tick = tokio::time::interval(opts.heartbeat_interval);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
         tokio::select! {
             m = inbound.recv() => {
                 let Some(m) = m else { return };
-                let Inbound::Message { from, epoch, msg, .. } = m else { continue };
-                // Any message proves the Router alive; a new epoch means it
+                let (from, epoch, msg) = match m {
+                    Inbound::Message { from, epoch, msg, .. } => (from, epoch, msg),
+                    Inbound::Bulk { from, header, data, .. } => {
+                        let key = (header.router, header.req);
+                        let ack_no = |why: &str| {
+                            tracing::warn!(req = header.req, "KV from node {from} discarded: {why}");
+                            let ack = Message::KvAck { router: header.router, req: header.req, ok: false };
+                            let _ = transport.send(from, header.req, ack);
+                        };
+                        let (Some(kv), Some(layout)) = (&kv, &layout) else {
+                            ack_no("this node imports no KV");
+                            continue;
+                        };
+                        let Some(e) = importing.get_mut(&key).filter(|e| e.prefill == from && !e.writing) else {
+                            // Cancelled or expired meanwhile: the sender may free its blocks.
+                            ack_no("no request waits for it");
+                            continue;
+                        };
+                        if let Err(why) = check_header(&header, layout, &opts.model, e.submit.prompt.len()) {
+                            ack_no(&why);
+                            let e = importing.remove(&key).expect("looked up above");
+                            drop_import(key, &e);
+                            fail(key.0, e.epoch, key.1, why);
+                            continue;
+                        }
+                        e.writing = true;
+                        let kv = kv.clone();
+                        let (reservation, req) = (e.reservation, e.submit.clone().into_request());
+                        let ctl = ctl_tx.clone();
+                        tokio::spawn(async move {
+                            let result = import(&*kv, reservation, header, data, req).await;
+                            let _ = ctl.send(Ctl::Imported { key, prefill: from, result });
+                        });
+                        continue;
+                    }
+                };
+                // Any message proves a Router alive; a new epoch means it
                 // restarted and everything from its old life is orphaned.
-                let entry = routers.entry(from).or_insert((epoch, Instant::now()));
-                if epoch > entry.0 {
-                    cancel_where(&mut active, |k| k.0 == from && k.1 < epoch);
-                    entry.0 = epoch;
+                if opts.routers.contains(&from) {
+                    let entry = routers.entry(from).or_insert((epoch, Instant::now()));
+                    if epoch > entry.0 {
+                        cancel_where(&mut active, |k| k.0 == from && k.1 < epoch);
+                        importing.retain(|k, e| {
+                            let keep = k.0 != from || e.epoch >= epoch;
+                            if !keep {
+                                drop_import(*k, e);
+                            }
+                            keep
+                        });
+                        entry.0 = epoch;
+                    }
+                    entry.1 = Instant::now();
                 }
-                entry.1 = Instant::now();
                 match msg {
                     Message::Submit(s) => {
                         let req = s.req;
-                        let reply = if s.tenant >= opts.num_tenants {
-                            Message::Refused {
+                        if s.tenant >= opts.num_tenants {
+                            let refused = Message::Refused {
                                 req,
                                 rejection: WireRejection::Invalid(format!(
                                     "unknown tenant {} (the config has {})",
                                     s.tenant, opts.num_tenants
                                 )),
-                            }
-                        } else if active.contains_key(&(from, epoch, req)) {
+                            };
+                            let _ = transport.send(from, req, refused);
+                            continue;
+                        }
+                        if active.contains_key(&(from, epoch, req)) || importing.contains_key(&(from, req)) {
                             // A duplicate (a resend after a reconnect): the
                             // first copy is running.
                             continue;
-                        } else {
-                            match engine.submit(s.into_request()).await {
-                                Ok(stream) => {
-                                    let key = (from, epoch, req);
-                                    let (cancel_tx, cancel_rx) = oneshot::channel();
-                                    active.insert(key, cancel_tx);
-                                    tokio::spawn(forward(key, stream, cancel_rx, out_tx.clone(), done_tx.clone()));
-                                    Message::Admitted { req }
+                        }
+                        if let (Some(p), Some(kvm), Role::Decode) = (s.prefill, &kv, opts.role) {
+                            // Disaggregated: blocks first, then ask for the prefill.
+                            let ttl = opts.reservation_ttl + opts.heartbeat_interval * 4;
+                            let reservation = match kvm.reserve_kv(TenantId(s.tenant), s.prompt.len() as u32, ttl).await {
+                                Ok(r) => r,
+                                Err(r) => {
+                                    let refused = Message::Refused { req, rejection: WireRejection::from(&r) };
+                                    let _ = transport.send(from, req, refused);
+                                    continue;
                                 }
-                                Err(r) => Message::Refused { req, rejection: WireRejection::from(&r) },
+                            };
+                            let e = Importing {
+                                epoch,
+                                reservation,
+                                prefill: p,
+                                deadline: Instant::now() + opts.reservation_ttl,
+                                submit: s.clone(),
+                                writing: false,
+                            };
+                            if transport.send(from, req, Message::Admitted { req }).is_err() {
+                                drop_import((from, req), &e);
+                                continue;
                             }
+                            let ask = Message::Prefill(PrefillMsg {
+                                router: from,
+                                submit: SubmitMsg { prefill: None, ..s },
+                                priority: opts.priority(e.submit.tenant),
+                            });
+                            if let Err(err) = transport.send(p, req, ask) {
+                                let k = kv.clone();
+                                tokio::spawn(async move {
+                                    if let Some(k) = k {
+                                        k.cancel_reservation(reservation).await;
+                                    }
+                                });
+                                fail(from, epoch, req, format!("cannot reach prefill node {p}: {}", err.reason));
+                                continue;
+                            }
+                            importing.insert((from, req), e);
+                            continue;
+                        }
+                        let reply = match engine.submit(s.into_request()).await {
+                            Ok(stream) => {
+                                let key = (from, epoch, req);
+                                let (cancel_tx, cancel_rx) = oneshot::channel();
+                                active.insert(key, cancel_tx);
+                                tokio::spawn(forward(key, stream, cancel_rx, out_tx.clone(), done_tx.clone()));
+                                Message::Admitted { req }
+                            }
+                            Err(r) => Message::Refused { req, rejection: WireRejection::from(&r) },
                         };
                         if let Err(e) = transport.send(from, req, reply) {
                             tracing::warn!("{e}");
@@ -112,6 +313,73 @@ pub async fn run_worker(
                         if let Some(c) = active.remove(&(from, epoch, req)) {
                             let _ = c.send(stop_string);
                         }
+                        if let Some(e) = importing.remove(&(from, req)) {
+                            drop_import((from, req), &e);
+                        }
+                    }
+                    Message::Prefill(pm) => {
+                        let (router, req) = (pm.router, pm.submit.req);
+                        let key = (from, router, req);
+                        if prefills.contains_key(&key) {
+                            continue;
+                        }
+                        let refuse = |reason: String| {
+                            let m = Message::PrefillFailed { router, req, reason };
+                            let _ = transport.send(from, req, m);
+                        };
+                        let Some(kvm) = kv.clone().filter(|_| opts.role == Role::Prefill) else {
+                            refuse(format!("node {} is not a prefill node", transport.node()));
+                            continue;
+                        };
+                        if pm.submit.tenant >= opts.num_tenants {
+                            refuse(format!("unknown tenant {}", pm.submit.tenant));
+                            continue;
+                        }
+                        let mut r = pm.submit.into_request();
+                        // Only the first token is sampled here; the decode
+                        // node samples the rest.
+                        r.max_tokens = 1;
+                        match kvm.submit_for_export(r, opts.hold_ttl).await {
+                            Ok(stream) => {
+                                let (tx, rx) = mpsc::unbounded_channel();
+                                prefills.insert(key, tx);
+                                let task = PrefillTask {
+                                    transport: transport.clone(),
+                                    kv: kvm,
+                                    slots: slots.clone(),
+                                    model: opts.model.clone(),
+                                    hold_ttl: opts.hold_ttl,
+                                    key,
+                                    priority: pm.priority,
+                                };
+                                let ctl = ctl_tx.clone();
+                                tokio::spawn(async move {
+                                    task.run(stream, rx).await;
+                                    let _ = ctl.send(Ctl::PrefillDone(key));
+                                });
+                            }
+                            Err(r) => refuse(r.to_string()),
+                        }
+                    }
+                    Message::PrefillFailed { router, req, reason } => {
+                        let key = (router, req);
+                        if importing.get(&key).is_some_and(|e| e.prefill == from && !e.writing) {
+                            let e = importing.remove(&key).expect("checked above");
+                            if let Some(kv) = &kv {
+                                kv.cancel_reservation(e.reservation).await;
+                            }
+                            fail(router, e.epoch, req, format!("prefill node {from}: {reason}"));
+                        }
+                    }
+                    Message::KvAck { router, req, .. } => {
+                        if let Some(tx) = prefills.get(&(from, router, req)) {
+                            let _ = tx.send(PfCtl::Ack);
+                        }
+                    }
+                    Message::PrefillCancel { router, req } => {
+                        if let Some(tx) = prefills.get(&(from, router, req)) {
+                            let _ = tx.send(PfCtl::Cancel);
+                        }
                     }
                     Message::Ping { seq, pad } => {
                         let _ = transport.send(from, seq, Message::Pong { seq, pad });
@@ -122,6 +390,29 @@ pub async fn run_worker(
             Some(key) = done_rx.recv() => {
                 active.remove(&key);
             }
+            Some(c) = ctl_rx.recv() => match c {
+                Ctl::Imported { key, prefill, result } => {
+                    let ok = result.is_ok();
+                    let ack = Message::KvAck { router: key.0, req: key.1, ok };
+                    let _ = transport.send(prefill, key.1, ack);
+                    match (importing.remove(&key), result) {
+                        (Some(e), Ok(stream)) => {
+                            let akey = (key.0, e.epoch, key.1);
+                            let (cancel_tx, cancel_rx) = oneshot::channel();
+                            active.insert(akey, cancel_tx);
+                            tokio::spawn(forward(akey, stream, cancel_rx, out_tx.clone(), done_tx.clone()));
+                        }
+                        // Cancelled while its bytes were written: dropping
+                        // the stream ends it and frees its blocks.
+                        (None, Ok(stream)) => drop(stream),
+                        (Some(e), Err(why)) => fail(key.0, e.epoch, key.1, why),
+                        (None, Err(_)) => {}
+                    }
+                }
+                Ctl::PrefillDone(key) => {
+                    prefills.remove(&key);
+                }
+            },
             _ = tick.tick() => {
                 let status = engine.status().await;
                 let report = LoadReport::from(&status);
@@ -136,14 +427,317 @@ pub async fn run_worker(
                     .map(|(n, _)| *n)
                     .collect();
                 for n in silent {
-                    let before = active.len();
+                    let before = active.len() + importing.len();
                     cancel_where(&mut active, |k| k.0 == n);
-                    if before != active.len() {
-                        tracing::warn!(router = n, "router silent for over {:?}: cancelled {} requests", opts.down_after, before - active.len());
+                    importing.retain(|k, e| {
+                        if k.0 == n {
+                            drop_import(*k, e);
+                        }
+                        k.0 != n
+                    });
+                    let cancelled = before - active.len() - importing.len();
+                    if cancelled > 0 {
+                        tracing::warn!(router = n, "router silent for over {:?}: cancelled {cancelled} requests", opts.down_after);
                     }
                     routers.remove(&n);
                 }
+                // Reservations whose KV never came.
+                let late: Vec<(NodeId, u64)> = importing
+                    .iter()
+                    .filter(|(_, e)| !e.writing && e.deadline <= now)
+                    .map(|(k, _)| *k)
+                    .collect();
+                for k in late {
+                    let e = importing.remove(&k).expect("listed above");
+                    drop_import(k, &e);
+                    let ms = opts.reservation_ttl.as_millis();
+                    fail(k.0, e.epoch, k.1, format!("no KV from prefill node {} within {ms} ms", e.prefill));
+                }
             }
+        }
+    }
+}
+
+/// Whether a transfer fits this node's cache and the request it is for.
+fn check_header(
+    h: &KvTransferHeader,
+    layout: &KvLayout,
+    model: &str,
+    prompt_len: usize,
+) -> Result<(), String> {
+    let blocks = (prompt_len as u64).div_ceil(u64::from(layout.block_size.max(1)));
+    if h.model != model {
+        return Err(format!(
+            "KV of model '{}', this node serves '{model}'",
+            h.model
+        ));
+    }
+    if h.block_size != layout.block_size
+        || h.dtype != layout.dtype
+        || h.layout != layout.layout
+        || h.layer_start != 0
+        || h.layer_end != layout.layers
+    {
+        return Err(format!(
+            "KV layout differs: blocks of {} tokens, dtype {}, layout {}, layers {}..{}; \
+             this node has {} tokens, dtype {}, layout {}, {} layers",
+            h.block_size,
+            h.dtype,
+            h.layout,
+            h.layer_start,
+            h.layer_end,
+            layout.block_size,
+            layout.dtype,
+            layout.layout,
+            layout.layers
+        ));
+    }
+    if h.token_count as usize != prompt_len
+        || u64::from(h.block_count) != blocks
+        || h.bytes != blocks * layout.bytes_per_block
+    {
+        return Err(format!(
+            "transfer of {} tokens in {} blocks ({} bytes) for a prompt of {prompt_len} tokens \
+             ({blocks} blocks of {} bytes)",
+            h.token_count, h.block_count, h.bytes, layout.bytes_per_block
+        ));
+    }
+    Ok(())
+}
+
+/// Verifies a transfer's checksum, then writes it into its reservation
+/// and continues the request from the prefill node's first token.
+async fn import(
+    kv: &dyn KvMigration,
+    reservation: RequestId,
+    h: KvTransferHeader,
+    data: Vec<Bytes>,
+    req: flotilla_proto::EngineRequest,
+) -> Result<RequestStream, String> {
+    let mut bytes = Vec::with_capacity(h.bytes as usize);
+    let mut crc = crc32fast::Hasher::new();
+    for c in &data {
+        crc.update(c);
+        bytes.extend_from_slice(c);
+    }
+    drop(data);
+    let sum = u64::from(crc.finalize());
+    if bytes.len() as u64 != h.bytes || sum != h.checksum {
+        kv.cancel_reservation(reservation).await;
+        return Err(format!(
+            "KV transfer corrupt: {} of {} bytes, checksum {sum:#x}, expected {:#x}",
+            bytes.len(),
+            h.bytes,
+            h.checksum
+        ));
+    }
+    kv.import_kv(reservation, h.token_count, bytes, req, h.first.into())
+        .await
+        .map_err(|r| format!("decode node refused the KV: {r}"))
+}
+
+/// Prefill side of one request: run it, wait for a transfer slot (higher
+/// tiers first), send its KV, wait for the ack, give the blocks back. The
+/// blocks go back on every path: cancel, failure, a lost decode node (the
+/// transfer fails or no ack comes within `hold_ttl`).
+struct PrefillTask {
+    transport: Arc<dyn Transport>,
+    kv: Arc<dyn KvMigration>,
+    slots: Arc<Slots>,
+    model: String,
+    hold_ttl: Duration,
+    key: PfKey,
+    priority: u8,
+}
+
+impl PrefillTask {
+    async fn run(self, stream: RequestStream, mut ctl: mpsc::UnboundedReceiver<PfCtl>) {
+        let id = stream.id;
+        let (decode, router, req) = self.key;
+        match self.send(stream, &mut ctl).await {
+            Ok(true) => {}
+            Ok(false) => {
+                // Wait for the ack (or a cancel); a decode node that died
+                // never sends one.
+                let _ = tokio::time::timeout(self.hold_ttl, ctl.recv()).await;
+            }
+            Err(Some(reason)) => {
+                tracing::warn!(req, "prefill for node {decode} failed: {reason}");
+                let m = Message::PrefillFailed {
+                    router,
+                    req,
+                    reason,
+                };
+                let _ = self.transport.send(decode, req, m);
+            }
+            Err(None) => {}
+        }
+        self.kv.release_kv(id).await;
+    }
+
+    /// Ok(acked already) once the KV is sent; Err(None) when cancelled,
+    /// Err(reason) when it failed.
+    async fn send(
+        &self,
+        mut stream: RequestStream,
+        ctl: &mut mpsc::UnboundedReceiver<PfCtl>,
+    ) -> Result<bool, Option<String>> {
+        let (decode, router, req) = self.key;
+        let id = stream.id;
+        let mut first = None;
+        loop {
+            tokio::select! {
+                ev = stream.recv() => match ev {
+                    Some(EngineEvent::Token(s)) => first = Some(s),
+                    Some(EngineEvent::Finished { .. }) => break,
+                    Some(EngineEvent::Failed(f)) => return Err(Some(f.to_string())),
+                    None => return Err(Some("the engine dropped the prefill".into())),
+                },
+                c = ctl.recv() => if !matches!(c, Some(PfCtl::Ack)) {
+                    return Err(None);
+                },
+            }
+        }
+        // Finished: its blocks stay held until `release_kv`.
+        drop(stream);
+        let first = first.ok_or_else(|| Some("the prefill sampled no token".to_string()))?;
+        let _slot = tokio::select! {
+            s = self.slots.acquire(self.priority) => s,
+            _ = ctl.recv() => return Err(None),
+        };
+        let exp = self.kv.export_kv(id).await.map_err(Some)?;
+        let layout = self.kv.kv_layout();
+        let header = KvTransferHeader {
+            router,
+            req,
+            epoch: self.transport.epoch(),
+            model: self.model.clone(),
+            block_size: layout.block_size,
+            dtype: layout.dtype,
+            layout: layout.layout,
+            layer_start: 0,
+            layer_end: layout.layers,
+            token_count: exp.tokens,
+            block_count: exp.blocks,
+            bytes: exp.data.len() as u64,
+            checksum: u64::from(crc32fast::hash(&exp.data)),
+            first: WireToken::from(&first),
+        };
+        let (bytes, t0) = (exp.data.len(), Instant::now());
+        tokio::select! {
+            r = self.transport.send_bulk(decode, header, Bytes::from(exp.data)) => {
+                let us = t0.elapsed().as_micros().max(1);
+                tracing::debug!(req, bytes, us, "KV sent to node {decode}: {:.3} GB/s", bytes as f64 / us as f64 / 1e3);
+                r.map(|()| false).map_err(|e| Some(format!("sending KV to node {decode}: {e}")))
+            }
+            // The decode side acks once it has read the whole transfer,
+            // which may come before the send resolves here.
+            c = ctl.recv() => match c {
+                Some(PfCtl::Ack) => Ok(true),
+                _ => Err(None),
+            },
+        }
+    }
+}
+
+/// Transfer slots handed out by priority (then arrival): a paid tier's KV
+/// leaves before a free tier's that waited longer.
+pub(crate) struct Slots {
+    st: Mutex<SlotsState>,
+}
+
+struct SlotsState {
+    free: usize,
+    waiting: BinaryHeap<Waiter>,
+    seq: u64,
+}
+
+struct Waiter {
+    priority: u8,
+    seq: u64,
+    tx: oneshot::Sender<Slot>,
+}
+
+impl PartialEq for Waiter {
+    fn eq(&self, o: &Self) -> bool {
+        self.seq == o.seq
+    }
+}
+impl Eq for Waiter {}
+impl PartialOrd for Waiter {
+    fn partial_cmp(&self, o: &Self) -> Option<std::cmp::Ordering> {
+        Some(self.cmp(o))
+    }
+}
+impl Ord for Waiter {
+    fn cmp(&self, o: &Self) -> std::cmp::Ordering {
+        (self.priority, Reverse(self.seq)).cmp(&(o.priority, Reverse(o.seq)))
+    }
+}
+
+/// Transfer slots for tests.
+#[cfg(test)]
+pub(crate) fn test_slots(n: usize) -> Arc<Slots> {
+    Slots::new(n)
+}
+
+/// A held transfer slot; dropping it hands it to the best waiter.
+pub(crate) struct Slot {
+    slots: Option<Arc<Slots>>,
+}
+
+impl Slots {
+    fn new(n: usize) -> Arc<Slots> {
+        Arc::new(Slots {
+            st: Mutex::new(SlotsState {
+                free: n,
+                waiting: BinaryHeap::new(),
+                seq: 0,
+            }),
+        })
+    }
+
+    pub(crate) async fn acquire(self: &Arc<Self>, priority: u8) -> Slot {
+        let rx = {
+            let mut st = self.st.lock().expect("slots poisoned");
+            if st.free > 0 {
+                st.free -= 1;
+                return Slot {
+                    slots: Some(self.clone()),
+                };
+            }
+            let (tx, rx) = oneshot::channel();
+            st.seq += 1;
+            let seq = st.seq;
+            st.waiting.push(Waiter { priority, seq, tx });
+            rx
+        };
+        // The sender lives in `waiting` until it is handed a slot.
+        rx.await.unwrap_or(Slot { slots: None })
+    }
+
+    fn release(self: &Arc<Self>) {
+        let mut st = self.st.lock().expect("slots poisoned");
+        while let Some(w) = st.waiting.pop() {
+            match w.tx.send(Slot {
+                slots: Some(self.clone()),
+            }) {
+                Ok(()) => return,
+                // That waiter gave up; the slot it refused must not
+                // release itself again (we hold the lock).
+                Err(mut s) => {
+                    s.slots = None;
+                }
+            }
+        }
+        st.free += 1;
+    }
+}
+
+impl Drop for Slot {
+    fn drop(&mut self) {
+        if let Some(s) = self.slots.take() {
+            s.release();
         }
     }
 }

@@ -55,6 +55,14 @@ pub struct ClusterSection {
     /// A QUIC connection with no traffic for this long is closed, ms
     /// (at least 2 heartbeat intervals, at most 600000).
     pub idle_timeout_ms: u64,
+    /// Decode node: how long blocks reserved for a prompt's KV wait for
+    /// the prefill node, ms (100..=600000).
+    pub kv_reservation_ttl_ms: u64,
+    /// Prefill node: how long a finished prefill's blocks wait for the
+    /// decode node's ack, ms (100..=600000).
+    pub kv_hold_ttl_ms: u64,
+    /// Prefill node: KV transfers sent at once (1..=64).
+    pub kv_transfers_max: usize,
     /// Nodes in file order; a node's index is its node id.
     pub nodes: Vec<Node>,
 }
@@ -127,6 +135,9 @@ pub(crate) struct RawCluster {
     send_queue_len_max: Option<i64>,
     reconnect_backoff_max_ms: Option<i64>,
     idle_timeout_ms: Option<i64>,
+    kv_reservation_ttl_ms: Option<i64>,
+    kv_hold_ttl_ms: Option<i64>,
+    kv_transfers_max: Option<i64>,
 }
 
 /// One `[[nodes]]` table as written.
@@ -241,6 +252,16 @@ pub(crate) fn validate(
                 .into(),
         ));
     }
+    // A prefill node only serves decode nodes; a decode node alone runs
+    // whole requests, so it needs no prefill node.
+    if out.iter().any(|n| n.role == Role::Prefill) && !out.iter().any(|n| n.role == Role::Decode) {
+        return Err(invalid(
+            whole_at,
+            "the cluster has prefill nodes but no decode node to send their KV to: add a \
+             [[nodes]] with role = \"decode\""
+                .into(),
+        ));
+    }
     Ok(Some(ClusterSection {
         nodes: out,
         ..section
@@ -262,6 +283,9 @@ fn settings(
         send_queue_len_max: None,
         reconnect_backoff_max_ms: None,
         idle_timeout_ms: None,
+        kv_reservation_ttl_ms: None,
+        kv_hold_ttl_ms: None,
+        kv_transfers_max: None,
     };
     let c = cluster.map_or(&empty, |c| c.get_ref());
     let range = |field: &str, v: Option<i64>, default: i64, lo: i64, hi: i64| {
@@ -314,6 +338,15 @@ fn settings(
             ),
         ));
     }
+    let kv_reservation_ttl_ms = range(
+        "kv_reservation_ttl_ms",
+        c.kv_reservation_ttl_ms,
+        30_000,
+        100,
+        600_000,
+    )?;
+    let kv_hold_ttl_ms = range("kv_hold_ttl_ms", c.kv_hold_ttl_ms, 30_000, 100, 600_000)?;
+    let kv_transfers_max = range("kv_transfers_max", c.kv_transfers_max, 2, 1, 64)?;
     // The ranges above fit every target type: the casts cannot truncate.
     Ok(ClusterSection {
         certs_dir: PathBuf::from(certs_dir),
@@ -323,6 +356,9 @@ fn settings(
         send_queue_len_max: send_queue_len_max as usize,
         reconnect_backoff_max_ms: reconnect_backoff_max_ms as u64,
         idle_timeout_ms: idle_timeout_ms as u64,
+        kv_reservation_ttl_ms: kv_reservation_ttl_ms as u64,
+        kv_hold_ttl_ms: kv_hold_ttl_ms as u64,
+        kv_transfers_max: kv_transfers_max as usize,
         nodes: Vec::new(),
     })
 }
@@ -792,6 +828,20 @@ addr = "[::1]:7402"
             &NODES[..NODES.find("\n\n").unwrap()]
         );
         refused_at_cluster(&text, &["no engine node"]);
+    }
+
+    #[test]
+    fn refuses_prefill_without_decode() {
+        let text = with_cluster("")
+            .replace("role = \"worker\"", "role = \"prefill\"")
+            .replace("role = \"mixed\"", "role = \"prefill\"");
+        refused_at_cluster(&text, &["prefill nodes but no decode node"]);
+        let ok = with_cluster("")
+            .replace("role = \"worker\"", "role = \"prefill\"")
+            .replace("role = \"mixed\"", "role = \"decode\"");
+        let c = ClusterConfig::parse(&ok, "c.toml").unwrap();
+        let roles: Vec<Role> = c.cluster.unwrap().nodes.iter().map(|n| n.role).collect();
+        assert_eq!(roles, [Role::Router, Role::Prefill, Role::Decode]);
     }
 
     #[test]

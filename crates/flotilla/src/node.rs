@@ -12,6 +12,7 @@ use flotilla_cluster::{ClusterEngine, RouterOptions, WorkerOptions, run_worker};
 use flotilla_config::{ClusterConfig, ClusterSection, Role};
 use flotilla_gateway::GatewayConfig;
 use flotilla_model::Executor;
+use flotilla_proto::KvMigration;
 use flotilla_telemetry::Metrics;
 use flotilla_transport::quic::{LinkFaults, PeerSpec, QuicOptions, QuicTransport};
 use flotilla_transport::tls::{self, TlsMaterial};
@@ -189,7 +190,10 @@ pub fn run(args: NodeArgs) -> Result<()> {
                 t,
                 inbound,
                 RouterOptions {
-                    workers: cl.engines().map(|(i, n)| (i, n.name.clone())).collect(),
+                    workers: cl
+                        .engines()
+                        .map(|(i, n)| (i, n.name.clone(), n.role))
+                        .collect(),
                     heartbeat_interval: hb,
                     down_after: cl.down_after(),
                     block_size,
@@ -234,15 +238,27 @@ pub fn run(args: NodeArgs) -> Result<()> {
                 t.epoch()
             );
             let opts = WorkerOptions {
-                routers: vec![cl.router().0],
                 heartbeat_interval: hb,
                 down_after: cl.down_after(),
                 num_tenants: cfg.tenants.len().max(1) as u32,
                 frame_len_max_bytes: cl.frame_len_max_bytes,
+                model: r.model_name.clone(),
+                reservation_ttl: Duration::from_millis(cl.kv_reservation_ttl_ms),
+                hold_ttl: Duration::from_millis(cl.kv_hold_ttl_ms),
+                tenant_priority: cfg
+                    .tenants
+                    .iter()
+                    .map(|t| cfg.tiers[t.tier].priority)
+                    .collect(),
+                transfers_max: cl.kv_transfers_max,
+                ..WorkerOptions::new(vec![cl.router().0], node.role)
             };
             let transport: Arc<dyn Transport> = t.clone();
+            let engine = Arc::new(engine);
+            let kv: Option<Arc<dyn KvMigration>> =
+                matches!(node.role, Role::Prefill | Role::Decode).then(|| engine.clone() as _);
             tokio::select! {
-                _ = run_worker(transport, inbound, Arc::new(engine.clone()), opts) => {}
+                _ = run_worker(transport, inbound, engine.clone(), kv, opts) => {}
                 _ = tokio::signal::ctrl_c() => {}
             }
             t.close();

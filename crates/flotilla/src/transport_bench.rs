@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, Result};
 use bytes::Bytes;
 use flotilla_proto::Role;
-use flotilla_proto::wire::{KvTransferHeader, Message};
+use flotilla_proto::wire::{KvTransferHeader, Message, WireToken};
 use flotilla_transport::quic::{LinkFaults, PeerSpec, QuicOptions, QuicTransport};
 use flotilla_transport::tls::{self, TlsMaterial};
 use flotilla_transport::{Inbound, SendFailure, Transport};
@@ -327,6 +327,7 @@ async fn measure(
 
 fn header(bytes: u64) -> KvTransferHeader {
     KvTransferHeader {
+        router: 0,
         req: 1,
         epoch: 1,
         model: "bench".into(),
@@ -339,6 +340,11 @@ fn header(bytes: u64) -> KvTransferHeader {
         block_count: 0,
         bytes,
         checksum: 0,
+        first: WireToken {
+            token: 0,
+            logprob: 0.0,
+            top: vec![],
+        },
     }
 }
 

@@ -72,7 +72,7 @@ fn run_ok(cmd: &mut Command) -> String {
     text
 }
 
-fn config_text(certs: &Path, addrs: [String; 3], http: String) -> String {
+fn config_text(certs: &Path, addrs: [String; 3], http: String, roles: [&str; 2]) -> String {
     format!(
         r#"
 [cluster]
@@ -89,12 +89,12 @@ http = "{http}"
 
 [[nodes]]
 name = "worker-1"
-role = "worker"
+role = "{r1}"
 addr = "{}"
 
 [[nodes]]
 name = "worker-2"
-role = "worker"
+role = "{r2}"
 addr = "{}"
 
 [[tiers]]
@@ -109,6 +109,8 @@ api_keys = ["{PAID_KEY}"]
         addrs[1],
         addrs[2],
         certs = certs.display(),
+        r1 = roles[0],
+        r2 = roles[1],
     )
 }
 
@@ -174,8 +176,8 @@ fn start_node_with(
 }
 
 /// A temporary directory with a cluster CA and certificates for router,
-/// worker-1 and worker-2, made with `flotilla certs`.
-fn certs_dir() -> (Dir, PathBuf) {
+/// worker-1 and worker-2 (in `roles`), made with `flotilla certs`.
+fn certs_dir(roles: [&str; 2]) -> (Dir, PathBuf) {
     let dir = std::env::temp_dir().join(format!(
         "flotilla-cluster-test-{}-{}",
         std::process::id(),
@@ -188,8 +190,8 @@ fn certs_dir() -> (Dir, PathBuf) {
     run_ok(flotilla().args(["certs", "init", "--dir"]).arg(&certs));
     for (n, r) in [
         ("router", "router"),
-        ("worker-1", "worker"),
-        ("worker-2", "mixed"),
+        ("worker-1", roles[0]),
+        ("worker-2", roles[1]),
     ] {
         let out = run_ok(
             flotilla()
@@ -203,11 +205,16 @@ fn certs_dir() -> (Dir, PathBuf) {
 }
 
 fn start_cluster() -> Cluster {
-    let (dir, certs) = certs_dir();
+    start_cluster_with(["worker", "mixed"])
+}
+
+/// A Router and two engine nodes of `roles`.
+fn start_cluster_with(roles: [&str; 2]) -> Cluster {
+    let (dir, certs) = certs_dir(roles);
     let config = dir.0.join("cluster.toml");
     let addrs = [0, 1, 2].map(|_| format!("127.0.0.1:{}", free_port()));
     let http = format!("127.0.0.1:{}", free_tcp_port());
-    std::fs::write(&config, config_text(&certs, addrs, http)).unwrap();
+    std::fs::write(&config, config_text(&certs, addrs, http, roles)).unwrap();
     let (w1, _) = start_node(&config, "worker-1");
     let (w2, _) = start_node(&config, "worker-2");
     let (r, url) = start_node(&config, "router");
@@ -556,11 +563,15 @@ async fn across_network_namespaces_with_a_slow_lossy_link() {
             return;
         }
     };
-    let (dir, certs) = certs_dir();
+    let (dir, certs) = certs_dir(["worker", "mixed"]);
     let config = dir.0.join("cluster.toml");
     let addrs = [0, 1, 2].map(|i| format!("{}:7400", net.ip(i)));
     let http = format!("{}:8000", net.ip(0));
-    std::fs::write(&config, config_text(&certs, addrs, http)).unwrap();
+    std::fs::write(
+        &config,
+        config_text(&certs, addrs, http, ["worker", "mixed"]),
+    )
+    .unwrap();
     let in_ns = |i: usize| {
         let mut c = Command::new("ip");
         c.args(["netns", "exec", &net.ns(i), env!("CARGO_BIN_EXE_flotilla")]);
@@ -603,4 +614,78 @@ async fn across_network_namespaces_with_a_slow_lossy_link() {
         );
     }
     drop(dir);
+}
+
+/// The text and usage of a non-streamed completion.
+async fn complete_text(base: &str, body: &Value) -> (String, Value) {
+    let resp = post(base, body).await;
+    assert_eq!(resp.status(), 200);
+    let v: Value = resp.json().await.unwrap();
+    (
+        v["choices"][0]["text"].as_str().unwrap().to_string(),
+        v["usage"].clone(),
+    )
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn disaggregated_prefill_and_decode_give_the_colocated_tokens() {
+    // worker-1 computes prompts, worker-2 continues them.
+    let mut c = start_cluster_with(["prefill", "decode"]);
+    wait_for(&c.base, "both nodes up", |r| {
+        node(r, "worker-1")["up"] == true && node(r, "worker-2")["up"] == true
+    })
+    .await;
+    let prompts = [
+        "The history of the Roman empire begins",
+        "Write a short poem about the sea, in the style of a sailor's song, with a chorus",
+    ];
+    let mut disaggregated = Vec::new();
+    for p in prompts {
+        disaggregated.push(complete_text(&c.base, &completion(p, 24, false)).await);
+    }
+    // A stream cut off mid-decode, and streams that run to the end.
+    let resp = post(&c.base, &completion("Tell me a long story", 400, true)).await;
+    let mut body = resp.bytes_stream();
+    let _ = body.next().await;
+    drop(body);
+    let streams: Vec<_> = (0..3)
+        .map(|i| {
+            let base = c.base.clone();
+            tokio::spawn(async move {
+                read_sse(post(&base, &completion(&format!("Story {i}:"), 32, true)).await).await
+            })
+        })
+        .collect();
+    for s in streams {
+        let (n, err, done) = s.await.unwrap();
+        assert_eq!((n, err, done), (32, None, true));
+    }
+    let r = wait_for(&c.base, "all blocks back on both nodes", |r| {
+        r["kv_blocks"]["used"] == 0 && r["running"] == 0
+    })
+    .await;
+    assert!(node(&r, "worker-1")["routed"].as_u64().unwrap() >= 5, "{r}");
+    assert!(node(&r, "worker-2")["routed"].as_u64().unwrap() >= 5, "{r}");
+
+    // Without a prefill node the decode node runs requests whole: the same
+    // prompts, the same engine build, colocated.
+    let p = c.nodes.iter_mut().find(|n| n.name == "worker-1").unwrap();
+    p.child.kill().unwrap();
+    p.child.wait().unwrap();
+    wait_for(&c.base, "the prefill node down", |r| {
+        node(r, "worker-1")["up"] == false
+    })
+    .await;
+    for (p, (text, usage)) in prompts.iter().zip(&disaggregated) {
+        let (colocated, u) = complete_text(&c.base, &completion(p, 24, false)).await;
+        assert_eq!(
+            &colocated, text,
+            "disaggregated and colocated differ for {p:?}"
+        );
+        assert_eq!(&u, usage);
+    }
+    wait_for(&c.base, "blocks back on the decode node", |r| {
+        r["kv_blocks"]["used"] == 0
+    })
+    .await;
 }

@@ -213,6 +213,9 @@ impl ApiError {
                 EngineFailure::Internal(_) => {
                     c(S::INTERNAL_SERVER_ERROR, SERVER, "internal_error", None)
                 }
+                EngineFailure::KvTransfer(_) => {
+                    c(S::SERVICE_UNAVAILABLE, SERVER, "kv_transfer_failed", None)
+                }
             },
         }
     }

@@ -125,6 +125,10 @@ pub enum EngineFailure {
     /// The executor failed a step this request was in.
     #[error("engine error: {0}")]
     Internal(String),
+    /// Moving the prompt's KV from the prefill node to the decode node
+    /// failed before any token was sent; the Router runs it again.
+    #[error("KV transfer failed: {0}")]
+    KvTransfer(String),
 }
 
 /// Why an engine refused a request at admission (nothing was queued).
@@ -301,4 +305,81 @@ pub trait Engine: Send + Sync + 'static {
     fn submit(&self, req: EngineRequest) -> BoxFuture<Result<RequestStream, Rejection>>;
     /// Current figures for `/ready`.
     fn status(&self) -> BoxFuture<EngineStatus>;
+}
+
+/// The shape of an engine's KV blocks: two engines can exchange blocks
+/// only if these agree.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct KvLayout {
+    /// Tokens per block.
+    pub block_size: u32,
+    /// Element type (0 = f16, 1 = f32, 2 = int8).
+    pub dtype: u8,
+    /// Version of the in-block layout (`[layer][K|V][kv_head][slot][head_dim]` = 1).
+    pub layout: u8,
+    /// Layers in a block.
+    pub layers: u16,
+    /// Bytes of one block.
+    pub bytes_per_block: u64,
+}
+
+/// A finished prefill's KV, read out of its held blocks.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct KvExport {
+    /// Tokens whose KV the blocks hold (the prompt: the first sampled
+    /// token's KV is computed by the decode side when it feeds it back).
+    pub tokens: u32,
+    /// Blocks, in block-table order.
+    pub blocks: u32,
+    /// `blocks * bytes_per_block` bytes.
+    pub data: Vec<u8>,
+}
+
+/// KV blocks leaving and entering an engine: the two halves of
+/// disaggregated prefill and decode.
+///
+/// Prefill side: [`KvMigration::submit_for_export`] runs a request whose
+/// blocks stay held after it finishes; [`KvMigration::export_kv`] reads
+/// them; [`KvMigration::release_kv`] gives them back (the engine also gives
+/// them back by itself once `hold_for` passes).
+///
+/// Decode side: [`KvMigration::reserve_kv`] takes the blocks first (they go
+/// back by themselves once `ttl` passes); [`KvMigration::import_kv`] writes
+/// them and continues the request from its first token;
+/// [`KvMigration::cancel_reservation`] gives them back early.
+pub trait KvMigration: Send + Sync + 'static {
+    /// This engine's block shape.
+    fn kv_layout(&self) -> KvLayout;
+    /// Runs `req` (the caller sets `max_tokens` to 1: only the first token
+    /// is sampled here) and holds its KV blocks after it finishes.
+    fn submit_for_export(
+        &self,
+        req: EngineRequest,
+        hold_for: std::time::Duration,
+    ) -> BoxFuture<Result<RequestStream, Rejection>>;
+    /// The held KV of a finished request (`RequestStream::id`).
+    fn export_kv(&self, id: RequestId) -> BoxFuture<Result<KvExport, String>>;
+    /// Gives back the blocks held for `id`; false if none were held.
+    fn release_kv(&self, id: RequestId) -> BoxFuture<bool>;
+    /// Reserves blocks for `tokens` tokens of `tenant`'s KV.
+    fn reserve_kv(
+        &self,
+        tenant: TenantId,
+        tokens: u32,
+        ttl: std::time::Duration,
+    ) -> BoxFuture<Result<RequestId, Rejection>>;
+    /// Writes `data` (`tokens` tokens of KV, whole blocks) into the
+    /// reservation and continues `req` from `first`, the token sampled by
+    /// the prefill side: the stream yields `first`, then the rest. On an
+    /// error the reservation is given back.
+    fn import_kv(
+        &self,
+        reservation: RequestId,
+        tokens: u32,
+        data: Vec<u8>,
+        req: EngineRequest,
+        first: Sampled,
+    ) -> BoxFuture<Result<RequestStream, Rejection>>;
+    /// Gives back a reservation not imported; false if there was none.
+    fn cancel_reservation(&self, reservation: RequestId) -> BoxFuture<bool>;
 }

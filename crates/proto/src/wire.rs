@@ -32,7 +32,7 @@ use crate::{
 /// First four bytes of every frame.
 pub const MAGIC: [u8; 4] = *b"FLTL";
 /// The protocol this build speaks; a peer with another one is refused.
-pub const PROTOCOL_VERSION: u16 = 1;
+pub const PROTOCOL_VERSION: u16 = 2;
 /// Bytes of the envelope before the payload.
 pub const HEADER_LEN: usize = 32;
 /// Smallest frame cap a config may set (a load report must fit).
@@ -106,11 +106,19 @@ pub enum Kind {
     Pong = 8,
     /// [`Message::KvBlocks`].
     KvBlocks = 9,
+    /// [`Message::Prefill`].
+    Prefill = 10,
+    /// [`Message::PrefillFailed`].
+    PrefillFailed = 11,
+    /// [`Message::KvAck`].
+    KvAck = 12,
+    /// [`Message::PrefillCancel`].
+    PrefillCancel = 13,
 }
 
 impl Kind {
     /// Every kind, in number order.
-    pub const ALL: [Kind; 9] = [
+    pub const ALL: [Kind; 13] = [
         Kind::Heartbeat,
         Kind::Submit,
         Kind::Admitted,
@@ -120,6 +128,10 @@ impl Kind {
         Kind::Ping,
         Kind::Pong,
         Kind::KvBlocks,
+        Kind::Prefill,
+        Kind::PrefillFailed,
+        Kind::KvAck,
+        Kind::PrefillCancel,
     ];
 
     /// The kind numbered `n`, if any.
@@ -137,6 +149,8 @@ impl Kind {
             Kind::Submit | Kind::Cancel => role == Role::Router,
             Kind::Admitted | Kind::Refused | Kind::Events => role.runs_engine(),
             Kind::KvBlocks => matches!(role, Role::Prefill | Role::Decode | Role::Worker),
+            Kind::Prefill | Kind::KvAck | Kind::PrefillCancel => role == Role::Decode,
+            Kind::PrefillFailed => role == Role::Prefill,
         }
     }
 }
@@ -319,8 +333,39 @@ pub enum Message {
         /// The ping's padding, echoed.
         pad: Vec<u8>,
     },
-    /// Header of a KV block transfer; the raw block bytes follow on the same stream.
+    /// Prefill -> decode: header of a KV block transfer; the raw block
+    /// bytes follow on the same stream.
     KvBlocks(KvTransferHeader),
+    /// Decode -> prefill: compute this request's prompt, sample its first
+    /// token and send the KV here (the blocks are reserved).
+    Prefill(PrefillMsg),
+    /// Prefill -> decode: the prefill will not come (refused, failed).
+    PrefillFailed {
+        /// The Router the request came from.
+        router: u32,
+        /// Router's request id.
+        req: u64,
+        /// Why, for the client.
+        reason: String,
+    },
+    /// Decode -> prefill: the transfer was imported (`ok`) or discarded;
+    /// either way the prefill side gives its blocks back.
+    KvAck {
+        /// The Router the request came from.
+        router: u32,
+        /// Router's request id.
+        req: u64,
+        /// Imported and verified.
+        ok: bool,
+    },
+    /// Decode -> prefill: the request is over (client gone, reservation
+    /// expired); drop it and its blocks wherever it is.
+    PrefillCancel {
+        /// The Router the request came from.
+        router: u32,
+        /// Router's request id.
+        req: u64,
+    },
 }
 
 impl Message {
@@ -336,6 +381,10 @@ impl Message {
             Message::Ping { .. } => Kind::Ping,
             Message::Pong { .. } => Kind::Pong,
             Message::KvBlocks(_) => Kind::KvBlocks,
+            Message::Prefill(_) => Kind::Prefill,
+            Message::PrefillFailed { .. } => Kind::PrefillFailed,
+            Message::KvAck { .. } => Kind::KvAck,
+            Message::PrefillCancel { .. } => Kind::PrefillCancel,
         }
     }
 }
@@ -455,6 +504,20 @@ pub struct SubmitMsg {
     pub ignore_eos: bool,
     /// Extra stop tokens.
     pub stop_token_ids: Vec<u32>,
+    /// Node that computes the prompt (disaggregated serving); `None`: the
+    /// receiving node runs the whole request.
+    pub prefill: Option<u32>,
+}
+
+/// A prefill asked of a prefill node by the decode node that will continue it.
+#[derive(Archive, Serialize, Deserialize, Clone, Debug, PartialEq)]
+pub struct PrefillMsg {
+    /// The Router the request came from.
+    pub router: u32,
+    /// The request (`prefill` is `None`; `max_tokens` is the client's).
+    pub submit: SubmitMsg,
+    /// Priority of the tenant's tier: transfers of higher ones go first.
+    pub priority: u8,
 }
 
 impl SubmitMsg {
@@ -473,6 +536,7 @@ impl SubmitMsg {
             top_logprobs: r.sampling.top_logprobs,
             ignore_eos: r.ignore_eos,
             stop_token_ids: r.stop_token_ids.clone(),
+            prefill: None,
         }
     }
 
@@ -567,6 +631,8 @@ pub enum WireFailure {
     ShuttingDown,
     /// See [`EngineFailure::Internal`].
     Internal(String),
+    /// See [`EngineFailure::KvTransfer`].
+    KvTransfer(String),
 }
 
 /// [`Rejection`] on the wire.
@@ -609,6 +675,8 @@ pub enum WireRejection {
 /// block bytes follow it on the transfer's own stream.
 #[derive(Archive, Serialize, Deserialize, Clone, Debug, PartialEq)]
 pub struct KvTransferHeader {
+    /// The Router the request came from.
+    pub router: u32,
     /// Router's request id.
     pub req: u64,
     /// The sending node's epoch.
@@ -631,8 +699,10 @@ pub struct KvTransferHeader {
     pub block_count: u32,
     /// Raw bytes that follow.
     pub bytes: u64,
-    /// Checksum of the raw bytes.
+    /// Checksum of the raw bytes (CRC-32C).
     pub checksum: u64,
+    /// The first token, sampled by the prefill side.
+    pub first: WireToken,
 }
 
 impl From<&Sampled> for WireToken {
@@ -718,6 +788,7 @@ impl From<&EngineFailure> for WireFailure {
             },
             EngineFailure::ShuttingDown => WireFailure::ShuttingDown,
             EngineFailure::Internal(s) => WireFailure::Internal(s.clone()),
+            EngineFailure::KvTransfer(s) => WireFailure::KvTransfer(s.clone()),
         }
     }
 }
@@ -741,6 +812,7 @@ impl From<WireFailure> for EngineFailure {
             },
             WireFailure::ShuttingDown => EngineFailure::ShuttingDown,
             WireFailure::Internal(s) => EngineFailure::Internal(s),
+            WireFailure::KvTransfer(s) => EngineFailure::KvTransfer(s),
         }
     }
 }
@@ -895,6 +967,7 @@ mod tests {
                 pad: vec![],
             },
             Message::KvBlocks(KvTransferHeader {
+                router: 0,
                 req: 7,
                 epoch: 3,
                 model: "m".into(),
@@ -907,7 +980,42 @@ mod tests {
                 block_count: 2,
                 bytes: 737_280,
                 checksum: 0xdead_beef,
+                first: WireToken {
+                    token: 5,
+                    logprob: -0.5,
+                    top: vec![],
+                },
             }),
+            Message::Prefill(PrefillMsg {
+                router: 0,
+                submit: SubmitMsg {
+                    req: 9,
+                    tenant: 1,
+                    prompt: vec![1, 2, 3],
+                    max_tokens: 8,
+                    temperature: 0.0,
+                    top_k: 0,
+                    top_p: 1.0,
+                    seed: 4,
+                    logprobs: false,
+                    top_logprobs: 0,
+                    ignore_eos: false,
+                    stop_token_ids: vec![],
+                    prefill: None,
+                },
+                priority: 2,
+            }),
+            Message::PrefillFailed {
+                router: 0,
+                req: 9,
+                reason: "full".into(),
+            },
+            Message::KvAck {
+                router: 0,
+                req: 9,
+                ok: true,
+            },
+            Message::PrefillCancel { router: 0, req: 9 },
         ]
     }
 
@@ -941,10 +1049,10 @@ mod tests {
     #[test]
     fn other_version_is_refused_by_name() {
         let mut f = encode_frame(&samples()[0], 0, 0, 0, CAP).unwrap();
-        f[4..6].copy_from_slice(&2u16.to_le_bytes());
+        f[4..6].copy_from_slice(&1u16.to_le_bytes());
         let e = decode_frame(&f, CAP).unwrap_err();
-        assert_eq!(e, WireError::Version { theirs: 2, ours: 1 });
-        assert!(e.to_string().contains("protocol version 2"));
+        assert_eq!(e, WireError::Version { theirs: 1, ours: 2 });
+        assert!(e.to_string().contains("protocol version 1"));
     }
 
     #[test]

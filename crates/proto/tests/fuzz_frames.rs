@@ -78,6 +78,7 @@ fn seeds(r: &mut Rng) -> Vec<Message> {
             top_logprobs: 0,
             ignore_eos: false,
             stop_token_ids: vec![2],
+            prefill: Some(2),
         }),
         Message::Refused {
             req: 1,
@@ -126,6 +127,7 @@ fn seeds(r: &mut Rng) -> Vec<Message> {
             pad: vec![7; n * 31],
         },
         Message::KvBlocks(KvTransferHeader {
+            router: 0,
             req: 1,
             epoch: 2,
             model: "model".into(),
@@ -138,6 +140,11 @@ fn seeds(r: &mut Rng) -> Vec<Message> {
             block_count: 1,
             bytes: 10,
             checksum: 11,
+            first: WireToken {
+                token: 1,
+                logprob: 0.0,
+                top: vec![],
+            },
         }),
     ]
 }

@@ -72,6 +72,21 @@ impl Scheduler {
             return Err(r);
         }
         let tenant = req.tenant.0 as usize;
+        let tier = self.accept(now, tenant);
+        // A timeout too long to add never expires in practice: saturate.
+        let deadline = now.saturating_add(self.cfg.queue_timeout);
+        self.seqs.insert(id, Seq::new(id, tier, req, now, deadline));
+        self.waiting[tenant].push_back(id);
+        self.deadlines.insert((deadline, id));
+        self.tier_queued[tier] += 1;
+        self.tenant_live[tenant] += 1;
+        self.counters.accepted += 1;
+        Ok(())
+    }
+
+    /// Books an accepted request of `tenant` against its rate limit and
+    /// fair share, before it is queued; returns its tier.
+    pub(crate) fn accept(&mut self, now: Duration, tenant: usize) -> usize {
         let tier = usize::from(self.cfg.tenants[tenant].tier.0);
         if let Some(rate) = &mut self.rate[tenant] {
             rate.take(now);
@@ -85,26 +100,18 @@ impl Scheduler {
             let (q, r) = (&self.tier_queued, &self.tier_running);
             self.tier_vtc.activate(tier, |j| q[j] + r[j] > 0);
         }
-        // A timeout too long to add never expires in practice: saturate.
-        let deadline = now.saturating_add(self.cfg.queue_timeout);
-        self.seqs.insert(id, Seq::new(id, tier, req, now, deadline));
-        self.waiting[tenant].push_back(id);
-        self.deadlines.insert((deadline, id));
-        self.tier_queued[tier] += 1;
-        self.tenant_live[tenant] += 1;
-        self.counters.accepted += 1;
-        Ok(())
+        tier
     }
 
     /// Every reason to refuse, client errors first, then limits.
-    fn check_admission(
+    pub(crate) fn check_admission(
         &self,
         now: Duration,
         id: RequestId,
         req: &EngineRequest,
     ) -> Result<(), Rejection> {
         let invalid = |m: String| Err(Rejection::Invalid(m));
-        if self.seqs.contains_key(&id) {
+        if self.seqs.contains_key(&id) || self.kv_id_in_use(id) {
             return invalid(format!("request id {id} is already in use"));
         }
         let Some(tenant_cfg) = self.cfg.tenants.get(req.tenant.0 as usize) else {

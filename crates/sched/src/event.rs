@@ -105,4 +105,7 @@ pub struct Counters {
     pub cached_tokens: u64,
     /// Tokens computed by the executor (prefill chunks, recompute and decodes).
     pub computed_tokens: u64,
+    /// Held blocks and reservations given back by their deadline (an
+    /// export never acked, an import that never came).
+    pub kv_expired: u64,
 }

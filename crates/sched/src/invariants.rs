@@ -90,7 +90,48 @@ impl Scheduler {
                     assert!(queued.contains(id), "{id} neither queued nor running");
                 }
             }
+            if let Some(parked) = &seq.parked {
+                assert!(!seq.is_running(), "{id} running with a parked lease");
+                assert!(seq.hold_for.is_none(), "{id} both imported and held");
+                assert_eq!(parked.owner(), Self::owner_of(seq));
+                assert!(
+                    parked.capacity_tokens() >= seq.prompt_len,
+                    "{id} parked lease too small for its prompt"
+                );
+                tenant_blocks[seq.tenant] += parked.blocks().len() as u64;
+            }
         }
+        // Held blocks and reservations: owned leases, each with its deadline indexed.
+        let mut kv_deadlines = 0;
+        for (id, h) in &self.held {
+            assert!(!self.seqs.contains_key(id), "{id} held while live");
+            assert!(
+                h.lease.capacity_tokens() >= h.tokens,
+                "{id} held KV beyond its lease"
+            );
+            assert!(
+                self.kv_deadlines.contains(&(h.deadline, *id)),
+                "{id} hold deadline"
+            );
+            kv_deadlines += 1;
+            tenant_blocks[h.lease.owner().tenant as usize] += h.lease.blocks().len() as u64;
+        }
+        for (id, r) in &self.reservations {
+            assert!(!self.seqs.contains_key(id) && !self.held.contains_key(id));
+            assert!(
+                r.lease.capacity_tokens() >= r.tokens,
+                "{id} reservation too small"
+            );
+            if let Some(d) = r.deadline {
+                assert!(
+                    self.kv_deadlines.contains(&(d, *id)),
+                    "{id} reservation deadline"
+                );
+                kv_deadlines += 1;
+            }
+            tenant_blocks[r.lease.owner().tenant as usize] += r.lease.blocks().len() as u64;
+        }
+        assert_eq!(kv_deadlines, self.kv_deadlines.len(), "stale KV deadlines");
         assert_eq!(tier_queued, self.tier_queued, "tier queue counts");
         assert_eq!(tier_running, self.tier_running, "tier running counts");
         assert_eq!(tenant_live, self.tenant_live, "tenant live counts");
@@ -108,8 +149,8 @@ impl Scheduler {
             u64::from(used) <= tenant_blocks.iter().sum::<u64>(),
             "blocks held by no lease"
         );
-        if self.running.is_empty() {
-            assert_eq!(used, 0, "blocks used with nothing running");
+        if tenant_blocks.iter().all(|&b| b == 0) {
+            assert_eq!(used, 0, "blocks used with no lease");
         }
     }
 }

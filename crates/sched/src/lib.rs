@@ -18,6 +18,7 @@ mod config;
 mod event;
 mod fair;
 mod invariants;
+mod migrate;
 mod plan;
 mod seq;
 mod step;
@@ -28,7 +29,7 @@ mod tests;
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::time::Duration;
 
-use flotilla_kv::{BlockPool, Owner};
+use flotilla_kv::{BlockPool, Lease, Owner};
 use flotilla_proto::{
     EngineFailure, EngineStatus, FinishReason, KvUsage, RequestId, TierStatus, Usage,
 };
@@ -39,6 +40,7 @@ pub use plan::{Plan, PlanItem};
 
 use admission::RateLimit;
 use fair::Vtc;
+use migrate::{HeldKv, Reservation};
 use seq::Seq;
 
 /// The scheduler of one engine: owns its queues, its running batch and its KV pool.
@@ -72,6 +74,12 @@ pub struct Scheduler {
     counters: Counters,
     /// Reused list of running ids, so planning allocates no id list per step.
     scratch: Vec<RequestId>,
+    /// Blocks of finished prefills kept for export to a decode node.
+    held: BTreeMap<RequestId, HeldKv>,
+    /// Blocks reserved for KV a prefill node is about to send.
+    reservations: BTreeMap<RequestId, Reservation>,
+    /// When held blocks and reservations go back by themselves.
+    kv_deadlines: BTreeSet<(Duration, RequestId)>,
 }
 
 impl Scheduler {
@@ -117,6 +125,9 @@ impl Scheduler {
             events: Vec::new(),
             counters: Counters::default(),
             scratch: Vec::with_capacity(cfg.max_num_seqs),
+            held: BTreeMap::new(),
+            reservations: BTreeMap::new(),
+            kv_deadlines: BTreeSet::new(),
             cfg,
         })
     }
@@ -170,9 +181,9 @@ impl Scheduler {
         self.pool.usage()
     }
 
-    /// Nothing queued or running.
+    /// Nothing queued or running, and no blocks held or reserved.
     pub fn is_idle(&self) -> bool {
-        self.seqs.is_empty()
+        self.seqs.is_empty() && self.held.is_empty() && self.reservations.is_empty()
     }
 
     /// Requests queued (preempted ones included).
@@ -187,7 +198,12 @@ impl Scheduler {
 
     /// The earliest queue deadline, so a shell knows when to call `expire`.
     pub fn next_deadline(&self) -> Option<Duration> {
-        self.deadlines.first().map(|&(d, _)| d)
+        let queue = self.deadlines.first().map(|&(d, _)| d);
+        let kv = self.kv_deadlines.first().map(|&(d, _)| d);
+        match (queue, kv) {
+            (Some(a), Some(b)) => Some(a.min(b)),
+            (a, b) => a.or(b),
+        }
     }
 
     /// The pool owner of a sequence.
@@ -200,13 +216,23 @@ impl Scheduler {
 
     /// Takes a request out of every structure and returns its lease to the pool.
     fn remove_seq(&mut self, id: RequestId) -> Seq {
+        let (seq, lease) = self.take_seq(id);
+        if let Some(lease) = lease {
+            self.pool.free(lease);
+        }
+        seq
+    }
+
+    /// Takes a request out of every structure; returns it with its lease
+    /// (running) or its parked lease (imported, waiting for a seat).
+    fn take_seq(&mut self, id: RequestId) -> (Seq, Option<Lease>) {
         let mut seq = self.seqs.remove(&id).expect("removing an unknown request");
-        if let Some(lease) = seq.lease.take() {
+        let lease = if let Some(lease) = seq.lease.take() {
             let pos = self.running.iter().position(|&r| r == id);
             self.running
                 .remove(pos.expect("a leased sequence is in the running batch"));
             self.tier_running[seq.tier] -= 1;
-            self.pool.free(lease);
+            Some(lease)
         } else {
             let q = &mut self.waiting[seq.tenant];
             let pos = q.iter().position(|&r| r == id);
@@ -215,15 +241,24 @@ impl Scheduler {
             if let Some(d) = seq.deadline {
                 assert!(self.deadlines.remove(&(d, id)), "deadline not indexed");
             }
-        }
+            seq.parked.take()
+        };
         assert!(self.tenant_live[seq.tenant] > 0);
         self.tenant_live[seq.tenant] -= 1;
-        seq
+        (seq, lease)
     }
 
-    /// Ends a request normally: emits `Finished`, frees its lease.
+    /// Ends a request normally: emits `Finished`, frees its lease (or holds
+    /// it for export, if it was submitted with `submit_held`).
     fn finish(&mut self, now: Duration, id: RequestId, reason: FinishReason) {
-        let seq = self.remove_seq(id);
+        let (seq, lease) = self.take_seq(id);
+        match (lease, seq.hold_for) {
+            (Some(lease), Some(hold)) => {
+                self.hold(now, id, lease, seq.num_computed, hold);
+            }
+            (Some(lease), _) => self.pool.free(lease),
+            (None, _) => {}
+        }
         let usage = Usage {
             prompt_tokens: seq.prompt_len as u32,
             completion_tokens: seq.generated() as u32,
@@ -255,6 +290,7 @@ impl Scheduler {
     /// are in no plan, so this is safe while a step is in flight (`schedule`
     /// also calls it).
     pub fn expire(&mut self, now: Duration) {
+        self.expire_kv(now);
         while let Some(&(deadline, id)) = self.deadlines.first() {
             if deadline > now {
                 break;
@@ -279,6 +315,7 @@ impl Scheduler {
         for id in ids {
             self.fail(now, id, failure.clone());
         }
+        self.release_all_kv();
         assert!(self.running.is_empty() && self.deadlines.is_empty());
     }
 }

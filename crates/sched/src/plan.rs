@@ -434,20 +434,27 @@ impl Scheduler {
         if !can_seat {
             return Admit::NoSeat;
         }
-        let seq = &self.seqs[&id];
+        let seq = self.seqs.get_mut(&id).expect("admitting a live request");
         let owner = Self::owner_of(seq);
         let salt = self.cfg.tenants[tenant].prefix_salt;
         let bs = self.cfg.block_size as usize;
-        // Keep at least one token to compute: the step that computes it samples.
-        let max_prefix_blocks = (seq.tokens.len() - 1) / bs;
-        let (mut lease, cached) = match self.pool.start(owner, salt, &seq.tokens, max_prefix_blocks)
-        {
-            Ok(started) => started,
-            Err(AllocError::Quota { .. }) => return Admit::TenantBlocked,
-            Err(AllocError::NoBlocks { .. }) => return Admit::NoBlocks,
-        };
         let known = seq.tokens.len();
-        debug_assert!(cached < known && cached.is_multiple_of(bs));
+        // Imported KV: its blocks already hold the prompt.
+        let parked = seq.parked.take();
+        let imported = parked.is_some();
+        let (mut lease, cached) = match parked {
+            Some(lease) => (lease, seq.prompt_len),
+            None => {
+                // Keep at least one token to compute: the step that computes it samples.
+                let max_prefix_blocks = (known - 1) / bs;
+                match self.pool.start(owner, salt, &seq.tokens, max_prefix_blocks) {
+                    Ok(started) => started,
+                    Err(AllocError::Quota { .. }) => return Admit::TenantBlocked,
+                    Err(AllocError::NoBlocks { .. }) => return Admit::NoBlocks,
+                }
+            }
+        };
+        debug_assert!(cached < known && (imported || cached.is_multiple_of(bs)));
         let chunk = (known - cached).min(room);
         // A static batch is admitted once, so it takes blocks for every known
         // token now rather than discover at its second chunk that they are gone.
@@ -475,7 +482,7 @@ impl Scheduler {
                 continue;
             }
             let available = self.pool.available(owner);
-            self.pool.free(lease);
+            self.put_back(id, lease, imported);
             // With nothing else of its kind holding blocks, waiting cannot
             // help: fail it rather than stall its queue forever.
             let alone = match err {
@@ -500,28 +507,47 @@ impl Scheduler {
         if let Some(h) = hold
             && self.pool.available(h.owner) < h.available
         {
-            self.pool.free(lease);
+            self.put_back(id, lease, imported);
             return Admit::NoBlocks;
         }
         if !seat_free(self) {
             // Nothing was preempted for blocks (that frees a seat), so the
             // victim found above is still there.
             let Some(v) = self.victim_for_admission(tier) else {
-                self.pool.free(lease);
+                self.put_back(id, lease, imported);
                 return Admit::NoSeat;
             };
             self.preempt(v, draft);
         }
-        self.admit(now, id, lease, cached);
+        self.admit(now, id, lease, cached, imported);
         if chunk > 0 {
             draft.push(id, cached, chunk, capped);
         }
         Admit::Admitted
     }
 
+    /// A lease an admission could not use: an imported one stays parked on
+    /// its request, a new one goes back to the pool.
+    fn put_back(&mut self, id: RequestId, lease: flotilla_kv::Lease, imported: bool) {
+        if imported {
+            let seq = self.seqs.get_mut(&id).expect("admitting a live request");
+            seq.parked = Some(lease);
+        } else {
+            self.pool.free(lease);
+        }
+    }
+
     /// Moves a request from its queue into the running batch with `lease`
-    /// holding its first `cached` tokens.
-    fn admit(&mut self, now: Duration, id: RequestId, lease: flotilla_kv::Lease, cached: usize) {
+    /// holding its first `cached` tokens (from the prefix cache, or
+    /// `imported` from a prefill node).
+    fn admit(
+        &mut self,
+        now: Duration,
+        id: RequestId,
+        lease: flotilla_kv::Lease,
+        cached: usize,
+        imported: bool,
+    ) {
         let seq = self
             .seqs
             .get_mut(&id)
@@ -554,7 +580,9 @@ impl Scheduler {
         self.tier_queued[tier] -= 1;
         self.tier_running[tier] += 1;
         self.running.push(id);
-        self.counters.cached_tokens += cached as u64;
+        if !imported {
+            self.counters.cached_tokens += cached as u64;
+        }
     }
 
     /// Charges served tokens to the tier's and the tenant's fair-share counters.

@@ -41,6 +41,12 @@ pub(crate) struct Seq {
     /// Prompt tokens already charged to fair share, so recompute after a
     /// preemption (the engine's choice) is not charged twice.
     pub(crate) prompt_charged: usize,
+    /// Keep its blocks this long after it finishes (a prefill whose KV
+    /// leaves for a decode node), instead of giving them back.
+    pub(crate) hold_for: Option<Duration>,
+    /// Blocks holding KV imported from a prefill node, while it waits for a
+    /// seat: its first admission takes this lease instead of a new one.
+    pub(crate) parked: Option<Lease>,
 }
 
 impl Seq {
@@ -74,6 +80,8 @@ impl Seq {
             first_token: None,
             cached_tokens: None,
             prompt_charged: 0,
+            hold_for: None,
+            parked: None,
         }
     }
 

@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use flotilla_proto::Role;
-use flotilla_proto::wire::{KvTransferHeader, LoadReport, Message, SubmitMsg};
+use flotilla_proto::wire::{KvTransferHeader, LoadReport, Message, SubmitMsg, WireToken};
 use flotilla_transport::quic::{LinkFaults, PeerSpec, QuicOptions, QuicTransport};
 use flotilla_transport::tls::{self, TlsMaterial};
 use flotilla_transport::{Inbound, SendFailure, Transport};
@@ -113,6 +113,7 @@ fn submit(req: u64) -> Message {
         top_logprobs: 0,
         ignore_eos: false,
         stop_token_ids: vec![],
+        prefill: None,
     })
 }
 
@@ -284,6 +285,7 @@ async fn a_bulk_transfer_arrives_whole_beside_control_messages() {
     assert!(matches!(next(&mut drx).await, Inbound::Message { .. }));
     let data: Vec<u8> = (0..8u32 << 20).map(|i| (i * 7 + i / 251) as u8).collect();
     let header = KvTransferHeader {
+        router: 0,
         req: 42,
         epoch: 1,
         model: "m".into(),
@@ -296,6 +298,11 @@ async fn a_bulk_transfer_arrives_whole_beside_control_messages() {
         block_count: 19,
         bytes: data.len() as u64,
         checksum: 0,
+        first: WireToken {
+            token: 0,
+            logprob: 0.0,
+            top: vec![],
+        },
     };
     let send = p.send_bulk(1, header.clone(), Bytes::from(data.clone()));
     let pings = async {

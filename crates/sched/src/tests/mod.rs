@@ -2,6 +2,7 @@
 //! the KV cache, and scenarios built on it.
 
 mod basic;
+mod migrate;
 mod prop;
 mod tiers;
 

@@ -1,0 +1,714 @@
+//! Disaggregated prefill and decode over the in-process network, with a
+//! fake engine that keeps real block accounting: the happy path and every
+//! abort path, each ending with every block back on every node.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use flotilla_proto::{
+    BoxFuture, Engine, EngineEvent, EngineFailure, EngineRequest, EngineStatus, FinishReason,
+    KvExport, KvLayout, KvMigration, KvUsage, Rejection, RequestId, RequestStream, Role, Sampled,
+    SamplingParams, TenantId, Usage,
+};
+use flotilla_transport::NodeId;
+use tokio::sync::mpsc;
+
+use crate::memnet::MemNet;
+use crate::{ClusterEngine, RouterOptions, WorkerOptions, run_worker};
+
+const HB: Duration = Duration::from_millis(20);
+const DOWN: Duration = Duration::from_millis(80);
+const BS: u32 = 4;
+const TTL: Duration = Duration::from_millis(400);
+
+/// The fake model: token `k` of a request depends on its whole prompt.
+fn tok(prompt: &[u32], k: u32) -> u32 {
+    prompt
+        .iter()
+        .fold(17u32, |a, &t| a.wrapping_mul(31).wrapping_add(t))
+        .wrapping_add(k * 7)
+        % 50_000
+}
+
+fn sampled(token: u32) -> Sampled {
+    Sampled {
+        token,
+        logprob: f32::NAN,
+        top: vec![],
+    }
+}
+
+enum Slot {
+    /// A whole request or a prefill, running.
+    Running(u32),
+    /// A finished prefill's blocks and prompt, waiting for export.
+    Held(u32, Vec<u32>),
+    Reserved(u32),
+}
+
+#[derive(Default)]
+struct Inner {
+    total: u32,
+    free: Mutex<u32>,
+    slots: Mutex<HashMap<u64, Slot>>,
+    next: AtomicU64,
+    prefill_ms: AtomicU64,
+    import_ms: AtomicU64,
+    refuse_reserve: AtomicBool,
+    prefills: AtomicUsize,
+    imports: AtomicUsize,
+    exports: AtomicUsize,
+}
+
+/// An engine with block accounting: a block is free, running, held or reserved.
+#[derive(Clone)]
+struct FakePd(Arc<Inner>);
+
+impl FakePd {
+    fn new(total: u32) -> FakePd {
+        FakePd(Arc::new(Inner {
+            total,
+            free: Mutex::new(total),
+            ..Inner::default()
+        }))
+    }
+
+    fn take(&self, n: u32) -> Result<(), Rejection> {
+        let mut f = self.0.free.lock().unwrap();
+        if *f < n {
+            return Err(Rejection::QueueFull {
+                tier: "default".into(),
+                queue_len_max: 0,
+                retry_after_s: 1,
+            });
+        }
+        *f -= n;
+        Ok(())
+    }
+
+    fn give(&self, n: u32) {
+        *self.0.free.lock().unwrap() += n;
+    }
+
+    /// Drops slot `id` and frees its blocks, if it is in a state `f` accepts.
+    fn free_if(&self, id: u64, f: impl Fn(&Slot) -> bool) -> bool {
+        let mut slots = self.0.slots.lock().unwrap();
+        if !slots.get(&id).is_some_and(&f) {
+            return false;
+        }
+        let n = match slots.remove(&id).unwrap() {
+            Slot::Running(n) | Slot::Held(n, _) | Slot::Reserved(n) => n,
+        };
+        drop(slots);
+        self.give(n);
+        true
+    }
+
+    fn used(&self) -> u32 {
+        self.0.total - *self.0.free.lock().unwrap()
+    }
+
+    /// Streams tokens `from..max_tokens` of `prompt` for slot `id`, then
+    /// `Finished`; the stream's drop frees a running slot.
+    fn stream(&self, id: u64, prompt: Vec<u32>, from: u32, req: &EngineRequest) -> RequestStream {
+        let (tx, rx) = mpsc::unbounded_channel();
+        let max = req.max_tokens;
+        let plen = prompt.len() as u32;
+        tokio::spawn(async move {
+            for k in from..max {
+                tokio::time::sleep(Duration::from_millis(2)).await;
+                if tx
+                    .send(EngineEvent::Token(sampled(tok(&prompt, k))))
+                    .is_err()
+                {
+                    return;
+                }
+            }
+            let _ = tx.send(EngineEvent::Finished {
+                reason: FinishReason::Length,
+                usage: Usage {
+                    prompt_tokens: plen,
+                    completion_tokens: max,
+                    cached_tokens: 0,
+                },
+            });
+        });
+        let me = self.clone();
+        RequestStream::new(
+            RequestId(id),
+            rx,
+            Box::new(move |_| {
+                me.free_if(id, |s| matches!(s, Slot::Running(_)));
+            }),
+        )
+    }
+}
+
+fn blocks(tokens: u32) -> u32 {
+    tokens.div_ceil(BS)
+}
+
+impl Engine for FakePd {
+    fn submit(&self, req: EngineRequest) -> BoxFuture<Result<RequestStream, Rejection>> {
+        let me = self.clone();
+        Box::pin(async move {
+            let n = blocks(req.prompt.len() as u32 + req.max_tokens);
+            me.take(n)?;
+            let id = me.0.next.fetch_add(1, Ordering::Relaxed);
+            me.0.slots.lock().unwrap().insert(id, Slot::Running(n));
+            Ok(me.stream(id, req.prompt.clone(), 0, &req))
+        })
+    }
+
+    fn status(&self) -> BoxFuture<EngineStatus> {
+        let (total, used) = (self.0.total, self.used());
+        Box::pin(async move {
+            EngineStatus {
+                ready: true,
+                kv: KvUsage {
+                    total,
+                    free: total - used,
+                    used,
+                    cached: 0,
+                },
+                ..EngineStatus::default()
+            }
+        })
+    }
+}
+
+impl KvMigration for FakePd {
+    fn kv_layout(&self) -> KvLayout {
+        KvLayout {
+            block_size: BS,
+            dtype: 0,
+            layout: 1,
+            layers: 1,
+            bytes_per_block: u64::from(BS) * 4,
+        }
+    }
+
+    fn submit_for_export(
+        &self,
+        req: EngineRequest,
+        hold_for: Duration,
+    ) -> BoxFuture<Result<RequestStream, Rejection>> {
+        let me = self.clone();
+        Box::pin(async move {
+            assert_eq!(req.max_tokens, 1, "a prefill samples one token");
+            let n = blocks(req.prompt.len() as u32);
+            me.take(n)?;
+            me.0.prefills.fetch_add(1, Ordering::SeqCst);
+            let id = me.0.next.fetch_add(1, Ordering::Relaxed);
+            me.0.slots.lock().unwrap().insert(id, Slot::Running(n));
+            let (tx, rx) = mpsc::unbounded_channel();
+            let delay = Duration::from_millis(me.0.prefill_ms.load(Ordering::SeqCst));
+            let m2 = me.clone();
+            tokio::spawn(async move {
+                tokio::time::sleep(delay).await;
+                {
+                    let mut slots = m2.0.slots.lock().unwrap();
+                    // Cancelled meanwhile.
+                    if !matches!(slots.get(&id), Some(Slot::Running(_))) {
+                        return;
+                    }
+                    slots.insert(id, Slot::Held(n, req.prompt.clone()));
+                }
+                let _ = tx.send(EngineEvent::Token(sampled(tok(&req.prompt, 0))));
+                let _ = tx.send(EngineEvent::Finished {
+                    reason: FinishReason::Length,
+                    usage: Usage::default(),
+                });
+                tokio::time::sleep(hold_for).await;
+                m2.free_if(id, |s| matches!(s, Slot::Held(..)));
+            });
+            let m3 = me.clone();
+            Ok(RequestStream::new(
+                RequestId(id),
+                rx,
+                Box::new(move |_| {
+                    m3.free_if(id, |s| matches!(s, Slot::Running(_)));
+                }),
+            ))
+        })
+    }
+
+    fn export_kv(&self, id: RequestId) -> BoxFuture<Result<KvExport, String>> {
+        let me = self.clone();
+        Box::pin(async move {
+            let slots = me.0.slots.lock().unwrap();
+            let Some(Slot::Held(n, prompt)) = slots.get(&id.0) else {
+                return Err(format!("{id} holds no blocks"));
+            };
+            me.0.exports.fetch_add(1, Ordering::SeqCst);
+            let mut data: Vec<u8> = prompt.iter().flat_map(|t| t.to_le_bytes()).collect();
+            data.resize((*n * BS * 4) as usize, 0);
+            Ok(KvExport {
+                tokens: prompt.len() as u32,
+                blocks: *n,
+                data,
+            })
+        })
+    }
+
+    fn release_kv(&self, id: RequestId) -> BoxFuture<bool> {
+        let r = self.free_if(id.0, |s| matches!(s, Slot::Held(..)));
+        Box::pin(async move { r })
+    }
+
+    fn reserve_kv(
+        &self,
+        _tenant: TenantId,
+        tokens: u32,
+        ttl: Duration,
+    ) -> BoxFuture<Result<RequestId, Rejection>> {
+        let me = self.clone();
+        Box::pin(async move {
+            if me.0.refuse_reserve.load(Ordering::SeqCst) {
+                me.take(u32::MAX)?;
+            }
+            let n = blocks(tokens);
+            me.take(n)?;
+            let id = me.0.next.fetch_add(1, Ordering::Relaxed);
+            me.0.slots.lock().unwrap().insert(id, Slot::Reserved(n));
+            let m2 = me.clone();
+            tokio::spawn(async move {
+                tokio::time::sleep(ttl).await;
+                m2.free_if(id, |s| matches!(s, Slot::Reserved(_)));
+            });
+            Ok(RequestId(id))
+        })
+    }
+
+    fn import_kv(
+        &self,
+        reservation: RequestId,
+        tokens: u32,
+        data: Vec<u8>,
+        req: EngineRequest,
+        first: Sampled,
+    ) -> BoxFuture<Result<RequestStream, Rejection>> {
+        let me = self.clone();
+        Box::pin(async move {
+            tokio::time::sleep(Duration::from_millis(me.0.import_ms.load(Ordering::SeqCst))).await;
+            let id = reservation.0;
+            let reserved = match me.0.slots.lock().unwrap().remove(&id) {
+                Some(Slot::Reserved(n)) => n,
+                _ => return Err(Rejection::Invalid(format!("no reservation {id}"))),
+            };
+            // The continuation is computed from the imported KV alone.
+            let prompt: Vec<u32> = data
+                .chunks_exact(4)
+                .take(tokens as usize)
+                .map(|c| u32::from_le_bytes(c.try_into().unwrap()))
+                .collect();
+            let need = blocks(tokens + req.max_tokens);
+            if let Err(r) = me.take(need - reserved) {
+                me.give(reserved);
+                return Err(r);
+            }
+            me.0.imports.fetch_add(1, Ordering::SeqCst);
+            me.0.slots.lock().unwrap().insert(id, Slot::Running(need));
+            let (tx, rx) = mpsc::unbounded_channel();
+            let _ = tx.send(EngineEvent::Token(first));
+            let mut s = me.stream(id, prompt, 1, &req);
+            // Splice: `first`, then the rest.
+            let (tx2, rx2) = (tx, rx);
+            tokio::spawn(async move {
+                while let Some(e) = s.recv().await {
+                    if tx2.send(e).is_err() {
+                        break;
+                    }
+                }
+                drop(s);
+            });
+            let m2 = me.clone();
+            Ok(RequestStream::new(
+                RequestId(id),
+                rx2,
+                Box::new(move |_| {
+                    m2.free_if(id, |s| matches!(s, Slot::Running(_)));
+                }),
+            ))
+        })
+    }
+
+    fn cancel_reservation(&self, reservation: RequestId) -> BoxFuture<bool> {
+        let r = self.free_if(reservation.0, |s| matches!(s, Slot::Reserved(_)));
+        Box::pin(async move { r })
+    }
+}
+
+struct Rig {
+    net: Arc<MemNet>,
+    router: ClusterEngine,
+    /// Node `i + 1`'s engine.
+    engines: Vec<FakePd>,
+}
+
+fn opts(role: Role) -> WorkerOptions {
+    WorkerOptions {
+        heartbeat_interval: HB,
+        down_after: DOWN,
+        model: "fake".into(),
+        reservation_ttl: TTL,
+        hold_ttl: TTL,
+        ..WorkerOptions::new(vec![0], role)
+    }
+}
+
+fn start(net: &Arc<MemNet>, node: NodeId, epoch: u64, role: Role, e: &FakePd) {
+    let (t, rx) = net.join(node, epoch);
+    let kv: Arc<dyn KvMigration> = Arc::new(e.clone());
+    tokio::spawn(run_worker(t, rx, Arc::new(e.clone()), Some(kv), opts(role)));
+}
+
+/// Router at node 0, then one node per role, each with a 1000-block cache.
+async fn rig(roles: &[Role]) -> Rig {
+    let net = MemNet::new(roles.len() + 1);
+    let (t, rx) = net.join(0, 1);
+    let router = ClusterEngine::start(
+        t,
+        rx,
+        RouterOptions {
+            workers: roles
+                .iter()
+                .enumerate()
+                .map(|(i, r)| (i as NodeId + 1, format!("{r}-{}", i + 1), *r))
+                .collect(),
+            heartbeat_interval: HB,
+            down_after: DOWN,
+            block_size: BS as usize,
+            tenant_salts: vec![0],
+            reruns_max: 2,
+            prefix_blocks_max: 1000,
+        },
+    );
+    let engines: Vec<FakePd> = roles.iter().map(|_| FakePd::new(1000)).collect();
+    for (i, r) in roles.iter().enumerate() {
+        start(&net, i as NodeId + 1, 1, *r, &engines[i]);
+    }
+    for _ in 0..400 {
+        if router.up_nodes().len() == roles.len() {
+            return Rig {
+                net,
+                router,
+                engines,
+            };
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    panic!("only {:?} came up", router.up_nodes());
+}
+
+fn req(prompt_len: u32, max_tokens: u32, tag: u32) -> EngineRequest {
+    EngineRequest {
+        tenant: TenantId(0),
+        prompt: (0..prompt_len).map(|i| i * 3 + tag).collect(),
+        max_tokens,
+        sampling: SamplingParams::default(),
+        ignore_eos: false,
+        stop_token_ids: vec![],
+    }
+}
+
+/// Reads a stream to its end: (tokens, terminal event).
+async fn drain(mut s: RequestStream) -> (Vec<u32>, EngineEvent) {
+    let mut toks = Vec::new();
+    loop {
+        let ev = tokio::time::timeout(Duration::from_secs(5), s.recv())
+            .await
+            .expect("stream stalled")
+            .expect("stream ended without a terminal event");
+        match ev {
+            EngineEvent::Token(t) => toks.push(t.token),
+            e => return (toks, e),
+        }
+    }
+}
+
+fn expected(r: &EngineRequest) -> Vec<u32> {
+    (0..r.max_tokens).map(|k| tok(&r.prompt, k)).collect()
+}
+
+/// Waits until no engine of the rig holds a block.
+async fn all_blocks_back(r: &Rig) {
+    for _ in 0..400 {
+        if r.engines.iter().all(|e| e.used() == 0) {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    let used: Vec<u32> = r.engines.iter().map(|e| e.used()).collect();
+    panic!("blocks still used per node: {used:?}");
+}
+
+async fn until(what: &str, f: impl Fn() -> bool) {
+    for _ in 0..400 {
+        if f() {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    panic!("timed out waiting for {what}");
+}
+
+#[tokio::test]
+async fn a_disaggregated_request_continues_from_the_prefill_nodes_state() {
+    let r = rig(&[Role::Prefill, Role::Decode]).await;
+    for i in 0..4 {
+        let q = req(10 + i, 12, i);
+        let (toks, end) = drain(r.router.submit(q.clone()).await.unwrap()).await;
+        assert_eq!(toks, expected(&q), "request {i}");
+        assert!(matches!(end, EngineEvent::Finished { .. }), "{end:?}");
+    }
+    let (p, d) = (&r.engines[0].0, &r.engines[1].0);
+    assert_eq!(p.prefills.load(Ordering::SeqCst), 4);
+    assert_eq!(p.exports.load(Ordering::SeqCst), 4);
+    assert_eq!(d.imports.load(Ordering::SeqCst), 4);
+    all_blocks_back(&r).await;
+}
+
+#[tokio::test]
+async fn a_full_decode_node_is_skipped_and_all_full_is_a_clear_refusal() {
+    let r = rig(&[Role::Prefill, Role::Decode, Role::Decode]).await;
+    r.engines[1].0.refuse_reserve.store(true, Ordering::SeqCst);
+    for i in 0..4 {
+        let q = req(9, 5, i);
+        let (toks, _) = drain(r.router.submit(q.clone()).await.unwrap()).await;
+        assert_eq!(toks, expected(&q));
+    }
+    assert_eq!(r.engines[1].0.imports.load(Ordering::SeqCst), 0);
+    assert_eq!(r.engines[2].0.imports.load(Ordering::SeqCst), 4);
+    r.engines[2].0.refuse_reserve.store(true, Ordering::SeqCst);
+    let e = r.router.submit(req(9, 5, 9)).await.unwrap_err();
+    assert_eq!(e, Rejection::Unavailable);
+    all_blocks_back(&r).await;
+}
+
+#[tokio::test]
+async fn a_client_gone_during_prefill_frees_both_sides() {
+    let r = rig(&[Role::Prefill, Role::Decode]).await;
+    r.engines[0].0.prefill_ms.store(200, Ordering::SeqCst);
+    let s = r.router.submit(req(30, 8, 1)).await.unwrap();
+    until("the prefill to start", || r.engines[0].used() > 0).await;
+    assert!(r.engines[1].used() > 0, "the decode side reserved nothing");
+    drop(s);
+    all_blocks_back(&r).await;
+    tokio::time::sleep(Duration::from_millis(250)).await;
+    assert_eq!(r.engines[0].0.exports.load(Ordering::SeqCst), 0);
+    all_blocks_back(&r).await;
+}
+
+#[tokio::test]
+async fn a_client_gone_during_the_transfer_frees_both_sides() {
+    let r = rig(&[Role::Prefill, Role::Decode]).await;
+    r.engines[1].0.import_ms.store(150, Ordering::SeqCst);
+    let s = r.router.submit(req(30, 8, 2)).await.unwrap();
+    until("the export", || {
+        r.engines[0].0.exports.load(Ordering::SeqCst) == 1
+    })
+    .await;
+    drop(s);
+    // The import completes into a cancelled request: its stream is
+    // dropped, and the prefill side gets its ack and frees its blocks.
+    all_blocks_back(&r).await;
+    assert_eq!(r.engines[1].0.imports.load(Ordering::SeqCst), 1);
+}
+
+#[tokio::test]
+async fn a_client_gone_during_decode_frees_both_sides() {
+    let r = rig(&[Role::Prefill, Role::Decode]).await;
+    let mut s = r.router.submit(req(12, 400, 3)).await.unwrap();
+    for _ in 0..3 {
+        assert!(matches!(s.recv().await, Some(EngineEvent::Token(_))));
+    }
+    drop(s);
+    all_blocks_back(&r).await;
+}
+
+#[tokio::test]
+async fn a_reservation_past_its_deadline_is_freed_and_the_request_runs_colocated() {
+    let r = rig(&[Role::Prefill, Role::Decode]).await;
+    // The prefill takes longer than the reservation lives.
+    r.engines[0].0.prefill_ms.store(700, Ordering::SeqCst);
+    let q = req(20, 6, 4);
+    let (toks, end) = drain(r.router.submit(q.clone()).await.unwrap()).await;
+    assert_eq!(toks, expected(&q));
+    assert!(matches!(end, EngineEvent::Finished { .. }));
+    // It ran whole on the decode node; the cancelled prefill never exported.
+    assert_eq!(r.engines[1].0.imports.load(Ordering::SeqCst), 0);
+    tokio::time::sleep(Duration::from_millis(800)).await;
+    assert_eq!(r.engines[0].0.exports.load(Ordering::SeqCst), 0);
+    all_blocks_back(&r).await;
+}
+
+#[tokio::test]
+async fn a_prefill_node_that_dies_mid_transfer_is_replaced() {
+    let r = rig(&[Role::Prefill, Role::Prefill, Role::Decode]).await;
+    r.engines[0].0.prefill_ms.store(5_000, Ordering::SeqCst);
+    r.engines[1].0.prefill_ms.store(5_000, Ordering::SeqCst);
+    let q = req(16, 6, 5);
+    let s = r.router.submit(q.clone()).await.unwrap();
+    until("a prefill", || {
+        r.engines[0].used() + r.engines[1].used() > 0
+    })
+    .await;
+    let (dead, alive) = if r.engines[0].used() > 0 {
+        (0, 1)
+    } else {
+        (1, 0)
+    };
+    r.engines[alive].0.prefill_ms.store(0, Ordering::SeqCst);
+    r.net.kill(dead as NodeId + 1);
+    let (toks, end) = drain(s).await;
+    assert_eq!(toks, expected(&q));
+    assert!(matches!(end, EngineEvent::Finished { .. }));
+    assert_eq!(r.engines[alive].0.exports.load(Ordering::SeqCst), 1);
+    // The dead node's memory is gone with it; the others hold nothing.
+    for i in [alive, 2] {
+        until("blocks back", || r.engines[i].used() == 0).await;
+    }
+}
+
+#[tokio::test]
+async fn a_decode_node_that_dies_mid_transfer_frees_the_prefill_side() {
+    let r = rig(&[Role::Prefill, Role::Decode, Role::Decode]).await;
+    r.engines[1].0.import_ms.store(5_000, Ordering::SeqCst);
+    r.engines[2].0.import_ms.store(5_000, Ordering::SeqCst);
+    let q = req(16, 6, 6);
+    let s = r.router.submit(q.clone()).await.unwrap();
+    until("the export", || {
+        r.engines[0].0.exports.load(Ordering::SeqCst) == 1
+    })
+    .await;
+    let (dead, alive) = if r.engines[1].used() > 0 {
+        (1, 2)
+    } else {
+        (2, 1)
+    };
+    r.engines[alive].0.import_ms.store(0, Ordering::SeqCst);
+    r.net.kill(dead as NodeId + 1);
+    // No token had been sent: it runs again on the other decode node.
+    let (toks, end) = drain(s).await;
+    assert_eq!(toks, expected(&q));
+    assert!(matches!(end, EngineEvent::Finished { .. }));
+    // The prefill node never got an ack; its hold ran out.
+    for i in [0, alive] {
+        until("blocks back", || r.engines[i].used() == 0).await;
+    }
+}
+
+#[tokio::test]
+async fn a_decode_node_that_dies_mid_stream_ends_the_stream_with_an_error() {
+    let r = rig(&[Role::Prefill, Role::Decode]).await;
+    let mut s = r.router.submit(req(12, 900, 7)).await.unwrap();
+    for _ in 0..3 {
+        assert!(matches!(s.recv().await, Some(EngineEvent::Token(_))));
+    }
+    r.net.kill(2);
+    let (_, end) = drain(s).await;
+    match end {
+        EngineEvent::Failed(EngineFailure::Internal(m)) => {
+            assert!(m.contains("stopped responding"), "{m}")
+        }
+        e => panic!("{e:?}"),
+    }
+    until("prefill blocks back", || r.engines[0].used() == 0).await;
+}
+
+#[tokio::test]
+async fn kv_for_another_model_is_refused_and_the_request_runs_colocated() {
+    let net = MemNet::new(3);
+    let (t, rx) = net.join(0, 1);
+    let router = ClusterEngine::start(
+        t,
+        rx,
+        RouterOptions {
+            workers: vec![
+                (1, "p".into(), Role::Prefill),
+                (2, "d".into(), Role::Decode),
+            ],
+            heartbeat_interval: HB,
+            down_after: DOWN,
+            block_size: BS as usize,
+            tenant_salts: vec![0],
+            reruns_max: 2,
+            prefix_blocks_max: 1000,
+        },
+    );
+    let (p, d) = (FakePd::new(1000), FakePd::new(1000));
+    start(&net, 1, 1, Role::Prefill, &p);
+    let (t, rx) = net.join(2, 1);
+    let kv: Arc<dyn KvMigration> = Arc::new(d.clone());
+    let mut o = opts(Role::Decode);
+    o.model = "another".into();
+    tokio::spawn(run_worker(t, rx, Arc::new(d.clone()), Some(kv), o));
+    until("both up", || router.up_nodes().len() == 2).await;
+    let q = req(10, 5, 8);
+    let (toks, _) = drain(router.submit(q.clone()).await.unwrap()).await;
+    assert_eq!(toks, expected(&q));
+    assert_eq!(p.0.exports.load(Ordering::SeqCst), 1);
+    assert_eq!(d.0.imports.load(Ordering::SeqCst), 0);
+    until("blocks back", || p.used() == 0 && d.used() == 0).await;
+}
+
+#[tokio::test]
+async fn many_requests_with_cancellations_and_a_killed_node_leak_no_blocks() {
+    let r = rig(&[Role::Prefill, Role::Prefill, Role::Decode, Role::Decode]).await;
+    let mut handles = Vec::new();
+    for i in 0..200u32 {
+        let router = r.router.clone();
+        handles.push(tokio::spawn(async move {
+            let Ok(mut s) = router.submit(req(5 + i % 20, 3 + i % 9, i)).await else {
+                return;
+            };
+            // A third of the clients leave after a token or two.
+            let keep = if i % 3 == 0 { 1 + i % 2 } else { u32::MAX };
+            let mut got = 0;
+            while let Ok(Some(ev)) = tokio::time::timeout(Duration::from_secs(5), s.recv()).await {
+                if !matches!(ev, EngineEvent::Token(_)) {
+                    break;
+                }
+                got += 1;
+                if got >= keep {
+                    break;
+                }
+            }
+        }));
+        if i == 100 {
+            r.net.kill(1);
+        }
+        tokio::time::sleep(Duration::from_millis(1)).await;
+    }
+    for h in handles {
+        h.await.unwrap();
+    }
+    for i in 1..4 {
+        until("blocks back", || r.engines[i].used() == 0).await;
+    }
+}
+
+#[tokio::test]
+async fn transfer_slots_go_to_the_highest_priority_first() {
+    let slots = crate::worker::test_slots(1);
+    let held = slots.acquire(0).await;
+    let order = Arc::new(Mutex::new(Vec::new()));
+    let mut hs = Vec::new();
+    for (i, prio) in [(0, 0u8), (1, 2), (2, 1), (3, 2)] {
+        let (slots, order) = (slots.clone(), order.clone());
+        hs.push(tokio::spawn(async move {
+            let _s = slots.acquire(prio).await;
+            order.lock().unwrap().push(i);
+            tokio::time::sleep(Duration::from_millis(2)).await;
+        }));
+        tokio::time::sleep(Duration::from_millis(2)).await;
+    }
+    drop(held);
+    for h in hs {
+        h.await.unwrap();
+    }
+    assert_eq!(*order.lock().unwrap(), vec![1, 3, 2, 0]);
+}
