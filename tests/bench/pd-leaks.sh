@@ -29,7 +29,8 @@ python3 - "$OUT" <<'PY'
 import json, sys
 o = sys.argv[1]
 b = json.load(open(f"{o}/leaks.json")); r = json.load(open(f"{o}/leaks-ready.json"))
-print(f"requests: {b['requests_ok']} ok, {b.get('cancelled', '?')} cancelled by the client, errors {b['errors']}")
+e = dict(b["errors"]); dropped = e.pop("dropped", 0)
+print(f"requests: {b['requests_ok']} ok, {dropped} dropped by the client mid-stream, other failures {e or 'none'}")
 print("nodes:", ", ".join(f"{n['name']} up={n['up']} routed={n['routed']}" for n in r["nodes"]))
 print(f"KV blocks used on the nodes that are up, after the run: {r['kv_blocks']['used']} (total {r['kv_blocks']['total']})")
 PY

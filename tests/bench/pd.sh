@@ -3,10 +3,10 @@
 # build, same run. Colocated: cluster-configs/two-workers.toml (2 mixed
 # workers); disaggregated: cluster-configs/pd-1p1d.toml (1 prefill + 1
 # decode). Each engine node gets --threads $THREADS.
-#  1. Low load: one stream at a time, ~1000-token prompts, 16 output
+#  1. Low load: one stream at a time, 700-word prompts, 16 output
 #     tokens: TTFT colocated vs disaggregated (the migration's added TTFT),
 #     and the KV migration throughput from the prefill node's log.
-#  2. Interference: 2 clients sending 2000+-token prompts (8 output tokens)
+#  2. Interference: 2 clients sending 1600-1800-word (2000+-token) prompts (8 output tokens)
 #     while 8 clients stream 128 tokens from short prompts: p99 TPOT of the
 #     streams.
 # Bounded: every bench has a request count. Reports go to $OUT.
