@@ -22,7 +22,7 @@ KEY=sk-flotilla-paid-example
 B="$FLOTILLA bench --url $URL --api-key $KEY --quiet"
 
 all_up() {
-  curl -sf $URL/ready 2>/dev/null | python3 -c 'import json,sys; r=json.load(sys.stdin); sys.exit(0 if r["nodes"] and all(n["up"] for n in r["nodes"]) else 1)'
+  curl -sf $URL/ready 2>/dev/null | python3 -c 'import json,sys; r=json.load(sys.stdin); sys.exit(0 if r["nodes"] and all(n["up"] for n in r["nodes"]) else 1)' 2>/dev/null
 }
 
 run() { # name config
@@ -40,8 +40,12 @@ run() { # name config
   $B --concurrency 8 --requests 24 --prompt-len-min 16 --prompt-len-max 48 --max-tokens 128 --seed 9 \
     --label "$1 streams" --json "$OUT/$1-streams.json" >"$OUT/$1-streams.txt"
   wait $long
+  # Load reports come with heartbeats: let the last ones arrive.
+  sleep 2
   curl -s $URL/ready >"$OUT/$1-ready.json"
   kill $pid; wait $pid 2>/dev/null || true
+  # The next cluster binds the same ports.
+  for _ in $(seq 1 50); do curl -sf $URL/health >/dev/null 2>&1 || break; sleep 0.2; done
 }
 
 run colocated cluster-configs/two-workers.toml
@@ -56,15 +60,20 @@ for k in ("p50", "p99"):
     print(f"low load TTFT {k}: colocated {c:.0f} ms, disaggregated {d:.0f} ms, added {d - c:+.0f} ms ({d / c:.2f}x)")
 rates, sizes = [], []
 for line in open(f"{o}/disaggregated.log"):
+    line = re.sub(r"\x1b\[[0-9;]*m", "", line)
     m = re.search(r"KV sent to node \d+: ([0-9.]+) GB/s.*bytes=(\d+)", line) or re.search(r"bytes=(\d+).*KV sent to node \d+: ([0-9.]+) GB/s", line)
     if m:
         a, b = m.groups()
         gbs, n = (float(a), int(b)) if "." in a else (float(b), int(a))
         rates.append(gbs); sizes.append(n)
-if rates:
-    rates.sort()
-    print(f"KV migration: {len(rates)} transfers, {min(sizes)/1e6:.1f}-{max(sizes)/1e6:.1f} MB, "
-          f"median {rates[len(rates)//2]:.2f} GB/s, best {rates[-1]:.2f} GB/s")
+def rate_line(what, pairs):
+    if pairs:
+        r = sorted(g for g, _ in pairs); n = [b for _, b in pairs]
+        print(f"KV migration, {what}: {len(r)} transfers of {min(n)/1e6:.1f}-{max(n)/1e6:.1f} MB, "
+              f"median {r[len(r)//2]:.2f} GB/s, best {r[-1]:.2f} GB/s")
+pairs = list(zip(rates, sizes))
+rate_line("all", pairs)
+rate_line("10 MB and over", [p for p in pairs if p[1] >= 10e6])
 for k in ("p50", "p99"):
     c, d = j("colocated-streams")["tpot_ms"][k], j("disaggregated-streams")["tpot_ms"][k]
     print(f"streams under long prompts, TPOT {k}: colocated {c:.1f} ms, disaggregated {d:.1f} ms ({d / c:.2f}x)")

@@ -326,10 +326,18 @@ pub fn cluster(args: ClusterArgs) -> Result<()> {
         // Router routes around it), so a try-out can show fail-over; a
         // restarted node is the user's to start (`flotilla node ...`).
         let mut running = cl.nodes.len();
+        // SIGTERM (kill, systemd) as well as Ctrl-C: either way the nodes
+        // are killed with us (`kill_on_drop`), never left running.
+        let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
+            .context("installing the SIGTERM handler")?;
         loop {
             tokio::select! {
                 _ = tokio::signal::ctrl_c() => {
                     eprintln!("flotilla: stopping the cluster");
+                    return Ok(());
+                }
+                _ = term.recv() => {
+                    eprintln!("flotilla: stopping the cluster (SIGTERM)");
                     return Ok(());
                 }
                 Some((name, status)) = name_rx.recv() => {

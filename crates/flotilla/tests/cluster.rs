@@ -689,3 +689,70 @@ async fn disaggregated_prefill_and_decode_give_the_colocated_tokens() {
     })
     .await;
 }
+
+/// Whether process `pid` is gone (or a zombie nobody reaped yet).
+fn process_gone(pid: u32) -> bool {
+    match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
+        Err(_) => true,
+        // "pid (comm) S ...": the state follows the last ')'.
+        Ok(stat) => stat
+            .rsplit_once(')')
+            .is_some_and(|(_, rest)| rest.trim_start().starts_with(['Z', 'X'])),
+    }
+}
+
+#[test]
+fn the_cluster_command_takes_its_nodes_down_on_sigterm() {
+    let roles = ["worker", "worker"];
+    let (dir, certs) = certs_dir(roles);
+    let config = dir.0.join("cluster.toml");
+    let addrs = [0, 1, 2].map(|_| format!("127.0.0.1:{}", free_port()));
+    let http = format!("127.0.0.1:{}", free_tcp_port());
+    std::fs::write(&config, config_text(&certs, addrs, http, roles)).unwrap();
+    let model = flotilla_model::testutil::model_path();
+    let mut parent = flotilla()
+        .args(["cluster", "--config"])
+        .arg(&config)
+        .arg("--")
+        .arg("--model")
+        .arg(&model)
+        .args(["--kv-cache-bytes", "100000000", "--threads", "1"])
+        .stderr(Stdio::piped())
+        .stdout(Stdio::null())
+        .spawn()
+        .unwrap();
+    let stderr = parent.stderr.take().unwrap();
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        for line in BufReader::new(stderr).lines() {
+            let Ok(line) = line else { break };
+            eprintln!("[cluster] {line}");
+            if line.starts_with("flotilla: started node")
+                && let Some(pid) = line.rsplit(' ').next().and_then(|p| p.parse::<u32>().ok())
+            {
+                let _ = tx.send(pid);
+            }
+        }
+    });
+    let pids: Vec<u32> = (0..3)
+        .map(|_| rx.recv_timeout(Duration::from_secs(60)).expect("a node started"))
+        .collect();
+    assert!(pids.iter().all(|&p| !process_gone(p)), "{pids:?}");
+    let killed = Command::new("kill")
+        .args(["-TERM", &parent.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(killed.success());
+    let t0 = Instant::now();
+    while parent.try_wait().unwrap().is_none() {
+        assert!(t0.elapsed() < Duration::from_secs(30), "flotilla cluster ignored SIGTERM");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    while !pids.iter().all(|&p| process_gone(p)) {
+        assert!(
+            t0.elapsed() < Duration::from_secs(30),
+            "nodes left running after SIGTERM: {pids:?}"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
