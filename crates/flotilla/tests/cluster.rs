@@ -735,7 +735,10 @@ fn the_cluster_command_takes_its_nodes_down_on_sigterm() {
         }
     });
     let pids: Vec<u32> = (0..3)
-        .map(|_| rx.recv_timeout(Duration::from_secs(60)).expect("a node started"))
+        .map(|_| {
+            rx.recv_timeout(Duration::from_secs(60))
+                .expect("a node started")
+        })
         .collect();
     assert!(pids.iter().all(|&p| !process_gone(p)), "{pids:?}");
     let killed = Command::new("kill")
@@ -745,7 +748,10 @@ fn the_cluster_command_takes_its_nodes_down_on_sigterm() {
     assert!(killed.success());
     let t0 = Instant::now();
     while parent.try_wait().unwrap().is_none() {
-        assert!(t0.elapsed() < Duration::from_secs(30), "flotilla cluster ignored SIGTERM");
+        assert!(
+            t0.elapsed() < Duration::from_secs(30),
+            "flotilla cluster ignored SIGTERM"
+        );
         std::thread::sleep(Duration::from_millis(50));
     }
     while !pids.iter().all(|&p| process_gone(p)) {
