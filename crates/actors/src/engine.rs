@@ -10,7 +10,7 @@
 //! its executor broken, every queued and running request fails at once and
 //! new ones are refused, rather than waiting for a step that never comes.
 
-use std::collections::HashMap;
+use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -107,7 +107,7 @@ struct SchedState {
     metrics: Arc<Metrics>,
     tier_names: Vec<String>,
     tenant_tier: Vec<usize>,
-    live: HashMap<RequestId, Live>,
+    live: BTreeMap<RequestId, Live>,
     next_id: u64,
     /// A step is in flight.
     busy: bool,
@@ -158,7 +158,7 @@ impl Actor for SchedulerActor {
             metrics: a.metrics,
             tier_names: a.tier_names,
             tenant_tier: a.tenant_tier,
-            live: HashMap::new(),
+            live: BTreeMap::new(),
             next_id: 1,
             busy: false,
             wake_at: None,
@@ -367,7 +367,7 @@ impl Actor for SchedulerActor {
         let now = st.clock.now();
         st.sched.fail_all(now, EngineFailure::ShuttingDown);
         deliver(st);
-        for (_, l) in st.live.drain() {
+        for (_, l) in std::mem::take(&mut st.live) {
             let _ = l.tx.send(EngineEvent::Failed(EngineFailure::ShuttingDown));
         }
         st.worker.stop(None);

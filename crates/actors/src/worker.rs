@@ -112,7 +112,18 @@ impl Actor for GpuWorker {
         let t0 = st.clock.now();
         // The step is seconds of CPU work at worst: run it on this thread
         // but let tokio move its other tasks (HTTP, the scheduler) elsewhere.
-        let sampled = tokio::task::block_in_place(|| run_step(st, &plan));
+        // A current-thread runtime (the simulator) has nowhere to move them.
+        let multi = tokio::runtime::Handle::current().runtime_flavor()
+            == tokio::runtime::RuntimeFlavor::MultiThread;
+        let sampled = if multi {
+            tokio::task::block_in_place(|| run_step(st, &plan))
+        } else {
+            run_step(st, &plan)
+        };
+        // A modelled backend's step takes its modelled time on the clock.
+        if let Some(d) = st.exec.simulated_step_time() {
+            tokio::time::sleep(d).await;
+        }
         let elapsed = st.clock.now().saturating_sub(t0);
         // A scheduler that is gone has nobody left to serve.
         let _ = reply.cast(SchedMsg::StepDone(Box::new(StepResult {

@@ -24,12 +24,12 @@
 //!   the client, the request is run again (colocated on a decode node
 //!   after a failed transfer).
 
-use std::collections::HashMap;
+use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use flotilla_proto::wire::{LoadReport, Message, SubmitMsg};
+use flotilla_proto::wire::{LoadReport, Message, ReqEvents, SubmitMsg};
 use flotilla_proto::wire::{WireEnd, WireFailure};
 use flotilla_proto::{
     BoxFuture, Engine, EngineEvent, EngineFailure, EngineRequest, EngineStatus, KvUsage,
@@ -87,14 +87,21 @@ struct Pending {
     tx: mpsc::UnboundedSender<EngineEvent>,
     admitted: Option<oneshot::Sender<Result<(), Rejection>>>,
     tokens_sent: u32,
+    /// Event batches that came ahead of a missing one, by first index.
+    early: BTreeMap<u32, ReqEvents>,
+    /// Since when a batch has been missing.
+    gap_since: Option<Instant>,
     blocks: u64,
     reruns: u32,
     req: EngineRequest,
 }
 
+/// Event batches one request may hold while one before them is missing.
+const EARLY_MAX: usize = 256;
+
 struct State {
     workers: Vec<WorkerView>,
-    pending: HashMap<u64, Pending>,
+    pending: BTreeMap<u64, Pending>,
 }
 
 struct Inner {
@@ -142,7 +149,7 @@ impl ClusterEngine {
             opts,
             state: Mutex::new(State {
                 workers,
-                pending: HashMap::new(),
+                pending: BTreeMap::new(),
             }),
             next_id: AtomicU64::new(1),
         });
@@ -282,6 +289,9 @@ impl Inner {
         p.worker = w;
         p.epoch = epoch;
         p.prefill = prefill;
+        // Held batches of an earlier run are not this run's.
+        p.early.clear();
+        p.gap_since = None;
         Ok(())
     }
 
@@ -446,31 +456,32 @@ impl Inner {
                         }
                         continue;
                     }
-                    let p = st.pending.get_mut(&ev.req).expect("checked above");
-                    if p.tokens_sent == 0
-                        && let Some(WireEnd::Failed(WireFailure::KvTransfer(why))) = &ev.end
-                    {
-                        // Nothing reached the client: run it again, whole
-                        // on one node this time.
-                        p.colocate = true;
-                        let why = format!("{}: KV transfer failed: {why}", st.workers[w].name);
-                        self.rerun_or_fail(&mut st, ev.req, None, &why);
+                    let req = ev.req;
+                    let p = st.pending.get_mut(&req).expect("checked above");
+                    if ev.first > p.tokens_sent {
+                        // A batch before it is missing (reordered, or
+                        // lost): hold this one until the gap fills.
+                        if p.early.len() >= EARLY_MAX {
+                            self.lost_in_transit(&mut st, req);
+                            continue;
+                        }
+                        p.gap_since.get_or_insert_with(Instant::now);
+                        p.early.insert(ev.first, ev);
                         continue;
                     }
-                    if let Some(a) = p.admitted.take() {
-                        let _ = a.send(Ok(()));
-                    }
-                    p.tokens_sent += ev.tokens.len() as u32;
-                    if !ev.tokens.is_empty() {
-                        Self::prefill_done(&mut st, ev.req);
-                    }
-                    let p = st.pending.get_mut(&ev.req).expect("checked above");
-                    for t in ev.tokens {
-                        let _ = p.tx.send(EngineEvent::Token(t.into()));
-                    }
-                    if let Some(end) = ev.end {
-                        let _ = p.tx.send(end.into_event());
-                        self.finish(&mut st, ev.req);
+                    let mut next = Some(ev);
+                    while let Some(ev) = next.take() {
+                        self.apply_events(&mut st, w, ev);
+                        let Some(p) = st.pending.get_mut(&req) else {
+                            break;
+                        };
+                        match p.early.first_key_value() {
+                            Some((&k, _)) if k <= p.tokens_sent => {
+                                next = p.early.pop_first().map(|(_, e)| e);
+                            }
+                            Some(_) => {}
+                            None => p.gap_since = None,
+                        }
                     }
                 }
             }
@@ -478,9 +489,79 @@ impl Inner {
         }
     }
 
+    /// Delivers one in-order batch (`first <= tokens_sent`): the tokens
+    /// the client has not had yet, then the end, if any.
+    fn apply_events(&self, st: &mut State, w: usize, ev: ReqEvents) {
+        let Some(p) = st.pending.get_mut(&ev.req) else {
+            return;
+        };
+        if p.tokens_sent == 0
+            && let Some(WireEnd::Failed(WireFailure::KvTransfer(why))) = &ev.end
+        {
+            // Nothing reached the client: run it again, whole on one node
+            // this time.
+            p.colocate = true;
+            let why = format!("{}: KV transfer failed: {why}", st.workers[w].name);
+            self.rerun_or_fail(st, ev.req, None, &why);
+            return;
+        }
+        if let Some(a) = p.admitted.take() {
+            let _ = a.send(Ok(()));
+        }
+        // A duplicate's tokens the client already has.
+        let skip = (p.tokens_sent - ev.first) as usize;
+        let fresh = ev.tokens.len().saturating_sub(skip);
+        p.tokens_sent += fresh as u32;
+        if fresh > 0 {
+            Self::prefill_done(st, ev.req);
+        }
+        let p = st.pending.get_mut(&ev.req).expect("checked above");
+        for t in ev.tokens.into_iter().skip(skip) {
+            let _ = p.tx.send(EngineEvent::Token(t.into()));
+        }
+        if let Some(end) = ev.end {
+            let _ = p.tx.send(end.into_event());
+            self.finish(st, ev.req);
+        }
+    }
+
+    /// A request whose event batch never came: stop it on its node and
+    /// end it with a clear error.
+    fn lost_in_transit(&self, st: &mut State, req: u64) {
+        let Some(p) = self.finish(st, req) else {
+            return;
+        };
+        let node = st.workers[p.worker].node;
+        let cancel = Message::Cancel {
+            req,
+            stop_string: false,
+        };
+        let _ = self.transport.send(node, req, cancel);
+        let msg = format!(
+            "events of this request after token {} were lost between nodes",
+            p.tokens_sent
+        );
+        tracing::warn!(req, "{msg}");
+        fail(p, Rejection::Unavailable, EngineFailure::Internal(msg));
+    }
+
     fn check_silence(&self) {
         let mut st = self.lock();
         let now = Instant::now();
+        // A gap in a request's events that outlasts the down bound is a
+        // loss, not a reorder.
+        let lost: Vec<u64> = st
+            .pending
+            .iter()
+            .filter(|(_, p)| {
+                p.gap_since
+                    .is_some_and(|g| now.duration_since(g) > self.opts.down_after)
+            })
+            .map(|(&id, _)| id)
+            .collect();
+        for id in lost {
+            self.lost_in_transit(&mut st, id);
+        }
         for w in 0..st.workers.len() {
             let v = &st.workers[w];
             let silent = v
@@ -575,6 +656,8 @@ impl Engine for ClusterEngine {
                         tx,
                         admitted: Some(atx),
                         tokens_sent: 0,
+                        early: BTreeMap::new(),
+                        gap_since: None,
                         blocks,
                         reruns: 0,
                         req,

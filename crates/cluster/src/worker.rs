@@ -10,7 +10,7 @@
 //! their KV blocks back: a dead Router never strands work on a worker.
 
 use std::cmp::Reverse;
-use std::collections::{BinaryHeap, HashMap};
+use std::collections::{BTreeMap, BinaryHeap};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -92,6 +92,8 @@ type PfKey = (NodeId, u32, u64);
 
 struct Out {
     key: Key,
+    /// Index of this event in the request's stream (tokens before it).
+    index: u32,
     event: EngineEvent,
 }
 
@@ -147,13 +149,15 @@ pub async fn run_worker(
     ));
     let layout = kv.as_ref().map(|k| k.kv_layout());
     let slots = Slots::new(opts.transfers_max.max(1));
-    let mut active: HashMap<Key, oneshot::Sender<bool>> = HashMap::new();
-    let mut routers: HashMap<NodeId, (u64, Instant)> = HashMap::new();
-    let mut importing: HashMap<(NodeId, u64), Importing> = HashMap::new();
-    let mut prefills: HashMap<PfKey, mpsc::UnboundedSender<PfCtl>> = HashMap::new();
+    let mut active: BTreeMap<Key, oneshot::Sender<bool>> = BTreeMap::new();
+    let mut routers: BTreeMap<NodeId, (u64, Instant)> = BTreeMap::new();
+    let mut importing: BTreeMap<(NodeId, u64), Importing> = BTreeMap::new();
+    let mut prefills: BTreeMap<PfKey, mpsc::UnboundedSender<PfCtl>> = BTreeMap::new();
     let fail = |router: NodeId, epoch: u64, req: u64, why: String| {
         let _ = out_tx.send(Out {
             key: (router, epoch, req),
+            // Before any token: no stream was forwarded for it.
+            index: 0,
             event: EngineEvent::Failed(EngineFailure::KvTransfer(why)),
         });
     };
@@ -176,6 +180,8 @@ pub async fn run_worker(
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
         tokio::select! {
+            // Deterministic under the simulator: branches in order.
+            biased;
             m = inbound.recv() => {
                 let Some(m) = m else { return };
                 let (from, epoch, msg) = match m {
@@ -587,6 +593,8 @@ impl PrefillTask {
         let mut first = None;
         loop {
             tokio::select! {
+                // Deterministic under the simulator: branches in order.
+                biased;
                 ev = stream.recv() => match ev {
                     Some(EngineEvent::Token(s)) => first = Some(s),
                     Some(EngineEvent::Finished { .. }) => break,
@@ -602,6 +610,8 @@ impl PrefillTask {
         drop(stream);
         let first = first.ok_or_else(|| Some("the prefill sampled no token".to_string()))?;
         let _slot = tokio::select! {
+            // Deterministic under the simulator: branches in order.
+            biased;
             s = self.slots.acquire(self.priority) => s,
             _ = ctl.recv() => return Err(None),
         };
@@ -625,6 +635,8 @@ impl PrefillTask {
         };
         let (bytes, t0) = (exp.data.len(), Instant::now());
         tokio::select! {
+            // Deterministic under the simulator: branches in order.
+            biased;
             r = self.transport.send_bulk(decode, header, Bytes::from(exp.data)) => {
                 let us = t0.elapsed().as_micros().max(1);
                 tracing::debug!(req, bytes, us, "KV sent to node {decode}: {:.3} GB/s", bytes as f64 / us as f64 / 1e3);
@@ -742,7 +754,7 @@ impl Drop for Slot {
     }
 }
 
-fn cancel_where(active: &mut HashMap<Key, oneshot::Sender<bool>>, f: impl Fn(&Key) -> bool) {
+fn cancel_where(active: &mut BTreeMap<Key, oneshot::Sender<bool>>, f: impl Fn(&Key) -> bool) {
     let keys: Vec<Key> = active.keys().filter(|k| f(k)).copied().collect();
     for k in keys {
         if let Some(c) = active.remove(&k) {
@@ -760,14 +772,18 @@ async fn forward(
     out: mpsc::UnboundedSender<Out>,
     done: mpsc::UnboundedSender<Key>,
 ) {
+    let mut index = 0;
     loop {
         tokio::select! {
+            // Deterministic under the simulator: branches in order.
+            biased;
             ev = stream.recv() => {
                 let event = ev.unwrap_or_else(|| {
                     EngineEvent::Failed(EngineFailure::Internal("the engine dropped the request".into()))
                 });
                 let terminal = !matches!(event, EngineEvent::Token(_));
-                let _ = out.send(Out { key, event });
+                let _ = out.send(Out { key, index, event });
+                index += 1;
                 if terminal {
                     break;
                 }
@@ -793,7 +809,7 @@ async fn send_events(
 ) {
     // A conservative size estimate keeps every batch well under the cap.
     let budget = (frame_len_max_bytes / 4) as usize;
-    let mut per_router: HashMap<NodeId, (Vec<ReqEvents>, usize)> = HashMap::new();
+    let mut per_router: BTreeMap<NodeId, (Vec<ReqEvents>, usize)> = BTreeMap::new();
     while let Some(first) = rx.recv().await {
         let mut next = Some(first);
         while let Some(o) = next.take() {
@@ -803,6 +819,7 @@ async fn send_events(
             if !reuse {
                 batch.push(ReqEvents {
                     req,
+                    first: o.index,
                     tokens: Vec::new(),
                     end: None,
                 });
@@ -825,7 +842,7 @@ async fn send_events(
             }
             next = rx.try_recv().ok();
         }
-        for (router, (b, _)) in per_router.drain() {
+        for (router, (b, _)) in std::mem::take(&mut per_router) {
             send_batch(&*transport, router, b);
         }
     }

@@ -137,6 +137,18 @@ enum Cmd {
     /// Create the cluster CA and node certificates.
     #[command(subcommand)]
     Certs(node::CertsCmd),
+    /// Run a cluster scenario (simulations/*.toml) as a deterministic
+    /// simulation: the real actors under a simulated clock, network and GPUs.
+    Simulate {
+        /// The scenario file.
+        scenario: std::path::PathBuf,
+        /// The run's seed: the same scenario and seed replay byte for byte.
+        #[arg(long, default_value_t = 1)]
+        seed: u64,
+        /// Run this many seeds, from --seed up.
+        #[arg(long, default_value_t = 1)]
+        seeds: u64,
+    },
 }
 
 fn main() {
@@ -179,6 +191,11 @@ fn run() -> Result<()> {
         Cmd::Cluster(args) => node::cluster(args),
         Cmd::Certs(cmd) => node::certs(cmd),
         Cmd::BenchTransport(args) => transport_bench::run(&args),
+        Cmd::Simulate {
+            scenario,
+            seed,
+            seeds,
+        } => simulate(&scenario, seed, seeds),
         Cmd::FetchModel => {
             println!(
                 "{}",
@@ -187,6 +204,27 @@ fn run() -> Result<()> {
             Ok(())
         }
     }
+}
+
+fn simulate(path: &std::path::Path, seed: u64, seeds: u64) -> Result<()> {
+    let sc = flotilla_sim::Scenario::load(path)?;
+    if seeds == 0 {
+        bail!("--seeds must be at least 1");
+    }
+    for s in seed..seed.saturating_add(seeds) {
+        let t0 = std::time::Instant::now();
+        let report = flotilla_sim::run(&sc, s)?;
+        let wall = t0.elapsed().as_secs_f64();
+        println!("{} seed {s}", path.display());
+        println!("{report}");
+        println!(
+            "wall {wall:.2} s for {:.1} simulated s ({:.0}x), {:.0} trace events/s\n",
+            report.sim_s,
+            report.sim_s / wall.max(1e-9),
+            report.events as f64 / wall.max(1e-9)
+        );
+    }
+    Ok(())
 }
 
 fn load_test(args: &flotilla_bench::BenchArgs) -> Result<()> {

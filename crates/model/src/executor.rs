@@ -217,4 +217,12 @@ pub trait Executor: Send {
     fn read_block(&self, block: u32, out: &mut [u8]) -> Result<(), ExecError>;
     /// Overwrites one block's raw bytes (KV import for migration).
     fn write_block(&mut self, block: u32, data: &[u8]) -> Result<(), ExecError>;
+    /// How long the last step took on the hardware this backend models,
+    /// for a backend that computes no real forward pass (the simulator's
+    /// cost model): the GpuWorker waits that long on the runtime's clock
+    /// before it reports the step. `None` (every real backend): the step's
+    /// own wall time is its time.
+    fn simulated_step_time(&self) -> Option<std::time::Duration> {
+        None
+    }
 }

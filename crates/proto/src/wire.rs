@@ -32,7 +32,7 @@ use crate::{
 /// First four bytes of every frame.
 pub const MAGIC: [u8; 4] = *b"FLTL";
 /// The protocol this build speaks; a peer with another one is refused.
-pub const PROTOCOL_VERSION: u16 = 2;
+pub const PROTOCOL_VERSION: u16 = 3;
 /// Bytes of the envelope before the payload.
 pub const HEADER_LEN: usize = 32;
 /// Smallest frame cap a config may set (a load report must fit).
@@ -586,6 +586,10 @@ pub struct TopLogprob {
 pub struct ReqEvents {
     /// Router's request id.
     pub req: u64,
+    /// Index of `tokens[0]` in the request's stream: the Router drops the
+    /// tokens it already has (a duplicate) and holds a batch that comes
+    /// before the one ahead of it (a reorder) until the gap fills.
+    pub first: u32,
     /// Tokens in order.
     pub tokens: Vec<WireToken>,
     /// The terminal event, when the request ended in this step.
@@ -940,6 +944,7 @@ mod tests {
             },
             Message::Events(vec![ReqEvents {
                 req: 7,
+                first: 3,
                 tokens: vec![WireToken::from(&Sampled {
                     token: 42,
                     logprob: -0.5,

@@ -92,6 +92,7 @@ fn seeds(r: &mut Rng) -> Vec<Message> {
             (0..n)
                 .map(|i| ReqEvents {
                     req: i as u64,
+                    first: i as u32,
                     tokens: (0..i % 3)
                         .map(|t| WireToken {
                             token: t as u32,

@@ -1,0 +1,155 @@
+//! The executor the simulated GpuWorkers run: no forward pass, the cost
+//! model's step time, token ids from the run's seeded generator.
+
+use std::time::Duration;
+
+use flotilla_model::{
+    ExecError, Executor, KvDtype, KvSpec, ModelSpec, OutputKind, Sampled, SeqInput, SeqOutput,
+    StepOutputs,
+};
+
+use crate::cost::{GpuParams, ModelShape, SeqCost, step_time};
+use crate::rng::Rng;
+
+/// A modelled accelerator running a modelled model.
+pub struct SimExecutor {
+    gpu: GpuParams,
+    shape: ModelShape,
+    spec: ModelSpec,
+    kv: KvSpec,
+    max_batch_tokens: usize,
+    rng: Rng,
+    last: Option<Duration>,
+    costs: Vec<SeqCost>,
+}
+
+impl SimExecutor {
+    /// An executor with a KV cache of every byte the weights leave free
+    /// (less 10% headroom), in blocks of `block_size` tokens.
+    pub fn new(
+        gpu: GpuParams,
+        shape: ModelShape,
+        block_size: usize,
+        max_batch_tokens: usize,
+        rng: Rng,
+    ) -> Result<SimExecutor, String> {
+        let bytes_per_block = block_size * shape.kv_bytes_per_token();
+        let free = gpu.mem_bytes * 0.9 - shape.weight_bytes();
+        let num_blocks = (free / bytes_per_block as f64).floor();
+        if num_blocks < (shape.ctx_len / block_size) as f64 {
+            return Err(format!(
+                "{} on {}: {:.1} GB of weights leave room for {num_blocks} KV blocks, \
+                 fewer than one sequence of {} tokens",
+                shape.name,
+                gpu.name,
+                shape.weight_bytes() / 1e9,
+                shape.ctx_len
+            ));
+        }
+        let spec = ModelSpec {
+            name: shape.name.clone(),
+            arch: "llama".into(),
+            n_layer: shape.n_layer,
+            n_embd: shape.q_width,
+            n_head: shape.q_width / shape.head_dim,
+            n_head_kv: shape.n_head_kv,
+            head_dim: shape.head_dim,
+            vocab: shape.vocab,
+            ctx_len: shape.ctx_len,
+            weight_bytes: shape.weight_bytes() as usize,
+        };
+        let kv = KvSpec {
+            block_size,
+            num_blocks: num_blocks.min(f64::from(u32::MAX / 2)) as usize,
+            dtype: if shape.kv_bytes == 4 {
+                KvDtype::F32
+            } else {
+                KvDtype::F16
+            },
+            bytes_per_block,
+        };
+        Ok(SimExecutor {
+            gpu,
+            shape,
+            spec,
+            kv,
+            max_batch_tokens,
+            rng,
+            last: None,
+            costs: Vec::new(),
+        })
+    }
+}
+
+impl Executor for SimExecutor {
+    fn model_spec(&self) -> &ModelSpec {
+        &self.spec
+    }
+
+    fn kv_spec(&self) -> KvSpec {
+        self.kv
+    }
+
+    fn max_batch_tokens(&self) -> usize {
+        self.max_batch_tokens
+    }
+
+    fn step(&mut self, batch: &[SeqInput<'_>], out: &mut StepOutputs) -> Result<(), ExecError> {
+        let tokens: usize = batch.iter().map(|s| s.tokens.len()).sum();
+        if tokens > self.max_batch_tokens {
+            return Err(ExecError::BatchTooLarge {
+                tokens,
+                max: self.max_batch_tokens,
+            });
+        }
+        self.costs.clear();
+        out.seqs.clear();
+        out.vocab = self.shape.vocab;
+        for (i, s) in batch.iter().enumerate() {
+            if s.tokens.is_empty() {
+                return Err(ExecError::Empty(i));
+            }
+            let end = s.start_pos + s.tokens.len();
+            if end > self.shape.ctx_len {
+                return Err(ExecError::ContextOverflow {
+                    seq: i,
+                    end,
+                    ctx: self.shape.ctx_len,
+                });
+            }
+            self.costs.push(SeqCost {
+                start_pos: s.start_pos,
+                tokens: s.tokens.len(),
+            });
+            // Ids 0..3 are the usual specials: never drawn, so a request
+            // ends by its length.
+            let sampled = matches!(s.output, OutputKind::Sample(_)).then(|| Sampled {
+                token: self.rng.range(3, self.shape.vocab as u64 - 1) as u32,
+                logprob: 0.0,
+                top: Vec::new(),
+            });
+            out.seqs.push(SeqOutput {
+                logits_row: None,
+                sampled,
+            });
+        }
+        self.last = Some(step_time(&self.gpu, &self.shape, &self.costs));
+        Ok(())
+    }
+
+    fn copy_block(&mut self, _src: u32, _dst: u32) -> Result<(), ExecError> {
+        Ok(())
+    }
+
+    fn read_block(&self, _block: u32, _out: &mut [u8]) -> Result<(), ExecError> {
+        Ok(())
+    }
+
+    fn write_block(&mut self, _block: u32, _data: &[u8]) -> Result<(), ExecError> {
+        Ok(())
+    }
+
+    fn simulated_step_time(&self) -> Option<Duration> {
+        self.last
+    }
+}

@@ -1,0 +1,395 @@
+//! The simulated network: a [`Transport`] whose messages take a modelled
+//! latency (and bulk transfers a modelled bandwidth) on the paused clock,
+//! with the faults a scenario enables. Every fault that fires is counted.
+//!
+//! The faults follow what QUIC does with them, since that is what the
+//! production transport gives the protocol above it:
+//! - packet loss: the message is retransmitted after a probe timeout, and
+//!   everything behind it on the link waits (the control stream is ordered);
+//! - a partition or a clogged link holds messages; one that lasts longer
+//!   than the idle timeout closes the connection and drops what it held;
+//! - a crash drops the node's inbox and what is in flight to it.
+//!
+//! Duplication and reordering go beyond QUIC (its streams deliver once, in
+//! order): they test the protocol's own defences (token indices, idempotent
+//! submits and cancels) against a peer that resends after a reconnect.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Duration;
+
+use bytes::Bytes;
+use flotilla_proto::wire::{KvTransferHeader, Message};
+use flotilla_transport::{
+    BoxFuture, BulkError, Inbound, NodeId, SendError, SendFailure, Transport, TransportStats,
+};
+use serde::Deserialize;
+use tokio::sync::mpsc;
+use tokio::time::Instant;
+
+use crate::rng::Rng;
+
+/// Link figures and the per-message fault rates.
+#[derive(Clone, Debug, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct LinkConfig {
+    /// One-way latency, microseconds.
+    pub latency_us: u64,
+    /// Extra latency drawn uniformly in `0..=jitter_us`.
+    pub jitter_us: u64,
+    /// Bulk bandwidth, bytes per second.
+    pub bandwidth: f64,
+    /// Probability that a control message's packet is lost (and resent).
+    pub loss: f64,
+    /// Probability that a control message arrives twice.
+    pub duplicate: f64,
+    /// Probability that a control message skips the per-link order.
+    pub reorder: f64,
+    /// A link that carries nothing for this long closes, dropping what it
+    /// held, ms (QUIC's idle timeout).
+    pub idle_timeout_ms: u64,
+}
+
+impl Default for LinkConfig {
+    fn default() -> Self {
+        LinkConfig {
+            latency_us: 50,
+            jitter_us: 20,
+            bandwidth: 12.5e9,
+            loss: 0.0,
+            duplicate: 0.0,
+            reorder: 0.0,
+            idle_timeout_ms: 10_000,
+        }
+    }
+}
+
+/// Faults that fired, by kind.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct FaultCounts {
+    /// Control messages whose packet was lost and resent.
+    pub lost: u64,
+    /// Control messages delivered twice.
+    pub duplicated: u64,
+    /// Control messages delivered out of order.
+    pub reordered: u64,
+    /// Messages held by a partition.
+    pub partitioned: u64,
+    /// Messages held by a clogged link.
+    pub clogged: u64,
+    /// Messages dropped because a held link outlasted the idle timeout.
+    pub dropped: u64,
+    /// Nodes crashed.
+    pub crashes: u64,
+    /// Nodes restarted.
+    pub restarts: u64,
+}
+
+struct NodeSlot {
+    epoch: u64,
+    inbox: mpsc::Sender<Inbound>,
+}
+
+struct NetState {
+    nodes: Vec<Option<NodeSlot>>,
+    link: LinkConfig,
+    rng: Rng,
+    /// Directed links that drop everything.
+    cut: BTreeSet<(NodeId, NodeId)>,
+    /// Directed links that hold everything until they are unclogged.
+    clogged: BTreeSet<(NodeId, NodeId)>,
+    /// When the last message on each directed link arrives (FIFO order).
+    last_arrival: BTreeMap<(NodeId, NodeId), Instant>,
+    faults: FaultCounts,
+}
+
+/// The network of one simulation run.
+pub struct SimNet {
+    st: Mutex<NetState>,
+}
+
+/// One node's end of a [`SimNet`].
+pub struct SimTransport {
+    net: Arc<SimNet>,
+    node: NodeId,
+    epoch: u64,
+}
+
+impl SimNet {
+    /// `n` nodes, none joined; random choices from `rng`.
+    pub fn new(n: usize, link: LinkConfig, rng: Rng) -> Arc<SimNet> {
+        Arc::new(SimNet {
+            st: Mutex::new(NetState {
+                nodes: (0..n).map(|_| None).collect(),
+                link,
+                rng,
+                cut: BTreeSet::new(),
+                clogged: BTreeSet::new(),
+                last_arrival: BTreeMap::new(),
+                faults: FaultCounts::default(),
+            }),
+        })
+    }
+
+    fn lock(&self) -> MutexGuard<'_, NetState> {
+        self.st
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// Node `node` (re)joins at `epoch`; a rejoin counts as a restart.
+    pub fn join(
+        self: &Arc<SimNet>,
+        node: NodeId,
+        epoch: u64,
+    ) -> (Arc<SimTransport>, mpsc::Receiver<Inbound>) {
+        let (tx, rx) = mpsc::channel(INBOX);
+        let mut st = self.lock();
+        st.nodes[node as usize] = Some(NodeSlot { epoch, inbox: tx });
+        (
+            Arc::new(SimTransport {
+                net: self.clone(),
+                node,
+                epoch,
+            }),
+            rx,
+        )
+    }
+
+    /// Node `node` crashes: nothing in flight reaches it, nothing it sends
+    /// arrives, its inbox closes.
+    pub fn crash(&self, node: NodeId) {
+        let mut st = self.lock();
+        if st.nodes[node as usize].take().is_some() {
+            st.faults.crashes += 1;
+        }
+    }
+
+    /// Counts a restart (the caller joins the node again with a new epoch).
+    pub fn note_restart(&self) {
+        self.lock().faults.restarts += 1;
+    }
+
+    /// Cuts the link `a -> b`, and `b -> a` too if `both`.
+    pub fn partition(&self, a: NodeId, b: NodeId, both: bool) {
+        let mut st = self.lock();
+        st.cut.insert((a, b));
+        if both {
+            st.cut.insert((b, a));
+        }
+    }
+
+    /// Restores every cut link.
+    pub fn heal(&self) {
+        self.lock().cut.clear();
+    }
+
+    /// Holds every message on `a -> b` until [`SimNet::unclog`].
+    pub fn clog(&self, a: NodeId, b: NodeId) {
+        self.lock().clogged.insert((a, b));
+    }
+
+    /// The clogged links in a random order (for a swizzle-clog release).
+    pub fn clogged_in_random_order(&self) -> Vec<(NodeId, NodeId)> {
+        let mut st = self.lock();
+        let mut links: Vec<_> = st.clogged.iter().copied().collect();
+        for i in (1..links.len()).rev() {
+            let j = st.rng.range(0, i as u64) as usize;
+            links.swap(i, j);
+        }
+        links
+    }
+
+    /// Opens the clogged link `a -> b`: what it held is delivered.
+    pub fn unclog(&self, a: NodeId, b: NodeId) {
+        self.lock().clogged.remove(&(a, b));
+    }
+
+    /// Faults fired so far.
+    pub fn faults(&self) -> FaultCounts {
+        self.lock().faults
+    }
+
+    /// Delivers `inbound` to `to`'s current life (`epoch`) at `at`.
+    fn deliver_at(self: &Arc<Self>, to: NodeId, epoch: u64, at: Instant, inbound: Inbound) {
+        let net = self.clone();
+        tokio::spawn(async move {
+            tokio::time::sleep_until(at).await;
+            let st = net.lock();
+            // Crashed, or restarted since: the message is lost with the old life.
+            if let Some(slot) = &st.nodes[to as usize]
+                && slot.epoch == epoch
+            {
+                let _ = slot.inbox.try_send(inbound);
+            }
+        });
+    }
+}
+
+impl SimTransport {
+    fn alive(&self, st: &NetState) -> bool {
+        st.nodes[self.node as usize]
+            .as_ref()
+            .is_some_and(|s| s.epoch == self.epoch)
+    }
+}
+
+/// A node's inbox: deep enough that the simulated runs never fill it (a
+/// full inbox drops, as a QUIC peer that stops reading would stall).
+const INBOX: usize = 1 << 16;
+
+/// A clogged link is polled this often until it opens.
+const CLOG_POLL: Duration = Duration::from_millis(5);
+
+impl Transport for SimTransport {
+    fn node(&self) -> NodeId {
+        self.node
+    }
+
+    fn epoch(&self) -> u64 {
+        self.epoch
+    }
+
+    fn send(&self, to: NodeId, correlation: u64, msg: Message) -> Result<(), SendError> {
+        let mut st = self.net.lock();
+        let fail = |reason, msg| {
+            Err(SendError {
+                to,
+                reason,
+                msg: Box::new(msg),
+            })
+        };
+        if !self.alive(&st) {
+            return fail(SendFailure::Closed, msg);
+        }
+        let Some(slot) = st.nodes.get(to as usize) else {
+            return fail(SendFailure::UnknownPeer, msg);
+        };
+        let Some(to_epoch) = slot.as_ref().map(|s| s.epoch) else {
+            return fail(SendFailure::PeerGone, msg);
+        };
+        let link = (self.node, to);
+        let cfg = st.link.clone();
+        let copies = if st.rng.chance(cfg.duplicate) {
+            st.faults.duplicated += 1;
+            2
+        } else {
+            1
+        };
+        let now = Instant::now();
+        for _ in 0..copies {
+            let lat = cfg.latency_us + st.rng.range(0, cfg.jitter_us);
+            let mut at = now + Duration::from_micros(lat);
+            if let Some(&l) = st.last_arrival.get(&link)
+                && l > at
+            {
+                at = l;
+            }
+            if st.rng.chance(cfg.loss) {
+                // Resent after a probe timeout (25 ms ack delay + 3 RTTs);
+                // what follows on the link waits behind it.
+                st.faults.lost += 1;
+                at += Duration::from_micros(25_000 + 6 * cfg.latency_us);
+            }
+            if st.rng.chance(cfg.reorder) {
+                // Held back outside the link's order: what is sent next
+                // on this link overtakes it.
+                st.faults.reordered += 1;
+                let extra = st.rng.range(1, 10) * cfg.latency_us.max(1) + cfg.jitter_us;
+                at += Duration::from_micros(extra);
+            } else {
+                st.last_arrival.insert(link, at);
+            }
+            let inbound = Inbound::Message {
+                from: self.node,
+                epoch: self.epoch,
+                correlation,
+                msg: msg.clone(),
+            };
+            let cut = st.cut.contains(&link);
+            if cut || st.clogged.contains(&link) {
+                if cut {
+                    st.faults.partitioned += 1;
+                } else {
+                    st.faults.clogged += 1;
+                }
+                let net = self.net.clone();
+                let idle = Duration::from_millis(cfg.idle_timeout_ms);
+                tokio::spawn(async move {
+                    loop {
+                        {
+                            let mut st = net.lock();
+                            if !st.cut.contains(&link) && !st.clogged.contains(&link) {
+                                break;
+                            }
+                            if Instant::now().saturating_duration_since(now) > idle {
+                                // The connection timed out: what it held is gone.
+                                st.faults.dropped += 1;
+                                return;
+                            }
+                        }
+                        tokio::time::sleep(CLOG_POLL).await;
+                    }
+                    net.deliver_at(to, to_epoch, Instant::now().max(at), inbound);
+                });
+            } else {
+                self.net.deliver_at(to, to_epoch, at, inbound);
+            }
+        }
+        Ok(())
+    }
+
+    fn send_bulk(
+        &self,
+        to: NodeId,
+        header: KvTransferHeader,
+        data: Bytes,
+    ) -> BoxFuture<Result<(), BulkError>> {
+        let net = self.net.clone();
+        let (from, epoch, alive) = {
+            let st = net.lock();
+            (self.node, self.epoch, self.alive(&st))
+        };
+        Box::pin(async move {
+            if !alive {
+                return Err(BulkError::Send(SendFailure::Closed));
+            }
+            let (to_epoch, secs, lat) = {
+                let mut st = net.lock();
+                let Some(to_epoch) = st
+                    .nodes
+                    .get(to as usize)
+                    .and_then(|s| s.as_ref())
+                    .map(|s| s.epoch)
+                else {
+                    return Err(BulkError::Send(SendFailure::PeerGone));
+                };
+                if st.cut.contains(&(from, to)) {
+                    st.faults.partitioned += 1;
+                    return Err(BulkError::Send(SendFailure::PeerGone));
+                }
+                let cfg = st.link.clone();
+                let lat = cfg.latency_us + st.rng.range(0, cfg.jitter_us);
+                (to_epoch, data.len() as f64 / cfg.bandwidth, lat)
+            };
+            tokio::time::sleep(Duration::from_secs_f64(secs) + Duration::from_micros(lat)).await;
+            let st = net.lock();
+            match &st.nodes[to as usize] {
+                Some(slot) if slot.epoch == to_epoch => {
+                    let _ = slot.inbox.try_send(Inbound::Bulk {
+                        from,
+                        epoch,
+                        header,
+                        data: vec![data],
+                    });
+                    Ok(())
+                }
+                _ => Err(BulkError::Send(SendFailure::PeerGone)),
+            }
+        })
+    }
+
+    fn stats(&self) -> TransportStats {
+        TransportStats::default()
+    }
+}

@@ -1,0 +1,816 @@
+//! One simulation run: the real Router (`ClusterEngine`), the real engine
+//! node bridge (`run_worker`) and the real Scheduler and GpuWorker actors
+//! (`spawn_engine`), on a current-thread tokio runtime with a paused clock,
+//! over [`SimNet`], with [`SimExecutor`] for the forward pass. Clients drive
+//! the Router through the same `Engine` trait the HTTP gateway uses.
+//!
+//! Determinism: one thread, a paused clock that jumps to the next timer,
+//! every random choice from the seeded [`Rng`], ordered maps. The trace of
+//! what the clients saw (submits, tokens, ends, with their simulated times)
+//! is hashed: the same scenario and seed give the same hash.
+
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use flotilla_actors::{Clock, EngineOptions, LocalEngine, spawn_engine};
+use flotilla_cluster::{ClusterEngine, RouterOptions, WorkerOptions, run_worker};
+use flotilla_model::Executor;
+use flotilla_proto::{
+    Engine, EngineEvent, EngineFailure, EngineRequest, FinishReason, Rejection, Role,
+    SamplingParams, TenantId, TierId,
+};
+use flotilla_sched::{Batching, SchedConfig, TenantConfig, TierConfig};
+use flotilla_telemetry::Metrics;
+use tokio::task::JoinSet;
+use tokio::time::Instant;
+
+use crate::exec::SimExecutor;
+use crate::net::{FaultCounts, SimNet};
+use crate::rng::Rng;
+use crate::scenario::{Arrivals, FaultKind, Lengths, Scenario, ScenarioError};
+
+/// Why a run did not complete.
+#[derive(Debug, thiserror::Error)]
+pub enum SimError {
+    /// The scenario cannot run.
+    #[error(transparent)]
+    Scenario(#[from] ScenarioError),
+    /// The runtime or an actor could not start.
+    #[error("starting the simulation: {0}")]
+    Start(String),
+    /// An invariant broke: replay with the same seed to see it again.
+    #[error("invariant broken (seed {seed}) at t={at_ms:.3} ms: {what}")]
+    Invariant {
+        /// The run's seed.
+        seed: u64,
+        /// Simulated time of the event that broke it.
+        at_ms: f64,
+        /// Which invariant and the event.
+        what: String,
+    },
+}
+
+/// Latency summary of one tier.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct TierReport {
+    /// Tier name.
+    pub name: String,
+    /// Requests sent.
+    pub sent: u64,
+    /// Finished normally.
+    pub finished: u64,
+    /// Refused at admission (HTTP 429/503 in a real deployment).
+    pub refused: u64,
+    /// Ended with an error after admission.
+    pub failed: u64,
+    /// Dropped by their client mid-stream.
+    pub cancelled: u64,
+    /// Finished within the tier's TTFT and TPOT objectives.
+    pub within_slo: u64,
+    /// TTFT p50 / p99, ms.
+    pub ttft_ms: (f64, f64),
+    /// Mean TPOT per request, p50 / p99, ms.
+    pub tpot_ms: (f64, f64),
+}
+
+/// What a run measured.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct Report {
+    /// The run's seed.
+    pub seed: u64,
+    /// Per tier.
+    pub tiers: Vec<TierReport>,
+    /// Simulated seconds from the first arrival to the last end.
+    pub sim_s: f64,
+    /// Output tokens of finished requests.
+    pub output_tokens: u64,
+    /// Mean fraction of KV blocks in use, sampled every 100 ms on every live engine.
+    pub kv_util: f64,
+    /// Preemptions on engines alive at the end.
+    pub preemptions: u64,
+    /// Faults that fired.
+    pub faults: FaultCounts,
+    /// Events in the trace.
+    pub events: u64,
+    /// FNV-1a hash of the trace.
+    pub trace_hash: u64,
+}
+
+impl Report {
+    /// Finished output tokens per simulated second.
+    pub fn throughput(&self) -> f64 {
+        self.output_tokens as f64 / self.sim_s.max(1e-9)
+    }
+}
+
+impl std::fmt::Display for Report {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        writeln!(
+            f,
+            "{:<10} {:>6} {:>6} {:>6} {:>6} {:>6} {:>9} {:>9} {:>9} {:>9} {:>8}",
+            "tier",
+            "sent",
+            "ok",
+            "refuse",
+            "failed",
+            "cancel",
+            "TTFT p50",
+            "TTFT p99",
+            "TPOT p50",
+            "TPOT p99",
+            "goodput"
+        )?;
+        for t in &self.tiers {
+            let good = 100.0 * t.within_slo as f64 / (t.sent - t.cancelled).max(1) as f64;
+            writeln!(
+                f,
+                "{:<10} {:>6} {:>6} {:>6} {:>6} {:>6} {:>7.0}ms {:>7.0}ms {:>7.1}ms {:>7.1}ms {:>7.1}%",
+                t.name,
+                t.sent,
+                t.finished,
+                t.refused,
+                t.failed,
+                t.cancelled,
+                t.ttft_ms.0,
+                t.ttft_ms.1,
+                t.tpot_ms.0,
+                t.tpot_ms.1,
+                good
+            )?;
+        }
+        writeln!(
+            f,
+            "throughput {:.1} output tok/s over {:.1} simulated s; KV use {:.1}% (mean); preemptions {}",
+            self.throughput(),
+            self.sim_s,
+            100.0 * self.kv_util,
+            self.preemptions
+        )?;
+        let x = &self.faults;
+        writeln!(
+            f,
+            "faults fired: lost+resent {}, duplicated {}, reordered {}, held by a partition {}, \
+             held by a clog {}, dropped at idle timeout {}, crashes {}, restarts {}",
+            x.lost,
+            x.duplicated,
+            x.reordered,
+            x.partitioned,
+            x.clogged,
+            x.dropped,
+            x.crashes,
+            x.restarts
+        )?;
+        write!(
+            f,
+            "trace: {} events, hash {:016x} (seed {})",
+            self.events, self.trace_hash, self.seed
+        )
+    }
+}
+
+/// Runs `sc` with `seed` to the end.
+pub fn run(sc: &Scenario, seed: u64) -> Result<Report, SimError> {
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_time()
+        .start_paused(true)
+        .build()
+        .map_err(|e| SimError::Start(e.to_string()))?;
+    rt.block_on(simulate(sc, seed))
+}
+
+/// Time for the actors: the paused runtime clock.
+struct SimClock(Instant);
+
+impl Clock for SimClock {
+    fn now(&self) -> Duration {
+        Instant::now().saturating_duration_since(self.0)
+    }
+}
+
+/// What the clients saw, in order, hashed as it grows.
+struct Trace {
+    t0: Instant,
+    hash: u64,
+    events: u64,
+    broken: Option<(f64, String)>,
+}
+
+impl Trace {
+    fn record(&mut self, req: u64, kind: u8, value: u64) {
+        let ns = Instant::now().saturating_duration_since(self.t0).as_nanos() as u64;
+        for b in ns
+            .to_le_bytes()
+            .into_iter()
+            .chain(req.to_le_bytes())
+            .chain([kind])
+            .chain(value.to_le_bytes())
+        {
+            self.hash = (self.hash ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3);
+        }
+        self.events += 1;
+    }
+
+    fn violate(&mut self, what: String) {
+        if self.broken.is_none() {
+            let at = Instant::now().saturating_duration_since(self.t0);
+            self.broken = Some((at.as_secs_f64() * 1e3, what));
+        }
+    }
+}
+
+/// One request's outcome, for the report.
+#[derive(Clone, Debug)]
+struct Outcome {
+    tier: usize,
+    end: End,
+    ttft: Option<Duration>,
+    tpot: Option<Duration>,
+    tokens: u64,
+}
+
+#[derive(Clone, Debug, PartialEq)]
+enum End {
+    Finished,
+    Refused,
+    Failed,
+    Cancelled,
+}
+
+const SUBMIT: u8 = 1;
+const TOKEN: u8 = 2;
+const FINISHED: u8 = 3;
+const FAILED: u8 = 4;
+const REFUSED: u8 = 5;
+const CANCELLED: u8 = 6;
+
+/// Everything the run's tasks share.
+struct World {
+    sc: Scenario,
+    net: Arc<SimNet>,
+    router: ClusterEngine,
+    engines: Mutex<Vec<Option<LocalEngine>>>,
+    trace: Mutex<Trace>,
+    outcomes: Mutex<Vec<Outcome>>,
+    next_req: Mutex<u64>,
+    t0: Instant,
+    kv_samples: Mutex<(f64, u64)>,
+    sched: SchedConfig,
+    rng: Rng,
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
+async fn simulate(sc: &Scenario, seed: u64) -> Result<Report, SimError> {
+    let root = Rng::new(seed);
+    let gpu = sc.gpu_params()?;
+    let shape = sc.model_shape()?;
+    let e = &sc.engine;
+    let probe = SimExecutor::new(
+        gpu.clone(),
+        shape.clone(),
+        e.block_size,
+        e.max_num_batched_tokens,
+        root.split(0),
+    )
+    .map_err(|m| SimError::Scenario(ScenarioError::Invalid(m)))?;
+    let sched = SchedConfig {
+        num_blocks: probe.kv_spec().num_blocks as u32,
+        block_size: e.block_size as u32,
+        max_num_seqs: e.max_num_seqs,
+        max_num_batched_tokens: e.max_num_batched_tokens,
+        max_model_len: e.max_model_len,
+        batching: if e.batching == "static" {
+            Batching::Static
+        } else {
+            Batching::Continuous
+        },
+        queue_timeout: Duration::from_secs_f64(e.queue_timeout_s),
+        stop_tokens: Vec::new(),
+        tiers: sc
+            .tiers
+            .iter()
+            .map(|t| TierConfig {
+                name: t.name.clone(),
+                weight: t.weight,
+                priority: t.priority,
+                queue_len_max: t.queue_len_max,
+                kv_reserved_blocks: 0,
+            })
+            .collect(),
+        tenants: sc
+            .tenants
+            .iter()
+            .map(|t| TenantConfig {
+                name: t.name.clone(),
+                tier: TierId(sc.tiers.iter().position(|x| x.name == t.tier).unwrap_or(0) as u8),
+                weight: 1,
+                max_concurrent: t.max_concurrent,
+                requests_per_minute: None,
+                kv_blocks_max: None,
+                prefix_salt: 0,
+            })
+            .collect(),
+    };
+    sched
+        .validate()
+        .map_err(|e| SimError::Scenario(ScenarioError::Invalid(e.to_string())))?;
+    let n = sc.cluster.engines;
+    let net = SimNet::new(n + 1, sc.network.clone(), root.split(1));
+    let hb = Duration::from_millis(sc.cluster.heartbeat_ms);
+    let (rt, rx) = net.join(0, 1);
+    let router = ClusterEngine::start(
+        rt,
+        rx,
+        RouterOptions {
+            workers: (1..=n as u32)
+                .map(|i| (i, format!("engine-{i}"), Role::Worker))
+                .collect(),
+            heartbeat_interval: hb,
+            down_after: hb * sc.cluster.down_after_missed,
+            block_size: e.block_size,
+            tenant_salts: vec![0; sc.tenants.len()],
+            reruns_max: 2,
+            prefix_blocks_max: 1 << 20,
+        },
+    );
+    let t0 = Instant::now();
+    let world = Arc::new(World {
+        sc: sc.clone(),
+        net,
+        router,
+        engines: Mutex::new((0..=n).map(|_| None).collect()),
+        trace: Mutex::new(Trace {
+            t0,
+            hash: 0xcbf2_9ce4_8422_2325,
+            events: 0,
+            broken: None,
+        }),
+        outcomes: Mutex::new(Vec::new()),
+        next_req: Mutex::new(0),
+        t0,
+        kv_samples: Mutex::new((0.0, 0)),
+        sched,
+        rng: root,
+    });
+    for i in 1..=n as u32 {
+        start_engine(&world, i, 1).await?;
+    }
+    // Every engine heard by the Router before traffic starts.
+    tokio::time::sleep(hb * 3).await;
+    let start = Instant::now();
+
+    let mut tasks = JoinSet::new();
+    for f in world.sc.faults.clone() {
+        let w = world.clone();
+        tasks.spawn(async move {
+            tokio::time::sleep_until(start + Duration::from_secs_f64(f.at_s)).await;
+            apply_fault(&w, &f.kind).await;
+        });
+    }
+    let end_of_arrivals = start + Duration::from_secs_f64(sc.run.duration_s);
+    for (ti, t) in sc.tenants.iter().enumerate() {
+        let mut rng = world.rng.split(1000 + ti as u64);
+        match t.arrivals {
+            Arrivals::Closed { clients } => {
+                for c in 0..clients {
+                    let w = world.clone();
+                    let mut crng = rng.split(c as u64);
+                    tasks.spawn(async move {
+                        // Staggered starts, so the clients do not march in step.
+                        let skew = Duration::from_secs_f64(crng.f64() * 0.1);
+                        tokio::time::sleep(skew).await;
+                        while Instant::now() < end_of_arrivals {
+                            one_request(&w, ti, &mut crng).await;
+                        }
+                    });
+                }
+            }
+            Arrivals::Poisson { rate_per_s } | Arrivals::Bursts { rate_per_s, .. } => {
+                let mut at = Vec::new();
+                let dur = sc.run.duration_s;
+                if rate_per_s > 0.0 {
+                    let mut t = rng.exp(1.0 / rate_per_s);
+                    while t < dur {
+                        at.push(t);
+                        t += rng.exp(1.0 / rate_per_s);
+                    }
+                }
+                if let Arrivals::Bursts { burst, every_s, .. } = t.arrivals {
+                    let mut b = every_s;
+                    while b < dur {
+                        at.extend(std::iter::repeat_n(b, burst));
+                        b += every_s;
+                    }
+                }
+                at.sort_by(f64::total_cmp);
+                for (k, a) in at.into_iter().enumerate() {
+                    let w = world.clone();
+                    let mut rrng = rng.split(k as u64);
+                    tasks.spawn(async move {
+                        tokio::time::sleep_until(start + Duration::from_secs_f64(a)).await;
+                        one_request(&w, ti, &mut rrng).await;
+                    });
+                }
+            }
+        }
+    }
+    // KV accounting and queue caps, checked on every live engine as it runs.
+    let sampler = {
+        let w = world.clone();
+        tokio::spawn(async move {
+            loop {
+                tokio::time::sleep(Duration::from_millis(100)).await;
+                check_engines(&w, false).await;
+            }
+        })
+    };
+    let deadline = end_of_arrivals + Duration::from_secs_f64(sc.run.drain_s);
+    let drained = tokio::time::timeout_at(deadline, async {
+        while let Some(r) = tasks.join_next().await {
+            if let Err(e) = r {
+                lock(&world.trace).violate(format!("a client task panicked: {e}"));
+            }
+        }
+    })
+    .await;
+    sampler.abort();
+    if drained.is_err() {
+        lock(&world.trace).violate(format!(
+            "{} requests or faults still pending {} s after arrivals stopped",
+            tasks.len(),
+            sc.run.drain_s
+        ));
+    }
+    let sim_s = Instant::now()
+        .saturating_duration_since(start)
+        .as_secs_f64();
+    // Every block and seat back once the load is gone (load reports lag a
+    // heartbeat, the engines answer at once).
+    tokio::time::sleep(hb * 2).await;
+    let preemptions = check_engines(&world, true).await;
+    let engines: Vec<LocalEngine> = lock(&world.engines).iter().flatten().cloned().collect();
+    for e in engines {
+        e.stop();
+    }
+    let trace = lock(&world.trace);
+    if let Some((at_ms, what)) = trace.broken.clone() {
+        return Err(SimError::Invariant { seed, at_ms, what });
+    }
+    let faults = world.net.faults();
+    if let Some(what) = unfired(&world.sc, &faults) {
+        return Err(SimError::Invariant {
+            seed,
+            at_ms: sim_s * 1e3,
+            what,
+        });
+    }
+    let (kv_sum, kv_n) = *lock(&world.kv_samples);
+    let outcomes = lock(&world.outcomes).clone();
+    Ok(Report {
+        seed,
+        tiers: tier_reports(&world.sc, &outcomes),
+        sim_s,
+        output_tokens: outcomes
+            .iter()
+            .filter(|o| o.end == End::Finished)
+            .map(|o| o.tokens)
+            .sum(),
+        kv_util: kv_sum / kv_n.max(1) as f64,
+        preemptions,
+        faults,
+        events: trace.events,
+        trace_hash: trace.hash,
+    })
+}
+
+/// Starts engine node `node`'s engine and bridge at `epoch`.
+async fn start_engine(w: &Arc<World>, node: u32, life: u64) -> Result<(), SimError> {
+    let e = &w.sc.engine;
+    let exec = SimExecutor::new(
+        w.sc.gpu_params()?,
+        w.sc.model_shape()?,
+        e.block_size,
+        e.max_num_batched_tokens,
+        w.rng.split(100 + u64::from(node) * 1000 + life),
+    )
+    .map_err(SimError::Start)?;
+    let metrics = Arc::new(Metrics::new().map_err(|e| SimError::Start(e.to_string()))?);
+    let engine = spawn_engine(
+        Box::new(exec),
+        EngineOptions {
+            sched: w.sched.clone(),
+        },
+        Arc::new(SimClock(w.t0)),
+        metrics,
+    )
+    .await
+    .map_err(|e| SimError::Start(e.to_string()))?;
+    let hb = Duration::from_millis(w.sc.cluster.heartbeat_ms);
+    let opts = WorkerOptions {
+        heartbeat_interval: hb,
+        down_after: hb * w.sc.cluster.down_after_missed,
+        num_tenants: w.sc.tenants.len() as u32,
+        ..WorkerOptions::new(vec![0], Role::Worker)
+    };
+    let (t, rx) = w.net.join(node, (u64::from(node) << 32) | life);
+    tokio::spawn(run_worker(t, rx, Arc::new(engine.clone()), None, opts));
+    lock(&w.engines)[node as usize] = Some(engine);
+    Ok(())
+}
+
+async fn apply_fault(w: &Arc<World>, f: &FaultKind) {
+    match *f {
+        FaultKind::Crash { node } => {
+            w.net.crash(node);
+            if let Some(e) = lock(&w.engines)[node as usize].take() {
+                e.stop();
+            }
+        }
+        FaultKind::Restart { node } => {
+            if lock(&w.engines)[node as usize].is_some() {
+                return;
+            }
+            w.net.note_restart();
+            let life = w.net.faults().restarts + 1;
+            if let Err(e) = start_engine(w, node, life).await {
+                lock(&w.trace).violate(format!("restarting node {node}: {e}"));
+            }
+        }
+        FaultKind::Partition { a, b, one_way } => w.net.partition(a, b, !one_way),
+        FaultKind::Heal => w.net.heal(),
+        FaultKind::Clog { a, b } => w.net.clog(a, b),
+        FaultKind::Unclog => {
+            // One link at a time, in a random order (swizzle-clog).
+            for (a, b) in w.net.clogged_in_random_order() {
+                w.net.unclog(a, b);
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+        }
+    }
+}
+
+/// A scheduled or enabled fault that never fired.
+fn unfired(sc: &Scenario, f: &FaultCounts) -> Option<String> {
+    let mut missing = Vec::new();
+    let net = &sc.network;
+    for (on, fired, name) in [
+        (net.loss > 0.0, f.lost, "loss"),
+        (net.duplicate > 0.0, f.duplicated, "duplicate"),
+        (net.reorder > 0.0, f.reordered, "reorder"),
+    ] {
+        if on && fired == 0 {
+            missing.push(name);
+        }
+    }
+    for x in &sc.faults {
+        let (fired, name) = match x.kind {
+            FaultKind::Crash { .. } => (f.crashes, "crash"),
+            FaultKind::Restart { .. } => (f.restarts, "restart"),
+            FaultKind::Partition { .. } => (f.partitioned, "partition"),
+            FaultKind::Clog { .. } => (f.clogged, "clog"),
+            FaultKind::Heal | FaultKind::Unclog => continue,
+        };
+        if fired == 0 && !missing.contains(&name) {
+            missing.push(name);
+        }
+    }
+    (!missing.is_empty()).then(|| {
+        format!(
+            "enabled faults that never fired: {} (the scenario does not test them)",
+            missing.join(", ")
+        )
+    })
+}
+
+/// Draws a length.
+fn draw(l: &Lengths, rng: &mut Rng) -> u32 {
+    match *l {
+        Lengths::Fixed { tokens } => tokens,
+        Lengths::Uniform { min, max } => rng.range(u64::from(min), u64::from(max)) as u32,
+        Lengths::Lognormal {
+            mu,
+            sigma,
+            min,
+            max,
+        } => (rng.lognormal(mu, sigma).round() as u32).clamp(min, max),
+    }
+}
+
+/// One client request: submit through the Router, read the stream, check
+/// it, record it.
+async fn one_request(w: &Arc<World>, tenant: usize, rng: &mut Rng) {
+    let t = &w.sc.tenants[tenant];
+    let tier =
+        w.sc.tiers
+            .iter()
+            .position(|x| x.name == t.tier)
+            .unwrap_or(0);
+    let prompt_len = draw(&t.prompt, rng);
+    let max_len = w.sc.engine.max_model_len as u32;
+    let max_tokens = draw(&t.output, rng).min(max_len.saturating_sub(prompt_len).max(1));
+    let cancel_after = rng
+        .chance(t.cancel_fraction)
+        .then(|| rng.range(1, u64::from(max_tokens)));
+    let prompt: Vec<u32> = (0..prompt_len)
+        .map(|_| rng.range(3, 30_000) as u32)
+        .collect();
+    let id = {
+        let mut n = lock(&w.next_req);
+        *n += 1;
+        *n
+    };
+    lock(&w.trace).record(id, SUBMIT, u64::from(prompt_len));
+    let sent = Instant::now();
+    let req = EngineRequest {
+        tenant: TenantId(tenant as u32),
+        prompt,
+        max_tokens,
+        sampling: SamplingParams {
+            seed: id,
+            ..SamplingParams::greedy()
+        },
+        ignore_eos: true,
+        stop_token_ids: Vec::new(),
+    };
+    let mut out = Outcome {
+        tier,
+        end: End::Refused,
+        ttft: None,
+        tpot: None,
+        tokens: 0,
+    };
+    let mut stream = match w.router.submit(req).await {
+        Ok(s) => s,
+        Err(r) => {
+            let code = match r {
+                Rejection::TenantLimit { .. } => 429,
+                Rejection::TooLong { .. } | Rejection::Invalid(_) => 400,
+                Rejection::QueueFull { .. } | Rejection::Unavailable => 503,
+            };
+            lock(&w.trace).record(id, REFUSED, code);
+            lock(&w.outcomes).push(out);
+            return;
+        }
+    };
+    let (mut first, mut last) = (None, None);
+    loop {
+        let ev = stream.recv().await;
+        let now = Instant::now();
+        match ev {
+            Some(EngineEvent::Token(s)) => {
+                out.tokens += 1;
+                first.get_or_insert(now);
+                last = Some(now);
+                lock(&w.trace).record(id, TOKEN, u64::from(s.token));
+                if out.tokens > u64::from(max_tokens) {
+                    lock(&w.trace).violate(format!(
+                        "request {id}: token {} beyond max_tokens {max_tokens} (a duplicate)",
+                        out.tokens
+                    ));
+                }
+                if cancel_after == Some(out.tokens) {
+                    drop(stream);
+                    out.end = End::Cancelled;
+                    lock(&w.trace).record(id, CANCELLED, out.tokens);
+                    break;
+                }
+            }
+            Some(EngineEvent::Finished { reason, usage }) => {
+                out.end = End::Finished;
+                lock(&w.trace).record(id, FINISHED, u64::from(usage.completion_tokens));
+                let whole = reason == FinishReason::Length && out.tokens == u64::from(max_tokens);
+                if u64::from(usage.completion_tokens) != out.tokens || !whole {
+                    lock(&w.trace).violate(format!(
+                        "request {id}: finished ({reason:?}) with {} tokens streamed, usage says {}, \
+                         max_tokens {max_tokens} (a gap or a duplicate)",
+                        out.tokens, usage.completion_tokens
+                    ));
+                }
+                break;
+            }
+            Some(EngineEvent::Failed(f)) => {
+                out.end = End::Failed;
+                let code = match f {
+                    EngineFailure::QueueTimeout { .. } => 1,
+                    EngineFailure::KvTransfer(_) => 2,
+                    _ => 0,
+                };
+                lock(&w.trace).record(id, FAILED, code);
+                break;
+            }
+            None => {
+                lock(&w.trace).violate(format!(
+                    "request {id}: the stream ended after {} tokens with no terminal event",
+                    out.tokens
+                ));
+                out.end = End::Failed;
+                break;
+            }
+        }
+    }
+    if let (Some(f), Some(l)) = (first, last) {
+        out.ttft = Some(f - sent);
+        if out.tokens > 1 {
+            out.tpot = Some((l - f) / (out.tokens as u32 - 1));
+        }
+    }
+    lock(&w.outcomes).push(out);
+}
+
+/// Checks every live engine: KV accounting adds up, queues within their
+/// caps; at the end also nothing leased, queued or running. Returns the
+/// engines' preemptions.
+async fn check_engines(w: &Arc<World>, at_end: bool) -> u64 {
+    let engines: Vec<(usize, LocalEngine)> = lock(&w.engines)
+        .iter()
+        .enumerate()
+        .filter_map(|(i, e)| e.clone().map(|e| (i, e)))
+        .collect();
+    let mut preemptions = 0;
+    for (i, e) in engines {
+        let s = e.status().await;
+        let kv = s.kv;
+        preemptions += s.preemptions;
+        let mut broken = Vec::new();
+        if u64::from(kv.free) + u64::from(kv.used) + u64::from(kv.cached) != u64::from(kv.total)
+            && kv.total > 0
+        {
+            broken.push(format!(
+                "KV accounting: free {} + used {} + cached {} != total {}",
+                kv.free, kv.used, kv.cached, kv.total
+            ));
+        }
+        // Admission refuses at the cap; requests preempted back into the
+        // queue (at most a batch of them) may stand beyond it.
+        let seats = w.sc.engine.max_num_seqs;
+        for (t, cfg) in s.tiers.iter().zip(&w.sc.tiers) {
+            if t.queued > cfg.queue_len_max + seats {
+                broken.push(format!(
+                    "tier {} queue {} over its cap {} plus {seats} preempted",
+                    t.name, t.queued, cfg.queue_len_max
+                ));
+            }
+        }
+        if at_end {
+            let queued: usize = s.tiers.iter().map(|t| t.queued).sum();
+            if kv.used != 0 || s.running != 0 || queued != 0 {
+                broken.push(format!(
+                    "after the run: {} KV blocks leased, {} running, {queued} queued (a leak)",
+                    kv.used, s.running
+                ));
+            }
+        } else if kv.total > 0 {
+            let mut k = lock(&w.kv_samples);
+            k.0 += f64::from(kv.used) / f64::from(kv.total);
+            k.1 += 1;
+        }
+        for b in broken {
+            lock(&w.trace).violate(format!("engine-{i}: {b}"));
+        }
+    }
+    preemptions
+}
+
+fn percentile(v: &mut [f64], p: f64) -> f64 {
+    if v.is_empty() {
+        return 0.0;
+    }
+    v.sort_by(f64::total_cmp);
+    let i = ((p / 100.0) * (v.len() - 1) as f64).round() as usize;
+    v[i]
+}
+
+fn tier_reports(sc: &Scenario, outcomes: &[Outcome]) -> Vec<TierReport> {
+    sc.tiers
+        .iter()
+        .enumerate()
+        .map(|(i, t)| {
+            let mine: Vec<&Outcome> = outcomes.iter().filter(|o| o.tier == i).collect();
+            let count = |e: End| mine.iter().filter(|o| o.end == e).count() as u64;
+            let ms = |d: Duration| d.as_secs_f64() * 1e3;
+            let done: Vec<&&Outcome> = mine.iter().filter(|o| o.end == End::Finished).collect();
+            let mut ttft: Vec<f64> = done.iter().filter_map(|o| o.ttft.map(ms)).collect();
+            let mut tpot: Vec<f64> = done.iter().filter_map(|o| o.tpot.map(ms)).collect();
+            let within = done
+                .iter()
+                .filter(|o| {
+                    o.ttft.is_some_and(|d| ms(d) <= t.slo_ttft_ms)
+                        && o.tpot.is_none_or(|d| ms(d) <= t.slo_tpot_ms)
+                })
+                .count() as u64;
+            TierReport {
+                name: t.name.clone(),
+                sent: mine.len() as u64,
+                finished: count(End::Finished),
+                refused: count(End::Refused),
+                failed: count(End::Failed),
+                cancelled: count(End::Cancelled),
+                within_slo: within,
+                ttft_ms: (percentile(&mut ttft, 50.0), percentile(&mut ttft, 99.0)),
+                tpot_ms: (percentile(&mut tpot, 50.0), percentile(&mut tpot, 99.0)),
+            }
+        })
+        .collect()
+}

@@ -1,0 +1,457 @@
+//! Scenario files (`simulations/*.toml`): the cluster, the hardware, the
+//! workload and the faults of one simulation.
+
+use std::path::Path;
+
+use serde::Deserialize;
+
+use crate::cost::{GpuParams, ModelShape};
+use crate::net::LinkConfig;
+
+/// One scenario.
+#[derive(Clone, Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Scenario {
+    /// Length of the run.
+    pub run: RunSection,
+    /// The model (a preset name or every field).
+    pub model: Named,
+    /// The accelerator of every engine node (a preset name or every field).
+    pub gpu: Named,
+    /// Engine limits, as `flotilla serve` takes them.
+    #[serde(default)]
+    pub engine: EngineSection,
+    /// Nodes and membership timing.
+    #[serde(default)]
+    pub cluster: ClusterSection,
+    /// Link figures and per-message fault rates.
+    #[serde(default)]
+    pub network: LinkConfig,
+    /// Service tiers.
+    pub tiers: Vec<TierSection>,
+    /// Tenants and their traffic.
+    pub tenants: Vec<TenantSection>,
+    /// Scheduled faults.
+    #[serde(default)]
+    pub faults: Vec<FaultSection>,
+}
+
+/// How long arrivals go on, and how long the run may take to drain.
+#[derive(Clone, Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RunSection {
+    /// Arrivals stop after this many simulated seconds.
+    pub duration_s: f64,
+    /// Simulated seconds after that for in-flight requests to end.
+    #[serde(default = "default_drain")]
+    pub drain_s: f64,
+}
+
+fn default_drain() -> f64 {
+    300.0
+}
+
+/// A preset by name, or a full parameter set.
+#[derive(Clone, Debug, Deserialize)]
+#[serde(untagged)]
+pub enum Named {
+    /// `{ preset = "h200" }`.
+    Preset {
+        /// The preset's name.
+        preset: String,
+    },
+    /// Every field of a GPU or model.
+    Gpu(GpuParams),
+    /// Every field of a model.
+    Model(ModelShape),
+}
+
+/// Engine limits.
+#[derive(Clone, Debug, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct EngineSection {
+    /// Tokens per KV block.
+    pub block_size: usize,
+    /// Most sequences in a batch.
+    pub max_num_seqs: usize,
+    /// Most tokens in a step.
+    pub max_num_batched_tokens: usize,
+    /// Longest prompt + output.
+    pub max_model_len: usize,
+    /// `continuous` or `static`.
+    pub batching: String,
+    /// Longest wait in a queue before a request fails, seconds.
+    pub queue_timeout_s: f64,
+}
+
+impl Default for EngineSection {
+    fn default() -> Self {
+        EngineSection {
+            block_size: 16,
+            max_num_seqs: 256,
+            max_num_batched_tokens: 2048,
+            max_model_len: 4096,
+            batching: "continuous".into(),
+            queue_timeout_s: 60.0,
+        }
+    }
+}
+
+/// The engine nodes (all mixed) and membership timing.
+#[derive(Clone, Debug, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct ClusterSection {
+    /// Engine nodes (node 0 is the Router).
+    pub engines: usize,
+    /// Heartbeat period, ms.
+    pub heartbeat_ms: u64,
+    /// Missed heartbeats before a node is down.
+    pub down_after_missed: u32,
+}
+
+impl Default for ClusterSection {
+    fn default() -> Self {
+        ClusterSection {
+            engines: 1,
+            heartbeat_ms: 250,
+            down_after_missed: 4,
+        }
+    }
+}
+
+/// A tier and its latency objective.
+#[derive(Clone, Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TierSection {
+    /// Name.
+    pub name: String,
+    /// Fair-share weight.
+    #[serde(default = "one")]
+    pub weight: u32,
+    /// Higher is more protected.
+    #[serde(default)]
+    pub priority: u8,
+    /// Queue cap.
+    #[serde(default = "queue_len")]
+    pub queue_len_max: usize,
+    /// A request meets the SLO if its TTFT is at most this...
+    pub slo_ttft_ms: f64,
+    /// ...and its mean TPOT at most this.
+    pub slo_tpot_ms: f64,
+}
+
+fn one() -> u32 {
+    1
+}
+
+fn queue_len() -> usize {
+    1024
+}
+
+/// A tenant and its traffic.
+#[derive(Clone, Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TenantSection {
+    /// Name.
+    pub name: String,
+    /// Its tier's name.
+    pub tier: String,
+    /// Most requests in flight (0 = no limit).
+    #[serde(default)]
+    pub max_concurrent: u32,
+    /// How requests arrive.
+    pub arrivals: Arrivals,
+    /// Prompt lengths, tokens.
+    pub prompt: Lengths,
+    /// Output lengths, tokens.
+    pub output: Lengths,
+    /// Fraction of requests whose client leaves mid-stream.
+    #[serde(default)]
+    pub cancel_fraction: f64,
+}
+
+/// An arrival process.
+#[derive(Clone, Debug, Deserialize)]
+#[serde(deny_unknown_fields, tag = "kind", rename_all = "snake_case")]
+pub enum Arrivals {
+    /// Poisson arrivals at `rate_per_s`.
+    Poisson {
+        /// Mean arrivals per second.
+        rate_per_s: f64,
+    },
+    /// `clients` clients, each sending its next request when the last ends.
+    Closed {
+        /// Concurrent clients.
+        clients: usize,
+    },
+    /// Poisson at `rate_per_s`, with bursts of `burst` requests at once
+    /// every `every_s` seconds.
+    Bursts {
+        /// Background rate.
+        rate_per_s: f64,
+        /// Requests per burst.
+        burst: usize,
+        /// Seconds between bursts.
+        every_s: f64,
+    },
+}
+
+/// A length distribution, in tokens (clamped to `min..=max`).
+#[derive(Clone, Debug, Deserialize)]
+#[serde(deny_unknown_fields, tag = "kind", rename_all = "snake_case")]
+pub enum Lengths {
+    /// Always `tokens`.
+    Fixed {
+        /// The length.
+        tokens: u32,
+    },
+    /// `exp(mu + sigma * N(0, 1))`, clamped.
+    Lognormal {
+        /// Mean of the log.
+        mu: f64,
+        /// Standard deviation of the log.
+        sigma: f64,
+        /// Smallest length.
+        min: u32,
+        /// Largest length.
+        max: u32,
+    },
+    /// Uniform in `min..=max`.
+    Uniform {
+        /// Smallest length.
+        min: u32,
+        /// Largest length.
+        max: u32,
+    },
+}
+
+/// A fault at a point of the run (unknown fields are refused by
+/// [`FaultKind`]'s variants; `flatten` rules out `deny_unknown_fields` here).
+#[derive(Clone, Debug, Deserialize)]
+pub struct FaultSection {
+    /// When, simulated seconds from the start.
+    pub at_s: f64,
+    /// What.
+    #[serde(flatten)]
+    pub kind: FaultKind,
+}
+
+/// The faults a scenario can schedule.
+#[derive(Clone, Debug, Deserialize)]
+#[serde(tag = "kind", rename_all = "snake_case")]
+pub enum FaultKind {
+    /// Engine node `node` dies (its engine and its link).
+    Crash {
+        /// Node id (1.. are engines).
+        node: u32,
+    },
+    /// A crashed engine node starts again, empty, with a new epoch.
+    Restart {
+        /// Node id.
+        node: u32,
+    },
+    /// Cut `a -> b` (and `b -> a` unless `one_way`).
+    Partition {
+        /// One end.
+        a: u32,
+        /// The other.
+        b: u32,
+        /// Only `a -> b`.
+        #[serde(default)]
+        one_way: bool,
+    },
+    /// Restore every cut link.
+    Heal,
+    /// Hold every message on `a -> b` until `unclog`.
+    Clog {
+        /// Sender.
+        a: u32,
+        /// Receiver.
+        b: u32,
+    },
+    /// Release every clogged link, one at a time in a random order.
+    Unclog,
+}
+
+/// A scenario that cannot run.
+#[derive(Debug, thiserror::Error)]
+pub enum ScenarioError {
+    /// Not readable.
+    #[error("reading {path}: {err}")]
+    Read {
+        /// The file.
+        path: String,
+        /// Why.
+        err: std::io::Error,
+    },
+    /// Not valid TOML for a scenario.
+    #[error("{path}: {err}")]
+    Parse {
+        /// The file.
+        path: String,
+        /// Where and why.
+        err: String,
+    },
+    /// A value out of range or a dangling name.
+    #[error("{0}")]
+    Invalid(String),
+}
+
+impl Scenario {
+    /// Reads and validates a scenario file.
+    pub fn load(path: &Path) -> Result<Scenario, ScenarioError> {
+        let text = std::fs::read_to_string(path).map_err(|err| ScenarioError::Read {
+            path: path.display().to_string(),
+            err,
+        })?;
+        Scenario::parse(&text).map_err(|e| match e {
+            ScenarioError::Parse { err, .. } => ScenarioError::Parse {
+                path: path.display().to_string(),
+                err,
+            },
+            other => other,
+        })
+    }
+
+    /// Parses and validates scenario text.
+    pub fn parse(text: &str) -> Result<Scenario, ScenarioError> {
+        let s: Scenario = toml::from_str(text).map_err(|e| ScenarioError::Parse {
+            path: "scenario".into(),
+            err: e.to_string(),
+        })?;
+        s.validate()?;
+        Ok(s)
+    }
+
+    /// The accelerator's figures.
+    pub fn gpu_params(&self) -> Result<GpuParams, ScenarioError> {
+        match &self.gpu {
+            Named::Preset { preset } => GpuParams::preset(preset).ok_or_else(|| {
+                ScenarioError::Invalid(format!(
+                    "unknown gpu preset '{preset}' (h100, h200, a100, cpu)"
+                ))
+            }),
+            Named::Gpu(g) => Ok(g.clone()),
+            Named::Model(_) => Err(ScenarioError::Invalid("[gpu] holds model fields".into())),
+        }
+    }
+
+    /// The model's shape.
+    pub fn model_shape(&self) -> Result<ModelShape, ScenarioError> {
+        match &self.model {
+            Named::Preset { preset } => ModelShape::preset(preset).ok_or_else(|| {
+                ScenarioError::Invalid(format!(
+                    "unknown model preset '{preset}' (llama-7b, llama3-8b, smollm2-135m)"
+                ))
+            }),
+            Named::Model(m) => Ok(m.clone()),
+            Named::Gpu(_) => Err(ScenarioError::Invalid("[model] holds gpu fields".into())),
+        }
+    }
+
+    fn validate(&self) -> Result<(), ScenarioError> {
+        let bad = |m: String| Err(ScenarioError::Invalid(m));
+        self.gpu_params()?;
+        let m = self.model_shape()?;
+        if !(self.run.duration_s > 0.0 && self.run.duration_s <= 86_400.0) {
+            return bad(format!(
+                "run.duration_s {} is not in (0, 86400]",
+                self.run.duration_s
+            ));
+        }
+        if !(self.run.drain_s >= 0.0 && self.run.drain_s <= 86_400.0) {
+            return bad(format!(
+                "run.drain_s {} is not in [0, 86400]",
+                self.run.drain_s
+            ));
+        }
+        if self.cluster.engines == 0 || self.cluster.engines > 4096 {
+            return bad(format!(
+                "cluster.engines {} is not in 1..=4096",
+                self.cluster.engines
+            ));
+        }
+        if self.engine.max_model_len > m.ctx_len {
+            return bad(format!(
+                "engine.max_model_len {} exceeds the model's context {}",
+                self.engine.max_model_len, m.ctx_len
+            ));
+        }
+        if !["continuous", "static"].contains(&self.engine.batching.as_str()) {
+            return bad(format!(
+                "engine.batching '{}' (expected continuous or static)",
+                self.engine.batching
+            ));
+        }
+        for p in [
+            ("network.loss", self.network.loss),
+            ("network.duplicate", self.network.duplicate),
+            ("network.reorder", self.network.reorder),
+        ] {
+            if !(0.0..=1.0).contains(&p.1) {
+                return bad(format!("{} {} is not in [0, 1]", p.0, p.1));
+            }
+        }
+        if self.tiers.is_empty() || self.tenants.is_empty() {
+            return bad("a scenario needs at least one tier and one tenant".into());
+        }
+        for t in &self.tenants {
+            if !self.tiers.iter().any(|x| x.name == t.tier) {
+                return bad(format!(
+                    "tenant '{}' names unknown tier '{}'",
+                    t.name, t.tier
+                ));
+            }
+            if !(0.0..=1.0).contains(&t.cancel_fraction) {
+                return bad(format!(
+                    "tenant '{}': cancel_fraction not in [0, 1]",
+                    t.name
+                ));
+            }
+            let positive = match t.arrivals {
+                Arrivals::Poisson { rate_per_s } => rate_per_s > 0.0,
+                Arrivals::Closed { clients } => clients > 0,
+                Arrivals::Bursts {
+                    rate_per_s,
+                    burst,
+                    every_s,
+                } => rate_per_s >= 0.0 && burst > 0 && every_s > 0.0,
+            };
+            if !positive {
+                return bad(format!("tenant '{}': arrivals must be positive", t.name));
+            }
+            for (what, l) in [("prompt", &t.prompt), ("output", &t.output)] {
+                let (lo, hi) = match *l {
+                    Lengths::Fixed { tokens } => (tokens, tokens),
+                    Lengths::Lognormal { min, max, .. } | Lengths::Uniform { min, max } => {
+                        (min, max)
+                    }
+                };
+                if lo == 0 || lo > hi {
+                    return bad(format!(
+                        "tenant '{}': {what} lengths need 1 <= min <= max",
+                        t.name
+                    ));
+                }
+            }
+        }
+        let engines = self.cluster.engines as u32;
+        for f in &self.faults {
+            let node_ok = |n: u32| (1..=engines).contains(&n);
+            let ok = match f.kind {
+                FaultKind::Crash { node } | FaultKind::Restart { node } => node_ok(node),
+                FaultKind::Partition { a, b, .. } | FaultKind::Clog { a, b } => {
+                    a <= engines && b <= engines && a != b
+                }
+                FaultKind::Heal | FaultKind::Unclog => true,
+            };
+            if !ok || f.at_s.is_nan() || f.at_s < 0.0 {
+                return bad(format!(
+                    "fault {:?} at {} s names a node outside 0..={engines}",
+                    f.kind, f.at_s
+                ));
+            }
+        }
+        Ok(())
+    }
+}

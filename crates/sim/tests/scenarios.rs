@@ -1,0 +1,216 @@
+//! Whole runs: determinism, faults that fire, invariants that catch.
+
+use flotilla_sim::{Scenario, SimError, run};
+
+/// Two engines on the CPU preset with the default model, two tiers.
+fn small(extra: &str) -> Scenario {
+    let text = format!(
+        r#"
+[run]
+duration_s = 4.0
+drain_s = 60.0
+
+[model]
+preset = "smollm2-135m"
+
+[gpu]
+preset = "cpu"
+
+[engine]
+max_num_seqs = 16
+max_num_batched_tokens = 256
+max_model_len = 1024
+
+[cluster]
+engines = 2
+heartbeat_ms = 100
+down_after_missed = 3
+
+[[tiers]]
+name = "paid"
+priority = 2
+weight = 4
+slo_ttft_ms = 2000
+slo_tpot_ms = 200
+
+[[tiers]]
+name = "free"
+slo_ttft_ms = 5000
+slo_tpot_ms = 500
+
+[[tenants]]
+name = "p"
+tier = "paid"
+arrivals = {{ kind = "poisson", rate_per_s = 4.0 }}
+prompt = {{ kind = "lognormal", mu = 4.0, sigma = 0.6, min = 8, max = 400 }}
+output = {{ kind = "uniform", min = 4, max = 24 }}
+cancel_fraction = 0.1
+
+[[tenants]]
+name = "f"
+tier = "free"
+arrivals = {{ kind = "closed", clients = 3 }}
+prompt = {{ kind = "fixed", tokens = 64 }}
+output = {{ kind = "fixed", tokens = 16 }}
+{extra}
+"#
+    );
+    Scenario::parse(&text).unwrap()
+}
+
+#[test]
+fn the_same_seed_gives_the_same_trace() {
+    let sc = small("");
+    let a = run(&sc, 7).unwrap();
+    let b = run(&sc, 7).unwrap();
+    assert_eq!(a, b, "two runs of seed 7 differ");
+    let c = run(&sc, 8).unwrap();
+    assert_ne!(a.trace_hash, c.trace_hash, "seed 8 replayed seed 7");
+    let paid = &a.tiers[0];
+    assert!(paid.sent >= 8 && paid.finished > 0, "{a}");
+    assert!(paid.cancelled > 0, "no client left mid-stream: {a}");
+    assert!(a.output_tokens > 0 && a.events > paid.sent, "{a}");
+}
+
+#[test]
+fn a_fault_storm_keeps_every_invariant() {
+    let sc = small(
+        r#"
+[network]
+loss = 0.01
+duplicate = 0.01
+reorder = 0.01
+
+[[faults]]
+at_s = 1.0
+kind = "crash"
+node = 2
+
+[[faults]]
+at_s = 1.5
+kind = "partition"
+a = 0
+b = 1
+
+[[faults]]
+at_s = 1.6
+kind = "heal"
+
+[[faults]]
+at_s = 2.0
+kind = "restart"
+node = 2
+
+[[faults]]
+at_s = 2.5
+kind = "clog"
+a = 1
+b = 0
+
+[[faults]]
+at_s = 2.6
+kind = "unclog"
+"#,
+    );
+    let r = match run(&sc, 3) {
+        Ok(r) => r,
+        Err(e) => panic!("{e}"),
+    };
+    let f = r.faults;
+    assert_eq!((f.crashes, f.restarts), (1, 1), "{r}");
+    assert!(f.partitioned > 0 && f.clogged > 0, "{r}");
+    assert!(f.lost > 0 && f.duplicated > 0 && f.reordered > 0, "{r}");
+    // Requests on the crashed node that had streamed tokens fail clearly;
+    // the rest finish (or are re-run).
+    let t = &r.tiers[0];
+    assert_eq!(
+        t.sent,
+        t.finished + t.refused + t.failed + t.cancelled,
+        "{r}"
+    );
+    assert!(t.finished > 0, "{r}");
+}
+
+#[test]
+fn requests_that_never_end_break_the_run_with_its_seed() {
+    // No time to drain: requests still in flight at the end are a failure.
+    let mut sc = small("");
+    sc.run.drain_s = 0.0;
+    match run(&sc, 11) {
+        Err(SimError::Invariant { seed, what, .. }) => {
+            assert_eq!(seed, 11);
+            assert!(what.contains("still pending"), "{what}");
+        }
+        other => panic!("{other:?}"),
+    }
+}
+
+#[test]
+fn an_enabled_fault_that_never_fires_fails_the_run() {
+    let sc = small("[network]\nloss = 1e-12\n");
+    match run(&sc, 5) {
+        Err(SimError::Invariant { what, .. }) => assert!(what.contains("loss"), "{what}"),
+        other => panic!("{other:?}"),
+    }
+}
+
+#[test]
+fn bad_scenarios_are_refused_with_the_reason() {
+    let e = Scenario::parse("[run]\nduration_s = 1\n").unwrap_err();
+    assert!(e.to_string().contains("missing field"), "{e}");
+    let base = std::fs::read_to_string(shipped().join("fault-storm.toml")).unwrap();
+    for (from, to, why) in [
+        ("duration_s = 30.0", "duration_s = -1.0", "duration_s"),
+        (
+            "preset = \"a100\"",
+            "preset = \"tpu\"",
+            "unknown gpu preset",
+        ),
+        ("tier = \"paid\"", "tier = \"gold\"", "unknown tier 'gold'"),
+        ("node = 2", "node = 9", "outside"),
+        ("loss = 0.001", "loss = 2.0", "network.loss"),
+        ("kind = \"crash\"", "kind = \"explode\"", "unknown variant"),
+    ] {
+        assert!(base.contains(from), "{from}");
+        let e = Scenario::parse(&base.replacen(from, to, 1)).unwrap_err();
+        assert!(e.to_string().contains(why), "{to}: {e}");
+    }
+}
+
+fn shipped() -> std::path::PathBuf {
+    std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../simulations")
+}
+
+#[test]
+fn every_shipped_scenario_parses() {
+    let mut n = 0;
+    for e in std::fs::read_dir(shipped()).unwrap() {
+        let p = e.unwrap().path();
+        if p.extension().is_some_and(|x| x == "toml") {
+            Scenario::load(&p).unwrap_or_else(|e| panic!("{e}"));
+            n += 1;
+        }
+    }
+    assert!(n >= 4, "{n} scenarios");
+}
+
+#[test]
+fn the_shipped_fault_storm_holds_for_several_seeds() {
+    let sc = Scenario::load(&shipped().join("fault-storm.toml")).unwrap();
+    for seed in 1..=2 {
+        let r = run(&sc, seed).unwrap_or_else(|e| panic!("{e}"));
+        let f = r.faults;
+        assert!(
+            f.crashes == 1 && f.restarts == 1 && f.partitioned > 0 && f.clogged > 0,
+            "{r}"
+        );
+        let t = &r.tiers[0];
+        assert_eq!(
+            t.sent,
+            t.finished + t.refused + t.failed + t.cancelled,
+            "{r}"
+        );
+        // Only requests that had streamed from the crashed node fail.
+        assert!(t.failed < t.sent / 10, "{r}");
+    }
+}
