@@ -1056,7 +1056,13 @@ mod tests {
         let mut f = encode_frame(&samples()[0], 0, 0, 0, CAP).unwrap();
         f[4..6].copy_from_slice(&1u16.to_le_bytes());
         let e = decode_frame(&f, CAP).unwrap_err();
-        assert_eq!(e, WireError::Version { theirs: 1, ours: PROTOCOL_VERSION });
+        assert_eq!(
+            e,
+            WireError::Version {
+                theirs: 1,
+                ours: PROTOCOL_VERSION
+            }
+        );
         assert!(e.to_string().contains("protocol version 1"));
     }
 

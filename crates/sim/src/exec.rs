@@ -11,6 +11,9 @@ use flotilla_model::{
 use crate::cost::{GpuParams, ModelShape, SeqCost, step_time};
 use crate::rng::Rng;
 
+/// Bytes a simulated KV block carries when it migrates.
+pub const SIM_BLOCK_BYTES: usize = 8;
+
 /// A modelled accelerator running a modelled model.
 pub struct SimExecutor {
     gpu: GpuParams,
@@ -33,9 +36,9 @@ impl SimExecutor {
         max_batch_tokens: usize,
         rng: Rng,
     ) -> Result<SimExecutor, String> {
-        let bytes_per_block = block_size * shape.kv_bytes_per_token();
+        let real_block_bytes = block_size * shape.kv_bytes_per_token();
         let free = gpu.mem_bytes * 0.9 - shape.weight_bytes();
-        let num_blocks = (free / bytes_per_block as f64).floor();
+        let num_blocks = (free / real_block_bytes as f64).floor();
         if num_blocks < (shape.ctx_len / block_size) as f64 {
             return Err(format!(
                 "{} on {}: {:.1} GB of weights leave room for {num_blocks} KV blocks, \
@@ -66,7 +69,10 @@ impl SimExecutor {
             } else {
                 KvDtype::F16
             },
-            bytes_per_block,
+            // A stand-in: migrated blocks carry this many bytes, and the
+            // simulated network charges the transfer for the real size
+            // (`ModelShape::kv_bytes_per_token` per token).
+            bytes_per_block: SIM_BLOCK_BYTES,
         };
         Ok(SimExecutor {
             gpu,

@@ -48,6 +48,10 @@ pub struct LinkConfig {
     /// A link that carries nothing for this long closes, dropping what it
     /// held, ms (QUIC's idle timeout).
     pub idle_timeout_ms: u64,
+    /// Bytes a migrated token's KV really has (set from the model: the
+    /// simulated blocks carry stand-in bytes, transfers take the real time).
+    #[serde(skip)]
+    pub kv_bytes_per_token: u64,
 }
 
 impl Default for LinkConfig {
@@ -60,6 +64,7 @@ impl Default for LinkConfig {
             duplicate: 0.0,
             reorder: 0.0,
             idle_timeout_ms: 10_000,
+            kv_bytes_per_token: 0,
         }
     }
 }
@@ -83,6 +88,10 @@ pub struct FaultCounts {
     pub crashes: u64,
     /// Nodes restarted.
     pub restarts: u64,
+    /// KV transfers started (not a fault: counted with them for the report).
+    pub transfers: u64,
+    /// Their modelled bytes.
+    pub transfer_bytes: u64,
 }
 
 struct NodeSlot {
@@ -370,7 +379,11 @@ impl Transport for SimTransport {
                 }
                 let cfg = st.link.clone();
                 let lat = cfg.latency_us + st.rng.range(0, cfg.jitter_us);
-                (to_epoch, data.len() as f64 / cfg.bandwidth, lat)
+                let bytes =
+                    (u64::from(header.token_count) * cfg.kv_bytes_per_token).max(data.len() as u64);
+                st.faults.transfers += 1;
+                st.faults.transfer_bytes += bytes;
+                (to_epoch, bytes as f64 / cfg.bandwidth, lat)
             };
             tokio::time::sleep(Duration::from_secs_f64(secs) + Duration::from_micros(lat)).await;
             let st = net.lock();

@@ -160,6 +160,14 @@ impl std::fmt::Display for Report {
             x.crashes,
             x.restarts
         )?;
+        if x.transfers > 0 {
+            writeln!(
+                f,
+                "KV transfers: {}, {:.2} GB modelled",
+                x.transfers,
+                x.transfer_bytes as f64 / 1e9
+            )?;
+        }
         write!(
             f,
             "trace: {} events, hash {:016x} (seed {})",
@@ -316,8 +324,10 @@ async fn simulate(sc: &Scenario, seed: u64) -> Result<Report, SimError> {
     sched
         .validate()
         .map_err(|e| SimError::Scenario(ScenarioError::Invalid(e.to_string())))?;
-    let n = sc.cluster.engines;
-    let net = SimNet::new(n + 1, sc.network.clone(), root.split(1));
+    let n = sc.engine_nodes();
+    let mut link = sc.network.clone();
+    link.kv_bytes_per_token = shape.kv_bytes_per_token() as u64;
+    let net = SimNet::new(n + 1, link, root.split(1));
     let hb = Duration::from_millis(sc.cluster.heartbeat_ms);
     let (rt, rx) = net.join(0, 1);
     let router = ClusterEngine::start(
@@ -325,7 +335,7 @@ async fn simulate(sc: &Scenario, seed: u64) -> Result<Report, SimError> {
         rx,
         RouterOptions {
             workers: (1..=n as u32)
-                .map(|i| (i, format!("engine-{i}"), Role::Worker))
+                .map(|i| (i, format!("engine-{i}"), sc.role_of(i)))
                 .collect(),
             heartbeat_interval: hb,
             down_after: hb * sc.cluster.down_after_missed,
@@ -508,14 +518,26 @@ async fn start_engine(w: &Arc<World>, node: u32, life: u64) -> Result<(), SimErr
     .await
     .map_err(|e| SimError::Start(e.to_string()))?;
     let hb = Duration::from_millis(w.sc.cluster.heartbeat_ms);
+    let role = w.sc.role_of(node);
     let opts = WorkerOptions {
         heartbeat_interval: hb,
         down_after: hb * w.sc.cluster.down_after_missed,
         num_tenants: w.sc.tenants.len() as u32,
-        ..WorkerOptions::new(vec![0], Role::Worker)
+        model: w.sc.model_shape()?.name,
+        tenant_priority: w
+            .sched
+            .tenants
+            .iter()
+            .map(|t| w.sched.tiers[usize::from(t.tier.0)].priority)
+            .collect(),
+        transfers_max: w.sc.cluster.kv_transfers_max,
+        ..WorkerOptions::new(vec![0], role)
     };
     let (t, rx) = w.net.join(node, (u64::from(node) << 32) | life);
-    tokio::spawn(run_worker(t, rx, Arc::new(engine.clone()), None, opts));
+    let engine_arc = Arc::new(engine.clone());
+    let kv: Option<Arc<dyn flotilla_proto::KvMigration>> =
+        matches!(role, Role::Prefill | Role::Decode).then(|| engine_arc.clone() as _);
+    tokio::spawn(run_worker(t, rx, engine_arc, kv, opts));
     lock(&w.engines)[node as usize] = Some(engine);
     Ok(())
 }

@@ -97,12 +97,19 @@ impl Default for EngineSection {
     }
 }
 
-/// The engine nodes (all mixed) and membership timing.
+/// The engine nodes and membership timing. Node 0 is the Router; then the
+/// mixed engines, then the prefill nodes, then the decode nodes.
 #[derive(Clone, Debug, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct ClusterSection {
-    /// Engine nodes (node 0 is the Router).
+    /// Mixed engine nodes (whole requests).
     pub engines: usize,
+    /// Prefill nodes (disaggregated serving; needs decode nodes).
+    pub prefill: usize,
+    /// Decode nodes.
+    pub decode: usize,
+    /// Transfers a prefill node sends at once.
+    pub kv_transfers_max: usize,
     /// Heartbeat period, ms.
     pub heartbeat_ms: u64,
     /// Missed heartbeats before a node is down.
@@ -113,6 +120,9 @@ impl Default for ClusterSection {
     fn default() -> Self {
         ClusterSection {
             engines: 1,
+            prefill: 0,
+            decode: 0,
+            kv_transfers_max: 2,
             heartbeat_ms: 250,
             down_after_missed: 4,
         }
@@ -298,6 +308,24 @@ pub enum ScenarioError {
 }
 
 impl Scenario {
+    /// Engine nodes of every role.
+    pub fn engine_nodes(&self) -> usize {
+        self.cluster.engines + self.cluster.prefill + self.cluster.decode
+    }
+
+    /// The role of engine node `node` (1-based).
+    pub fn role_of(&self, node: u32) -> flotilla_proto::Role {
+        let n = node as usize;
+        let c = &self.cluster;
+        if n <= c.engines {
+            flotilla_proto::Role::Worker
+        } else if n <= c.engines + c.prefill {
+            flotilla_proto::Role::Prefill
+        } else {
+            flotilla_proto::Role::Decode
+        }
+    }
+
     /// Reads and validates a scenario file.
     pub fn load(path: &Path) -> Result<Scenario, ScenarioError> {
         let text = std::fs::read_to_string(path).map_err(|err| ScenarioError::Read {
@@ -365,11 +393,16 @@ impl Scenario {
                 self.run.drain_s
             ));
         }
-        if self.cluster.engines == 0 || self.cluster.engines > 4096 {
-            return bad(format!(
-                "cluster.engines {} is not in 1..=4096",
-                self.cluster.engines
-            ));
+        let c = &self.cluster;
+        let total = c.engines + c.prefill + c.decode;
+        if total == 0 || total > 4096 {
+            return bad(format!("{total} engine nodes: the cluster needs 1..=4096"));
+        }
+        if c.prefill > 0 && c.decode == 0 {
+            return bad("cluster.prefill nodes need at least one decode node".into());
+        }
+        if c.kv_transfers_max == 0 {
+            return bad("cluster.kv_transfers_max must be at least 1".into());
         }
         if self.engine.max_model_len > m.ctx_len {
             return bad(format!(
@@ -435,7 +468,7 @@ impl Scenario {
                 }
             }
         }
-        let engines = self.cluster.engines as u32;
+        let engines = total as u32;
         for f in &self.faults {
             let node_ok = |n: u32| (1..=engines).contains(&n);
             let ok = match f.kind {

@@ -214,3 +214,31 @@ fn the_shipped_fault_storm_holds_for_several_seeds() {
         assert!(t.failed < t.sent / 10, "{r}");
     }
 }
+
+#[test]
+fn disaggregated_serving_survives_a_dead_prefill_node() {
+    use flotilla_sim::scenario::{FaultKind, FaultSection};
+    let mut sc = small("");
+    sc.cluster.engines = 0;
+    sc.cluster.prefill = 2;
+    sc.cluster.decode = 2;
+    // Node 1 is the first prefill node.
+    sc.faults.push(FaultSection {
+        at_s: 1.5,
+        kind: FaultKind::Crash { node: 1 },
+    });
+    let r = run(&sc, 9).unwrap_or_else(|e| panic!("{e}"));
+    assert!(r.faults.transfers > 10, "{r}");
+    assert_eq!(r.faults.crashes, 1, "{r}");
+    for t in &r.tiers {
+        assert_eq!(
+            t.sent,
+            t.finished + t.refused + t.failed + t.cancelled,
+            "{r}"
+        );
+        // A prefill node holds no stream: its requests are re-run, not failed.
+        assert_eq!(t.failed, 0, "{r}");
+        assert!(t.finished > 0, "{r}");
+    }
+    assert_eq!(run(&sc, 9).unwrap().trace_hash, r.trace_hash);
+}
