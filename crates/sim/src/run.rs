@@ -383,15 +383,24 @@ async fn simulate(sc: &Scenario, seed: u64) -> Result<Report, SimError> {
     for (ti, t) in sc.tenants.iter().enumerate() {
         let mut rng = world.rng.split(1000 + ti as u64);
         match t.arrivals {
-            Arrivals::Closed { clients } => {
+            Arrivals::Closed { clients, requests } => {
+                let left = Arc::new(Mutex::new(requests.unwrap_or(usize::MAX)));
                 for c in 0..clients {
                     let w = world.clone();
+                    let left = left.clone();
                     let mut crng = rng.split(c as u64);
                     tasks.spawn(async move {
                         // Staggered starts, so the clients do not march in step.
                         let skew = Duration::from_secs_f64(crng.f64() * 0.1);
                         tokio::time::sleep(skew).await;
                         while Instant::now() < end_of_arrivals {
+                            {
+                                let mut n = lock(&left);
+                                if *n == 0 {
+                                    break;
+                                }
+                                *n -= 1;
+                            }
                             one_request(&w, ti, &mut crng).await;
                         }
                     });

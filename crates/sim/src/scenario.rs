@@ -193,6 +193,10 @@ pub enum Arrivals {
     Closed {
         /// Concurrent clients.
         clients: usize,
+        /// Stop after this many requests in all (as `flotilla bench
+        /// --requests`); otherwise at the end of the run.
+        #[serde(default)]
+        requests: Option<usize>,
     },
     /// Poisson at `rate_per_s`, with bursts of `burst` requests at once
     /// every `every_s` seconds.
@@ -443,7 +447,7 @@ impl Scenario {
             }
             let positive = match t.arrivals {
                 Arrivals::Poisson { rate_per_s } => rate_per_s > 0.0,
-                Arrivals::Closed { clients } => clients > 0,
+                Arrivals::Closed { clients, requests } => clients > 0 && requests != Some(0),
                 Arrivals::Bursts {
                     rate_per_s,
                     burst,

@@ -242,3 +242,16 @@ fn disaggregated_serving_survives_a_dead_prefill_node() {
     }
     assert_eq!(run(&sc, 9).unwrap().trace_hash, r.trace_hash);
 }
+
+#[test]
+fn closed_clients_stop_after_their_request_count() {
+    let mut sc = small("");
+    sc.tenants.truncate(1);
+    sc.tenants[0].arrivals = flotilla_sim::scenario::Arrivals::Closed {
+        clients: 3,
+        requests: Some(10),
+    };
+    sc.tenants[0].cancel_fraction = 0.0;
+    let r = run(&sc, 2).unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!((r.tiers[0].sent, r.tiers[0].finished), (10, 10), "{r}");
+}
