@@ -94,6 +94,9 @@ pub struct FaultCounts {
     pub transfer_bytes: u64,
 }
 
+/// A message on its way: when it arrives, to which life of its node.
+type Delivery = (Instant, u64, Inbound);
+
 struct NodeSlot {
     epoch: u64,
     inbox: mpsc::Sender<Inbound>,
@@ -109,6 +112,9 @@ struct NetState {
     clogged: BTreeSet<(NodeId, NodeId)>,
     /// When the last message on each directed link arrives (FIFO order).
     last_arrival: BTreeMap<(NodeId, NodeId), Instant>,
+    /// Each directed link's in-order deliveries: one task per link, not
+    /// one per message.
+    queues: BTreeMap<(NodeId, NodeId), mpsc::UnboundedSender<Delivery>>,
     faults: FaultCounts,
 }
 
@@ -135,6 +141,7 @@ impl SimNet {
                 cut: BTreeSet::new(),
                 clogged: BTreeSet::new(),
                 last_arrival: BTreeMap::new(),
+                queues: BTreeMap::new(),
                 faults: FaultCounts::default(),
             }),
         })
@@ -219,6 +226,28 @@ impl SimNet {
         self.lock().faults
     }
 
+    /// Queues `inbound` on `link` for `at`; `at` never goes backwards on a
+    /// link (FIFO), so one task per link sleeps to each in turn.
+    fn enqueue(self: &Arc<Self>, st: &mut NetState, link: (NodeId, NodeId), d: Delivery) {
+        let tx = st.queues.entry(link).or_insert_with(|| {
+            let (tx, mut rx) = mpsc::unbounded_channel::<Delivery>();
+            let net = self.clone();
+            tokio::spawn(async move {
+                while let Some((at, epoch, inbound)) = rx.recv().await {
+                    tokio::time::sleep_until(at).await;
+                    let st = net.lock();
+                    if let Some(slot) = &st.nodes[link.1 as usize]
+                        && slot.epoch == epoch
+                    {
+                        let _ = slot.inbox.try_send(inbound);
+                    }
+                }
+            });
+            tx
+        });
+        let _ = tx.send(d);
+    }
+
     /// Delivers `inbound` to `to`'s current life (`epoch`) at `at`.
     fn deliver_at(self: &Arc<Self>, to: NodeId, epoch: u64, at: Instant, inbound: Inbound) {
         let net = self.clone();
@@ -300,7 +329,8 @@ impl Transport for SimTransport {
                 st.faults.lost += 1;
                 at += Duration::from_micros(25_000 + 6 * cfg.latency_us);
             }
-            if st.rng.chance(cfg.reorder) {
+            let reordered = st.rng.chance(cfg.reorder);
+            if reordered {
                 // Held back outside the link's order: what is sent next
                 // on this link overtakes it.
                 st.faults.reordered += 1;
@@ -341,8 +371,10 @@ impl Transport for SimTransport {
                     }
                     net.deliver_at(to, to_epoch, Instant::now().max(at), inbound);
                 });
-            } else {
+            } else if reordered {
                 self.net.deliver_at(to, to_epoch, at, inbound);
+            } else {
+                self.net.enqueue(&mut st, link, (at, to_epoch, inbound));
             }
         }
         Ok(())
