@@ -216,6 +216,24 @@ fn the_shipped_fault_storm_holds_for_several_seeds() {
 }
 
 #[test]
+fn the_shipped_disaggregated_fault_storm_holds() {
+    let sc = Scenario::load(&shipped().join("pd-fault-storm.toml")).unwrap();
+    let r = run(&sc, 1).unwrap_or_else(|e| panic!("{e}"));
+    let f = r.faults;
+    assert!(
+        f.crashes == 2 && f.restarts == 1 && f.transfers > 100,
+        "{r}"
+    );
+    let t = &r.tiers[0];
+    assert_eq!(
+        t.sent,
+        t.finished + t.refused + t.failed + t.cancelled,
+        "{r}"
+    );
+    assert!(t.failed < t.sent / 10, "{r}");
+}
+
+#[test]
 fn disaggregated_serving_survives_a_dead_prefill_node() {
     use flotilla_sim::scenario::{FaultKind, FaultSection};
     let mut sc = small("");
