@@ -401,6 +401,9 @@ impl Inner {
         };
         if epoch > st.workers[w].epoch {
             if st.workers[w].epoch != 0 {
+                // Our link still reaches its old life: frames sent there
+                // would vanish until the idle timeout.
+                self.transport.reconnect(from);
                 self.worker_lost(&mut st, w, "restarted");
                 tracing::info!(node = %st.workers[w].name, "rejoined with a new epoch");
             }

@@ -225,6 +225,7 @@ pub async fn run_worker(
                 if opts.routers.contains(&from) {
                     let entry = routers.entry(from).or_insert((epoch, Instant::now()));
                     if epoch > entry.0 {
+                        transport.reconnect(from);
                         cancel_where(&mut active, |k| k.0 == from && k.1 < epoch);
                         importing.retain(|k, e| {
                             let keep = k.0 != from || e.epoch >= epoch;

@@ -132,6 +132,13 @@ pub trait Transport: Send + Sync + 'static {
         let _ = to;
         true
     }
+    /// `to` restarted (a message came from a newer epoch): our connection
+    /// to it reaches its old life, where frames vanish until the idle
+    /// timeout says so. Drop it and dial again now; until the new one is
+    /// up, `is_reachable(to)` is false.
+    fn reconnect(&self, to: NodeId) {
+        let _ = to;
+    }
 }
 
 /// What a transport refused or dropped, since start.

@@ -153,6 +153,9 @@ struct LinkState {
     /// Rung when the peer connects to us: it is back, so the dialer skips
     /// the rest of its backoff.
     wake: tokio::sync::Notify,
+    /// Rung when the peer restarted: the connection in use reaches its old
+    /// life and is dropped for a new one.
+    reset: tokio::sync::Notify,
 }
 
 /// A node's QUIC transport.
@@ -232,6 +235,7 @@ impl QuicTransport {
                 bulk: tokio::sync::Mutex::new(None),
                 peer: peer.clone(),
                 wake: tokio::sync::Notify::new(),
+                reset: tokio::sync::Notify::new(),
             });
             tokio::spawn(run_link(
                 endpoint.clone(),
@@ -454,6 +458,23 @@ impl Transport for QuicTransport {
         self.link(to)
             .is_some_and(|l| l.state.phase.load(Ordering::Acquire) != DOWN)
     }
+
+    fn reconnect(&self, to: NodeId) {
+        if let Some(l) = self.link(to)
+            && l.state.phase.load(Ordering::Acquire) == UP
+        {
+            l.state.phase.store(DOWN, Ordering::Release);
+            l.state.reset.notify_one();
+        }
+        // The bulk connection reaches the old life too: the next transfer
+        // dials a new one.
+        if let Some(l) = self.link(to)
+            && let Ok(mut bulk) = l.state.bulk.try_lock()
+            && let Some(c) = bulk.take()
+        {
+            c.close(VarInt::from_u32(close::SHUTDOWN), b"peer restarted");
+        }
+    }
 }
 
 fn transport_config(opts: &QuicOptions) -> Result<quinn::TransportConfig, StartError> {
@@ -521,6 +542,10 @@ async fn run_link(
             let first = tokio::select! {
                 f = rx.recv() => f,
                 _ = conn.closed() => break,
+                _ = state.reset.notified() => {
+                    conn.close(VarInt::from_u32(close::SHUTDOWN), b"peer restarted");
+                    break;
+                }
             };
             let Some(first) = first else {
                 conn.close(VarInt::from_u32(close::SHUTDOWN), b"shutdown");
