@@ -7,7 +7,7 @@ use flotilla_proto::{
     EngineFailure, EngineRequest, FinishReason, Rejection, RequestId, Sampled, TenantId,
 };
 
-use super::{End, Sim, Tracked, tok};
+use super::{End, Sim, tok};
 use crate::config::tests::two_tiers;
 
 const HOLD: Duration = Duration::from_secs(5);
@@ -24,26 +24,6 @@ impl Sim {
         self.track(id, &req);
         self.check();
         id
-    }
-
-    fn track(&mut self, id: RequestId, req: &EngineRequest) {
-        self.reqs.insert(
-            id,
-            Tracked {
-                tenant: req.tenant.0 as usize,
-                prompt: req.prompt.clone(),
-                max_tokens: req.max_tokens,
-                stop_ids: req.stop_token_ids.clone(),
-                out: Vec::new(),
-                end: None,
-                cancelled: false,
-                stopped_early: false,
-                preempted: 0,
-                submitted_step: self.steps,
-                first_planned_step: None,
-                computed: 0,
-            },
-        );
     }
 
     /// The KV-slot contents of `blocks` (what `read_block` would export).

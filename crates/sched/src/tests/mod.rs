@@ -125,24 +125,31 @@ impl Sim {
     pub(crate) fn submit_req(&mut self, req: EngineRequest) -> Result<RequestId, Rejection> {
         let id = RequestId(self.next_id);
         self.next_id += 1;
-        let t = Tracked {
-            tenant: req.tenant.0 as usize,
-            prompt: req.prompt.clone(),
-            max_tokens: req.max_tokens,
-            stop_ids: req.stop_token_ids.clone(),
-            out: Vec::new(),
-            end: None,
-            cancelled: false,
-            stopped_early: false,
-            preempted: 0,
-            submitted_step: self.steps,
-            first_planned_step: None,
-            computed: 0,
-        };
-        self.s.submit(self.now, id, req)?;
-        self.reqs.insert(id, t);
+        self.s.submit(self.now, id, req.clone())?;
+        self.track(id, &req);
         self.check();
         Ok(id)
+    }
+
+    /// Starts tracking an accepted request.
+    pub(crate) fn track(&mut self, id: RequestId, req: &EngineRequest) {
+        self.reqs.insert(
+            id,
+            Tracked {
+                tenant: req.tenant.0 as usize,
+                prompt: req.prompt.clone(),
+                max_tokens: req.max_tokens,
+                stop_ids: req.stop_token_ids.clone(),
+                out: Vec::new(),
+                end: None,
+                cancelled: false,
+                stopped_early: false,
+                preempted: 0,
+                submitted_step: self.steps,
+                first_planned_step: None,
+                computed: 0,
+            },
+        );
     }
 
     pub(crate) fn cancel(&mut self, id: RequestId) -> bool {
