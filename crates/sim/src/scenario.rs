@@ -383,8 +383,58 @@ impl Scenario {
 
     fn validate(&self) -> Result<(), ScenarioError> {
         let bad = |m: String| Err(ScenarioError::Invalid(m));
-        self.gpu_params()?;
+        let g = self.gpu_params()?;
         let m = self.model_shape()?;
+        // Every figure a time is divided by or built from: a zero, a
+        // negative or a NaN would panic deep in the run instead.
+        let positive = |x: f64| x.is_finite() && x > 0.0;
+        for (what, x) in [
+            ("gpu.prefill_flops", g.prefill_flops),
+            ("gpu.decode_flops", g.decode_flops),
+            ("gpu.mem_bw", g.mem_bw),
+            ("gpu.mem_bytes", g.mem_bytes),
+            ("model.params", m.params),
+            ("model.weight_bytes_per_param", m.weight_bytes_per_param),
+            ("network.bandwidth", self.network.bandwidth),
+        ] {
+            if !positive(x) {
+                return bad(format!("{what} {x} must be a positive number"));
+            }
+        }
+        if !(g.overhead_s.is_finite() && (0.0..=1.0).contains(&g.overhead_s)) {
+            return bad(format!("gpu.overhead_s {} is not in [0, 1]", g.overhead_s));
+        }
+        for (what, x) in [
+            ("model.n_layer", m.n_layer),
+            ("model.q_width", m.q_width),
+            ("model.n_head_kv", m.n_head_kv),
+            ("model.head_dim", m.head_dim),
+            ("model.kv_bytes", m.kv_bytes),
+            ("model.ctx_len", m.ctx_len),
+            ("engine.max_num_seqs", self.engine.max_num_seqs),
+            (
+                "engine.max_num_batched_tokens",
+                self.engine.max_num_batched_tokens,
+            ),
+            ("engine.max_model_len", self.engine.max_model_len),
+        ] {
+            if x == 0 {
+                return bad(format!("{what} must be at least 1"));
+            }
+        }
+        if m.vocab < 4 {
+            return bad(format!("model.vocab {} must be at least 4", m.vocab));
+        }
+        if !(1..=1024).contains(&self.engine.block_size) {
+            return bad(format!(
+                "engine.block_size {} is not in 1..=1024",
+                self.engine.block_size
+            ));
+        }
+        let q = self.engine.queue_timeout_s;
+        if !(q.is_finite() && q > 0.0 && q <= 86_400.0) {
+            return bad(format!("engine.queue_timeout_s {q} is not in (0, 86400]"));
+        }
         if !(self.run.duration_s > 0.0 && self.run.duration_s <= 86_400.0) {
             return bad(format!(
                 "run.duration_s {} is not in (0, 86400]",
@@ -482,7 +532,7 @@ impl Scenario {
                 }
                 FaultKind::Heal | FaultKind::Unclog => true,
             };
-            if !ok || f.at_s.is_nan() || f.at_s < 0.0 {
+            if !(ok && f.at_s.is_finite() && f.at_s >= 0.0) {
                 return bad(format!(
                     "fault {:?} at {} s names a node outside 0..={engines}",
                     f.kind, f.at_s

@@ -2,6 +2,15 @@
 
 use flotilla_sim::{Scenario, SimError, run};
 
+/// Every request sent ended one way: finished, refused, failed or dropped.
+fn assert_accounted(t: &flotilla_sim::TierReport, r: &flotilla_sim::Report) {
+    assert_eq!(
+        t.sent,
+        t.finished + t.refused + t.failed + t.cancelled,
+        "{r}"
+    );
+}
+
 /// Two engines on the CPU preset with the default model, two tiers.
 fn small(extra: &str) -> Scenario {
     let text = format!(
@@ -123,11 +132,7 @@ kind = "unclog"
     // Requests on the crashed node that had streamed tokens fail clearly;
     // the rest finish (or are re-run).
     let t = &r.tiers[0];
-    assert_eq!(
-        t.sent,
-        t.finished + t.refused + t.failed + t.cancelled,
-        "{r}"
-    );
+    assert_accounted(t, &r);
     assert!(t.finished > 0, "{r}");
 }
 
@@ -170,6 +175,18 @@ fn bad_scenarios_are_refused_with_the_reason() {
         ("node = 2", "node = 9", "outside"),
         ("loss = 0.001", "loss = 2.0", "network.loss"),
         ("kind = \"crash\"", "kind = \"explode\"", "unknown variant"),
+        ("[engine]\n", "[engine]\nblock_size = 0\n", "block_size"),
+        (
+            "[engine]\n",
+            "[engine]\nqueue_timeout_s = -1.0\n",
+            "queue_timeout_s",
+        ),
+        (
+            "[network]\n",
+            "[network]\nbandwidth = 0.0\n",
+            "network.bandwidth",
+        ),
+        ("at_s = 5.0", "at_s = inf", "outside"),
     ] {
         assert!(base.contains(from), "{from}");
         let e = Scenario::parse(&base.replacen(from, to, 1)).unwrap_err();
@@ -205,11 +222,7 @@ fn the_shipped_fault_storm_holds_for_several_seeds() {
             "{r}"
         );
         let t = &r.tiers[0];
-        assert_eq!(
-            t.sent,
-            t.finished + t.refused + t.failed + t.cancelled,
-            "{r}"
-        );
+        assert_accounted(t, &r);
         // Only requests that had streamed from the crashed node fail.
         assert!(t.failed < t.sent / 10, "{r}");
     }
@@ -225,11 +238,7 @@ fn the_shipped_disaggregated_fault_storm_holds() {
         "{r}"
     );
     let t = &r.tiers[0];
-    assert_eq!(
-        t.sent,
-        t.finished + t.refused + t.failed + t.cancelled,
-        "{r}"
-    );
+    assert_accounted(t, &r);
     assert!(t.failed < t.sent / 10, "{r}");
 }
 
@@ -249,11 +258,7 @@ fn disaggregated_serving_survives_a_dead_prefill_node() {
     assert!(r.faults.transfers > 10, "{r}");
     assert_eq!(r.faults.crashes, 1, "{r}");
     for t in &r.tiers {
-        assert_eq!(
-            t.sent,
-            t.finished + t.refused + t.failed + t.cancelled,
-            "{r}"
-        );
+        assert_accounted(t, &r);
         // A prefill node holds no stream: its requests are re-run, not failed.
         assert_eq!(t.failed, 0, "{r}");
         assert!(t.finished > 0, "{r}");
