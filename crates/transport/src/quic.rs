@@ -41,10 +41,32 @@ mod close {
 /// data can sit in front of a control frame in the send buffer.
 const BULK_CHUNK_BYTES: usize = 256 * 1024;
 
-/// Upper bound of MTU discovery: quinn sends up to 10 packets per GSO
-/// call, and the kernel refuses a batch over 64 KiB (quinn then takes the
-/// MTU for a black hole and falls back to 1200).
-const MTU_MAX_BYTES: u16 = 6500;
+/// Upper bound of MTU discovery on connections that send one datagram per
+/// system call (control connections, and bulk connections on paths that
+/// carry datagrams this large: loopback).
+const MTU_MAX_BYTES: u16 = 65000;
+
+/// Upper bound of MTU discovery on bulk connections that batch datagrams
+/// with segmentation offload: quinn sends up to 10 per call, and the
+/// kernel refuses a batch over 64 KiB (quinn then takes the MTU for a black
+/// hole and falls back to 1200).
+const MTU_GSO_MAX_BYTES: u16 = 6500;
+
+/// A path whose control connection discovered an MTU at least this large
+/// (loopback's is 64 KiB) gets bulk connections of single large datagrams:
+/// a 64 KiB datagram costs quinn one packet's work where segmentation
+/// offload would cost it ten. Ethernet paths (1500, or 9000 with jumbo
+/// frames) keep offload.
+const LARGE_DATAGRAM_MTU_MIN: u16 = 16 * 1024;
+
+/// Receive buffers for bulk transfers kept for reuse: a transfer is copied
+/// out of quinn's per-datagram buffers into one of these, so neither
+/// quinn's buffers nor a fresh multi-megabyte one have to be faulted in
+/// (page faults took a quarter of the receiving thread's time).
+const RECV_BUFFERS_KEPT: usize = 4;
+
+/// UDP socket buffer size asked for (see `size_socket_buffers`).
+const SOCKET_BUFFER_BYTES: usize = 8 << 20;
 
 /// A peer as the transport knows it.
 #[derive(Clone, Debug)]
@@ -158,6 +180,63 @@ struct LinkState {
     reset: tokio::sync::Notify,
 }
 
+/// Bulk receive buffers kept for reuse, so a steady stream of transfers
+/// neither grows the heap nor faults pages in.
+#[derive(Default)]
+struct RecvBuffers {
+    free: Mutex<Vec<Vec<u8>>>,
+}
+
+impl RecvBuffers {
+    /// An empty buffer with room for `len` bytes: the smallest kept one that
+    /// fits, else the largest grown, else a new one.
+    fn take(&self, len: usize) -> Vec<u8> {
+        let mut free = self.free.lock().expect("buffer pool poisoned");
+        let pick = free
+            .iter()
+            .enumerate()
+            .filter(|(_, b)| b.capacity() >= len)
+            .min_by_key(|(_, b)| b.capacity())
+            .map(|(i, _)| i)
+            .or_else(|| (0..free.len()).max_by_key(|&i| free[i].capacity()));
+        let mut buf = pick.map(|i| free.swap_remove(i)).unwrap_or_default();
+        drop(free);
+        buf.clear();
+        buf.reserve_exact(len);
+        buf
+    }
+
+    fn give(&self, buf: Vec<u8>) {
+        let mut free = self.free.lock().expect("buffer pool poisoned");
+        if free.len() < RECV_BUFFERS_KEPT {
+            free.push(buf);
+        } else if let Some(small) = free.iter_mut().min_by_key(|b| b.capacity())
+            && small.capacity() < buf.capacity()
+        {
+            *small = buf;
+        }
+    }
+}
+
+/// A received transfer's bytes; the buffer goes back to its pool when the
+/// last `Bytes` of it is dropped.
+struct PooledBuf {
+    buf: Vec<u8>,
+    pool: Arc<RecvBuffers>,
+}
+
+impl AsRef<[u8]> for PooledBuf {
+    fn as_ref(&self) -> &[u8] {
+        &self.buf
+    }
+}
+
+impl Drop for PooledBuf {
+    fn drop(&mut self) {
+        self.pool.give(std::mem::take(&mut self.buf));
+    }
+}
+
 /// A node's QUIC transport.
 pub struct QuicTransport {
     node: NodeId,
@@ -169,6 +248,10 @@ pub struct QuicTransport {
     counters: Arc<Counters>,
     closed: Arc<AtomicBool>,
     connect_timeout: Duration,
+    /// Client configs for bulk connections: single large datagrams, or
+    /// segmentation offload (see `LARGE_DATAGRAM_MTU_MIN`).
+    bulk_large: quinn::ClientConfig,
+    bulk_gso: quinn::ClientConfig,
 }
 
 impl QuicTransport {
@@ -198,9 +281,11 @@ impl QuicTransport {
                 "frame cap below 4096 bytes or an empty send queue".into(),
             ));
         }
-        let tc = Arc::new(transport_config(&opts)?);
+        let tc = Arc::new(transport_config(&opts, false)?);
         let server = tls::server_config(certs, tc.clone())?;
-        let client = tls::client_config(certs, tc)?;
+        let client = tls::client_config(certs, tc.clone())?;
+        let bulk_large = client.clone();
+        let bulk_gso = tls::client_config(certs, Arc::new(transport_config(&opts, true)?))?;
         // The endpoint's UDP payload cap (1472 by default) also caps MTU
         // discovery; raise it to the discovery bound.
         let mut ec = quinn::EndpointConfig::default();
@@ -211,6 +296,7 @@ impl QuicTransport {
             source,
         };
         let socket = std::net::UdpSocket::bind(opts.listen).map_err(bind)?;
+        size_socket_buffers(&socket);
         let runtime = quinn::default_runtime()
             .ok_or_else(|| StartError::Options("no async runtime for quinn".into()))?;
         let mut endpoint = Endpoint::new(ec, Some(server), socket, runtime).map_err(bind)?;
@@ -259,6 +345,7 @@ impl QuicTransport {
             in_tx,
             epochs,
             counters.clone(),
+            Arc::new(RecvBuffers::default()),
         ));
         Ok((
             Arc::new(QuicTransport {
@@ -271,6 +358,8 @@ impl QuicTransport {
                 counters,
                 closed,
                 connect_timeout: opts.connect_timeout,
+                bulk_large,
+                bulk_gso,
             }),
             in_rx,
         ))
@@ -398,6 +487,7 @@ impl Transport for QuicTransport {
         };
         let endpoint = self.endpoint.clone();
         let connect_timeout = self.connect_timeout;
+        let (bulk_large, bulk_gso) = (self.bulk_large.clone(), self.bulk_gso.clone());
         let frame = encode_frame(
             &Message::KvBlocks(header.clone()),
             header.req,
@@ -425,7 +515,18 @@ impl Transport for QuicTransport {
                 match bulk.as_ref() {
                     Some(c) if c.close_reason().is_none() => c.clone(),
                     _ => {
-                        let c = dial(&endpoint, &link.peer, connect_timeout)
+                        let control_mtu = link
+                            .conn
+                            .lock()
+                            .expect("link state poisoned")
+                            .as_ref()
+                            .map_or(0, |c| c.stats().path.current_mtu);
+                        let config = if control_mtu >= LARGE_DATAGRAM_MTU_MIN {
+                            bulk_large
+                        } else {
+                            bulk_gso
+                        };
+                        let c = dial(&endpoint, &link.peer, connect_timeout, Some(config))
                             .await
                             .map_err(BulkError::Io)?;
                         *bulk = Some(c.clone());
@@ -477,7 +578,25 @@ impl Transport for QuicTransport {
     }
 }
 
-fn transport_config(opts: &QuicOptions) -> Result<quinn::TransportConfig, StartError> {
+/// Asks for socket buffers of `SOCKET_BUFFER_BYTES`; the kernel caps the
+/// request at `net.core.rmem_max` / `wmem_max`. The default (208 KiB on
+/// Linux) holds three 64 KiB datagrams: a bulk transfer overflows it, and
+/// every datagram dropped there is a loss that halves the congestion
+/// window.
+fn size_socket_buffers(socket: &std::net::UdpSocket) {
+    let s = socket2::SockRef::from(socket);
+    let _ = s.set_recv_buffer_size(SOCKET_BUFFER_BYTES);
+    let _ = s.set_send_buffer_size(SOCKET_BUFFER_BYTES);
+    tracing::debug!(
+        recv = ?s.recv_buffer_size(),
+        send = ?s.send_buffer_size(),
+        "UDP socket buffers"
+    );
+}
+
+/// `gso`: batch datagrams with segmentation offload (bulk connections on
+/// ordinary paths); otherwise one datagram per call, up to 64 KiB.
+fn transport_config(opts: &QuicOptions, gso: bool) -> Result<quinn::TransportConfig, StartError> {
     let mut tc = quinn::TransportConfig::default();
     tc.keep_alive_interval(Some(opts.keep_alive));
     tc.max_idle_timeout(Some(
@@ -487,8 +606,13 @@ fn transport_config(opts: &QuicOptions) -> Result<quinn::TransportConfig, StartE
     // Loopback and jumbo-frame links get large packets after discovery;
     // ordinary Ethernet settles at its 1500.
     let mut mtu = quinn::MtuDiscoveryConfig::default();
-    mtu.upper_bound(MTU_MAX_BYTES);
+    mtu.upper_bound(if gso {
+        MTU_GSO_MAX_BYTES
+    } else {
+        MTU_MAX_BYTES
+    });
     tc.mtu_discovery_config(Some(mtu));
+    tc.enable_segmentation_offload(gso);
     Ok(tc)
 }
 
@@ -510,7 +634,7 @@ async fn run_link(
         if rx.is_closed() {
             return;
         }
-        let conn = match dial(&endpoint, &peer, opts.connect_timeout).await {
+        let conn = match dial(&endpoint, &peer, opts.connect_timeout, None).await {
             Ok(c) => c,
             Err(e) => {
                 if closed.load(Ordering::Acquire) {
@@ -586,15 +710,18 @@ async fn dial(
     endpoint: &Endpoint,
     peer: &PeerSpec,
     timeout: Duration,
+    config: Option<quinn::ClientConfig>,
 ) -> Result<Connection, String> {
     let addr = tokio::net::lookup_host(&peer.addr)
         .await
         .map_err(|e| format!("resolving {}: {e}", peer.addr))?
         .next()
         .ok_or_else(|| format!("{} resolves to nothing", peer.addr))?;
-    let connecting = endpoint
-        .connect(addr, &peer.name)
-        .map_err(|e| e.to_string())?;
+    let connecting = match config {
+        Some(c) => endpoint.connect_with(c, addr, &peer.name),
+        None => endpoint.connect(addr, &peer.name),
+    }
+    .map_err(|e| e.to_string())?;
     let conn = tokio::time::timeout(timeout, connecting)
         .await
         .map_err(|_| "connect timed out".to_string())?
@@ -619,6 +746,7 @@ async fn accept_loop(
     in_tx: mpsc::Sender<Inbound>,
     epochs: Arc<EpochFilter>,
     counters: Arc<Counters>,
+    bufs: Arc<RecvBuffers>,
 ) {
     let links = Arc::new(links);
     while let Some(incoming) = endpoint.accept().await {
@@ -627,6 +755,7 @@ async fn accept_loop(
         let in_tx = in_tx.clone();
         let epochs = epochs.clone();
         let counters = counters.clone();
+        let bufs = bufs.clone();
         tokio::spawn(async move {
             let Ok(conn) = incoming.await else {
                 // Handshake failed: no client certificate, another CA, ...
@@ -655,6 +784,7 @@ async fn accept_loop(
                     in_tx.clone(),
                     epochs.clone(),
                     counters.clone(),
+                    bufs.clone(),
                 ));
             }
         });
@@ -689,6 +819,7 @@ async fn read_stream(
     in_tx: mpsc::Sender<Inbound>,
     epochs: Arc<EpochFilter>,
     counters: Arc<Counters>,
+    bufs: Arc<RecvBuffers>,
 ) {
     let refuse = |code: u32, why: &str, counter: &std::sync::atomic::AtomicU64| {
         counter.fetch_add(1, Ordering::Relaxed);
@@ -736,20 +867,26 @@ async fn read_stream(
                 );
                 return refuse(close::PROTOCOL, &why, &counters.frames_invalid);
             }
-            // The chunks quinn hands out are kept as they are: no copy and
-            // no fresh 64 MiB buffer to fault in; the receiver copies them
-            // once, into their final place (its KV pool).
-            let mut data = Vec::new();
-            let mut got = 0u64;
-            while got < h.bytes {
-                match recv.read_chunk((h.bytes - got) as usize, true).await {
-                    Ok(Some(c)) => {
-                        got += c.bytes.len() as u64;
-                        data.push(c.bytes);
+            // Each chunk is copied out of quinn's datagram buffer at once, so
+            // that buffer is reused for the next datagram, into a kept
+            // buffer whose pages are already in.
+            let mut buf = bufs.take(h.bytes as usize);
+            while (buf.len() as u64) < h.bytes {
+                match recv
+                    .read_chunk((h.bytes - buf.len() as u64) as usize, true)
+                    .await
+                {
+                    Ok(Some(c)) => buf.extend_from_slice(&c.bytes),
+                    _ => {
+                        bufs.give(buf);
+                        return;
                     }
-                    _ => return,
                 }
             }
+            let data = vec![Bytes::from_owner(PooledBuf {
+                buf,
+                pool: bufs.clone(),
+            })];
             if !current {
                 counters.frames_stale_epoch.fetch_add(1, Ordering::Relaxed);
                 return;
@@ -777,5 +914,53 @@ async fn read_stream(
         if in_tx.send(inbound).await.is_err() {
             return;
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_received_transfer_s_buffer_is_reused_once_its_bytes_are_dropped() {
+        let pool = Arc::new(RecvBuffers::default());
+        let mut buf = pool.take(1000);
+        assert!(buf.capacity() >= 1000);
+        buf.extend_from_slice(&[5; 1000]);
+        let ptr = buf.as_ptr();
+        let data = Bytes::from_owner(PooledBuf {
+            buf,
+            pool: pool.clone(),
+        });
+        let part = data.slice(10..20);
+        drop(data);
+        // Still referenced by `part`: not back yet.
+        assert!(pool.free.lock().unwrap().is_empty());
+        assert_eq!(&part[..], &[5; 10]);
+        drop(part);
+        let again = pool.take(600);
+        assert_eq!(again.as_ptr(), ptr, "the kept buffer is handed out again");
+        assert!(again.is_empty(), "handed out empty");
+    }
+
+    #[test]
+    fn the_pool_keeps_a_bounded_number_of_the_largest_buffers() {
+        let pool = RecvBuffers::default();
+        for len in [10, 20, 30, 40, 50, 5] {
+            pool.give(Vec::with_capacity(len));
+        }
+        let mut caps: Vec<usize> = pool
+            .free
+            .lock()
+            .unwrap()
+            .iter()
+            .map(|b| b.capacity())
+            .collect();
+        caps.sort();
+        assert_eq!(caps, [20, 30, 40, 50]);
+        // The smallest that fits, and a grown one when none does.
+        assert_eq!(pool.take(25).capacity(), 30);
+        assert!(pool.take(100).capacity() >= 100);
+        assert_eq!(pool.free.lock().unwrap().len(), 2);
     }
 }
