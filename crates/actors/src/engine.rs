@@ -87,10 +87,24 @@ pub(crate) struct PendingImport {
     reply: RpcReplyPort<Result<RequestStream, Rejection>>,
 }
 
+/// Messages between two full invariant checks (see
+/// [`EngineOptions::check_invariants`]).
+pub const FULL_CHECK_EVERY: u64 = 64;
+
+/// Told what broke when a checked engine's scheduler invariants fail.
+pub type InvariantHook = Arc<dyn Fn(String) + Send + Sync>;
+
 /// How to build an engine.
 pub struct EngineOptions {
     /// The scheduler's configuration (tiers, tenants, limits, pool size).
     pub sched: SchedConfig,
+    /// Check the KV accounting (free + leased + cached = total) after
+    /// every message the Scheduler handles, each step's completion
+    /// included, and every scheduler invariant (each block's holders,
+    /// leases, queues, seats, deadlines: a pass over the whole pool) after
+    /// every [`FULL_CHECK_EVERY`]th; report the first broken one here. For
+    /// tests and the simulator, `None` in service.
+    pub check_invariants: Option<InvariantHook>,
 }
 
 struct Live {
@@ -118,6 +132,10 @@ struct SchedState {
     events: Vec<SchedEvent>,
     /// Bytes of one KV block (import size checks).
     bytes_per_block: u64,
+    /// Set while invariants are checked (none has broken yet).
+    check: Option<InvariantHook>,
+    /// Messages handled, for the full check's period.
+    handled: u64,
 }
 
 struct SchedArgs {
@@ -128,6 +146,7 @@ struct SchedArgs {
     tier_names: Vec<String>,
     tenant_tier: Vec<usize>,
     bytes_per_block: u64,
+    check: Option<InvariantHook>,
 }
 
 impl Actor for SchedulerActor {
@@ -165,6 +184,8 @@ impl Actor for SchedulerActor {
             worker_ok: true,
             events: Vec::new(),
             bytes_per_block: a.bytes_per_block,
+            check: a.check,
+            handled: 0,
         })
     }
 
@@ -330,6 +351,28 @@ impl Actor for SchedulerActor {
             }
         }
         pump(&myself, st, now);
+        if let Some(hook) = st.check.clone() {
+            st.handled += 1;
+            let full = st.handled.is_multiple_of(FULL_CHECK_EVERY);
+            let sched = &mut st.sched;
+            let checked = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                if full {
+                    sched.check_invariants()
+                } else {
+                    sched.check_kv_accounting()
+                }
+            }));
+            if let Err(p) = checked {
+                let what = p
+                    .downcast_ref::<String>()
+                    .cloned()
+                    .or_else(|| p.downcast_ref::<&str>().map(|s| s.to_string()))
+                    .unwrap_or_else(|| "an invariant".into());
+                hook(format!("scheduler invariant broken: {what}"));
+                // Reported once; the state is suspect from here on.
+                st.check = None;
+            }
+        }
         Ok(())
     }
 
@@ -643,6 +686,7 @@ pub async fn spawn_engine(
             tier_names,
             tenant_tier,
             bytes_per_block: layout.bytes_per_block,
+            check: opts.check_invariants,
         },
     )
     .await

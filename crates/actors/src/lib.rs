@@ -18,7 +18,7 @@ mod worker;
 #[cfg(test)]
 mod tests;
 
-pub use engine::{EngineOptions, EngineStartError, LocalEngine, spawn_engine};
+pub use engine::{EngineOptions, EngineStartError, InvariantHook, LocalEngine, spawn_engine};
 
 use std::time::Duration;
 

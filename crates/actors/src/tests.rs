@@ -109,6 +109,18 @@ struct Rig {
     engine: LocalEngine,
     entered: mpsc::UnboundedReceiver<()>,
     gate: Option<std_mpsc::Sender<()>>,
+    /// A scheduler invariant that broke during the test (checked after
+    /// every message the Scheduler handled).
+    broken: Arc<std::sync::Mutex<Option<String>>>,
+}
+
+impl Drop for Rig {
+    fn drop(&mut self) {
+        let broken = self.broken.lock().unwrap().take();
+        if !std::thread::panicking() {
+            assert_eq!(broken, None, "a scheduler invariant broke");
+        }
+    }
 }
 
 impl Rig {
@@ -191,9 +203,16 @@ async fn rig(queue_timeout: Duration, panic: bool) -> Rig {
             prefix_salt: 0,
         }],
     };
+    let broken = Arc::new(std::sync::Mutex::new(None));
+    let seen = broken.clone();
     let engine = spawn_engine(
         Box::new(exec),
-        EngineOptions { sched },
+        EngineOptions {
+            sched,
+            check_invariants: Some(Arc::new(move |what| {
+                seen.lock().unwrap().get_or_insert(what);
+            })),
+        },
         Arc::new(TestClock(Instant::now())),
         Arc::new(Metrics::new().unwrap()),
     )
@@ -203,6 +222,7 @@ async fn rig(queue_timeout: Duration, panic: bool) -> Rig {
         engine,
         entered,
         gate: Some(gate),
+        broken,
     }
 }
 

@@ -330,7 +330,10 @@ async fn serve(r: Resolved, addr: SocketAddr, max_body_bytes: usize) -> Result<(
     let exec: Box<dyn Executor> = Box::new(r.exec);
     let engine = spawn_engine(
         exec,
-        EngineOptions { sched: r.sched },
+        EngineOptions {
+            sched: r.sched,
+            check_invariants: None,
+        },
         clock,
         metrics.clone(),
     )

@@ -5,6 +5,22 @@ use std::collections::BTreeSet;
 use crate::Scheduler;
 
 impl Scheduler {
+    /// Checks the KV pool's accounting, free + leased + cached = total,
+    /// from its three separate structures (free list, lease count, LRU):
+    /// cheap enough for every step of a large pool; panics if broken.
+    pub fn check_kv_accounting(&mut self) {
+        let u = self.pool.usage();
+        assert_eq!(
+            u.free as u64 + u.used as u64 + u.cached as u64,
+            u.total as u64,
+            "KV accounting: free {} + leased {} + cached {} != total {}",
+            u.free,
+            u.used,
+            u.cached,
+            u.total
+        );
+    }
+
     /// Checks every invariant (the pool's too) and panics with the broken one.
     pub fn check_invariants(&mut self) {
         self.pool.check_invariants();

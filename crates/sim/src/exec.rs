@@ -14,6 +14,72 @@ use crate::rng::Rng;
 /// Bytes a simulated KV block carries when it migrates.
 pub const SIM_BLOCK_BYTES: usize = 8;
 
+/// Where each request decoded: per request (its sampling seed, which the
+/// simulator makes the request's id), the spans of time each engine spent
+/// decoding it. Shared by every engine of a run.
+#[derive(Debug, Default)]
+pub struct DecodeLog {
+    spans: std::sync::Mutex<std::collections::BTreeMap<u64, Vec<DecodeSpan>>>,
+}
+
+/// One engine decoding one request, from its first sampled token to its
+/// last, with no pause longer than [`DecodeLog::GAP`] between.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct DecodeSpan {
+    /// The engine's node.
+    pub node: u32,
+    /// First decode step, since the run's start.
+    pub first: Duration,
+    /// Last decode step.
+    pub last: Duration,
+}
+
+impl DecodeLog {
+    /// A pause longer than this starts a new span (a preempted request
+    /// that resumes; a request run again after its engine came back).
+    pub const GAP: Duration = Duration::from_secs(1);
+
+    fn note(&self, req: u64, node: u32, at: Duration) {
+        let mut spans = self.spans.lock().unwrap_or_else(|e| e.into_inner());
+        let v = spans.entry(req).or_default();
+        match v.iter_mut().rev().find(|s| s.node == node) {
+            Some(s) if at <= s.last + Self::GAP => s.last = at,
+            _ => v.push(DecodeSpan {
+                node,
+                first: at,
+                last: at,
+            }),
+        }
+    }
+
+    /// Pairs of spans in which two engines decoded one request at the same
+    /// time: (request, span, span).
+    pub fn overlaps(&self) -> Vec<(u64, DecodeSpan, DecodeSpan)> {
+        let spans = self.spans.lock().unwrap_or_else(|e| e.into_inner());
+        let mut out = Vec::new();
+        for (&req, v) in spans.iter() {
+            for (i, a) in v.iter().enumerate() {
+                for b in &v[i + 1..] {
+                    if a.node != b.node && a.first <= b.last && b.first <= a.last {
+                        out.push((req, *a, *b));
+                    }
+                }
+            }
+        }
+        out
+    }
+}
+
+/// What a decoding engine reports to its run's [`DecodeLog`].
+pub struct DecodeTap {
+    /// The shared log.
+    pub log: std::sync::Arc<DecodeLog>,
+    /// This engine's node.
+    pub node: u32,
+    /// The run's start on the runtime's clock.
+    pub t0: tokio::time::Instant,
+}
+
 /// A modelled accelerator running a modelled model.
 pub struct SimExecutor {
     gpu: GpuParams,
@@ -24,6 +90,7 @@ pub struct SimExecutor {
     rng: Rng,
     last: Option<Duration>,
     costs: Vec<SeqCost>,
+    tap: Option<DecodeTap>,
 }
 
 impl SimExecutor {
@@ -83,7 +150,14 @@ impl SimExecutor {
             rng,
             last: None,
             costs: Vec::new(),
+            tap: None,
         })
+    }
+
+    /// Reports every decode step's requests to a run's [`DecodeLog`].
+    pub fn with_tap(mut self, tap: DecodeTap) -> SimExecutor {
+        self.tap = Some(tap);
+        self
     }
 }
 
@@ -127,6 +201,10 @@ impl Executor for SimExecutor {
                 start_pos: s.start_pos,
                 tokens: s.tokens.len(),
             });
+            if let (Some(tap), OutputKind::Sample(p), 1) = (&self.tap, s.output, s.tokens.len()) {
+                let at = tokio::time::Instant::now().saturating_duration_since(tap.t0);
+                tap.log.note(p.seed, tap.node, at);
+            }
             // Ids 0..3 are the usual specials: never drawn, so a request
             // ends by its length.
             let sampled = matches!(s.output, OutputKind::Sample(_)).then(|| Sampled {
@@ -157,5 +235,41 @@ impl Executor for SimExecutor {
 
     fn simulated_step_time(&self) -> Option<Duration> {
         self.last
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn ms(v: u64) -> Duration {
+        Duration::from_millis(v)
+    }
+
+    #[test]
+    fn the_decode_log_finds_a_request_decoding_on_two_engines_at_once() {
+        let log = DecodeLog::default();
+        // Request 1: engine 1, then (after it stopped) engine 2: sequential.
+        for t in [0, 10, 20] {
+            log.note(1, 1, ms(t));
+        }
+        for t in [500, 510] {
+            log.note(1, 2, ms(t));
+        }
+        // Request 2: engines 1 and 3 interleaved.
+        for t in [100, 110, 120] {
+            log.note(2, 1, ms(t));
+            log.note(2, 3, ms(t + 5));
+        }
+        // Request 3: one engine, a pause longer than GAP splits its spans
+        // but never makes an overlap.
+        log.note(3, 1, ms(0));
+        log.note(3, 1, ms(5000));
+        let o = log.overlaps();
+        assert_eq!(o.len(), 1, "{o:?}");
+        let (req, a, b) = o[0];
+        assert_eq!(req, 2);
+        assert_eq!((a.node, a.first, a.last), (1, ms(100), ms(120)));
+        assert_eq!((b.node, b.first, b.last), (3, ms(105), ms(125)));
     }
 }

@@ -12,7 +12,7 @@
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use flotilla_actors::{Clock, EngineOptions, LocalEngine, spawn_engine};
+use flotilla_actors::{Clock, EngineOptions, InvariantHook, LocalEngine, spawn_engine};
 use flotilla_cluster::{ClusterEngine, RouterOptions, WorkerOptions, run_worker};
 use flotilla_model::Executor;
 use flotilla_proto::{
@@ -24,7 +24,7 @@ use flotilla_telemetry::Metrics;
 use tokio::task::JoinSet;
 use tokio::time::Instant;
 
-use crate::exec::SimExecutor;
+use crate::exec::{DecodeLog, DecodeTap, SimExecutor};
 use crate::net::{FaultCounts, SimNet};
 use crate::rng::Rng;
 use crate::scenario::{Arrivals, FaultKind, Lengths, Scenario, ScenarioError};
@@ -264,6 +264,11 @@ struct World {
     kv_samples: Mutex<(f64, u64)>,
     sched: SchedConfig,
     rng: Rng,
+    /// Which engines decoded which request, when.
+    decodes: Arc<DecodeLog>,
+    /// Times some link was cut (partition or clog) and when it was
+    /// restored, since the run's start.
+    cuts: Mutex<Vec<(Duration, Option<Duration>)>>,
 }
 
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
@@ -363,6 +368,8 @@ async fn simulate(sc: &Scenario, seed: u64) -> Result<Report, SimError> {
         kv_samples: Mutex::new((0.0, 0)),
         sched,
         rng: root,
+        decodes: Arc::new(DecodeLog::default()),
+        cuts: Mutex::new(Vec::new()),
     });
     for i in 1..=n as u32 {
         start_engine(&world, i, 1).await?;
@@ -469,6 +476,7 @@ async fn simulate(sc: &Scenario, seed: u64) -> Result<Report, SimError> {
     // heartbeat, the engines answer at once).
     tokio::time::sleep(hb * 2).await;
     let preemptions = check_engines(&world, true).await;
+    check_single_dispatch(&world);
     let engines: Vec<LocalEngine> = lock(&world.engines).iter().flatten().cloned().collect();
     for e in engines {
         e.stop();
@@ -507,7 +515,7 @@ async fn simulate(sc: &Scenario, seed: u64) -> Result<Report, SimError> {
 /// Starts engine node `node`'s engine and bridge at `epoch`.
 async fn start_engine(w: &Arc<World>, node: u32, life: u64) -> Result<(), SimError> {
     let e = &w.sc.engine;
-    let exec = SimExecutor::new(
+    let mut exec = SimExecutor::new(
         w.sc.gpu_params()?,
         w.sc.model_shape()?,
         e.block_size,
@@ -515,11 +523,28 @@ async fn start_engine(w: &Arc<World>, node: u32, life: u64) -> Result<(), SimErr
         w.rng.split(100 + u64::from(node) * 1000 + life),
     )
     .map_err(SimError::Start)?;
+    // A prefill node samples each request's first token too; only decoding
+    // engines say where a request runs.
+    if w.sc.role_of(node) != Role::Prefill {
+        exec = exec.with_tap(DecodeTap {
+            log: w.decodes.clone(),
+            node,
+            t0: w.t0,
+        });
+    }
+    // Weak: the engine lives inside the world.
+    let weak = Arc::downgrade(w);
+    let hook: InvariantHook = Arc::new(move |what| {
+        if let Some(w) = weak.upgrade() {
+            lock(&w.trace).violate(format!("engine-{node}: {what}"));
+        }
+    });
     let metrics = Arc::new(Metrics::new().map_err(|e| SimError::Start(e.to_string()))?);
     let engine = spawn_engine(
         Box::new(exec),
         EngineOptions {
             sched: w.sched.clone(),
+            check_invariants: w.sc.run.check_every_step.then_some(hook),
         },
         Arc::new(SimClock(w.t0)),
         metrics,
@@ -569,15 +594,76 @@ async fn apply_fault(w: &Arc<World>, f: &FaultKind) {
                 lock(&w.trace).violate(format!("restarting node {node}: {e}"));
             }
         }
-        FaultKind::Partition { a, b, one_way } => w.net.partition(a, b, !one_way),
-        FaultKind::Heal => w.net.heal(),
-        FaultKind::Clog { a, b } => w.net.clog(a, b),
+        FaultKind::Partition { a, b, one_way } => {
+            cut(w, true);
+            w.net.partition(a, b, !one_way);
+        }
+        FaultKind::Heal => {
+            w.net.heal();
+            cut(w, false);
+        }
+        FaultKind::Clog { a, b } => {
+            cut(w, true);
+            w.net.clog(a, b);
+        }
         FaultKind::Unclog => {
             // One link at a time, in a random order (swizzle-clog).
             for (a, b) in w.net.clogged_in_random_order() {
                 w.net.unclog(a, b);
                 tokio::time::sleep(Duration::from_millis(10)).await;
             }
+            cut(w, false);
+        }
+    }
+}
+
+/// Whether two engines decoding one request from `from` to `to` is the
+/// expected overlap of a cut link: it began after a cut (less the span
+/// resolution) and ended within `grace` of that cut's healing.
+fn excused(
+    from: Duration,
+    to: Duration,
+    cuts: &[(Duration, Option<Duration>)],
+    grace: Duration,
+) -> bool {
+    cuts.iter().any(|&(start, end)| {
+        let until = end.map_or(Duration::MAX, |e| e + grace);
+        from + DecodeLog::GAP >= start && to <= until
+    })
+}
+
+/// Notes that a link was cut (`true`) or that every cut link is whole again.
+fn cut(w: &World, begins: bool) {
+    let now = Instant::now().saturating_duration_since(w.t0);
+    let mut cuts = lock(&w.cuts);
+    match cuts.last_mut() {
+        Some((_, end @ None)) if !begins => *end = Some(now),
+        Some((_, None)) => {}
+        _ if begins => cuts.push((now, None)),
+        _ => {}
+    }
+}
+
+/// No request decodes on two engines at once, except while a link is cut
+/// and until the Router and the engines have noticed it healed: a Router
+/// that re-ran a request elsewhere must stop the first copy (the engine
+/// drops a silent Router's requests; the Router cancels work it no longer
+/// wants when that work's tokens reach it), not let both run on.
+fn check_single_dispatch(w: &World) {
+    let hb = Duration::from_millis(w.sc.cluster.heartbeat_ms);
+    let grace = hb * (w.sc.cluster.down_after_missed + 2);
+    let cuts = lock(&w.cuts).clone();
+    for (req, a, b) in w.decodes.overlaps() {
+        let (from, to) = (a.first.max(b.first), a.last.min(b.last));
+        if !excused(from, to, &cuts, grace) {
+            lock(&w.trace).violate(format!(
+                "request {req} decoded on engine-{} and engine-{} at once, from {:.0} to {:.0} ms                  (dispatched twice, and not while a link was cut or within {} ms of its healing)",
+                a.node,
+                b.node,
+                from.as_secs_f64() * 1e3,
+                to.as_secs_f64() * 1e3,
+                grace.as_millis()
+            ));
         }
     }
 }
@@ -844,4 +930,29 @@ fn tier_reports(sc: &Scenario, outcomes: &[Outcome]) -> Vec<TierReport> {
             }
         })
         .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn ms(v: u64) -> Duration {
+        Duration::from_millis(v)
+    }
+
+    #[test]
+    fn two_engines_at_once_are_excused_only_inside_a_cut_and_its_grace() {
+        let grace = ms(1000);
+        let cuts = [(ms(10_000), Some(ms(20_000))), (ms(50_000), None)];
+        // During the first cut, ending within the grace after it healed.
+        assert!(excused(ms(12_000), ms(20_900), &cuts, grace));
+        // Running on past the grace: the first copy was never stopped.
+        assert!(!excused(ms(12_000), ms(21_500), &cuts, grace));
+        // With no cut at all.
+        assert!(!excused(ms(30_000), ms(31_000), &cuts, grace));
+        // A cut not yet healed when the run ended excuses to the end.
+        assert!(excused(ms(55_000), ms(90_000), &cuts, grace));
+        // No cuts, nothing excused.
+        assert!(!excused(ms(1), ms(2), &[], grace));
+    }
 }

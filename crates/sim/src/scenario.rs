@@ -45,6 +45,15 @@ pub struct RunSection {
     /// Simulated seconds after that for in-flight requests to end.
     #[serde(default = "default_drain")]
     pub drain_s: f64,
+    /// Check every scheduler invariant (KV accounting on every pool among
+    /// them) after every message each Scheduler handles, each step
+    /// included. On unless turned off for speed.
+    #[serde(default = "yes")]
+    pub check_every_step: bool,
+}
+
+fn yes() -> bool {
+    true
 }
 
 fn default_drain() -> f64 {
