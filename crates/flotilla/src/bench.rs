@@ -64,6 +64,12 @@ fn tokens(n: usize, seed: u64, vocab: usize) -> Vec<u32> {
 }
 
 pub fn run(a: &BenchArgs) -> Result<()> {
+    if a.model.device != flotilla_cuda::Device::Cpu {
+        bail!(
+            "bench-model measures the CPU backend; the CUDA benchmark is \
+             tests/cuda/gpu-check.sh (--device applies to serve and node)"
+        );
+    }
     if a.pp == 0
         || a.tg == 0
         || a.reps == 0

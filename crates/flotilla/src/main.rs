@@ -45,6 +45,11 @@ struct ModelArgs {
     /// Matrix kernels: auto (SIMD), scalar, or exact (f32 reference, slow).
     #[arg(long, default_value = "auto")]
     kernel: String,
+    /// Where the model runs: cpu, or cuda / cuda:N (an NVIDIA GPU; f16 KV
+    /// cache, sized by --kv-cache-fraction of the device memory left after
+    /// the weights).
+    #[arg(long, default_value = "cpu")]
+    device: flotilla_cuda::Device,
 }
 
 impl ModelArgs {
@@ -271,6 +276,12 @@ fn generate(
         bail!(
             "the prompt has {} tokens; the model's context is {ctx}",
             ids.len()
+        );
+    }
+    if args.device != flotilla_cuda::Device::Cpu {
+        bail!(
+            "generate runs on the CPU; --device {} applies to serve and node",
+            args.device
         );
     }
     let max_new = max_tokens.min(ctx - ids.len());

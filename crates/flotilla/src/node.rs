@@ -224,7 +224,7 @@ pub fn run(args: NodeArgs) -> Result<()> {
             let metrics = Arc::new(Metrics::new()?);
             let clock: Arc<dyn Clock> = Arc::new(MonotonicClock(Instant::now()));
             let blocks = r.sched.num_blocks;
-            let exec: Box<dyn Executor> = Box::new(r.exec);
+            let exec: Box<dyn Executor> = r.exec;
             let engine = spawn_engine(
                 exec,
                 EngineOptions {

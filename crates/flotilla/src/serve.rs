@@ -10,6 +10,7 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, Result, bail};
 use flotilla_actors::{Clock, EngineOptions, spawn_engine};
 use flotilla_config::{ClusterConfig, check_kv_cache_fraction, check_queue_timeout_s};
+use flotilla_cuda::{CudaConfig, CudaExecutor, Device};
 use flotilla_gateway::GatewayConfig;
 use flotilla_model::gguf::GgufFile;
 use flotilla_model::llama::LlamaConfig;
@@ -134,7 +135,7 @@ fn load_config(args: &ServeArgs) -> Result<(ClusterConfig, String)> {
 pub struct Resolved {
     pub cluster: Arc<ClusterConfig>,
     pub sched: SchedConfig,
-    pub exec: CpuExecutor,
+    pub exec: Box<dyn Executor>,
     pub text: TextSide,
     pub model_name: String,
     pub max_model_len: usize,
@@ -252,8 +253,42 @@ pub fn resolve(args: &ServeArgs) -> Result<Resolved> {
         b => bail!("unknown --batching '{b}' (expected continuous or static)"),
     };
     let queue_timeout = queue_timeout(args.queue_timeout.or(e.queue_timeout_s).unwrap_or(60.0))?;
-    let cpu = model_args.cpu_config(num_blocks as usize, max_num_batched_tokens)?;
-    let exec = CpuExecutor::from_gguf(&g, &cpu).context("loading the model")?;
+    let (exec, num_blocks, bytes_per_block): (Box<dyn Executor>, u32, u64) = match args.model.device
+    {
+        Device::Cpu => {
+            let cpu = model_args.cpu_config(num_blocks as usize, max_num_batched_tokens)?;
+            let exec = CpuExecutor::from_gguf(&g, &cpu).context("loading the model")?;
+            (Box::new(exec), num_blocks, bytes_per_block)
+        }
+        Device::Cuda(ordinal) => {
+            // The device's own memory, not the host's: --kv-cache-bytes
+            // does not apply, the fraction is of what the weights leave.
+            let f = args
+                .kv_cache_fraction
+                .or(e.kv_cache_fraction)
+                .unwrap_or(0.9);
+            check_kv_cache_fraction(f)
+                .map_err(|why| anyhow::anyhow!("--kv-cache-fraction {f} {why}"))?;
+            let c = CudaConfig {
+                ordinal,
+                block_size,
+                kv_cache_fraction: f,
+                max_batch_tokens: max_num_batched_tokens,
+                max_seqs: max_num_seqs,
+            };
+            let exec = CudaExecutor::from_gguf(&g, &c).context("loading the model")?;
+            let kv = exec.kv_spec();
+            if (kv.num_blocks as u64) < one_seq {
+                bail!(
+                    "the GPU's KV cache holds {} blocks of {block_size} tokens; one sequence \
+                         of --max-model-len {max_model_len} needs {one_seq}: lower --max-model-len",
+                    kv.num_blocks
+                );
+            }
+            let n = kv.num_blocks.min(u32::MAX as usize / 2) as u32;
+            (Box::new(exec), n, kv.bytes_per_block as u64)
+        }
+    };
     let sched = SchedConfig {
         num_blocks,
         block_size: block_size as u32,
@@ -327,7 +362,7 @@ async fn serve(r: Resolved, addr: SocketAddr, max_body_bytes: usize) -> Result<(
     let clock: Arc<dyn Clock> = Arc::new(MonotonicClock(Instant::now()));
     let num_blocks = r.sched.num_blocks;
     let tiers: Vec<String> = r.sched.tiers.iter().map(|t| t.name.clone()).collect();
-    let exec: Box<dyn Executor> = Box::new(r.exec);
+    let exec: Box<dyn Executor> = r.exec;
     let engine = spawn_engine(
         exec,
         EngineOptions {

@@ -136,3 +136,29 @@ fn a_file_that_is_not_gguf_is_refused() {
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("not a GGUF file"), "{err}");
 }
+
+#[test]
+fn a_gpu_device_without_a_driver_or_an_unknown_device_is_a_clear_error() {
+    let out = flotilla()
+        .args(["serve", "--device", "tpu:0", "--port", "0"])
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success());
+    assert!(err.contains("expected cpu, cuda or cuda:N"), "{err}");
+    if flotilla_cuda::driver_present() {
+        eprintln!("SKIPPED the no-driver half: this machine has a CUDA driver");
+        return;
+    }
+    let out = flotilla()
+        .args(["serve", "--device", "cuda:0", "--port", "0", "--model"])
+        .arg(model_arg())
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(
+        err.contains("no CUDA driver") && !err.contains("panicked"),
+        "{err}"
+    );
+}

@@ -13,7 +13,8 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use half::f16;
 
 use crate::executor::{
-    ExecError, Executor, KvDtype, KvSpec, ModelSpec, OutputKind, SeqInput, SeqOutput, StepOutputs,
+    BatchLimits, ExecError, Executor, KvDtype, KvSpec, ModelSpec, OutputKind, SeqInput, SeqOutput,
+    StepOutputs, validate_batch,
 };
 use crate::gguf::{GgufError, GgufFile};
 use crate::kernels::{self, Acts, Kernel, OutPtr, QMatrix, Resolved};
@@ -411,97 +412,6 @@ impl CpuExecutor {
     /// Compute threads.
     pub fn threads(&self) -> usize {
         self.pool.n_threads()
-    }
-
-    fn validate(&self, batch: &[SeqInput<'_>]) -> Result<usize, ExecError> {
-        if batch.is_empty() {
-            return Err(ExecError::Empty(0));
-        }
-        let bs = self.kv.block_size;
-        let mut total = 0usize;
-        for (i, s) in batch.iter().enumerate() {
-            if s.tokens.is_empty() {
-                return Err(ExecError::Empty(i));
-            }
-            total += s.tokens.len();
-            let end = s.start_pos.saturating_add(s.tokens.len());
-            if end > self.cfg.ctx_len {
-                return Err(ExecError::ContextOverflow {
-                    seq: i,
-                    end,
-                    ctx: self.cfg.ctx_len,
-                });
-            }
-            if let Some(&tok) = s.tokens.iter().find(|&&t| t as usize >= self.cfg.vocab) {
-                return Err(ExecError::BadToken {
-                    seq: i,
-                    token: tok,
-                    vocab: self.cfg.vocab,
-                });
-            }
-            let need = end.div_ceil(bs);
-            if s.block_table.len() < need {
-                return Err(ExecError::BadBlockTable {
-                    seq: i,
-                    reason: format!(
-                        "has {} blocks, positions up to {end} need {need}",
-                        s.block_table.len()
-                    ),
-                });
-            }
-            if let Some(&b) = s.block_table[..need]
-                .iter()
-                .find(|&&b| b as usize >= self.kv.num_blocks)
-            {
-                return Err(ExecError::BadBlockTable {
-                    seq: i,
-                    reason: format!("names block {b}, cache has {}", self.kv.num_blocks),
-                });
-            }
-            if let OutputKind::Sample(p) = &s.output {
-                p.validate()
-                    .map_err(|reason| ExecError::BadSampling { seq: i, reason })?;
-            }
-        }
-        if total > self.max_tokens {
-            return Err(ExecError::BatchTooLarge {
-                tokens: total,
-                max: self.max_tokens,
-            });
-        }
-        Ok(total)
-    }
-
-    /// Refuses a batch in which two positions would write the same KV slot:
-    /// the threads of one region would race on it.
-    fn check_distinct_slots(&mut self, batch: &[SeqInput<'_>]) -> Result<(), ExecError> {
-        let bs = self.kv.block_size;
-        let slots = &mut self.s.slots;
-        slots.clear();
-        for s in batch {
-            for p in s.start_pos..s.start_pos + s.tokens.len() {
-                slots.push(s.block_table[p / bs] as usize * bs + p % bs);
-            }
-        }
-        slots.sort_unstable();
-        if let Some(w) = slots.windows(2).find(|w| w[0] == w[1]) {
-            let seq = batch
-                .iter()
-                .position(|s| {
-                    (s.start_pos..s.start_pos + s.tokens.len())
-                        .any(|p| s.block_table[p / bs] as usize * bs + p % bs == w[0])
-                })
-                .unwrap_or(0);
-            return Err(ExecError::BadBlockTable {
-                seq,
-                reason: format!(
-                    "writes KV slot {} of block {} that another position of this step also writes",
-                    w[0] % bs,
-                    w[0] / bs
-                ),
-            });
-        }
-        Ok(())
     }
 
     fn forward(&mut self, batch: &[SeqInput<'_>], out: &mut StepOutputs) {
@@ -1022,8 +932,14 @@ impl Executor for CpuExecutor {
     }
 
     fn step(&mut self, batch: &[SeqInput<'_>], out: &mut StepOutputs) -> Result<(), ExecError> {
-        self.validate(batch)?;
-        self.check_distinct_slots(batch)?;
+        let limits = BatchLimits {
+            vocab: self.cfg.vocab,
+            ctx_len: self.cfg.ctx_len,
+            block_size: self.kv.block_size,
+            num_blocks: self.kv.num_blocks,
+            max_tokens: self.max_tokens,
+        };
+        validate_batch(batch, &limits, &mut self.s.slots)?;
         self.forward(batch, out);
         Ok(())
     }

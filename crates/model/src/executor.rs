@@ -101,7 +101,10 @@ pub struct SeqInput<'a> {
 /// One sequence's result of a step.
 #[derive(Clone, Debug, Default, PartialEq)]
 pub struct SeqOutput {
-    /// Row of [`StepOutputs::logits`] holding this sequence's logits.
+    /// Row of [`StepOutputs::logits`] holding this sequence's logits: set
+    /// for a sequence that asked for logits, and for one that sampled
+    /// unless the backend picked a greedy token on its device without
+    /// reading the logits back.
     pub logits_row: Option<usize>,
     /// The sampled token.
     pub sampled: Option<Sampled>,
@@ -198,6 +201,128 @@ pub enum ExecError {
         /// What is wrong.
         reason: String,
     },
+    /// The device failed (a driver or library error); the backend's state
+    /// can no longer be trusted.
+    #[error("{0}")]
+    Backend(String),
+}
+
+/// What a backend accepts in one step.
+#[derive(Clone, Copy, Debug)]
+pub struct BatchLimits {
+    /// Vocabulary size: token ids below it.
+    pub vocab: usize,
+    /// Longest sequence.
+    pub ctx_len: usize,
+    /// Tokens per KV block.
+    pub block_size: usize,
+    /// Physical KV blocks.
+    pub num_blocks: usize,
+    /// Most tokens in one step.
+    pub max_tokens: usize,
+}
+
+/// Checks a batch against a backend's limits before anything runs: not
+/// empty, every sequence within the context, known token ids, block
+/// tables long enough and naming real blocks, valid sampling, the token
+/// budget, and no two positions writing one KV slot (`slots` is scratch).
+/// Returns the batch's token count.
+pub fn validate_batch(
+    batch: &[SeqInput<'_>],
+    lim: &BatchLimits,
+    slots: &mut Vec<usize>,
+) -> Result<usize, ExecError> {
+    if batch.is_empty() {
+        return Err(ExecError::Empty(0));
+    }
+    let bs = lim.block_size;
+    let mut total = 0usize;
+    for (i, s) in batch.iter().enumerate() {
+        if s.tokens.is_empty() {
+            return Err(ExecError::Empty(i));
+        }
+        total += s.tokens.len();
+        let end = s.start_pos.saturating_add(s.tokens.len());
+        if end > lim.ctx_len {
+            return Err(ExecError::ContextOverflow {
+                seq: i,
+                end,
+                ctx: lim.ctx_len,
+            });
+        }
+        if let Some(&tok) = s.tokens.iter().find(|&&t| t as usize >= lim.vocab) {
+            return Err(ExecError::BadToken {
+                seq: i,
+                token: tok,
+                vocab: lim.vocab,
+            });
+        }
+        let need = end.div_ceil(bs);
+        if s.block_table.len() < need {
+            return Err(ExecError::BadBlockTable {
+                seq: i,
+                reason: format!(
+                    "has {} blocks, positions up to {end} need {need}",
+                    s.block_table.len()
+                ),
+            });
+        }
+        if let Some(&b) = s.block_table[..need]
+            .iter()
+            .find(|&&b| b as usize >= lim.num_blocks)
+        {
+            return Err(ExecError::BadBlockTable {
+                seq: i,
+                reason: format!("names block {b}, cache has {}", lim.num_blocks),
+            });
+        }
+        if let OutputKind::Sample(p) = &s.output {
+            p.validate()
+                .map_err(|reason| ExecError::BadSampling { seq: i, reason })?;
+        }
+    }
+    if total > lim.max_tokens {
+        return Err(ExecError::BatchTooLarge {
+            tokens: total,
+            max: lim.max_tokens,
+        });
+    }
+    check_distinct_slots(batch, lim.block_size, slots)?;
+    Ok(total)
+}
+
+/// Refuses a batch in which two positions would write the same KV slot:
+/// the writers of one step would race on it.
+fn check_distinct_slots(
+    batch: &[SeqInput<'_>],
+    bs: usize,
+    slots: &mut Vec<usize>,
+) -> Result<(), ExecError> {
+    slots.clear();
+    for s in batch {
+        for p in s.start_pos..s.start_pos + s.tokens.len() {
+            slots.push(s.block_table[p / bs] as usize * bs + p % bs);
+        }
+    }
+    slots.sort_unstable();
+    if let Some(w) = slots.windows(2).find(|w| w[0] == w[1]) {
+        let seq = batch
+            .iter()
+            .position(|s| {
+                (s.start_pos..s.start_pos + s.tokens.len())
+                    .any(|p| s.block_table[p / bs] as usize * bs + p % bs == w[0])
+            })
+            .unwrap_or(0);
+        return Err(ExecError::BadBlockTable {
+            seq,
+            reason: format!(
+                "writes KV slot {} of block {} that another position of this step also writes",
+                w[0] % bs,
+                w[0] / bs
+            ),
+        });
+    }
+    Ok(())
 }
 
 /// A model backend that runs flat mixed batches over a paged KV cache.

@@ -20,6 +20,7 @@ pub mod tokenizer;
 
 pub use cpu::{CpuConfig, CpuExecutor, LoadError};
 pub use executor::{
-    ExecError, Executor, KvDtype, KvSpec, ModelSpec, OutputKind, SeqInput, SeqOutput, StepOutputs,
+    BatchLimits, ExecError, Executor, KvDtype, KvSpec, ModelSpec, OutputKind, SeqInput, SeqOutput,
+    StepOutputs, validate_batch,
 };
 pub use sampling::{Sampled, SamplingParams};

@@ -1,0 +1,982 @@
+//! The CUDA executor: a Llama forward pass over a flat mixed batch and a
+//! paged f16 KV cache in device memory.
+//!
+//! Weights: every matrix is dequantised to f16 once, at load (Q8_0, Q4_0
+//! and Q4_1 on the device by `kernels/dequant.cu`; other GGUF types on the
+//! host), and multiplied by cuBLAS (`cublasGemmEx`, f16 inputs, f32
+//! accumulation and output). Twice the bytes of Q8_0 per decode step, in
+//! exchange for one GEMM path that serves prefill and decode alike; a
+//! dequantising GEMV for decode is the next step for bandwidth.
+//!
+//! One stream; a step queues its kernels and GEMMs without a host sync
+//! until the sampled rows' logits are read back. Device buffers are sized
+//! at load for `max_batch_tokens`; a step allocates nothing on the device.
+//! Kernels take raw device addresses: every buffer lives as long as the
+//! executor, and event tracking is off (one stream orders everything).
+
+use std::path::Path;
+use std::sync::Arc;
+
+use cudarc::cublas::CudaBlas;
+use cudarc::cublas::sys::{cublasComputeType_t, cublasGemmAlgo_t, cublasOperation_t, cudaDataType};
+use cudarc::driver::{
+    CudaContext, CudaFunction, CudaSlice, CudaStream, DevicePtr, LaunchConfig, PushKernelArg,
+};
+use flotilla_model::gguf::{GgmlType, GgufError, GgufFile};
+use flotilla_model::llama::LlamaConfig;
+use flotilla_model::sampling::{Sampled, SamplerScratch, sample};
+use flotilla_model::{
+    BatchLimits, ExecError, Executor, KvDtype, KvSpec, ModelSpec, OutputKind, SeqInput, SeqOutput,
+    StepOutputs, validate_batch,
+};
+
+use crate::kernels::{self, CompileError, SOURCES};
+
+/// How to build a CUDA executor.
+#[derive(Clone, Debug)]
+pub struct CudaConfig {
+    /// Device ordinal (`--device cuda:N`).
+    pub ordinal: usize,
+    /// Tokens per KV block.
+    pub block_size: usize,
+    /// Share of the device memory free after weights and buffers that the
+    /// KV cache takes.
+    pub kv_cache_fraction: f64,
+    /// Most tokens in one step.
+    pub max_batch_tokens: usize,
+    /// Most sequences in one step.
+    pub max_seqs: usize,
+}
+
+impl Default for CudaConfig {
+    fn default() -> Self {
+        CudaConfig {
+            ordinal: 0,
+            block_size: 16,
+            kv_cache_fraction: 0.9,
+            max_batch_tokens: 2048,
+            max_seqs: 256,
+        }
+    }
+}
+
+/// Why a CUDA executor could not be built.
+#[derive(Debug, thiserror::Error)]
+pub enum CudaError {
+    /// No CUDA driver on this machine.
+    #[error(
+        "no CUDA driver: libcuda.so was not found (install the NVIDIA driver, or use --device cpu)"
+    )]
+    NoDriver,
+    /// The ordinal names no device.
+    #[error("no CUDA device {ordinal}: this machine has {count}")]
+    NoDevice {
+        /// Asked for.
+        ordinal: usize,
+        /// Present.
+        count: usize,
+    },
+    /// A compute capability with no known NVRTC target.
+    #[error("CUDA device of compute capability {0}.{1} is not supported")]
+    Arch(i32, i32),
+    /// A kernel did not compile.
+    #[error(transparent)]
+    Compile(#[from] CompileError),
+    /// The model file.
+    #[error(transparent)]
+    Model(#[from] GgufError),
+    /// The model and its buffers do not fit.
+    #[error(
+        "the model needs {need_mib} MiB of device memory for weights and step buffers; \
+         {free_mib} MiB are free on device {ordinal}"
+    )]
+    DoesNotFit {
+        /// Needed.
+        need_mib: usize,
+        /// Free.
+        free_mib: usize,
+        /// Device.
+        ordinal: usize,
+    },
+    /// A value out of range.
+    #[error("invalid CUDA executor configuration: {0}")]
+    Config(String),
+    /// The driver or cuBLAS failed.
+    #[error("CUDA: {0}")]
+    Driver(String),
+}
+
+fn drv(e: impl std::fmt::Display) -> CudaError {
+    CudaError::Driver(e.to_string())
+}
+
+fn exec_err(e: impl std::fmt::Display) -> ExecError {
+    ExecError::Backend(format!("CUDA: {e}"))
+}
+
+/// Whether the CUDA driver library can be loaded.
+pub fn driver_present() -> bool {
+    // SAFETY: only tries to dlopen the driver library by its usual names.
+    unsafe { cudarc::driver::sys::is_culib_present() }
+}
+
+/// Checks that a CUDA driver and device `ordinal` are present, without the
+/// panic cudarc gives when libcuda is missing.
+pub fn probe(ordinal: usize) -> Result<Arc<CudaContext>, CudaError> {
+    if !driver_present() {
+        return Err(CudaError::NoDriver);
+    }
+    let count = CudaContext::device_count().map_err(drv)? as usize;
+    if ordinal >= count {
+        return Err(CudaError::NoDevice { ordinal, count });
+    }
+    CudaContext::new(ordinal).map_err(drv)
+}
+
+struct LayerW {
+    attn_norm: CudaSlice<f32>,
+    /// Q, K and V rows stacked: `[qkv_w][n_embd]`.
+    wqkv: CudaSlice<u16>,
+    wo: CudaSlice<u16>,
+    ffn_norm: CudaSlice<f32>,
+    w_gate: CudaSlice<u16>,
+    w_up: CudaSlice<u16>,
+    w_down: CudaSlice<u16>,
+}
+
+struct Funcs {
+    rms_norm_residual: CudaFunction,
+    rope_qk: CudaFunction,
+    kv_append: CudaFunction,
+    copy_block: CudaFunction,
+    paged_attention: CudaFunction,
+    swiglu: CudaFunction,
+    embed: CudaFunction,
+    f32_to_f16: CudaFunction,
+    add_rows: CudaFunction,
+    gather_rows: CudaFunction,
+    dequant_q8_0: CudaFunction,
+    dequant_q4_0: CudaFunction,
+    dequant_q4_1: CudaFunction,
+    bf16_to_f16: CudaFunction,
+    argmax_rows: CudaFunction,
+}
+
+/// Per-step device buffers, sized for `max_batch_tokens` / `max_seqs`.
+struct Bufs {
+    x: CudaSlice<f32>,
+    delta: CudaSlice<f32>,
+    /// f16 matmul input, `[tokens][max(n_embd, n_ff)]`.
+    h16: CudaSlice<u16>,
+    qkv: CudaSlice<f32>,
+    att: CudaSlice<f32>,
+    gate: CudaSlice<f32>,
+    up: CudaSlice<f32>,
+    /// Rows that want logits, gathered, and their f16 normalised form.
+    xs: CudaSlice<f32>,
+    hs16: CudaSlice<u16>,
+    logits: CudaSlice<f32>,
+    /// Greedy picks made on the device: token and logit per row.
+    picks: CudaSlice<u32>,
+    pick_vals: CudaSlice<f32>,
+    tokens: CudaSlice<u32>,
+    tok_seq: CudaSlice<i32>,
+    tok_pos: CudaSlice<i32>,
+    rows: CudaSlice<i32>,
+    tables: CudaSlice<i32>,
+}
+
+/// Host-side staging of one step's batch description.
+#[derive(Default)]
+struct Host {
+    tokens: Vec<u32>,
+    tok_seq: Vec<i32>,
+    tok_pos: Vec<i32>,
+    rows: Vec<i32>,
+    tables: Vec<i32>,
+    slots: Vec<usize>,
+    picks: Vec<u32>,
+}
+
+/// A Llama-family model on one CUDA device.
+pub struct CudaExecutor {
+    cfg: LlamaConfig,
+    spec: ModelSpec,
+    ctx: Arc<CudaContext>,
+    stream: Arc<CudaStream>,
+    blas: CudaBlas,
+    f: Funcs,
+    tok_embd: CudaSlice<u16>,
+    head: Option<CudaSlice<u16>>,
+    out_norm: CudaSlice<f32>,
+    layers: Vec<LayerW>,
+    kv: CudaSlice<u16>,
+    block_elems: usize,
+    num_blocks: usize,
+    block_size: usize,
+    max_blocks: usize,
+    max_tokens: usize,
+    max_seqs: usize,
+    b: Bufs,
+    host: Host,
+    sampler: SamplerScratch,
+}
+
+// SAFETY: the executor is used by one thread at a time (the GpuWorker
+// owns it); cudarc's handles are tied to the context, not the thread, and
+// every call binds the context first.
+unsafe impl Send for CudaExecutor {}
+
+impl std::fmt::Debug for CudaExecutor {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "CudaExecutor({} on cuda:{}, {} KV blocks)",
+            self.spec.name,
+            self.ctx.ordinal(),
+            self.num_blocks
+        )
+    }
+}
+
+/// Grid-stride launch for `n` elements.
+fn flat(n: usize) -> LaunchConfig {
+    LaunchConfig {
+        grid_dim: (n.div_ceil(256).clamp(1, 65_535) as u32, 1, 1),
+        block_dim: (256, 1, 1),
+        shared_mem_bytes: 0,
+    }
+}
+
+fn rows(n: usize, threads: u32) -> LaunchConfig {
+    LaunchConfig {
+        grid_dim: (n as u32, 1, 1),
+        block_dim: (threads, 1, 1),
+        shared_mem_bytes: 0,
+    }
+}
+
+fn ptr<T>(s: &CudaSlice<T>, stream: &CudaStream) -> u64 {
+    let (p, _sync) = s.device_ptr(stream);
+    p
+}
+
+impl CudaExecutor {
+    /// Loads a GGUF model onto device `c.ordinal`.
+    pub fn load(path: &Path, c: &CudaConfig) -> Result<CudaExecutor, CudaError> {
+        let g = GgufFile::open(path)?;
+        CudaExecutor::from_gguf(&g, c)
+    }
+
+    /// Builds the executor from an open GGUF file.
+    pub fn from_gguf(g: &GgufFile, c: &CudaConfig) -> Result<CudaExecutor, CudaError> {
+        if c.block_size == 0 || c.max_batch_tokens == 0 || c.max_seqs == 0 {
+            return Err(CudaError::Config(
+                "block size, batch tokens and sequences must be positive".into(),
+            ));
+        }
+        if !(c.kv_cache_fraction > 0.0 && c.kv_cache_fraction <= 1.0) {
+            return Err(CudaError::Config(format!(
+                "KV cache fraction {} is not in (0, 1]",
+                c.kv_cache_fraction
+            )));
+        }
+        let cfg = LlamaConfig::from_gguf(g)?;
+        if cfg.head_dim > 256 || cfg.head_dim % 2 != 0 {
+            return Err(CudaError::Config(format!(
+                "head dimension {} (the attention kernel takes even sizes up to 256)",
+                cfg.head_dim
+            )));
+        }
+        let ctx = probe(c.ordinal)?;
+        let (major, minor) = ctx.compute_capability().map_err(drv)?;
+        let arch = kernels::arch_name(major, minor).ok_or(CudaError::Arch(major, minor))?;
+        let stream = ctx.default_stream();
+        // SAFETY: one stream orders every use of every buffer.
+        unsafe { ctx.disable_event_tracking() };
+        let mut module_fns = std::collections::HashMap::new();
+        for src in SOURCES {
+            let ptx = kernels::compile(src, arch)?;
+            let module = ctx.load_module(ptx).map_err(drv)?;
+            for &k in src.kernels {
+                module_fns.insert(k, module.load_function(k).map_err(drv)?);
+            }
+        }
+        let mut take = |k: &str| {
+            module_fns
+                .remove(k)
+                .ok_or_else(|| CudaError::Driver(format!("kernel {k} not loaded")))
+        };
+        let f = Funcs {
+            rms_norm_residual: take("rms_norm_residual")?,
+            rope_qk: take("rope_qk")?,
+            kv_append: take("kv_append")?,
+            copy_block: take("copy_block")?,
+            paged_attention: take("paged_attention")?,
+            swiglu: take("swiglu")?,
+            embed: take("embed")?,
+            f32_to_f16: take("f32_to_f16")?,
+            add_rows: take("add_rows")?,
+            gather_rows: take("gather_rows")?,
+            dequant_q8_0: take("dequant_q8_0")?,
+            dequant_q4_0: take("dequant_q4_0")?,
+            dequant_q4_1: take("dequant_q4_1")?,
+            bf16_to_f16: take("bf16_to_f16")?,
+            argmax_rows: take("argmax_rows")?,
+        };
+        let blas = CudaBlas::new(stream.clone()).map_err(drv)?;
+
+        let (d, kvd, ff, vocab) = (cfg.n_embd, cfg.kv_dim(), cfg.n_ff, cfg.vocab);
+        let qkv_w = d + 2 * kvd;
+        let t = c.max_batch_tokens;
+        let s = c.max_seqs.min(t);
+        let max_blocks = cfg.ctx_len.div_ceil(c.block_size);
+        // Weights and buffers first, then check what is left.
+        let weight_elems = vocab * d
+            + cfg.n_layer * (qkv_w * d + d * d + 2 * ff * d + d * ff)
+            + if g.has_tensor("output.weight") {
+                vocab * d
+            } else {
+                0
+            };
+        let buf_bytes = 4 * t * (2 * d + qkv_w + d + 2 * ff)
+            + 2 * t * d.max(ff)
+            + s * (4 * d + 2 * d + 4 * vocab)
+            + 4 * (4 * t + s + s * max_blocks);
+        let (free, _) = ctx.mem_get_info().map_err(drv)?;
+        let need = weight_elems * 2 + buf_bytes;
+        if need > free {
+            return Err(CudaError::DoesNotFit {
+                need_mib: need >> 20,
+                free_mib: free >> 20,
+                ordinal: c.ordinal,
+            });
+        }
+
+        let mut up = Uploader {
+            stream: &stream,
+            f: &f,
+            g,
+        };
+        let tok_embd = up.matrix("token_embd.weight", vocab, d)?;
+        let head = if g.has_tensor("output.weight") {
+            Some(up.matrix("output.weight", vocab, d)?)
+        } else {
+            None
+        };
+        let out_norm = up.vector("output_norm.weight", d)?;
+        let mut layers = Vec::with_capacity(cfg.n_layer);
+        for i in 0..cfg.n_layer {
+            let n = |s: &str| format!("blk.{i}.{s}");
+            layers.push(LayerW {
+                attn_norm: up.vector(&n("attn_norm.weight"), d)?,
+                wqkv: up.stacked(
+                    &[
+                        (&n("attn_q.weight"), d),
+                        (&n("attn_k.weight"), kvd),
+                        (&n("attn_v.weight"), kvd),
+                    ],
+                    d,
+                )?,
+                wo: up.matrix(&n("attn_output.weight"), d, d)?,
+                ffn_norm: up.vector(&n("ffn_norm.weight"), d)?,
+                w_gate: up.matrix(&n("ffn_gate.weight"), ff, d)?,
+                w_up: up.matrix(&n("ffn_up.weight"), ff, d)?,
+                w_down: up.matrix(&n("ffn_down.weight"), d, ff)?,
+            });
+        }
+        let z32 = |n: usize| stream.alloc_zeros::<f32>(n.max(1)).map_err(drv);
+        let zi = |n: usize| stream.alloc_zeros::<i32>(n.max(1)).map_err(drv);
+        let b = Bufs {
+            x: z32(t * d)?,
+            delta: z32(t * d)?,
+            h16: stream.alloc_zeros::<u16>(t * d.max(ff)).map_err(drv)?,
+            qkv: z32(t * qkv_w)?,
+            att: z32(t * d)?,
+            gate: z32(t * ff)?,
+            up: z32(t * ff)?,
+            xs: z32(s * d)?,
+            hs16: stream.alloc_zeros::<u16>(s * d).map_err(drv)?,
+            logits: z32(s * vocab)?,
+            picks: stream.alloc_zeros::<u32>(s).map_err(drv)?,
+            pick_vals: z32(s)?,
+            tokens: stream.alloc_zeros::<u32>(t).map_err(drv)?,
+            tok_seq: zi(t)?,
+            tok_pos: zi(t)?,
+            rows: zi(s)?,
+            tables: zi(s * max_blocks)?,
+        };
+
+        // KV cache from what is left.
+        let block_elems = cfg.n_layer * 2 * cfg.n_head_kv * c.block_size * cfg.head_dim;
+        let (free, _) = ctx.mem_get_info().map_err(drv)?;
+        let kv_bytes = (free as f64 * c.kv_cache_fraction) as usize;
+        let num_blocks = (kv_bytes / (block_elems * 2)).min(i32::MAX as usize);
+        if num_blocks < max_blocks.min(64) {
+            return Err(CudaError::DoesNotFit {
+                need_mib: (need + max_blocks * block_elems * 2) >> 20,
+                free_mib: free >> 20,
+                ordinal: c.ordinal,
+            });
+        }
+        let kv = stream
+            .alloc_zeros::<u16>(num_blocks * block_elems)
+            .map_err(drv)?;
+        stream.synchronize().map_err(drv)?;
+        tracing::info!(
+            device = %ctx.name().unwrap_or_default(),
+            arch,
+            weights_mib = (weight_elems * 2) >> 20,
+            kv_blocks = num_blocks,
+            "CUDA executor ready"
+        );
+        let spec = ModelSpec {
+            name: g
+                .str_opt("general.name")
+                .ok()
+                .flatten()
+                .map(|s| s.to_string())
+                .unwrap_or_else(|| cfg.arch.clone()),
+            arch: cfg.arch.clone(),
+            n_layer: cfg.n_layer,
+            n_embd: d,
+            n_head: cfg.n_head,
+            n_head_kv: cfg.n_head_kv,
+            head_dim: cfg.head_dim,
+            vocab,
+            ctx_len: cfg.ctx_len,
+            weight_bytes: weight_elems * 2,
+        };
+        Ok(CudaExecutor {
+            sampler: SamplerScratch::with_capacity(vocab),
+            cfg,
+            spec,
+            ctx,
+            stream,
+            blas,
+            f,
+            tok_embd,
+            head,
+            out_norm,
+            layers,
+            kv,
+            block_elems,
+            num_blocks,
+            block_size: c.block_size,
+            max_blocks,
+            max_tokens: t,
+            max_seqs: s,
+            b,
+            host: Host::default(),
+        })
+    }
+
+    /// `y[t][n] = sum_k x[t][k] * w[n][k]`: weights `[n][k]` f16 row-major,
+    /// inputs `[t][k]` f16, outputs `[t][n]` f32.
+    fn gemm(&self, w: u64, x: u64, y: u64, n: usize, k: usize, t: usize) -> Result<(), ExecError> {
+        let (alpha, beta) = (1.0f32, 0.0f32);
+        // Column-major view: Y^T (n x t) = W (k x n)^T * X^T (k x t).
+        // SAFETY: the pointers name live buffers of at least these sizes.
+        unsafe {
+            cudarc::cublas::result::gemm_ex(
+                *self.blas.handle(),
+                cublasOperation_t::CUBLAS_OP_T,
+                cublasOperation_t::CUBLAS_OP_N,
+                n as i32,
+                t as i32,
+                k as i32,
+                (&alpha as *const f32).cast(),
+                w as *const _,
+                cudaDataType::CUDA_R_16F,
+                k as i32,
+                x as *const _,
+                cudaDataType::CUDA_R_16F,
+                k as i32,
+                (&beta as *const f32).cast(),
+                y as *mut _,
+                cudaDataType::CUDA_R_32F,
+                n as i32,
+                cublasComputeType_t::CUBLAS_COMPUTE_32F,
+                cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
+            )
+        }
+        .map_err(exec_err)
+    }
+
+    fn to_f16(&self, src: u64, dst: u64, n: usize) -> Result<(), ExecError> {
+        let mut l = self.stream.launch_builder(&self.f.f32_to_f16);
+        let n64 = n as i64;
+        l.arg(&src).arg(&dst).arg(&n64);
+        // SAFETY: argument types match the kernel's signature.
+        unsafe { l.launch(flat(n)) }.map_err(exec_err)?;
+        Ok(())
+    }
+
+    fn norm(&self, x: u64, delta: u64, w: u64, out: u64, rows_n: usize) -> Result<(), ExecError> {
+        let mut l = self.stream.launch_builder(&self.f.rms_norm_residual);
+        let (dim, eps) = (self.cfg.n_embd as i32, self.cfg.rms_eps);
+        l.arg(&x).arg(&delta).arg(&w).arg(&out).arg(&dim).arg(&eps);
+        // SAFETY: as above.
+        unsafe { l.launch(rows(rows_n, 256)) }.map_err(exec_err)?;
+        Ok(())
+    }
+
+    fn forward(&mut self, batch: &[SeqInput<'_>], out: &mut StepOutputs) -> Result<(), ExecError> {
+        let st = &self.stream;
+        let (d, kvd, ff, hd) = (
+            self.cfg.n_embd,
+            self.cfg.kv_dim(),
+            self.cfg.n_ff,
+            self.cfg.head_dim,
+        );
+        let qkv_w = d + 2 * kvd;
+        let h = &mut self.host;
+        h.tokens.clear();
+        h.tok_seq.clear();
+        h.tok_pos.clear();
+        h.rows.clear();
+        h.tables.clear();
+        out.seqs.clear();
+        out.vocab = self.cfg.vocab;
+        for (i, q) in batch.iter().enumerate() {
+            for (j, &t) in q.tokens.iter().enumerate() {
+                h.tokens.push(t);
+                h.tok_seq.push(i as i32);
+                h.tok_pos.push((q.start_pos + j) as i32);
+            }
+            let need = (q.start_pos + q.tokens.len()).div_ceil(self.block_size);
+            h.tables
+                .extend(q.block_table[..need].iter().map(|&b| b as i32));
+            h.tables
+                .extend(std::iter::repeat_n(0, self.max_blocks - need));
+            let mut o = SeqOutput::default();
+            if !matches!(q.output, OutputKind::None) {
+                o.logits_row = Some(h.rows.len());
+                h.rows.push(h.tokens.len() as i32 - 1);
+            }
+            out.seqs.push(o);
+        }
+        let t_all = h.tokens.len();
+        let n_out = h.rows.len();
+        st.memcpy_htod(&h.tokens, &mut self.b.tokens.slice_mut(..t_all))
+            .map_err(exec_err)?;
+        st.memcpy_htod(&h.tok_seq, &mut self.b.tok_seq.slice_mut(..t_all))
+            .map_err(exec_err)?;
+        st.memcpy_htod(&h.tok_pos, &mut self.b.tok_pos.slice_mut(..t_all))
+            .map_err(exec_err)?;
+        st.memcpy_htod(&h.tables, &mut self.b.tables.slice_mut(..h.tables.len()))
+            .map_err(exec_err)?;
+        if n_out > 0 {
+            st.memcpy_htod(&h.rows, &mut self.b.rows.slice_mut(..n_out))
+                .map_err(exec_err)?;
+        }
+
+        let p = |s: &CudaSlice<f32>| ptr(s, st);
+        let (x, delta, qkv, att) = (
+            p(&self.b.x),
+            p(&self.b.delta),
+            p(&self.b.qkv),
+            p(&self.b.att),
+        );
+        let (gate, upb) = (p(&self.b.gate), p(&self.b.up));
+        let h16 = ptr(&self.b.h16, st);
+        let (tokens, tok_seq, tok_pos, tables) = (
+            ptr(&self.b.tokens, st),
+            ptr(&self.b.tok_seq, st),
+            ptr(&self.b.tok_pos, st),
+            ptr(&self.b.tables, st),
+        );
+        let kv = ptr(&self.kv, st);
+        let null = 0u64;
+        let (n_tok, n_layer, n_head, n_kv, hd32, bs, mb) = (
+            t_all as i32,
+            self.cfg.n_layer as i32,
+            self.cfg.n_head as i32,
+            self.cfg.n_head_kv as i32,
+            hd as i32,
+            self.block_size as i32,
+            self.max_blocks as i32,
+        );
+
+        {
+            let mut l = st.launch_builder(&self.f.embed);
+            let (tab, dim) = (ptr(&self.tok_embd, st), d as i32);
+            l.arg(&tab).arg(&tokens).arg(&x).arg(&n_tok).arg(&dim);
+            // SAFETY: as above.
+            unsafe { l.launch(rows(t_all, 256)) }.map_err(exec_err)?;
+        }
+        for (li, w) in self.layers.iter().enumerate() {
+            let layer = li as i32;
+            // Attention: the residual add of the previous layer's FFN is
+            // fused into this norm (none before the first layer).
+            let prev = if li == 0 { null } else { delta };
+            self.norm(x, prev, ptr(&w.attn_norm, st), h16, t_all)?;
+            self.gemm(ptr(&w.wqkv, st), h16, qkv, qkv_w, d, t_all)?;
+            {
+                let mut l = st.launch_builder(&self.f.rope_qk);
+                let (qw, base) = (qkv_w as i32, self.cfg.rope_base);
+                l.arg(&qkv)
+                    .arg(&tok_pos)
+                    .arg(&n_tok)
+                    .arg(&qw)
+                    .arg(&n_head)
+                    .arg(&n_kv)
+                    .arg(&hd32)
+                    .arg(&base);
+                // SAFETY: as above.
+                unsafe { l.launch(rows(t_all, 64)) }.map_err(exec_err)?;
+            }
+            {
+                let mut l = st.launch_builder(&self.f.kv_append);
+                l.arg(&qkv)
+                    .arg(&kv)
+                    .arg(&tok_seq)
+                    .arg(&tok_pos)
+                    .arg(&tables)
+                    .arg(&mb)
+                    .arg(&n_tok)
+                    .arg(&layer)
+                    .arg(&n_layer)
+                    .arg(&n_head)
+                    .arg(&n_kv)
+                    .arg(&hd32)
+                    .arg(&bs);
+                // SAFETY: as above.
+                unsafe { l.launch(rows(t_all, 128)) }.map_err(exec_err)?;
+            }
+            {
+                let mut l = st.launch_builder(&self.f.paged_attention);
+                let scale = 1.0 / (hd as f32).sqrt();
+                l.arg(&att)
+                    .arg(&qkv)
+                    .arg(&kv)
+                    .arg(&tok_seq)
+                    .arg(&tok_pos)
+                    .arg(&tables)
+                    .arg(&mb)
+                    .arg(&n_tok)
+                    .arg(&layer)
+                    .arg(&n_layer)
+                    .arg(&n_head)
+                    .arg(&n_kv)
+                    .arg(&hd32)
+                    .arg(&bs)
+                    .arg(&scale);
+                let cfg = LaunchConfig {
+                    grid_dim: (t_all as u32, self.cfg.n_head as u32, 1),
+                    block_dim: (128, 1, 1),
+                    shared_mem_bytes: 0,
+                };
+                // SAFETY: as above.
+                unsafe { l.launch(cfg) }.map_err(exec_err)?;
+            }
+            self.to_f16(att, h16, t_all * d)?;
+            self.gemm(ptr(&w.wo, st), h16, delta, d, d, t_all)?;
+            // FFN, the attention residual fused into its norm.
+            self.norm(x, delta, ptr(&w.ffn_norm, st), h16, t_all)?;
+            self.gemm(ptr(&w.w_gate, st), h16, gate, ff, d, t_all)?;
+            self.gemm(ptr(&w.w_up, st), h16, upb, ff, d, t_all)?;
+            {
+                let mut l = st.launch_builder(&self.f.swiglu);
+                let n = (t_all * ff) as i64;
+                l.arg(&gate).arg(&upb).arg(&h16).arg(&n);
+                // SAFETY: as above.
+                unsafe { l.launch(flat(t_all * ff)) }.map_err(exec_err)?;
+            }
+            self.gemm(ptr(&w.w_down, st), h16, delta, d, ff, t_all)?;
+        }
+        if n_out == 0 {
+            st.synchronize().map_err(exec_err)?;
+            out.logits.clear();
+            return Ok(());
+        }
+        // Last residual add, then only the rows that want logits.
+        {
+            let mut l = st.launch_builder(&self.f.add_rows);
+            let n = (t_all * d) as i64;
+            l.arg(&x).arg(&delta).arg(&n);
+            // SAFETY: as above.
+            unsafe { l.launch(flat(t_all * d)) }.map_err(exec_err)?;
+        }
+        let xs = ptr(&self.b.xs, st);
+        {
+            let mut l = st.launch_builder(&self.f.gather_rows);
+            let (rows_p, dim) = (ptr(&self.b.rows, st), d as i32);
+            l.arg(&x).arg(&xs).arg(&rows_p).arg(&dim);
+            // SAFETY: as above.
+            unsafe { l.launch(rows(n_out, 256)) }.map_err(exec_err)?;
+        }
+        let hs16 = ptr(&self.b.hs16, st);
+        self.norm(xs, null, ptr(&self.out_norm, st), hs16, n_out)?;
+        let vocab = self.cfg.vocab;
+        let head = ptr(self.head.as_ref().unwrap_or(&self.tok_embd), st);
+        self.gemm(head, hs16, ptr(&self.b.logits, st), vocab, d, n_out)?;
+        // A step whose rows all sample greedily without logprobs (the
+        // common decode step) picks on the device and reads back one token
+        // per row instead of a vocabulary of logits.
+        let greedy = batch.iter().all(|q| match &q.output {
+            OutputKind::None => true,
+            OutputKind::Logits => false,
+            OutputKind::Sample(p) => {
+                (p.temperature == 0.0 || p.top_k == 1) && !p.logprobs && p.top_logprobs == 0
+            }
+        });
+        if greedy {
+            let mut l = st.launch_builder(&self.f.argmax_rows);
+            let (lp, v, tk, tv) = (
+                ptr(&self.b.logits, st),
+                vocab as i32,
+                ptr(&self.b.picks, st),
+                ptr(&self.b.pick_vals, st),
+            );
+            l.arg(&lp).arg(&v).arg(&tk).arg(&tv);
+            // SAFETY: as above.
+            unsafe { l.launch(rows(n_out, 256)) }.map_err(exec_err)?;
+            let picks = &mut self.host.picks;
+            picks.resize(n_out, 0);
+            st.memcpy_dtoh(&self.b.picks.slice(..n_out), picks)
+                .map_err(exec_err)?;
+            st.synchronize().map_err(exec_err)?;
+            out.logits.clear();
+            for (i, q) in batch.iter().enumerate() {
+                if let OutputKind::Sample(_) = q.output
+                    && let Some(row) = out.seqs[i].logits_row.take()
+                {
+                    out.seqs[i].sampled = Some(Sampled {
+                        token: picks[row],
+                        logprob: f32::NAN,
+                        top: Vec::new(),
+                    });
+                }
+            }
+            return Ok(());
+        }
+        out.logits.resize(n_out * vocab, 0.0);
+        st.memcpy_dtoh(&self.b.logits.slice(..n_out * vocab), &mut out.logits)
+            .map_err(exec_err)?;
+        st.synchronize().map_err(exec_err)?;
+        // Sampling on the host: the rows are here already, and the CPU
+        // sampler's draws are a function of (seed, position), so a request
+        // samples alike on either backend.
+        for (i, q) in batch.iter().enumerate() {
+            if let OutputKind::Sample(sp) = &q.output {
+                let row = out.seqs[i].logits_row.expect("sampled rows have logits");
+                let logits = &out.logits[row * vocab..(row + 1) * vocab];
+                let position = (q.start_pos + q.tokens.len()) as u64;
+                out.seqs[i].sampled = Some(sample(logits, sp, position, &mut self.sampler));
+            }
+        }
+        Ok(())
+    }
+
+    fn block_range(&self, block: u32) -> Result<std::ops::Range<usize>, ExecError> {
+        let b = block as usize;
+        if b >= self.num_blocks {
+            return Err(ExecError::BadBlock {
+                block,
+                num_blocks: self.num_blocks,
+            });
+        }
+        Ok(b * self.block_elems..(b + 1) * self.block_elems)
+    }
+}
+
+/// Uploads weights, dequantising to f16.
+struct Uploader<'a> {
+    stream: &'a Arc<CudaStream>,
+    f: &'a Funcs,
+    g: &'a GgufFile,
+}
+
+impl Uploader<'_> {
+    fn vector(&mut self, name: &str, n: usize) -> Result<CudaSlice<f32>, CudaError> {
+        let t = self.g.tensor(name)?;
+        if t.elems() != n as u64 || t.ty.block_elems() != 1 {
+            return Err(CudaError::Model(GgufError::UnsupportedType {
+                tensor: name.to_string(),
+                ty: format!(
+                    "{} with {} elements (a norm vector of {n})",
+                    t.ty.name(),
+                    t.elems()
+                ),
+            }));
+        }
+        let mut v = vec![0f32; n];
+        flotilla_model::quant::dequantize(t.ty, self.g.tensor_bytes(t), &mut v);
+        self.stream.clone_htod(&v).map_err(drv)
+    }
+
+    fn matrix(
+        &mut self,
+        name: &str,
+        rows: usize,
+        cols: usize,
+    ) -> Result<CudaSlice<u16>, CudaError> {
+        self.stacked(&[(name, rows)], cols)
+    }
+
+    /// Matrices of `cols` columns stacked row-wise into one f16 buffer.
+    fn stacked(
+        &mut self,
+        parts: &[(&str, usize)],
+        cols: usize,
+    ) -> Result<CudaSlice<u16>, CudaError> {
+        let total: usize = parts.iter().map(|p| p.1).sum();
+        let mut dst = self.stream.alloc_zeros::<u16>(total * cols).map_err(drv)?;
+        let mut row = 0;
+        for &(name, rows) in parts {
+            let t = self.g.tensor(name)?;
+            if t.dims != [cols as u64, rows as u64] {
+                return Err(CudaError::Model(GgufError::BadShape {
+                    tensor: name.to_string(),
+                    found: t.dims.clone(),
+                    expected: vec![cols as u64, rows as u64],
+                }));
+            }
+            let bytes = self.g.tensor_bytes(t);
+            let n = rows * cols;
+            let off = row * cols;
+            let func = match t.ty {
+                GgmlType::Q8_0 => Some(&self.f.dequant_q8_0),
+                GgmlType::Q4_0 => Some(&self.f.dequant_q4_0),
+                GgmlType::Q4_1 => Some(&self.f.dequant_q4_1),
+                GgmlType::BF16 => Some(&self.f.bf16_to_f16),
+                _ => None,
+            };
+            match func {
+                _ if t.ty == GgmlType::F16 => {
+                    let h: Vec<u16> = bytes
+                        .chunks_exact(2)
+                        .map(|b| u16::from_le_bytes([b[0], b[1]]))
+                        .collect();
+                    self.stream
+                        .memcpy_htod(&h, &mut dst.slice_mut(off..off + n))
+                        .map_err(drv)?;
+                }
+                Some(func) => {
+                    let raw = self.stream.clone_htod(bytes).map_err(drv)?;
+                    // Blocks for the dequantisers, elements for bf16.
+                    let n_blocks = (n as u64 / t.ty.block_elems()) as i64;
+                    let (src, out) = (
+                        ptr(&raw, self.stream),
+                        ptr(&dst, self.stream) + 2 * off as u64,
+                    );
+                    let mut l = self.stream.launch_builder(func);
+                    l.arg(&src).arg(&out).arg(&n_blocks);
+                    // SAFETY: `raw` holds n_blocks whole blocks, `dst` room for them.
+                    unsafe { l.launch(flat(n)) }.map_err(drv)?;
+                    // `raw` is freed on the stream, after the kernel.
+                    drop(raw);
+                }
+                None => {
+                    let mut f = vec![0f32; n];
+                    flotilla_model::quant::dequantize(t.ty, bytes, &mut f);
+                    let h: Vec<u16> = f
+                        .iter()
+                        .map(|&v| half::f16::from_f32(v).to_bits())
+                        .collect();
+                    self.stream
+                        .memcpy_htod(&h, &mut dst.slice_mut(off..off + n))
+                        .map_err(drv)?;
+                }
+            }
+            row += rows;
+        }
+        Ok(dst)
+    }
+}
+
+impl Executor for CudaExecutor {
+    fn model_spec(&self) -> &ModelSpec {
+        &self.spec
+    }
+
+    fn kv_spec(&self) -> KvSpec {
+        KvSpec {
+            block_size: self.block_size,
+            num_blocks: self.num_blocks,
+            dtype: KvDtype::F16,
+            bytes_per_block: self.block_elems * 2,
+        }
+    }
+
+    fn max_batch_tokens(&self) -> usize {
+        self.max_tokens
+    }
+
+    fn step(&mut self, batch: &[SeqInput<'_>], out: &mut StepOutputs) -> Result<(), ExecError> {
+        let limits = BatchLimits {
+            vocab: self.cfg.vocab,
+            ctx_len: self.cfg.ctx_len,
+            block_size: self.block_size,
+            num_blocks: self.num_blocks,
+            max_tokens: self.max_tokens,
+        };
+        validate_batch(batch, &limits, &mut self.host.slots)?;
+        if batch.len() > self.max_seqs {
+            return Err(ExecError::BatchTooLarge {
+                tokens: batch.len(),
+                max: self.max_seqs,
+            });
+        }
+        self.ctx.bind_to_thread().map_err(exec_err)?;
+        self.forward(batch, out)
+    }
+
+    fn copy_block(&mut self, src: u32, dst: u32) -> Result<(), ExecError> {
+        self.block_range(src)?;
+        self.block_range(dst)?;
+        self.ctx.bind_to_thread().map_err(exec_err)?;
+        let mut l = self.stream.launch_builder(&self.f.copy_block);
+        let (kv, s, d, n) = (
+            ptr(&self.kv, &self.stream),
+            src as i32,
+            dst as i32,
+            self.block_elems as i64,
+        );
+        l.arg(&kv).arg(&s).arg(&d).arg(&n);
+        // SAFETY: both blocks checked above.
+        unsafe { l.launch(flat(self.block_elems / 8)) }.map_err(exec_err)?;
+        Ok(())
+    }
+
+    fn read_block(&self, block: u32, out: &mut [u8]) -> Result<(), ExecError> {
+        let r = self.block_range(block)?;
+        if out.len() != r.len() * 2 {
+            return Err(ExecError::BadBlockBytes {
+                got: out.len(),
+                expected: r.len() * 2,
+            });
+        }
+        self.ctx.bind_to_thread().map_err(exec_err)?;
+        let mut host = vec![0u16; r.len()];
+        self.stream
+            .memcpy_dtoh(&self.kv.slice(r), &mut host)
+            .map_err(exec_err)?;
+        self.stream.synchronize().map_err(exec_err)?;
+        for (o, v) in out.chunks_exact_mut(2).zip(&host) {
+            o.copy_from_slice(&v.to_le_bytes());
+        }
+        Ok(())
+    }
+
+    fn write_block(&mut self, block: u32, data: &[u8]) -> Result<(), ExecError> {
+        let r = self.block_range(block)?;
+        if data.len() != r.len() * 2 {
+            return Err(ExecError::BadBlockBytes {
+                got: data.len(),
+                expected: r.len() * 2,
+            });
+        }
+        self.ctx.bind_to_thread().map_err(exec_err)?;
+        let host: Vec<u16> = data
+            .chunks_exact(2)
+            .map(|b| u16::from_le_bytes([b[0], b[1]]))
+            .collect();
+        self.stream
+            .memcpy_htod(&host, &mut self.kv.slice_mut(r))
+            .map_err(exec_err)?;
+        self.stream.synchronize().map_err(exec_err)?;
+        Ok(())
+    }
+}

@@ -1,0 +1,67 @@
+// Flotilla CUDA kernels: writing into and copying the paged KV cache.
+//
+// The cache is f16 (unsigned short bit patterns), block-major; one block holds
+// every layer's K and V for block_size positions. Element offset of
+// (block b, layer l, kv 0=K/1=V, kv head h, slot s, dim d):
+//   b*block_elems + (((l*2 + kv)*n_head_kv + h)*block_size + s)*head_dim + d,
+//   block_elems = n_layer*2*n_head_kv*block_size*head_dim.
+// Position p of sequence i lives in block block_tables[i*max_blocks + p/block_size],
+// slot p % block_size. Token rows of qkv (f32) are [q | k | v], as in rope.cu.
+
+__device__ __forceinline__ unsigned short f32_to_f16_bits(float f) {
+    unsigned short h;
+    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f));
+    return h;
+}
+
+// Stores this layer's K and V of every token into the token's cache slot.
+// Launch: grid = (n_tokens), block = (128 or 256).
+extern "C" __global__ void kv_append(const float* qkv, unsigned short* kv, const int* tok_seq,
+                                     const int* tok_pos, const int* block_tables,
+                                     int max_blocks, int n_tokens, int layer, int n_layer,
+                                     int n_head, int n_head_kv, int head_dim,
+                                     int block_size) {
+    const int t = blockIdx.x;
+    if (t >= n_tokens) return;
+    const int kv_dim = n_head_kv * head_dim;
+    const size_t qkv_w = (size_t)(n_head + 2 * n_head_kv) * head_dim;
+    const float* k_src = qkv + (size_t)t * qkv_w + (size_t)n_head * head_dim;
+    const float* v_src = k_src + kv_dim;
+
+    const int p = tok_pos[t];
+    const int block = block_tables[(size_t)tok_seq[t] * max_blocks + p / block_size];
+    const int slot = p % block_size;
+    const size_t block_elems = (size_t)n_layer * 2 * n_head_kv * block_size * head_dim;
+    const size_t head_stride = (size_t)block_size * head_dim;  // one kv head's slots
+    unsigned short* k_dst = kv + (size_t)block * block_elems +
+                            (size_t)(layer * 2 + 0) * n_head_kv * head_stride +
+                            (size_t)slot * head_dim;
+    unsigned short* v_dst = k_dst + (size_t)n_head_kv * head_stride;
+
+    for (int e = threadIdx.x; e < kv_dim; e += blockDim.x) {
+        const int h = e / head_dim, d = e - h * head_dim;
+        const size_t o = (size_t)h * head_stride + d;
+        k_dst[o] = f32_to_f16_bits(k_src[e]);
+        v_dst[o] = f32_to_f16_bits(v_src[e]);
+    }
+}
+
+// Copies a whole block (all layers, K and V) from block src to block dst.
+// Launch: grid-stride; e.g. grid = (min(ceil(block_elems/8/256), 1024)), block = (256).
+extern "C" __global__ void copy_block(unsigned short* kv, int src, int dst,
+                                      long long block_elems) {
+    const unsigned short* s = kv + (size_t)src * (size_t)block_elems;
+    unsigned short* d = kv + (size_t)dst * (size_t)block_elems;
+    const size_t stride = (size_t)gridDim.x * blockDim.x;
+    const size_t first = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if ((block_elems & 7) == 0) {
+        // 16-byte copies: every block starts 16-byte aligned when block_elems % 8 == 0
+        // (device allocations are at least 256-byte aligned).
+        const uint4* s4 = (const uint4*)s;
+        uint4* d4 = (uint4*)d;
+        const size_t n4 = (size_t)block_elems / 8;
+        for (size_t i = first; i < n4; i += stride) d4[i] = s4[i];
+    } else {
+        for (size_t i = first; i < (size_t)block_elems; i += stride) d[i] = s[i];
+    }
+}
