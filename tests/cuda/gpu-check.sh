@@ -10,7 +10,15 @@
 #      bandwidth bound of the weights;
 #   4. `flotilla serve --device cuda:0` answering one chat completion.
 # Needs Rust (cargo) and the NVIDIA driver; NVRTC and cuBLAS come from the
-# CUDA toolkit or from PyPI (installed here into target/gpu-venv if absent).
+# CUDA toolkit or from PyPI (installed here into target/gpu-venv if absent,
+# pinned to the driver's CUDA major version).
+#
+# The project's lent H200 machines (seen 2026-11) have driver 580 (CUDA 13)
+# with the PyPI packages nvidia-cublas and nvidia-cuda-nvrtc for CUDA 13 in
+# their Python, but no cargo and no network, and take 64 MiB of files per
+# call: there, build the test binaries here (`cargo test --release -p
+# flotilla-cuda --no-run`, the bench example), strip them, carry them with
+# a model small enough, and run them with the same variables as below.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 out=${OUT:-target/gpu-check}
@@ -18,13 +26,40 @@ mkdir -p "$out"
 
 nvidia-smi --query-gpu=name,memory.total,driver_version,compute_cap --format=csv | tee "$out/device.csv"
 
-if ! ldconfig -p | grep -q libnvrtc.so.12 || ! ldconfig -p | grep -q libcublas.so.12; then
-  python3 -m venv target/gpu-venv
-  target/gpu-venv/bin/pip install --quiet --disable-pip-version-check \
-    nvidia-cuda-nvrtc-cu12 nvidia-cublas-cu12
-  site=$(target/gpu-venv/bin/python -c 'import site; print(site.getsitepackages()[0])')
-  export LD_LIBRARY_PATH="$site/nvidia/cuda_nvrtc/lib:$site/nvidia/cublas/lib:${LD_LIBRARY_PATH:-}"
-fi
+# cudarc looks for libnvrtc/libcublas as .so, .so.12, .so.11...: a CUDA 13
+# install has .so.13 only, so link the unversioned names to what is there.
+cuda_major=$(nvidia-smi | sed -n 's/.*CUDA Version: *\([0-9]*\).*/\1/p' | head -1)
+libs=target/gpu-libs
+mkdir -p "$libs"
+find_lib() { # the first of: the loader's cache, any Python's nvidia packages
+  ldconfig -p | awk -v n="$1" '$1 ~ "^"n {print $NF; exit}'
+  python3 - "$1" <<'PY' 2>/dev/null
+import glob, site, sys
+for d in site.getsitepackages() + [site.getusersitepackages()]:
+    for f in sorted(glob.glob(f"{d}/nvidia/**/{sys.argv[1]}*", recursive=True)):
+        print(f); sys.exit()
+PY
+}
+for lib in libnvrtc.so libcublas.so libcublasLt.so; do
+  path=$(find_lib "$lib" | head -1)
+  if [ -z "$path" ]; then
+    python3 -m venv target/gpu-venv
+    target/gpu-venv/bin/pip install --quiet --disable-pip-version-check \
+      "nvidia-cuda-nvrtc-cu${cuda_major}" "nvidia-cublas-cu${cuda_major}"
+    path=$(target/gpu-venv/bin/python - "$lib" <<'PY'
+import glob, site, sys
+for d in site.getsitepackages():
+    for f in sorted(glob.glob(f"{d}/nvidia/**/{sys.argv[1]}*", recursive=True)):
+        print(f); sys.exit()
+PY
+)
+  fi
+  echo "$lib -> $path"
+  ln -sf "$path" "$libs/$lib"
+  ln -sf "$path" "$libs/$lib.12"
+  dirs="${dirs:-}:$(dirname "$path")" # NVRTC loads its builtins from there
+done
+export LD_LIBRARY_PATH="$PWD/$libs${dirs}:${LD_LIBRARY_PATH:-}"
 
 export FLOTILLA_REQUIRE_GPU=1 FLOTILLA_REQUIRE_NVRTC=1
 cargo build --release -p flotilla -p flotilla-cuda --examples --tests 2>&1 | tail -3

@@ -79,6 +79,12 @@ pub enum CudaError {
     /// A compute capability with no known NVRTC target.
     #[error("CUDA device of compute capability {0}.{1} is not supported")]
     Arch(i32, i32),
+    /// cuBLAS is not installed.
+    #[error(
+        "cuBLAS (libcublas.so) was not found: install the CUDA toolkit or \
+         `pip install nvidia-cublas-cu12` and add its lib directory to LD_LIBRARY_PATH"
+    )]
+    NoCublas,
     /// A kernel did not compile.
     #[error(transparent)]
     Compile(#[from] CompileError),
@@ -324,6 +330,10 @@ impl CudaExecutor {
             bf16_to_f16: take("bf16_to_f16")?,
             argmax_rows: take("argmax_rows")?,
         };
+        // SAFETY: only tries to dlopen the library by its usual names.
+        if !unsafe { cudarc::cublas::sys::is_culib_present() } {
+            return Err(CudaError::NoCublas);
+        }
         let blas = CudaBlas::new(stream.clone()).map_err(drv)?;
 
         let (d, kvd, ff, vocab) = (cfg.n_embd, cfg.kv_dim(), cfg.n_ff, cfg.vocab);
@@ -914,8 +924,8 @@ impl Executor for CudaExecutor {
         };
         validate_batch(batch, &limits, &mut self.host.slots)?;
         if batch.len() > self.max_seqs {
-            return Err(ExecError::BatchTooLarge {
-                tokens: batch.len(),
+            return Err(ExecError::TooManySequences {
+                seqs: batch.len(),
                 max: self.max_seqs,
             });
         }

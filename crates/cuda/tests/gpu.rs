@@ -64,12 +64,16 @@ fn paged_attention_matches_a_plain_reference() {
     let attend = load("attention.cu", "paged_attention");
     let st = ctx.default_stream();
     for (hd, n_head, n_kv, bs) in [(64, 8, 2, 16), (128, 4, 4, 8), (64, 9, 3, 32)] {
-        let (n_layer, layer, max_blocks, num_blocks) = (2i32, 1i32, 8usize, 20usize);
+        let (n_layer, layer) = (2i32, 1i32);
         let qkv_w = (n_head + 2 * n_kv) * hd;
-        // Sequence 0: 37 cached positions then one decode token at 37.
-        // Sequence 1: a prefill chunk of 25. Every position of both attends.
-        let lens = [38usize, 25];
-        let mut tables = vec![0i32; 2 * max_blocks];
+        // Sequence 0: a decode token at position 37 (37 cached before it);
+        // sequence 1: a prefill chunk of 25; sequence 2: 300 positions, so
+        // each warp of the kernel goes round its loop more than once and
+        // rescales what it had. Every position of every sequence attends.
+        let lens = [38usize, 25, 300];
+        let max_blocks = 300usize.div_ceil(bs);
+        let num_blocks: usize = lens.iter().map(|l| l.div_ceil(bs)).sum::<usize>() + 3;
+        let mut tables = vec![0i32; lens.len() * max_blocks];
         let mut next = num_blocks as i32 - 1;
         for (i, &len) in lens.iter().enumerate() {
             for b in 0..len.div_ceil(bs) {
@@ -167,7 +171,7 @@ fn paged_attention_matches_a_plain_reference() {
         let mut worst = 0f32;
         for t in 0..n_tok {
             let (s, p) = (seqs[t] as usize, pos[t] as usize);
-            let first = if s == 0 { 0 } else { lens[0] };
+            let first: usize = lens[..s].iter().sum();
             for h in 0..n_head {
                 let kh = h / group;
                 let q = &qkv[t * qkv_w + h * hd..t * qkv_w + (h + 1) * hd];
@@ -358,4 +362,230 @@ fn greedy_tokens_match_the_cpu_backend() {
     }
     eprintln!("greedy: {equal} tokens equal, {ties} departures at near-ties");
     assert!(equal >= 90, "only {equal} of 96 tokens equal");
+}
+
+fn cpu_f16() -> CpuExecutor {
+    CpuExecutor::load(
+        &model_path(),
+        &CpuConfig {
+            kernel: Kernel::Exact,
+            kv_dtype: KvDtype::F16,
+            num_blocks: 64,
+            max_batch_tokens: 256,
+            ..Default::default()
+        },
+    )
+    .unwrap()
+}
+
+fn f16s(b: &[u8]) -> Vec<f32> {
+    b.chunks_exact(2)
+        .map(|c| f16::from_bits(u16::from_le_bytes([c[0], c[1]])).to_f32())
+        .collect()
+}
+
+/// The GPU's KV blocks hold what the CPU's f16 blocks hold, byte layout
+/// included, so blocks migrate between a CPU node and a GPU node: the same
+/// prompt's blocks agree within f16 rounding of slightly different
+/// arithmetic; the CPU's blocks written into the GPU continue there to the
+/// CPU's next token; `copy_block` copies bytes exactly.
+#[test]
+fn kv_blocks_are_the_cpu_s_layout_and_move_between_backends() {
+    if gpu_or_skip().is_none() {
+        return;
+    }
+    let mut g = cuda(256);
+    let mut c = cpu_f16();
+    assert_eq!(g.kv_spec().bytes_per_block, c.kv_spec().bytes_per_block);
+    let prompt: Vec<u32> = (0..40).map(|i| 100 + 37 * i).collect();
+    let table: Vec<u32> = vec![5, 2, 9];
+    let run = |e: &mut dyn Executor, t: &[u32]| {
+        let mut out = StepOutputs::default();
+        e.step(
+            &[SeqInput {
+                tokens: &prompt,
+                start_pos: 0,
+                block_table: t,
+                output: OutputKind::Logits,
+            }],
+            &mut out,
+        )
+        .unwrap();
+        out.logits_of(0).unwrap().to_vec()
+    };
+    run(&mut g, &table);
+    let cpu_logits = run(&mut c, &table);
+    let n = g.kv_spec().bytes_per_block;
+    let (mut gb, mut cb) = (vec![0u8; n], vec![0u8; n]);
+    let mut worst = 0f32;
+    for &b in &table {
+        g.read_block(b, &mut gb).unwrap();
+        c.read_block(b, &mut cb).unwrap();
+        for (x, y) in f16s(&gb).iter().zip(f16s(&cb)) {
+            worst = worst.max((x - y).abs() / (1.0 + y.abs()));
+        }
+    }
+    eprintln!("KV blocks, GPU vs CPU: max relative |diff| {worst:.3}");
+    assert!(worst < 0.05, "KV blocks differ by {worst} (layout?)");
+
+    // The CPU's blocks into other GPU blocks, then one decode step there.
+    let moved: Vec<u32> = vec![11, 12, 13];
+    for (&from, &to) in table.iter().zip(&moved) {
+        c.read_block(from, &mut cb).unwrap();
+        g.write_block(to, &cb).unwrap();
+        g.read_block(to, &mut gb).unwrap();
+        assert_eq!(gb, cb, "write_block then read_block");
+    }
+    let next = argmax(&cpu_logits) as u32;
+    let step = |e: &mut dyn Executor, t: &[u32]| {
+        let mut out = StepOutputs::default();
+        let tok = [next];
+        e.step(
+            &[SeqInput {
+                tokens: &tok,
+                start_pos: prompt.len(),
+                block_table: t,
+                output: OutputKind::Logits,
+            }],
+            &mut out,
+        )
+        .unwrap();
+        out.logits_of(0).unwrap().to_vec()
+    };
+    let on_gpu = step(&mut g, &moved);
+    let on_cpu = step(&mut c, &table);
+    let mut sorted = on_cpu.clone();
+    sorted.sort_by(|a, b| b.total_cmp(a));
+    if sorted[0] - sorted[1] > 0.3 {
+        assert_eq!(argmax(&on_gpu), argmax(&on_cpu), "after migration");
+    }
+
+    // copy_block: byte for byte.
+    g.copy_block(11, 20).unwrap();
+    g.read_block(11, &mut cb).unwrap();
+    g.read_block(20, &mut gb).unwrap();
+    assert_eq!(gb, cb, "copy_block");
+    assert!(g.copy_block(0, g.kv_spec().num_blocks as u32).is_err());
+}
+
+/// A mixed batch (a prefill chunk that wants nothing, one that wants
+/// logits, decode tokens that sample) gives each sequence its own row and
+/// token; greedy tokens picked on the device equal those the host picks
+/// from the logits.
+#[test]
+fn a_mixed_batch_gives_each_sequence_its_row_and_token() {
+    if gpu_or_skip().is_none() {
+        return;
+    }
+    let mut g = cuda(256);
+    let p: Vec<Vec<u32>> = (0..4)
+        .map(|i| (0..12).map(|j| 50 + 97 * i + 13 * j).collect())
+        .collect();
+    let tables: Vec<Vec<u32>> = (0..4u32).map(|i| vec![i * 2, i * 2 + 1]).collect();
+    let greedy = OutputKind::Sample(SamplingParams::greedy());
+    let outputs = [OutputKind::None, OutputKind::Logits, greedy, greedy];
+    let mut out = StepOutputs::default();
+    let batch: Vec<SeqInput<'_>> = (0..4)
+        .map(|i| SeqInput {
+            tokens: &p[i],
+            start_pos: 0,
+            block_table: &tables[i],
+            output: outputs[i],
+        })
+        .collect();
+    g.step(&batch, &mut out).unwrap();
+    assert!(out.logits_of(0).is_none() && out.token_of(0).is_none());
+    assert!(out.logits_of(1).is_some() && out.token_of(1).is_none());
+    // Host-side picks (a Logits row is in the batch): rows and tokens agree.
+    let host: Vec<u32> = (2..4).map(|i| out.token_of(i).unwrap()).collect();
+    for i in 2..4 {
+        assert_eq!(
+            argmax(out.logits_of(i).unwrap()) as u32,
+            out.token_of(i).unwrap()
+        );
+    }
+    // The same prompts again, greedy only: picked on the device.
+    let batch: Vec<SeqInput<'_>> = (2..4)
+        .map(|i| SeqInput {
+            tokens: &p[i],
+            start_pos: 0,
+            block_table: &tables[i],
+            output: greedy,
+        })
+        .collect();
+    g.step(&batch, &mut out).unwrap();
+    let device: Vec<u32> = (0..2).map(|i| out.token_of(i).unwrap()).collect();
+    assert_eq!(device, host);
+    assert!(
+        out.logits_of(0).is_none(),
+        "device picks read back no logits"
+    );
+}
+
+/// The load-time dequantisers against the CPU's `quant::dequantize`, on
+/// random blocks of every format the device converts.
+#[test]
+fn dequantisers_match_the_cpu_s() {
+    let Some(ctx) = gpu_or_skip() else { return };
+    use flotilla_model::gguf::GgmlType;
+    let (major, minor) = ctx.compute_capability().unwrap();
+    let arch = kernels::arch_name(major, minor).unwrap();
+    let src = SOURCES.iter().find(|s| s.file == "dequant.cu").unwrap();
+    let m = ctx
+        .load_module(kernels::compile(src, arch).unwrap())
+        .unwrap();
+    let st = ctx.default_stream();
+    let mut seed = 3u64;
+    for (ty, name) in [
+        (GgmlType::Q8_0, "dequant_q8_0"),
+        (GgmlType::Q4_0, "dequant_q4_0"),
+        (GgmlType::Q4_1, "dequant_q4_1"),
+        (GgmlType::BF16, "bf16_to_f16"),
+    ] {
+        let f = m.load_function(name).unwrap();
+        let n_blocks = 64usize;
+        let elems = n_blocks * ty.block_elems() as usize;
+        let mut raw: Vec<u8> = if ty == GgmlType::BF16 {
+            (0..elems)
+                .flat_map(|_| (((rnd(&mut seed) * 4.0).to_bits() >> 16) as u16).to_le_bytes())
+                .collect()
+        } else {
+            (0..n_blocks * ty.block_bytes() as usize)
+                .map(|_| (rnd(&mut seed) * 127.0) as i8 as u8)
+                .collect()
+        };
+        // Sane f16 scales (and mins) at the head of each block.
+        if ty != GgmlType::BF16 {
+            let bb = ty.block_bytes() as usize;
+            let heads = if ty == GgmlType::Q4_1 { 2 } else { 1 };
+            for b in 0..n_blocks {
+                for h in 0..heads {
+                    let v = f16::from_f32(rnd(&mut seed) * 0.05).to_bits().to_le_bytes();
+                    raw[b * bb + 2 * h..b * bb + 2 * h + 2].copy_from_slice(&v);
+                }
+            }
+        }
+        let mut want = vec![0f32; elems];
+        flotilla_model::quant::dequantize(ty, &raw, &mut want);
+        let d_raw = st.clone_htod(&raw).unwrap();
+        let mut d_out = st.alloc_zeros::<u16>(elems).unwrap();
+        let count = if ty == GgmlType::BF16 {
+            elems
+        } else {
+            n_blocks
+        } as i64;
+        let mut l = st.launch_builder(&f);
+        l.arg(&d_raw).arg(&mut d_out).arg(&count);
+        unsafe { l.launch(LaunchConfig::for_num_elems(elems as u32)) }.unwrap();
+        let got = st.clone_dtoh(&d_out).unwrap();
+        for (i, (&g, &w)) in got.iter().zip(&want).enumerate() {
+            let g = f16::from_bits(g).to_f32();
+            let w16 = f16::from_f32(w).to_f32();
+            assert!(
+                (g - w16).abs() <= 1e-3 * w.abs().max(1e-3),
+                "{name} element {i}: device {g}, CPU {w}"
+            );
+        }
+        eprintln!("{name}: {elems} elements equal to f16 rounding");
+    }
 }

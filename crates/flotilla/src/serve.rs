@@ -239,7 +239,7 @@ pub fn resolve(args: &ServeArgs) -> Result<Resolved> {
     };
     let num_blocks = kv_bytes / bytes_per_block;
     let one_seq = max_model_len.div_ceil(block_size) as u64;
-    if num_blocks < one_seq {
+    if num_blocks < one_seq && args.model.device == Device::Cpu {
         bail!(
             "a KV cache of {kv_bytes} bytes holds {num_blocks} blocks of {block_size} tokens \
              ({bytes_per_block} bytes each); one sequence of --max-model-len {max_model_len} needs \

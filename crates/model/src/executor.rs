@@ -201,6 +201,14 @@ pub enum ExecError {
         /// What is wrong.
         reason: String,
     },
+    /// More sequences than the backend's per-step budget.
+    #[error("batch of {seqs} sequences exceeds the step budget of {max}")]
+    TooManySequences {
+        /// Sequences asked for.
+        seqs: usize,
+        /// Budget.
+        max: usize,
+    },
     /// The device failed (a driver or library error); the backend's state
     /// can no longer be trusted.
     #[error("{0}")]
