@@ -57,6 +57,10 @@ pub(crate) struct WorkerState {
     /// Set when a step panicked: the executor's state can no longer be
     /// trusted, so every later step fails and `/ready` says so.
     broken: Option<String>,
+    /// Modelled time not yet slept: tokio's timer counts whole
+    /// milliseconds, so each step sleeps the whole milliseconds it owes
+    /// and carries the rest, rather than rounding every step up.
+    owed: std::time::Duration,
 }
 
 pub(crate) struct WorkerArgs {
@@ -79,6 +83,7 @@ impl Actor for GpuWorker {
             out: StepOutputs::default(),
             clock: args.clock,
             broken: None,
+            owed: std::time::Duration::ZERO,
         })
     }
 
@@ -122,7 +127,15 @@ impl Actor for GpuWorker {
         };
         // A modelled backend's step takes its modelled time on the clock.
         if let Some(d) = st.exec.simulated_step_time() {
-            tokio::time::sleep(d).await;
+            st.owed += d;
+            let whole = std::time::Duration::from_millis(st.owed.as_millis() as u64);
+            if !whole.is_zero() {
+                let before = st.clock.now();
+                tokio::time::sleep(whole).await;
+                st.owed = st
+                    .owed
+                    .saturating_sub(st.clock.now().saturating_sub(before));
+            }
         }
         let elapsed = st.clock.now().saturating_sub(t0);
         // A scheduler that is gone has nobody left to serve.

@@ -400,6 +400,14 @@ impl Scenario {
         for (what, x) in [
             ("gpu.prefill_flops", g.prefill_flops),
             ("gpu.decode_flops", g.decode_flops),
+            (
+                "gpu.attn_prefill_flops",
+                g.attn_prefill_flops.unwrap_or(g.prefill_flops),
+            ),
+            (
+                "gpu.attn_decode_flops",
+                g.attn_decode_flops.unwrap_or(g.decode_flops),
+            ),
             ("gpu.mem_bw", g.mem_bw),
             ("gpu.mem_bytes", g.mem_bytes),
             ("model.params", m.params),

@@ -278,3 +278,65 @@ fn closed_clients_stop_after_their_request_count() {
     let r = run(&sc, 2).unwrap_or_else(|e| panic!("{e}"));
     assert_eq!((r.tiers[0].sent, r.tiers[0].finished), (10, 10), "{r}");
 }
+
+/// A lone stream's time per token is the cost model's decode step, not
+/// that rounded up to tokio's millisecond timer (a 6.2 ms step once showed
+/// as 7.0 ms): the GpuWorker carries sub-millisecond remainders.
+#[test]
+fn a_lone_stream_decodes_at_the_cost_model_s_step_time() {
+    use flotilla_sim::cost::{GpuParams, ModelShape, SeqCost, step_time};
+    let sc = Scenario::parse(
+        r#"
+[run]
+duration_s = 1.0
+drain_s = 60.0
+[model]
+preset = "smollm2-135m"
+[gpu]
+preset = "cpu"
+[engine]
+max_num_seqs = 4
+max_num_batched_tokens = 256
+max_model_len = 1024
+[cluster]
+engines = 1
+[[tiers]]
+name = "paid"
+slo_ttft_ms = 100000
+slo_tpot_ms = 100000
+[[tenants]]
+name = "a"
+tier = "paid"
+arrivals = { kind = "closed", clients = 1, requests = 1 }
+prompt = { kind = "fixed", tokens = 100 }
+output = { kind = "fixed", tokens = 101 }
+"#,
+    )
+    .unwrap();
+    let r = run(&sc, 1).unwrap();
+    let tpot = r.tiers[0].tpot_ms.0;
+    // Decode steps at contexts 101..200: the mean step.
+    let (g, m) = (
+        GpuParams::preset("cpu").unwrap(),
+        ModelShape::preset("smollm2-135m").unwrap(),
+    );
+    let want: f64 = (101..201)
+        .map(|p| {
+            step_time(
+                &g,
+                &m,
+                &[SeqCost {
+                    start_pos: p,
+                    tokens: 1,
+                }],
+            )
+            .as_secs_f64()
+                * 1e3
+        })
+        .sum::<f64>()
+        / 100.0;
+    assert!(
+        (tpot - want).abs() < 0.05,
+        "TPOT {tpot:.3} ms, step {want:.3} ms"
+    );
+}
