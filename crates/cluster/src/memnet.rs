@@ -9,6 +9,7 @@ use bytes::Bytes;
 use flotilla_proto::wire::{KvTransferHeader, Message};
 use flotilla_transport::{
     BoxFuture, BulkError, Inbound, NodeId, SendError, SendFailure, Transport, TransportStats,
+    live_peer,
 };
 use tokio::sync::mpsc;
 
@@ -60,6 +61,16 @@ impl MemNet {
     }
 }
 
+impl MemTransport {
+    /// A killed node (or an old life of a rejoined one) is mute.
+    fn me_alive(&self, nodes: &[Slot]) -> bool {
+        nodes
+            .get(self.node as usize)
+            .and_then(|s| s.as_ref())
+            .is_some_and(|(e, _)| *e == self.epoch)
+    }
+}
+
 impl Transport for MemTransport {
     fn node(&self) -> NodeId {
         self.node
@@ -71,37 +82,22 @@ impl Transport for MemTransport {
 
     fn send(&self, to: NodeId, correlation: u64, msg: Message) -> Result<(), SendError> {
         let nodes = self.net.nodes.lock().expect("memnet poisoned");
-        let alive = |n: NodeId| nodes.get(n as usize).and_then(|s| s.as_ref());
-        // A killed node (or an old life of a rejoined one) is mute.
-        let me_alive = alive(self.node).is_some_and(|(e, _)| *e == self.epoch);
-        let reason = match alive(to) {
-            _ if !me_alive => SendFailure::Closed,
-            None if (to as usize) < nodes.len() => SendFailure::PeerGone,
-            None => SendFailure::UnknownPeer,
-            Some((_, tx)) => {
-                let inbound = Inbound::Message {
-                    from: self.node,
-                    epoch: self.epoch,
-                    correlation,
-                    msg,
-                };
-                return tx.try_send(inbound).map_err(|e| {
-                    let msg = match e.into_inner() {
-                        Inbound::Message { msg, .. } => msg,
-                        Inbound::Bulk { .. } => unreachable!("sent a message"),
-                    };
-                    SendError {
-                        to,
-                        reason: SendFailure::QueueFull(4096),
-                        msg: Box::new(msg),
-                    }
-                });
-            }
+        let tx = match live_peer(self.me_alive(&nodes), &nodes, to) {
+            Ok((_, tx)) => tx,
+            Err(reason) => return Err(SendError::new(to, reason, msg)),
         };
-        Err(SendError {
-            to,
-            reason,
-            msg: Box::new(msg),
+        let inbound = Inbound::Message {
+            from: self.node,
+            epoch: self.epoch,
+            correlation,
+            msg,
+        };
+        tx.try_send(inbound).map_err(|e| {
+            let msg = match e.into_inner() {
+                Inbound::Message { msg, .. } => msg,
+                Inbound::Bulk { .. } => unreachable!("sent a message"),
+            };
+            SendError::new(to, SendFailure::QueueFull(4096), msg)
         })
     }
 
@@ -113,16 +109,7 @@ impl Transport for MemTransport {
     ) -> BoxFuture<Result<(), BulkError>> {
         let target = {
             let nodes = self.net.nodes.lock().expect("memnet poisoned");
-            let me_alive = nodes
-                .get(self.node as usize)
-                .and_then(|s| s.as_ref())
-                .is_some_and(|(e, _)| *e == self.epoch);
-            match nodes.get(to as usize) {
-                _ if !me_alive => Err(SendFailure::Closed),
-                None => Err(SendFailure::UnknownPeer),
-                Some(None) => Err(SendFailure::PeerGone),
-                Some(Some((_, tx))) => Ok(tx.clone()),
-            }
+            live_peer(self.me_alive(&nodes), &nodes, to).map(|(_, tx)| tx.clone())
         };
         let (from, epoch) = (self.node, self.epoch);
         Box::pin(async move {

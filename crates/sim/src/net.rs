@@ -22,6 +22,7 @@ use bytes::Bytes;
 use flotilla_proto::wire::{KvTransferHeader, Message};
 use flotilla_transport::{
     BoxFuture, BulkError, Inbound, NodeId, SendError, SendFailure, Transport, TransportStats,
+    live_peer,
 };
 use serde::Deserialize;
 use tokio::sync::mpsc;
@@ -290,21 +291,9 @@ impl Transport for SimTransport {
 
     fn send(&self, to: NodeId, correlation: u64, msg: Message) -> Result<(), SendError> {
         let mut st = self.net.lock();
-        let fail = |reason, msg| {
-            Err(SendError {
-                to,
-                reason,
-                msg: Box::new(msg),
-            })
-        };
-        if !self.alive(&st) {
-            return fail(SendFailure::Closed, msg);
-        }
-        let Some(slot) = st.nodes.get(to as usize) else {
-            return fail(SendFailure::UnknownPeer, msg);
-        };
-        let Some(to_epoch) = slot.as_ref().map(|s| s.epoch) else {
-            return fail(SendFailure::PeerGone, msg);
+        let to_epoch = match live_peer(self.alive(&st), &st.nodes, to) {
+            Ok(slot) => slot.epoch,
+            Err(reason) => return Err(SendError::new(to, reason, msg)),
         };
         let link = (self.node, to);
         let cfg = st.link.clone();
@@ -397,14 +386,9 @@ impl Transport for SimTransport {
             }
             let (to_epoch, secs, lat) = {
                 let mut st = net.lock();
-                let Some(to_epoch) = st
-                    .nodes
-                    .get(to as usize)
-                    .and_then(|s| s.as_ref())
-                    .map(|s| s.epoch)
-                else {
-                    return Err(BulkError::Send(SendFailure::PeerGone));
-                };
+                let to_epoch = live_peer(true, &st.nodes, to)
+                    .map_err(BulkError::Send)?
+                    .epoch;
                 if st.cut.contains(&(from, to)) {
                     st.faults.partitioned += 1;
                     return Err(BulkError::Send(SendFailure::PeerGone));

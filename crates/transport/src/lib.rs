@@ -71,6 +71,36 @@ pub struct SendError {
     pub msg: Box<Message>,
 }
 
+impl SendError {
+    /// The error handing `msg` back.
+    pub fn new(to: NodeId, reason: SendFailure, msg: Message) -> SendError {
+        SendError {
+            to,
+            reason,
+            msg: Box::new(msg),
+        }
+    }
+}
+
+/// The checks an in-process transport (tests, the simulator) makes before
+/// it delivers to slot `to` of `nodes`: the sender's own life is over
+/// (`Closed`), `to` names no node (`UnknownPeer`), or that node is down
+/// (`PeerGone`). Returns the live peer's slot.
+pub fn live_peer<T>(
+    sender_alive: bool,
+    nodes: &[Option<T>],
+    to: NodeId,
+) -> Result<&T, SendFailure> {
+    if !sender_alive {
+        return Err(SendFailure::Closed);
+    }
+    match nodes.get(to as usize) {
+        None => Err(SendFailure::UnknownPeer),
+        Some(None) => Err(SendFailure::PeerGone),
+        Some(Some(peer)) => Ok(peer),
+    }
+}
+
 /// The reason in a [`SendError`].
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
 pub enum SendFailure {
@@ -221,6 +251,17 @@ pub fn new_epoch() -> u64 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_live_peer_is_a_live_sender_s_known_and_present_node() {
+        let nodes = [Some('a'), None, Some('c')];
+        assert_eq!(live_peer(true, &nodes, 0), Ok(&'a'));
+        assert_eq!(live_peer(true, &nodes, 1), Err(SendFailure::PeerGone));
+        assert_eq!(live_peer(true, &nodes, 3), Err(SendFailure::UnknownPeer));
+        // A dead sender reaches nobody, known or not.
+        assert_eq!(live_peer(false, &nodes, 0), Err(SendFailure::Closed));
+        assert_eq!(live_peer(false, &nodes, 9), Err(SendFailure::Closed));
+    }
 
     #[test]
     fn epoch_filter_drops_the_old_life() {
