@@ -16,4 +16,6 @@ pub use worker::{WorkerOptions, run_worker};
 #[cfg(test)]
 mod pd_tests;
 #[cfg(test)]
+mod testrig;
+#[cfg(test)]
 mod tests;

@@ -16,7 +16,8 @@ use flotilla_transport::NodeId;
 use tokio::sync::mpsc;
 
 use crate::memnet::MemNet;
-use crate::{ClusterEngine, RouterOptions, WorkerOptions, run_worker};
+use crate::testrig::{drain, start_router, wait_up};
+use crate::{ClusterEngine, WorkerOptions, run_worker};
 
 const HB: Duration = Duration::from_millis(20);
 const DOWN: Duration = Duration::from_millis(80);
@@ -368,39 +369,17 @@ fn start(net: &Arc<MemNet>, node: NodeId, epoch: u64, role: Role, e: &FakePd) {
 /// Router at node 0, then one node per role, each with a 1000-block cache.
 async fn rig(roles: &[Role]) -> Rig {
     let net = MemNet::new(roles.len() + 1);
-    let (t, rx) = net.join(0, 1);
-    let router = ClusterEngine::start(
-        t,
-        rx,
-        RouterOptions {
-            workers: roles
-                .iter()
-                .enumerate()
-                .map(|(i, r)| (i as NodeId + 1, format!("{r}-{}", i + 1), *r))
-                .collect(),
-            heartbeat_interval: HB,
-            down_after: DOWN,
-            block_size: BS as usize,
-            tenant_salts: vec![0],
-            reruns_max: 2,
-            prefix_blocks_max: 1000,
-        },
-    );
+    let router = start_router(&net, roles, BS as usize, HB, DOWN);
     let engines: Vec<FakePd> = roles.iter().map(|_| FakePd::new(1000)).collect();
     for (i, r) in roles.iter().enumerate() {
         start(&net, i as NodeId + 1, 1, *r, &engines[i]);
     }
-    for _ in 0..400 {
-        if router.up_nodes().len() == roles.len() {
-            return Rig {
-                net,
-                router,
-                engines,
-            };
-        }
-        tokio::time::sleep(Duration::from_millis(5)).await;
+    wait_up(&router, roles.len()).await;
+    Rig {
+        net,
+        router,
+        engines,
     }
-    panic!("only {:?} came up", router.up_nodes());
 }
 
 fn req(prompt_len: u32, max_tokens: u32, tag: u32) -> EngineRequest {
@@ -411,21 +390,6 @@ fn req(prompt_len: u32, max_tokens: u32, tag: u32) -> EngineRequest {
         sampling: SamplingParams::default(),
         ignore_eos: false,
         stop_token_ids: vec![],
-    }
-}
-
-/// Reads a stream to its end: (tokens, terminal event).
-async fn drain(mut s: RequestStream) -> (Vec<u32>, EngineEvent) {
-    let mut toks = Vec::new();
-    loop {
-        let ev = tokio::time::timeout(Duration::from_secs(5), s.recv())
-            .await
-            .expect("stream stalled")
-            .expect("stream ended without a terminal event");
-        match ev {
-            EngineEvent::Token(t) => toks.push(t.token),
-            e => return (toks, e),
-        }
     }
 }
 
@@ -622,23 +586,7 @@ async fn a_decode_node_that_dies_mid_stream_ends_the_stream_with_an_error() {
 #[tokio::test]
 async fn kv_for_another_model_is_refused_and_the_request_runs_colocated() {
     let net = MemNet::new(3);
-    let (t, rx) = net.join(0, 1);
-    let router = ClusterEngine::start(
-        t,
-        rx,
-        RouterOptions {
-            workers: vec![
-                (1, "p".into(), Role::Prefill),
-                (2, "d".into(), Role::Decode),
-            ],
-            heartbeat_interval: HB,
-            down_after: DOWN,
-            block_size: BS as usize,
-            tenant_salts: vec![0],
-            reruns_max: 2,
-            prefix_blocks_max: 1000,
-        },
-    );
+    let router = start_router(&net, &[Role::Prefill, Role::Decode], BS as usize, HB, DOWN);
     let (p, d) = (FakePd::new(1000), FakePd::new(1000));
     start(&net, 1, 1, Role::Prefill, &p);
     let (t, rx) = net.join(2, 1);

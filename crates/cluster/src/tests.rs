@@ -12,7 +12,8 @@ use flotilla_proto::{
 use tokio::sync::mpsc;
 
 use crate::memnet::MemNet;
-use crate::{ClusterEngine, RouterOptions, WorkerOptions, run_worker};
+use crate::testrig::{self, start_router, wait_up};
+use crate::{ClusterEngine, WorkerOptions, run_worker};
 
 const HB: Duration = Duration::from_millis(20);
 const DOWN: Duration = Duration::from_millis(60);
@@ -120,22 +121,7 @@ async fn rig(workers: usize) -> Rig {
 /// A Router that knows `workers` engine nodes, of which the first `started` run.
 async fn rig_with(workers: usize, started: usize) -> Rig {
     let net = MemNet::new(workers + 1);
-    let (t, rx) = net.join(0, 1);
-    let router = ClusterEngine::start(
-        t,
-        rx,
-        RouterOptions {
-            workers: (1..=workers as u32)
-                .map(|n| (n, format!("w{n}"), Role::Worker))
-                .collect(),
-            heartbeat_interval: HB,
-            down_after: DOWN,
-            block_size: 4,
-            tenant_salts: vec![0],
-            reruns_max: 2,
-            prefix_blocks_max: 1000,
-        },
-    );
+    let router = start_router(&net, &vec![Role::Worker; workers], 4, HB, DOWN);
     let engines = (1..=started as u32)
         .map(|n| start_worker(&net, n, 1))
         .collect();
@@ -144,18 +130,8 @@ async fn rig_with(workers: usize, started: usize) -> Rig {
         router,
         engines,
     };
-    wait_up(&r, started).await;
+    wait_up(&r.router, started).await;
     r
-}
-
-async fn wait_up(r: &Rig, n: usize) {
-    for _ in 0..200 {
-        if r.router.up_nodes().len() == n {
-            return;
-        }
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    }
-    panic!("only {:?} came up", r.router.up_nodes());
 }
 
 fn req(first_token_ms: u32, prompt_len: usize, max_tokens: u32, tag: u64) -> EngineRequest {
@@ -174,19 +150,10 @@ fn req(first_token_ms: u32, prompt_len: usize, max_tokens: u32, tag: u64) -> Eng
     }
 }
 
-/// Reads a stream to its end: (tokens, terminal event).
-async fn drain(mut s: RequestStream) -> (u32, EngineEvent) {
-    let mut n = 0;
-    loop {
-        let ev = tokio::time::timeout(Duration::from_secs(5), s.recv())
-            .await
-            .expect("stream stalled")
-            .expect("stream ended without a terminal event");
-        match ev {
-            EngineEvent::Token(_) => n += 1,
-            e => return (n, e),
-        }
-    }
+/// Reads a stream to its end: (token count, terminal event).
+async fn drain(s: RequestStream) -> (u32, EngineEvent) {
+    let (toks, end) = testrig::drain(s).await;
+    (toks.len() as u32, end)
 }
 
 fn routed(r: &Rig) -> Vec<u64> {
@@ -295,7 +262,10 @@ async fn a_dead_worker_is_marked_down_its_requests_rerun_or_fail() {
     match end {
         EngineEvent::Failed(f) => {
             let m = f.to_string();
-            assert!(m.contains("w1") && m.contains("stopped responding"), "{m}");
+            assert!(
+                m.contains("worker-1") && m.contains("stopped responding"),
+                "{m}"
+            );
         }
         e => panic!("a request whose tokens were sent should fail, got {e:?}"),
     }
@@ -303,7 +273,7 @@ async fn a_dead_worker_is_marked_down_its_requests_rerun_or_fail() {
         failed_after < DOWN + 4 * HB,
         "marked down after {failed_after:?}"
     );
-    // The one with no token yet moved to w2 and completes there.
+    // The one with no token yet moved to worker-2 and completes there.
     let (n, end) = drain(waiting).await;
     assert!(matches!(end, EngineEvent::Finished { .. }), "{end:?}");
     assert_eq!(n, 3);
@@ -319,14 +289,14 @@ async fn a_restarted_worker_rejoins_with_a_new_epoch_and_takes_work() {
     let r = rig(2).await;
     r.net.kill(1);
     for _ in 0..100 {
-        if r.router.up_nodes() == ["w2"] {
+        if r.router.up_nodes() == ["worker-2"] {
             break;
         }
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
-    assert_eq!(r.router.up_nodes(), ["w2"]);
+    assert_eq!(r.router.up_nodes(), ["worker-2"]);
     let e1 = start_worker(&r.net, 1, 2);
-    wait_up(&r, 2).await;
+    wait_up(&r.router, 2).await;
     let s = futures_lite_block(r.router.status());
     assert_eq!(s.nodes[0].epoch, 2);
     for i in 0..4 {
@@ -374,20 +344,7 @@ async fn a_silent_router_gets_its_requests_cancelled_on_the_workers() {
 #[tokio::test]
 async fn no_worker_up_is_a_refusal_not_a_hang() {
     let net = MemNet::new(2);
-    let (t, rx) = net.join(0, 1);
-    let router = ClusterEngine::start(
-        t,
-        rx,
-        RouterOptions {
-            workers: vec![(1, "w1".into(), Role::Worker)],
-            heartbeat_interval: HB,
-            down_after: DOWN,
-            block_size: 4,
-            tenant_salts: vec![0],
-            reruns_max: 2,
-            prefix_blocks_max: 10,
-        },
-    );
+    let router = start_router(&net, &[Role::Worker], 4, HB, DOWN);
     assert!(matches!(
         router.submit(req(0, 4, 1, 0)).await,
         Err(Rejection::Unavailable)
