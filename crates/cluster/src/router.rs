@@ -101,6 +101,8 @@ const EARLY_MAX: usize = 256;
 
 struct State {
     workers: Vec<WorkerView>,
+    /// Index into `workers` by node id (every message looks its sender up).
+    by_node: BTreeMap<NodeId, usize>,
     pending: BTreeMap<u64, Pending>,
 }
 
@@ -125,7 +127,7 @@ impl ClusterEngine {
         inbound: mpsc::Receiver<Inbound>,
         opts: RouterOptions,
     ) -> ClusterEngine {
-        let workers = opts
+        let workers: Vec<WorkerView> = opts
             .workers
             .iter()
             .map(|(node, name, role)| WorkerView {
@@ -148,6 +150,7 @@ impl ClusterEngine {
             transport,
             opts,
             state: Mutex::new(State {
+                by_node: workers.iter().enumerate().map(|(i, w)| (w.node, i)).collect(),
                 workers,
                 pending: BTreeMap::new(),
             }),
@@ -396,7 +399,7 @@ impl Inner {
 
     fn on_message(&self, from: NodeId, epoch: u64, msg: Message) {
         let mut st = self.lock();
-        let Some(w) = st.workers.iter().position(|v| v.node == from) else {
+        let Some(&w) = st.by_node.get(&from) else {
             return;
         };
         if epoch > st.workers[w].epoch {

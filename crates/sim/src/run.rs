@@ -525,7 +525,7 @@ async fn start_engine(w: &Arc<World>, node: u32, life: u64) -> Result<(), SimErr
     .map_err(SimError::Start)?;
     // A prefill node samples each request's first token too; only decoding
     // engines say where a request runs.
-    if w.sc.role_of(node) != Role::Prefill {
+    if w.sc.run.check_every_step && w.sc.role_of(node) != Role::Prefill {
         exec = exec.with_tap(DecodeTap {
             log: w.decodes.clone(),
             node,
@@ -539,7 +539,8 @@ async fn start_engine(w: &Arc<World>, node: u32, life: u64) -> Result<(), SimErr
             lock(&w.trace).violate(format!("engine-{node}: {what}"));
         }
     });
-    let metrics = Arc::new(Metrics::new().map_err(|e| SimError::Start(e.to_string()))?);
+    // Nobody scrapes a simulated engine.
+    let metrics = Arc::new(Metrics::disabled());
     let engine = spawn_engine(
         Box::new(exec),
         EngineOptions {

@@ -45,9 +45,11 @@ pub struct RunSection {
     /// Simulated seconds after that for in-flight requests to end.
     #[serde(default = "default_drain")]
     pub drain_s: f64,
-    /// Check every scheduler invariant (KV accounting on every pool among
-    /// them) after every message each Scheduler handles, each step
-    /// included. On unless turned off for speed.
+    /// The checks that cost something every step: every scheduler
+    /// invariant (KV accounting on every pool among them) after every
+    /// message each Scheduler handles, and the log of which engine decoded
+    /// which request when (for "no request decoding on two engines at
+    /// once"). On unless turned off for speed.
     #[serde(default = "yes")]
     pub check_every_step: bool,
 }
