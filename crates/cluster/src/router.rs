@@ -150,7 +150,11 @@ impl ClusterEngine {
             transport,
             opts,
             state: Mutex::new(State {
-                by_node: workers.iter().enumerate().map(|(i, w)| (w.node, i)).collect(),
+                by_node: workers
+                    .iter()
+                    .enumerate()
+                    .map(|(i, w)| (w.node, i))
+                    .collect(),
                 workers,
                 pending: BTreeMap::new(),
             }),
