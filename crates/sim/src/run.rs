@@ -268,7 +268,7 @@ struct World {
     decodes: Arc<DecodeLog>,
     /// Times some link was cut (partition or clog) and when it was
     /// restored, since the run's start.
-    cuts: Mutex<Vec<(Duration, Option<Duration>)>>,
+    cuts: Mutex<Cuts>,
 }
 
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
@@ -369,7 +369,7 @@ async fn simulate(sc: &Scenario, seed: u64) -> Result<Report, SimError> {
         sched,
         rng: root,
         decodes: Arc::new(DecodeLog::default()),
-        cuts: Mutex::new(Vec::new()),
+        cuts: Mutex::new(Cuts::default()),
     });
     for i in 1..=n as u32 {
         start_engine(&world, i, 1).await?;
@@ -596,15 +596,15 @@ async fn apply_fault(w: &Arc<World>, f: &FaultKind) {
             }
         }
         FaultKind::Partition { a, b, one_way } => {
-            cut(w, true);
+            cut(w, Cut::Partition, true);
             w.net.partition(a, b, !one_way);
         }
         FaultKind::Heal => {
             w.net.heal();
-            cut(w, false);
+            cut(w, Cut::Partition, false);
         }
         FaultKind::Clog { a, b } => {
-            cut(w, true);
+            cut(w, Cut::Clog, true);
             w.net.clog(a, b);
         }
         FaultKind::Unclog => {
@@ -613,7 +613,7 @@ async fn apply_fault(w: &Arc<World>, f: &FaultKind) {
                 w.net.unclog(a, b);
                 tokio::time::sleep(Duration::from_millis(10)).await;
             }
-            cut(w, false);
+            cut(w, Cut::Clog, false);
         }
     }
 }
@@ -633,16 +633,45 @@ fn excused(
     })
 }
 
-/// Notes that a link was cut (`true`) or that every cut link is whole again.
-fn cut(w: &World, begins: bool) {
-    let now = Instant::now().saturating_duration_since(w.t0);
-    let mut cuts = lock(&w.cuts);
-    match cuts.last_mut() {
-        Some((_, end @ None)) if !begins => *end = Some(now),
-        Some((_, None)) => {}
-        _ if begins => cuts.push((now, None)),
-        _ => {}
+/// Links cut by partitions and clogs: the windows during which some link
+/// was cut (start, end since the run's start; no end while one still is).
+#[derive(Default)]
+struct Cuts {
+    windows: Vec<(Duration, Option<Duration>)>,
+    partitioned: bool,
+    clogged: bool,
+}
+
+#[derive(Clone, Copy)]
+enum Cut {
+    Partition,
+    Clog,
+}
+
+impl Cuts {
+    /// A partition or clog begins (`true`) or all of that kind end; a
+    /// window lasts while either kind holds a link.
+    fn note(&mut self, kind: Cut, begins: bool, now: Duration) {
+        let was = self.partitioned || self.clogged;
+        match kind {
+            Cut::Partition => self.partitioned = begins,
+            Cut::Clog => self.clogged = begins,
+        }
+        let is = self.partitioned || self.clogged;
+        if is && !was {
+            self.windows.push((now, None));
+        } else if was
+            && !is
+            && let Some((_, end @ None)) = self.windows.last_mut()
+        {
+            *end = Some(now);
+        }
     }
+}
+
+fn cut(w: &World, kind: Cut, begins: bool) {
+    let now = Instant::now().saturating_duration_since(w.t0);
+    lock(&w.cuts).note(kind, begins, now);
 }
 
 /// No request decodes on two engines at once, except while a link is cut
@@ -653,7 +682,7 @@ fn cut(w: &World, begins: bool) {
 fn check_single_dispatch(w: &World) {
     let hb = Duration::from_millis(w.sc.cluster.heartbeat_ms);
     let grace = hb * (w.sc.cluster.down_after_missed + 2);
-    let cuts = lock(&w.cuts).clone();
+    let cuts = lock(&w.cuts).windows.clone();
     for (req, a, b) in w.decodes.overlaps() {
         let (from, to) = (a.first.max(b.first), a.last.min(b.last));
         if !excused(from, to, &cuts, grace) {
@@ -939,6 +968,23 @@ mod tests {
 
     fn ms(v: u64) -> Duration {
         Duration::from_millis(v)
+    }
+
+    #[test]
+    fn a_cut_window_lasts_while_a_partition_or_a_clog_holds_a_link() {
+        let mut c = Cuts::default();
+        c.note(Cut::Partition, true, ms(10));
+        c.note(Cut::Clog, true, ms(20));
+        // The partition heals, the clog holds: still cut.
+        c.note(Cut::Partition, false, ms(30));
+        assert_eq!(c.windows, [(ms(10), None)]);
+        c.note(Cut::Clog, false, ms(40));
+        assert_eq!(c.windows, [(ms(10), Some(ms(40)))]);
+        // A heal with nothing cut opens nothing.
+        c.note(Cut::Partition, false, ms(50));
+        c.note(Cut::Clog, true, ms(60));
+        c.note(Cut::Clog, false, ms(70));
+        assert_eq!(c.windows, [(ms(10), Some(ms(40))), (ms(60), Some(ms(70)))]);
     }
 
     #[test]
