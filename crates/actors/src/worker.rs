@@ -6,7 +6,7 @@ use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::sync::Arc;
 use std::time::Duration;
 
-use flotilla_model::{Executor, SeqInput, StepOutputs};
+use flotilla_model::{ExecError, Executor, SeqInput, StepOutputs};
 use flotilla_proto::{KvExport, Sampled};
 use flotilla_sched::Plan;
 use ractor::{Actor, ActorProcessingErr, ActorRef, RpcReplyPort};
@@ -158,6 +158,12 @@ fn run_step(st: &mut WorkerState, plan: &Plan) -> Result<Vec<Option<Sampled>>, S
     let out = &mut st.out;
     match catch_unwind(AssertUnwindSafe(|| exec.step(&inputs, out))) {
         Ok(Ok(())) => Ok(out.seqs.iter_mut().map(|s| s.sampled.take()).collect()),
+        // A device error leaves the backend untrusted, as a panic does.
+        Ok(Err(e @ ExecError::Backend(_))) => {
+            let why = format!("{e}; the engine needs a restart");
+            st.broken = Some(why.clone());
+            Err(why)
+        }
         Ok(Err(e)) => Err(e.to_string()),
         Err(_) => {
             let why = "the executor panicked; the engine needs a restart".to_string();

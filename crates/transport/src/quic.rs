@@ -65,6 +65,14 @@ const LARGE_DATAGRAM_MTU_MIN: u16 = 16 * 1024;
 /// (page faults took a quarter of the receiving thread's time).
 const RECV_BUFFERS_KEPT: usize = 4;
 
+/// Room reserved for a bulk transfer before its bytes arrive: the header's
+/// length comes from the peer, so the buffer grows with the data beyond
+/// this (flow control bounds it) rather than trusting the header.
+const RECV_RESERVE_MAX: usize = 8 << 20;
+
+/// A buffer larger than this is freed, not kept, when its transfer ends.
+const RECV_BUFFER_KEPT_MAX: usize = 256 << 20;
+
 /// UDP socket buffer size asked for (see `size_socket_buffers`).
 const SOCKET_BUFFER_BYTES: usize = 8 << 20;
 
@@ -202,11 +210,14 @@ impl RecvBuffers {
         let mut buf = pick.map(|i| free.swap_remove(i)).unwrap_or_default();
         drop(free);
         buf.clear();
-        buf.reserve_exact(len);
+        buf.reserve_exact(len.min(RECV_RESERVE_MAX));
         buf
     }
 
     fn give(&self, buf: Vec<u8>) {
+        if buf.capacity() > RECV_BUFFER_KEPT_MAX {
+            return;
+        }
         let mut free = self.free.lock().expect("buffer pool poisoned");
         if free.len() < RECV_BUFFERS_KEPT {
             free.push(buf);
