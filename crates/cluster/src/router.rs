@@ -82,6 +82,9 @@ struct Pending {
     epoch: u64,
     /// The prefill node computing its prompt, until its first token comes.
     prefill: Option<usize>,
+    /// The prefill node paired with this placement (kept after the first
+    /// token): told to drop its held KV if the decode node is lost.
+    paired_prefill: Option<usize>,
     /// Run it whole on one node (a KV transfer for it failed).
     colocate: bool,
     tx: mpsc::UnboundedSender<EngineEvent>,
@@ -296,6 +299,7 @@ impl Inner {
         p.worker = w;
         p.epoch = epoch;
         p.prefill = prefill;
+        p.paired_prefill = prefill;
         // Held batches of an earlier run are not this run's.
         p.early.clear();
         p.gap_since = None;
@@ -352,6 +356,20 @@ impl Inner {
         st.workers[w].prefix.clear();
         let name = st.workers[w].name.clone();
         for id in ids {
+            let p = &st.pending[&id];
+            if p.worker == w
+                && let Some(pf) = p.paired_prefill.filter(|&pf| pf != w)
+            {
+                // The lost decode node will never ack or cancel the KV its
+                // prefill node holds for it: without this the blocks stay
+                // leased there until the hold deadline.
+                let abandon = Message::PrefillAbandon {
+                    decode: st.workers[w].node,
+                    decode_epoch: p.epoch,
+                    req: id,
+                };
+                let _ = self.transport.send(st.workers[pf].node, id, abandon);
+            }
             if st.pending[&id].worker != w {
                 // Its decode node is fine: stop it there (which frees the
                 // reservation) before it runs again.
@@ -662,6 +680,7 @@ impl Engine for ClusterEngine {
                         worker: 0,
                         epoch: 0,
                         prefill: None,
+                        paired_prefill: None,
                         colocate: false,
                         tx,
                         admitted: Some(atx),

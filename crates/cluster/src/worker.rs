@@ -84,11 +84,16 @@ impl WorkerOptions {
     }
 }
 
+/// Abandon notices kept for prefills not (yet) seen: a bound on what a
+/// Router's messages can make this node remember.
+const ABANDONED_MAX: usize = 4096;
+
 /// (router, router epoch, router's request id)
 type Key = (NodeId, u64, u64);
 
-/// A prefill served for a decode node: (decode node, router, request).
-type PfKey = (NodeId, u32, u64);
+/// A prefill served for a decode node: (decode node, its epoch, router,
+/// request). A decode node's later life is another key.
+type PfKey = (NodeId, u64, u32, u64);
 
 struct Out {
     key: Key,
@@ -153,6 +158,10 @@ pub async fn run_worker(
     let mut routers: BTreeMap<NodeId, (u64, Instant)> = BTreeMap::new();
     let mut importing: BTreeMap<(NodeId, u64), Importing> = BTreeMap::new();
     let mut prefills: BTreeMap<PfKey, mpsc::UnboundedSender<PfCtl>> = BTreeMap::new();
+    // Prefills a Router abandoned (their decode node is lost), until the
+    // hold deadline: an ask from that decode node that comes after the
+    // abandon (it was in flight) is refused instead of run for nobody.
+    let mut abandoned: BTreeMap<PfKey, Instant> = BTreeMap::new();
     let fail = |router: NodeId, epoch: u64, req: u64, why: String| {
         let _ = out_tx.send(Out {
             key: (router, epoch, req),
@@ -326,7 +335,7 @@ pub async fn run_worker(
                     }
                     Message::Prefill(pm) => {
                         let (router, req) = (pm.router, pm.submit.req);
-                        let key = (from, router, req);
+                        let key = (from, epoch, router, req);
                         if prefills.contains_key(&key) {
                             continue;
                         }
@@ -334,6 +343,10 @@ pub async fn run_worker(
                             let m = Message::PrefillFailed { router, req, reason };
                             let _ = transport.send(from, req, m);
                         };
+                        if abandoned.contains_key(&key) {
+                            refuse("the Router abandoned this request on this decode node".into());
+                            continue;
+                        }
                         let Some(kvm) = kv.clone().filter(|_| opts.role == Role::Prefill) else {
                             refuse(format!("node {} is not a prefill node", transport.node()));
                             continue;
@@ -379,13 +392,22 @@ pub async fn run_worker(
                         }
                     }
                     Message::KvAck { router, req, .. } => {
-                        if let Some(tx) = prefills.get(&(from, router, req)) {
+                        if let Some(tx) = prefills.get(&(from, epoch, router, req)) {
                             let _ = tx.send(PfCtl::Ack);
                         }
                     }
                     Message::PrefillCancel { router, req } => {
-                        if let Some(tx) = prefills.get(&(from, router, req)) {
+                        if let Some(tx) = prefills.get(&(from, epoch, router, req)) {
                             let _ = tx.send(PfCtl::Cancel);
+                        }
+                    }
+                    Message::PrefillAbandon { decode, decode_epoch, req } if opts.routers.contains(&from) => {
+                        let key = (decode, decode_epoch, from, req);
+                        if let Some(tx) = prefills.get(&key) {
+                            tracing::debug!(req, "prefill for node {decode} abandoned by the Router");
+                            let _ = tx.send(PfCtl::Cancel);
+                        } else if abandoned.len() < ABANDONED_MAX {
+                            abandoned.insert(key, Instant::now() + opts.hold_ttl);
                         }
                     }
                     Message::Ping { seq, pad } => {
@@ -428,6 +450,7 @@ pub async fn run_worker(
                     let _ = transport.send(r, 0, Message::Heartbeat(report.clone()));
                 }
                 let now = Instant::now();
+                abandoned.retain(|_, until| *until > now);
                 let silent: Vec<NodeId> = routers
                     .iter()
                     .filter(|(_, (_, heard))| now.duration_since(*heard) > opts.down_after)
@@ -560,13 +583,18 @@ struct PrefillTask {
 impl PrefillTask {
     async fn run(self, stream: RequestStream, mut ctl: mpsc::UnboundedReceiver<PfCtl>) {
         let id = stream.id;
-        let (decode, router, req) = self.key;
+        let (decode, _, router, req) = self.key;
         match self.send(stream, &mut ctl).await {
             Ok(true) => {}
             Ok(false) => {
                 // Wait for the ack (or a cancel); a decode node that died
                 // never sends one.
-                let _ = tokio::time::timeout(self.hold_ttl, ctl.recv()).await;
+                let r = tokio::time::timeout(self.hold_ttl, ctl.recv()).await;
+                tracing::debug!(
+                    req,
+                    "prefill for node {decode}: KV sent, then {:?}",
+                    r.map(|c| c.map(|c| matches!(c, PfCtl::Ack)))
+                );
             }
             Err(Some(reason)) => {
                 tracing::warn!(req, "prefill for node {decode} failed: {reason}");
@@ -577,9 +605,10 @@ impl PrefillTask {
                 };
                 let _ = self.transport.send(decode, req, m);
             }
-            Err(None) => {}
+            Err(None) => tracing::debug!(req, "prefill for node {decode} cancelled"),
         }
-        self.kv.release_kv(id).await;
+        let released = self.kv.release_kv(id).await;
+        tracing::debug!(req, released, "prefill for node {decode} ends");
     }
 
     /// Ok(acked already) once the KV is sent; Err(None) when cancelled,
@@ -589,7 +618,7 @@ impl PrefillTask {
         mut stream: RequestStream,
         ctl: &mut mpsc::UnboundedReceiver<PfCtl>,
     ) -> Result<bool, Option<String>> {
-        let (decode, router, req) = self.key;
+        let (decode, _, router, req) = self.key;
         let id = stream.id;
         let mut first = None;
         loop {

@@ -150,9 +150,16 @@ enum Cmd {
         /// The run's seed: the same scenario and seed replay byte for byte.
         #[arg(long, default_value_t = 1)]
         seed: u64,
-        /// Run this many seeds, from --seed up.
+        /// Run this many seeds, from --seed up (a swarm: every failing
+        /// seed is listed with the first invariant it broke).
         #[arg(long, default_value_t = 1)]
         seeds: u64,
+        /// Threads for a swarm (0: one per core).
+        #[arg(long, default_value_t = 0)]
+        jobs: usize,
+        /// In a swarm, print a line for every passing seed too.
+        #[arg(long)]
+        verbose: bool,
     },
 }
 
@@ -200,7 +207,9 @@ fn run() -> Result<()> {
             scenario,
             seed,
             seeds,
-        } => simulate(&scenario, seed, seeds),
+            jobs,
+            verbose,
+        } => simulate(&scenario, seed, seeds, jobs, verbose),
         Cmd::FetchModel => {
             println!(
                 "{}",
@@ -211,22 +220,104 @@ fn run() -> Result<()> {
     }
 }
 
-fn simulate(path: &std::path::Path, seed: u64, seeds: u64) -> Result<()> {
+/// Log times in the paused clock of a simulation (ms since the process
+/// started; each seed's runtime starts its clock there).
+struct SimTime(tokio::time::Instant);
+
+impl tracing_subscriber::fmt::time::FormatTime for SimTime {
+    fn format_time(&self, w: &mut tracing_subscriber::fmt::format::Writer<'_>) -> std::fmt::Result {
+        let t = tokio::time::Instant::now().saturating_duration_since(self.0);
+        write!(w, "{:>10.3}ms", t.as_secs_f64() * 1e3)
+    }
+}
+
+fn simulate(
+    path: &std::path::Path,
+    seed: u64,
+    seeds: u64,
+    jobs: usize,
+    verbose: bool,
+) -> Result<()> {
     let sc = flotilla_sim::Scenario::load(path)?;
+    // Replaying a seed with FLOTILLA_LOG=debug shows what the actors did.
+    if let Ok(filter) = tracing_subscriber::EnvFilter::try_from_env("FLOTILLA_LOG") {
+        tracing_subscriber::fmt()
+            .with_env_filter(filter)
+            .with_writer(std::io::stderr)
+            .with_timer(SimTime(tokio::time::Instant::now()))
+            .init();
+    }
     if seeds == 0 {
         bail!("--seeds must be at least 1");
     }
-    for s in seed..seed.saturating_add(seeds) {
+    if seeds == 1 {
         let t0 = std::time::Instant::now();
-        let report = flotilla_sim::run(&sc, s)?;
+        let report = flotilla_sim::run(&sc, seed)?;
         let wall = t0.elapsed().as_secs_f64();
-        println!("{} seed {s}", path.display());
+        println!("{} seed {seed}", path.display());
         println!("{report}");
         println!(
-            "wall {wall:.2} s for {:.1} simulated s ({:.0}x), {:.0} trace events/s\n",
+            "wall {wall:.2} s for {:.1} simulated s ({:.0}x), {:.0} trace events/s",
             report.sim_s,
             report.sim_s / wall.max(1e-9),
             report.events as f64 / wall.max(1e-9)
+        );
+        return Ok(());
+    }
+    let jobs = match jobs {
+        0 => std::thread::available_parallelism().map_or(1, usize::from),
+        n => n,
+    };
+    let last = seed.saturating_add(seeds - 1);
+    println!(
+        "{}: seeds {seed}..={last} on {jobs} threads",
+        path.display()
+    );
+    let t0 = std::time::Instant::now();
+    let done = std::sync::atomic::AtomicU64::new(0);
+    let swarm = flotilla_sim::swarm(&sc, seed, seeds, jobs, &|r| {
+        let n = done.fetch_add(1, std::sync::atomic::Ordering::Relaxed) + 1;
+        match &r.result {
+            Err(e) => println!("FAIL seed {}: {e}", r.seed),
+            Ok(rep) if verbose => println!(
+                "ok   seed {}: {:.1} output tok/s, {} events, hash {:016x}, {:.2} s",
+                r.seed,
+                rep.throughput(),
+                rep.events,
+                rep.trace_hash,
+                r.wall_s
+            ),
+            Ok(_) => {}
+        }
+        if n % 100 == 0 {
+            eprintln!("{n}/{seeds} seeds run");
+        }
+    });
+    let wall = t0.elapsed().as_secs_f64();
+    let failed: Vec<u64> = swarm.failures().map(|r| r.seed).collect();
+    println!(
+        "{} seeds, {} failing{}; wall {wall:.1} s for {:.0} simulated s ({:.0}x over {jobs} threads)",
+        seeds,
+        failed.len(),
+        if failed.is_empty() {
+            String::new()
+        } else {
+            format!(
+                ": {}",
+                failed
+                    .iter()
+                    .map(u64::to_string)
+                    .collect::<Vec<_>>()
+                    .join(" ")
+            )
+        },
+        swarm.sim_s(),
+        swarm.sim_s() / wall.max(1e-9)
+    );
+    if !failed.is_empty() {
+        bail!(
+            "{} of {seeds} seeds broke an invariant; replay one with --seed N (FLOTILLA_LOG=debug shows the actors)",
+            failed.len()
         );
     }
     Ok(())

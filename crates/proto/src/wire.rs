@@ -32,7 +32,7 @@ use crate::{
 /// First four bytes of every frame.
 pub const MAGIC: [u8; 4] = *b"FLTL";
 /// The protocol this build speaks; a peer with another one is refused.
-pub const PROTOCOL_VERSION: u16 = 3;
+pub const PROTOCOL_VERSION: u16 = 4;
 /// Bytes of the envelope before the payload.
 pub const HEADER_LEN: usize = 32;
 /// Smallest frame cap a config may set (a load report must fit).
@@ -114,11 +114,13 @@ pub enum Kind {
     KvAck = 12,
     /// [`Message::PrefillCancel`].
     PrefillCancel = 13,
+    /// [`Message::PrefillAbandon`].
+    PrefillAbandon = 14,
 }
 
 impl Kind {
     /// Every kind, in number order.
-    pub const ALL: [Kind; 13] = [
+    pub const ALL: [Kind; 14] = [
         Kind::Heartbeat,
         Kind::Submit,
         Kind::Admitted,
@@ -132,6 +134,7 @@ impl Kind {
         Kind::PrefillFailed,
         Kind::KvAck,
         Kind::PrefillCancel,
+        Kind::PrefillAbandon,
     ];
 
     /// The kind numbered `n`, if any.
@@ -146,7 +149,7 @@ impl Kind {
     pub fn may_send(self, role: Role) -> bool {
         match self {
             Kind::Heartbeat | Kind::Ping | Kind::Pong => true,
-            Kind::Submit | Kind::Cancel => role == Role::Router,
+            Kind::Submit | Kind::Cancel | Kind::PrefillAbandon => role == Role::Router,
             Kind::Admitted | Kind::Refused | Kind::Events => role.runs_engine(),
             Kind::KvBlocks => matches!(role, Role::Prefill | Role::Decode | Role::Worker),
             Kind::Prefill | Kind::KvAck | Kind::PrefillCancel => role == Role::Decode,
@@ -366,6 +369,19 @@ pub enum Message {
         /// Router's request id.
         req: u64,
     },
+    /// Router -> prefill: the decode node that asked for this prefill is
+    /// lost (dead, restarted, or cut off past the down bound), so no ack
+    /// or cancel will ever come from it: drop the prefill and give its
+    /// blocks back now rather than at the hold deadline.
+    PrefillAbandon {
+        /// The lost decode node.
+        decode: u32,
+        /// That decode node's epoch when it asked (a later life of the
+        /// same node may ask again for the same request).
+        decode_epoch: u64,
+        /// Router's request id.
+        req: u64,
+    },
 }
 
 impl Message {
@@ -385,6 +401,7 @@ impl Message {
             Message::PrefillFailed { .. } => Kind::PrefillFailed,
             Message::KvAck { .. } => Kind::KvAck,
             Message::PrefillCancel { .. } => Kind::PrefillCancel,
+            Message::PrefillAbandon { .. } => Kind::PrefillAbandon,
         }
     }
 }
@@ -1021,6 +1038,11 @@ mod tests {
                 ok: true,
             },
             Message::PrefillCancel { router: 0, req: 9 },
+            Message::PrefillAbandon {
+                decode: 3,
+                decode_epoch: 7,
+                req: 9,
+            },
         ]
     }
 

@@ -11,6 +11,8 @@ pub mod net;
 pub mod rng;
 pub mod run;
 pub mod scenario;
+pub mod swarm;
 
 pub use run::{Report, SimError, TierReport, run};
 pub use scenario::Scenario;
+pub use swarm::{SeedResult, SwarmReport, swarm};
