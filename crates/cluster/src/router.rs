@@ -533,6 +533,17 @@ impl Inner {
             self.rerun_or_fail(st, ev.req, None, &why);
             return;
         }
+        if let Some(WireEnd::Failed(WireFailure::RouterLost(why))) = &ev.end {
+            // The node stopped hearing us (our direction of the link was
+            // cut) and dropped it: the client's tokens so far are all it
+            // will get from there.
+            let why = format!("{} dropped it: {why}", st.workers[w].name);
+            let skip = (p.tokens_sent - ev.first) as usize;
+            if ev.tokens.len() <= skip {
+                self.rerun_or_fail(st, ev.req, Some(w), &why);
+                return;
+            }
+        }
         if let Some(a) = p.admitted.take() {
             let _ = a.send(Ok(()));
         }

@@ -154,7 +154,7 @@ pub async fn run_worker(
     ));
     let layout = kv.as_ref().map(|k| k.kv_layout());
     let slots = Slots::new(opts.transfers_max.max(1));
-    let mut active: BTreeMap<Key, oneshot::Sender<bool>> = BTreeMap::new();
+    let mut active: BTreeMap<Key, oneshot::Sender<Stop>> = BTreeMap::new();
     let mut routers: BTreeMap<NodeId, (u64, Instant)> = BTreeMap::new();
     let mut importing: BTreeMap<(NodeId, u64), Importing> = BTreeMap::new();
     let mut prefills: BTreeMap<PfKey, mpsc::UnboundedSender<PfCtl>> = BTreeMap::new();
@@ -235,7 +235,7 @@ pub async fn run_worker(
                     let entry = routers.entry(from).or_insert((epoch, Instant::now()));
                     if epoch > entry.0 {
                         transport.reconnect(from);
-                        cancel_where(&mut active, |k| k.0 == from && k.1 < epoch);
+                        cancel_where(&mut active, |k| k.0 == from && k.1 < epoch, Stop::Cancel);
                         importing.retain(|k, e| {
                             let keep = k.0 != from || e.epoch >= epoch;
                             if !keep {
@@ -321,13 +321,13 @@ pub async fn run_worker(
                             tracing::warn!("{e}");
                             // The Router will not hear of it: do not run it.
                             if let Some(c) = active.remove(&(from, epoch, req)) {
-                                let _ = c.send(false);
+                                let _ = c.send(Stop::Cancel);
                             }
                         }
                     }
                     Message::Cancel { req, stop_string } => {
                         if let Some(c) = active.remove(&(from, epoch, req)) {
-                            let _ = c.send(stop_string);
+                            let _ = c.send(if stop_string { Stop::StopString } else { Stop::Cancel });
                         }
                         if let Some(e) = importing.remove(&(from, req)) {
                             drop_import((from, req), &e);
@@ -458,10 +458,18 @@ pub async fn run_worker(
                     .collect();
                 for n in silent {
                     let before = active.len() + importing.len();
-                    cancel_where(&mut active, |k| k.0 == n);
+                    // Told to the Router too, in case only its direction
+                    // of the link is cut: it runs them again or ends them.
+                    let why = format!("no message from the Router for over {} ms", opts.down_after.as_millis());
+                    cancel_where(&mut active, |k| k.0 == n, Stop::RouterSilent(why.clone()));
                     importing.retain(|k, e| {
                         if k.0 == n {
                             drop_import(*k, e);
+                            let _ = out_tx.send(Out {
+                                key: (k.0, e.epoch, k.1),
+                                index: 0,
+                                event: EngineEvent::Failed(EngineFailure::RouterLost(why.clone())),
+                            });
                         }
                         k.0 != n
                     });
@@ -784,11 +792,27 @@ impl Drop for Slot {
     }
 }
 
-fn cancel_where(active: &mut BTreeMap<Key, oneshot::Sender<bool>>, f: impl Fn(&Key) -> bool) {
+/// Why a running request is stopped on this node.
+#[derive(Clone, Debug)]
+enum Stop {
+    /// Its Router cancelled it (or is gone for good).
+    Cancel,
+    /// Its Router matched a stop string: it finished.
+    StopString,
+    /// Its Router is silent past the down bound: dropped here, and the
+    /// Router is told (its messages may still reach it).
+    RouterSilent(String),
+}
+
+fn cancel_where(
+    active: &mut BTreeMap<Key, oneshot::Sender<Stop>>,
+    f: impl Fn(&Key) -> bool,
+    why: Stop,
+) {
     let keys: Vec<Key> = active.keys().filter(|k| f(k)).copied().collect();
     for k in keys {
         if let Some(c) = active.remove(&k) {
-            let _ = c.send(false);
+            let _ = c.send(why.clone());
         }
     }
 }
@@ -798,7 +822,7 @@ fn cancel_where(active: &mut BTreeMap<Key, oneshot::Sender<bool>>, f: impl Fn(&K
 async fn forward(
     key: Key,
     mut stream: RequestStream,
-    mut cancel: oneshot::Receiver<bool>,
+    mut cancel: oneshot::Receiver<Stop>,
     out: mpsc::UnboundedSender<Out>,
     done: mpsc::UnboundedSender<Key>,
 ) {
@@ -819,8 +843,13 @@ async fn forward(
                 }
             }
             c = &mut cancel => {
-                if c == Ok(true) {
-                    stream.ended_by_stop_string();
+                match c {
+                    Ok(Stop::StopString) => stream.ended_by_stop_string(),
+                    Ok(Stop::RouterSilent(why)) => {
+                        let event = EngineEvent::Failed(EngineFailure::RouterLost(why));
+                        let _ = out.send(Out { key, index, event });
+                    }
+                    Ok(Stop::Cancel) | Err(_) => {}
                 }
                 break;
             }

@@ -216,6 +216,9 @@ impl ApiError {
                 EngineFailure::KvTransfer(_) => {
                     c(S::SERVICE_UNAVAILABLE, SERVER, "kv_transfer_failed", None)
                 }
+                EngineFailure::RouterLost(_) => {
+                    c(S::SERVICE_UNAVAILABLE, SERVER, "worker_lost", None)
+                }
             },
         }
     }

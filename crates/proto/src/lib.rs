@@ -129,6 +129,12 @@ pub enum EngineFailure {
     /// failed before any token was sent; the Router runs it again.
     #[error("KV transfer failed: {0}")]
     KvTransfer(String),
+    /// The engine node heard nothing from the Router past the down bound
+    /// and dropped the request (and its blocks). Sent back in case only
+    /// the Router's direction of the link was cut: the Router runs the
+    /// request again if no token reached the client, else ends it.
+    #[error("the engine node lost contact with the Router: {0}")]
+    RouterLost(String),
 }
 
 /// Why an engine refused a request at admission (nothing was queued).

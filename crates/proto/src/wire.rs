@@ -654,6 +654,8 @@ pub enum WireFailure {
     Internal(String),
     /// See [`EngineFailure::KvTransfer`].
     KvTransfer(String),
+    /// See [`EngineFailure::RouterLost`].
+    RouterLost(String),
 }
 
 /// [`Rejection`] on the wire.
@@ -810,6 +812,7 @@ impl From<&EngineFailure> for WireFailure {
             EngineFailure::ShuttingDown => WireFailure::ShuttingDown,
             EngineFailure::Internal(s) => WireFailure::Internal(s.clone()),
             EngineFailure::KvTransfer(s) => WireFailure::KvTransfer(s.clone()),
+            EngineFailure::RouterLost(s) => WireFailure::RouterLost(s.clone()),
         }
     }
 }
@@ -834,6 +837,7 @@ impl From<WireFailure> for EngineFailure {
             WireFailure::ShuttingDown => EngineFailure::ShuttingDown,
             WireFailure::Internal(s) => EngineFailure::Internal(s),
             WireFailure::KvTransfer(s) => EngineFailure::KvTransfer(s),
+            WireFailure::RouterLost(s) => EngineFailure::RouterLost(s),
         }
     }
 }

@@ -5,6 +5,7 @@
 //! scenario file from `simulations/`; the same scenario and seed give the
 //! same trace hash.
 
+pub mod chaos;
 pub mod cost;
 pub mod exec;
 pub mod net;

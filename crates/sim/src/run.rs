@@ -379,7 +379,11 @@ async fn simulate(sc: &Scenario, seed: u64) -> Result<Report, SimError> {
     let start = Instant::now();
 
     let mut tasks = JoinSet::new();
-    for f in world.sc.faults.clone() {
+    let mut faults = world.sc.faults.clone();
+    if let Some(c) = &world.sc.chaos {
+        faults.extend(c.draw(&world.sc, &mut world.rng.split(2)));
+    }
+    for f in faults {
         let w = world.clone();
         tasks.spawn(async move {
             tokio::time::sleep_until(start + Duration::from_secs_f64(f.at_s)).await;
@@ -578,6 +582,7 @@ async fn start_engine(w: &Arc<World>, node: u32, life: u64) -> Result<(), SimErr
 }
 
 async fn apply_fault(w: &Arc<World>, f: &FaultKind) {
+    tracing::info!("fault: {f:?}");
     match *f {
         FaultKind::Crash { node } => {
             w.net.crash(node);
@@ -769,6 +774,7 @@ async fn one_request(w: &Arc<World>, tenant: usize, rng: &mut Rng) {
         *n
     };
     lock(&w.trace).record(id, SUBMIT, u64::from(prompt_len));
+    tracing::debug!(req = id, prompt_len, max_tokens, "client: submit");
     let sent = Instant::now();
     let req = EngineRequest {
         tenant: TenantId(tenant as u32),
@@ -857,6 +863,7 @@ async fn one_request(w: &Arc<World>, tenant: usize, rng: &mut Rng) {
             }
         }
     }
+    tracing::debug!(req = id, tokens = out.tokens, "client: {:?}", out.end);
     if let (Some(f), Some(l)) = (first, last) {
         out.ttft = Some(f - sent);
         if out.tokens > 1 {

@@ -34,6 +34,9 @@ pub struct Scenario {
     /// Scheduled faults.
     #[serde(default)]
     pub faults: Vec<FaultSection>,
+    /// Faults drawn by the seed, beside the scheduled ones.
+    #[serde(default)]
+    pub chaos: Option<crate::chaos::ChaosSection>,
 }
 
 /// How long arrivals go on, and how long the run may take to drain.
@@ -542,6 +545,10 @@ impl Scenario {
             }
         }
         let engines = total as u32;
+        if let Some(c) = &self.chaos {
+            c.validate(self.run.duration_s)
+                .map_err(ScenarioError::Invalid)?;
+        }
         for f in &self.faults {
             let node_ok = |n: u32| (1..=engines).contains(&n);
             let ok = match f.kind {

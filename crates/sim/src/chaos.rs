@@ -1,0 +1,201 @@
+//! Faults drawn by the seed (`[chaos]` in a scenario): crashes with
+//! restarts, partitions and clogs at random times and on random links,
+//! bounded in count, so that every seed of a swarm explores another
+//! interleaving instead of replaying the same fixed fault times.
+//!
+//! Drawn faults become ordinary [`FaultSection`]s before the run starts,
+//! so a seed's faults are part of its replay. Partition and clog windows
+//! of one kind never overlap (a `heal` or `unclog` ends every window of
+//! its kind), and a crash never takes the last live node of a role, so
+//! the cluster can always serve: every request must still end once.
+
+use serde::Deserialize;
+
+use crate::rng::Rng;
+use crate::scenario::{FaultKind, FaultSection, Scenario};
+
+/// `[chaos]`: how many faults of each kind to draw, and their spans.
+#[derive(Clone, Debug, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct ChaosSection {
+    /// Engine-node crashes.
+    pub crashes: u32,
+    /// Fraction of crashed nodes that restart (each after a delay drawn
+    /// from `restart_after_s`).
+    pub restart_fraction: f64,
+    /// Delay from a crash to its restart, seconds (min, max).
+    pub restart_after_s: (f64, f64),
+    /// Partitions of a link that carries traffic (both ways, or one way
+    /// with probability `one_way_fraction`).
+    pub partitions: u32,
+    /// Fraction of partitions that cut one direction only.
+    pub one_way_fraction: f64,
+    /// How long a partition lasts, seconds (min, max).
+    pub partition_s: (f64, f64),
+    /// Clogs of one direction of a link (messages held, then released).
+    pub clogs: u32,
+    /// How long a clog lasts, seconds (min, max).
+    pub clog_s: (f64, f64),
+    /// Faults begin no earlier than this, seconds.
+    pub from_s: f64,
+    /// Faults begin before this, seconds (default: the run's duration).
+    pub until_s: Option<f64>,
+}
+
+impl Default for ChaosSection {
+    fn default() -> Self {
+        ChaosSection {
+            crashes: 0,
+            restart_fraction: 0.75,
+            restart_after_s: (0.5, 5.0),
+            partitions: 0,
+            one_way_fraction: 0.25,
+            partition_s: (0.05, 2.0),
+            clogs: 0,
+            clog_s: (0.05, 1.0),
+            from_s: 1.0,
+            until_s: None,
+        }
+    }
+}
+
+/// Upper bound on drawn faults of each kind.
+pub const CHAOS_FAULTS_MAX: u32 = 64;
+
+impl ChaosSection {
+    /// Refuses counts past the bound, empty or inverted spans, NaNs.
+    pub fn validate(&self, duration_s: f64) -> Result<(), String> {
+        for (n, name) in [
+            (self.crashes, "crashes"),
+            (self.partitions, "partitions"),
+            (self.clogs, "clogs"),
+        ] {
+            if n > CHAOS_FAULTS_MAX {
+                return Err(format!("[chaos] {name} = {n}: at most {CHAOS_FAULTS_MAX}"));
+            }
+        }
+        for (f, name) in [
+            (self.restart_fraction, "restart_fraction"),
+            (self.one_way_fraction, "one_way_fraction"),
+        ] {
+            if !(0.0..=1.0).contains(&f) {
+                return Err(format!("[chaos] {name} = {f}: must be within 0..=1"));
+            }
+        }
+        for ((lo, hi), name) in [
+            (self.restart_after_s, "restart_after_s"),
+            (self.partition_s, "partition_s"),
+            (self.clog_s, "clog_s"),
+        ] {
+            if !(lo.is_finite() && hi.is_finite() && lo > 0.0 && lo <= hi) {
+                return Err(format!(
+                    "[chaos] {name} = [{lo}, {hi}]: needs 0 < min <= max, finite"
+                ));
+            }
+        }
+        let until = self.until_s.unwrap_or(duration_s);
+        if !(self.from_s.is_finite()
+            && until.is_finite()
+            && 0.0 <= self.from_s
+            && self.from_s < until)
+        {
+            return Err(format!(
+                "[chaos] from_s = {} and until_s = {until}: needs 0 <= from_s < until_s",
+                self.from_s
+            ));
+        }
+        Ok(())
+    }
+
+    /// Draws this seed's faults for `sc`, sorted by time.
+    pub fn draw(&self, sc: &Scenario, rng: &mut Rng) -> Vec<FaultSection> {
+        let until = self.until_s.unwrap_or(sc.run.duration_s);
+        let span = until - self.from_s;
+        let at = |rng: &mut Rng| self.from_s + rng.f64() * span;
+        let within = |rng: &mut Rng, (lo, hi): (f64, f64)| lo + rng.f64() * (hi - lo);
+        let mut out = Vec::new();
+
+        // Crashes: a node that is up at that time, never the last of its
+        // role; some restart later.
+        let nodes = sc.engine_nodes() as u32;
+        let mut crash_at: Vec<f64> = (0..self.crashes).map(|_| at(rng)).collect();
+        crash_at.sort_by(f64::total_cmp);
+        // When each node is back up (INFINITY: never).
+        let mut down_until = vec![f64::NEG_INFINITY; nodes as usize + 1];
+        for t in crash_at {
+            let up = |n: u32, down_until: &[f64]| down_until[n as usize] <= t;
+            let candidates: Vec<u32> = (1..=nodes)
+                .filter(|&n| up(n, &down_until))
+                .filter(|&n| {
+                    let role = sc.role_of(n);
+                    (1..=nodes)
+                        .filter(|&m| m != n && sc.role_of(m) == role && up(m, &down_until))
+                        .count()
+                        > 0
+                })
+                .collect();
+            if candidates.is_empty() {
+                continue;
+            }
+            let node = candidates[rng.range(0, candidates.len() as u64 - 1) as usize];
+            out.push(FaultSection {
+                at_s: t,
+                kind: FaultKind::Crash { node },
+            });
+            if rng.chance(self.restart_fraction) {
+                let back = t + within(rng, self.restart_after_s);
+                down_until[node as usize] = back;
+                out.push(FaultSection {
+                    at_s: back,
+                    kind: FaultKind::Restart { node },
+                });
+            } else {
+                down_until[node as usize] = f64::INFINITY;
+            }
+        }
+
+        // Links that carry traffic: Router <-> every engine, and prefill <->
+        // decode (a cut between two mixed engines would hold nothing).
+        let mut links: Vec<(u32, u32)> = (1..=nodes).map(|n| (0, n)).collect();
+        for p in 1..=nodes {
+            for d in 1..=nodes {
+                if sc.role_of(p) == flotilla_proto::Role::Prefill
+                    && sc.role_of(d) == flotilla_proto::Role::Decode
+                {
+                    links.push((p, d));
+                }
+            }
+        }
+        let mut windows = |count: u32, len: (f64, f64), rng: &mut Rng, clog: bool| {
+            let mut starts: Vec<f64> = (0..count).map(|_| at(rng)).collect();
+            starts.sort_by(f64::total_cmp);
+            let mut free_from = f64::NEG_INFINITY;
+            for s in starts {
+                // Windows of one kind do not overlap: the heal of one
+                // would end the other early.
+                let s = s.max(free_from);
+                let e = s + within(rng, len);
+                free_from = e + 0.001;
+                let (mut a, mut b) = links[rng.range(0, links.len() as u64 - 1) as usize];
+                if rng.chance(0.5) {
+                    std::mem::swap(&mut a, &mut b);
+                }
+                let (begin, end) = if clog {
+                    (FaultKind::Clog { a, b }, FaultKind::Unclog)
+                } else {
+                    let one_way = rng.chance(self.one_way_fraction);
+                    (FaultKind::Partition { a, b, one_way }, FaultKind::Heal)
+                };
+                out.push(FaultSection {
+                    at_s: s,
+                    kind: begin,
+                });
+                out.push(FaultSection { at_s: e, kind: end });
+            }
+        };
+        windows(self.partitions, self.partition_s, rng, false);
+        windows(self.clogs, self.clog_s, rng, true);
+        out.sort_by(|x, y| x.at_s.total_cmp(&y.at_s));
+        out
+    }
+}
