@@ -173,6 +173,7 @@ impl Engine for FakePd {
                     free: total - used,
                     used,
                     cached: 0,
+                    ..KvUsage::default()
                 },
                 ..EngineStatus::default()
             }

@@ -370,9 +370,11 @@ impl Inner {
                 };
                 let _ = self.transport.send(st.workers[pf].node, id, abandon);
             }
-            if st.pending[&id].worker != w {
-                // Its decode node is fine: stop it there (which frees the
-                // reservation) before it runs again.
+            {
+                // Stop it where it was placed before it runs again: a decode
+                // node that is fine frees its reservation, and a node that
+                // only seems lost (our direction of the link still works)
+                // frees its blocks now instead of at its own deadline.
                 let node = st.workers[st.pending[&id].worker].node;
                 let cancel = Message::Cancel {
                     req: id,
@@ -759,6 +761,8 @@ impl Engine for ClusterEngine {
                     free: s.kv.free + l.kv_free,
                     used: s.kv.used + l.kv_used,
                     cached: s.kv.cached + l.kv_cached,
+                    held: s.kv.held + l.kv_held,
+                    reserved: s.kv.reserved + l.kv_reserved,
                 };
                 for t in &l.tiers {
                     match tiers.iter_mut().find(|x| x.name == t.name) {

@@ -82,6 +82,7 @@ impl Engine for FakeEngine {
                     free: 100_000,
                     used: 0,
                     cached: 0,
+                    ..KvUsage::default()
                 },
                 ..EngineStatus::default()
             }

@@ -121,6 +121,9 @@ enum Ctl {
     /// An import finished (its stream, or why it failed).
     Imported {
         key: (NodeId, u64),
+        /// The reservation it wrote: a later placement of the same
+        /// request on this node has its own.
+        reservation: RequestId,
         prefill: NodeId,
         result: Result<RequestStream, String>,
     },
@@ -172,6 +175,7 @@ pub async fn run_worker(
     };
     // Gives back a reservation and tells its prefill node to stop.
     let drop_import = |key: (NodeId, u64), e: &Importing| {
+        tracing::debug!(req = key.1, writing = e.writing, "import dropped");
         if !e.writing {
             if let Some(kv) = &kv {
                 let kv = kv.clone();
@@ -224,7 +228,7 @@ pub async fn run_worker(
                         let ctl = ctl_tx.clone();
                         tokio::spawn(async move {
                             let result = import(&*kv, reservation, header, data, req).await;
-                            let _ = ctl.send(Ctl::Imported { key, prefill: from, result });
+                            let _ = ctl.send(Ctl::Imported { key, reservation, prefill: from, result });
                         });
                         continue;
                     }
@@ -304,6 +308,7 @@ pub async fn run_worker(
                                 fail(from, epoch, req, format!("cannot reach prefill node {p}: {}", err.reason));
                                 continue;
                             }
+                            tracing::debug!(req, prefill = p, "KV reserved, prefill asked");
                             importing.insert((from, req), e);
                             continue;
                         }
@@ -385,6 +390,7 @@ pub async fn run_worker(
                         let key = (router, req);
                         if importing.get(&key).is_some_and(|e| e.prefill == from && !e.writing) {
                             let e = importing.remove(&key).expect("checked above");
+                            tracing::debug!(req, "prefill failed: reservation cancelled");
                             if let Some(kv) = &kv {
                                 kv.cancel_reservation(e.reservation).await;
                             }
@@ -420,11 +426,18 @@ pub async fn run_worker(
                 active.remove(&key);
             }
             Some(c) = ctl_rx.recv() => match c {
-                Ctl::Imported { key, prefill, result } => {
+                Ctl::Imported { key, reservation, prefill, result } => {
                     let ok = result.is_ok();
+                    tracing::debug!(req = key.1, ok, "import done");
                     let ack = Message::KvAck { router: key.0, req: key.1, ok };
                     let _ = transport.send(prefill, key.1, ack);
-                    match (importing.remove(&key), result) {
+                    // Only the placement this import was for: if the Router
+                    // cancelled it and placed the request here again, the
+                    // entry now is the new placement's (its own reservation,
+                    // its own prefill), which this import must not end.
+                    let mine = importing.get(&key).is_some_and(|e| e.reservation == reservation && e.writing);
+                    let entry = if mine { importing.remove(&key) } else { None };
+                    match (entry, result) {
                         (Some(e), Ok(stream)) => {
                             let akey = (key.0, e.epoch, key.1);
                             let (cancel_tx, cancel_rx) = oneshot::channel();

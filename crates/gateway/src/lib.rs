@@ -284,6 +284,7 @@ async fn ready(State(gw): Shared) -> Response {
         })).collect::<Vec<_>>(),
         "kv_blocks": {
             "total": s.kv.total, "used": s.kv.used, "free": s.kv.free, "cached": s.kv.cached,
+            "held_for_transfer": s.kv.held, "reserved_for_import": s.kv.reserved,
         },
         "preemptions": s.preemptions,
         "nodes": s.nodes.iter().map(|n| json!({

@@ -192,6 +192,12 @@ pub struct KvUsage {
     pub used: u32,
     /// Blocks no one holds that keep a cached prefix (evictable).
     pub cached: u32,
+    /// Of `used`: blocks of finished prefills kept for a decode node's
+    /// transfer (until its ack, a cancel or the hold deadline).
+    pub held: u32,
+    /// Of `used`: blocks reserved for KV a prefill node will send (until
+    /// the import, a cancel or the reservation deadline).
+    pub reserved: u32,
 }
 
 /// Per-tier queue figures.

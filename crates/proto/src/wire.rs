@@ -425,6 +425,10 @@ pub struct LoadReport {
     pub kv_used: u32,
     /// KV blocks holding an evictable cached prefix.
     pub kv_cached: u32,
+    /// Of `kv_used`: blocks held for a decode node's transfer.
+    pub kv_held: u32,
+    /// Of `kv_used`: blocks reserved for an import.
+    pub kv_reserved: u32,
     /// Preemptions since start.
     pub preemptions: u64,
     /// Per-tier queue and running counts.
@@ -453,6 +457,8 @@ impl From<&EngineStatus> for LoadReport {
             kv_free: s.kv.free,
             kv_used: s.kv.used,
             kv_cached: s.kv.cached,
+            kv_held: s.kv.held,
+            kv_reserved: s.kv.reserved,
             preemptions: s.preemptions,
             tiers: s
                 .tiers
@@ -487,6 +493,8 @@ impl From<&LoadReport> for EngineStatus {
                 free: r.kv_free,
                 used: r.kv_used,
                 cached: r.kv_cached,
+                held: r.kv_held,
+                reserved: r.kv_reserved,
             },
             preemptions: r.preemptions,
             nodes: Vec::new(),
@@ -946,6 +954,8 @@ mod tests {
                 kv_free: 90,
                 kv_used: 8,
                 kv_cached: 2,
+                kv_held: 3,
+                kv_reserved: 1,
                 preemptions: 1,
                 tiers: vec![TierLoad {
                     name: "paid".into(),

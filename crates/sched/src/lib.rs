@@ -165,6 +165,16 @@ impl Scheduler {
                 free: u.free,
                 used: u.used,
                 cached: u.cached,
+                held: self
+                    .held
+                    .values()
+                    .map(|h| h.lease.blocks().len() as u32)
+                    .sum(),
+                reserved: self
+                    .reservations
+                    .values()
+                    .map(|r| r.lease.blocks().len() as u32)
+                    .sum(),
             },
             preemptions: self.counters.preemptions,
             nodes: Vec::new(),

@@ -576,7 +576,12 @@ async fn start_engine(w: &Arc<World>, node: u32, life: u64) -> Result<(), SimErr
     let engine_arc = Arc::new(engine.clone());
     let kv: Option<Arc<dyn flotilla_proto::KvMigration>> =
         matches!(role, Role::Prefill | Role::Decode).then(|| engine_arc.clone() as _);
-    tokio::spawn(run_worker(t, rx, engine_arc, kv, opts));
+    // Log lines of a replay (FLOTILLA_LOG) name the node.
+    let span = tracing::info_span!("node", n = node, life);
+    tokio::spawn(tracing::Instrument::instrument(
+        run_worker(t, rx, engine_arc, kv, opts),
+        span,
+    ));
     lock(&w.engines)[node as usize] = Some(engine);
     Ok(())
 }
@@ -911,8 +916,9 @@ async fn check_engines(w: &Arc<World>, at_end: bool) -> u64 {
             let queued: usize = s.tiers.iter().map(|t| t.queued).sum();
             if kv.used != 0 || s.running != 0 || queued != 0 {
                 broken.push(format!(
-                    "after the run: {} KV blocks leased, {} running, {queued} queued (a leak)",
-                    kv.used, s.running
+                    "after the run: {} KV blocks leased ({} held for a transfer, {} reserved \
+                     for an import), {} running, {queued} queued (a leak)",
+                    kv.used, kv.held, kv.reserved, s.running
                 ));
             }
         } else if kv.total > 0 {

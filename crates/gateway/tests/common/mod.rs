@@ -178,6 +178,7 @@ impl Engine for Fake {
                     free: 60,
                     used: 30,
                     cached: 10,
+                    ..KvUsage::default()
                 },
                 preemptions: 2,
                 nodes: vec![],
