@@ -76,6 +76,13 @@ pub(crate) enum SchedMsg {
         id: RequestId,
         reply: RpcReplyPort<bool>,
     },
+    /// Ids that hold KV or a seat.
+    KvHolders(RpcReplyPort<Vec<RequestId>>),
+    /// Give back whatever an orphaned id holds.
+    DropOrphan {
+        id: RequestId,
+        reply: RpcReplyPort<bool>,
+    },
 }
 
 /// An import on its way through the worker.
@@ -344,6 +351,18 @@ impl Actor for SchedulerActor {
             // `pump` below expires what is due and arms the next wake-up;
             // cleared even if it came early, so that one is armed again.
             SchedMsg::Wake => st.wake_at = None,
+            SchedMsg::KvHolders(reply) => {
+                let _ = reply.send(st.sched.kv_holders());
+            }
+            SchedMsg::DropOrphan { id, reply } => {
+                let live = st.live.remove(&id);
+                let dropped = st.sched.drop_orphan(now, id);
+                if dropped && let Some(l) = live {
+                    st.metrics
+                        .request_ended(&st.tier_names[l.tier], Terminal::Cancelled);
+                }
+                let _ = reply.send(dropped);
+            }
             SchedMsg::Status(reply) => {
                 let mut s = st.sched.status();
                 s.ready = st.worker_ok;
@@ -825,5 +844,17 @@ impl KvMigration for LocalEngine {
             )
             .await
         })
+    }
+
+    fn kv_holders(&self) -> BoxFuture<Vec<RequestId>> {
+        let sched = self.sched.clone();
+        Box::pin(async move { ask(&sched, SchedMsg::KvHolders, Vec::new()).await })
+    }
+
+    fn drop_orphan(&self, id: RequestId) -> BoxFuture<bool> {
+        let sched = self.sched.clone();
+        Box::pin(
+            async move { ask(&sched, |reply| SchedMsg::DropOrphan { id, reply }, false).await },
+        )
     }
 }

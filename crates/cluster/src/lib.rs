@@ -11,7 +11,7 @@ pub mod router;
 pub mod worker;
 
 pub use router::{ClusterEngine, RouterOptions};
-pub use worker::{WorkerOptions, run_worker};
+pub use worker::{OrphanHook, WorkerOptions, run_worker};
 
 #[cfg(test)]
 mod pd_tests;

@@ -61,6 +61,7 @@ struct Inner {
     prefills: AtomicUsize,
     imports: AtomicUsize,
     exports: AtomicUsize,
+    orphans_dropped: AtomicUsize,
 }
 
 /// An engine with block accounting: a block is free, running, held or reserved.
@@ -339,6 +340,24 @@ impl KvMigration for FakePd {
 
     fn cancel_reservation(&self, reservation: RequestId) -> BoxFuture<bool> {
         let r = self.free_if(reservation.0, |s| matches!(s, Slot::Reserved(_)));
+        Box::pin(async move { r })
+    }
+
+    fn kv_holders(&self) -> BoxFuture<Vec<RequestId>> {
+        let ids = self
+            .0
+            .slots
+            .lock()
+            .unwrap()
+            .keys()
+            .map(|&k| RequestId(k))
+            .collect();
+        Box::pin(async move { ids })
+    }
+
+    fn drop_orphan(&self, id: RequestId) -> BoxFuture<bool> {
+        self.0.orphans_dropped.fetch_add(1, Ordering::SeqCst);
+        let r = self.free_if(id.0, |_| true);
         Box::pin(async move { r })
     }
 }

@@ -274,6 +274,7 @@ impl Inner {
     ) -> Result<(), ()> {
         let p = st.pending.get(&id).expect("dispatch of an unknown request");
         let mut submit = SubmitMsg::from_request(id, &p.req);
+        submit.attempt = p.reruns;
         submit.prefill = prefill.map(|i| st.workers[i].node);
         let blocks = p.blocks;
         let node = st.workers[w].node;
@@ -335,6 +336,7 @@ impl Inner {
             let cancel = Message::Cancel {
                 req: id,
                 stop_string,
+                attempt: p.reruns,
             };
             let _ = self.transport.send(node, id, cancel);
         }
@@ -379,6 +381,7 @@ impl Inner {
                 let cancel = Message::Cancel {
                     req: id,
                     stop_string: false,
+                    attempt: st.pending[&id].reruns,
                 };
                 let _ = self.transport.send(node, id, cancel);
             }
@@ -444,6 +447,23 @@ impl Inner {
         view.up = true;
         match msg {
             Message::Heartbeat(load) => st.workers[w].load = load,
+            Message::Holding { reqs } => {
+                // Requests it still holds that we no longer run there: we
+                // ended them, or moved them while it was cut off.
+                let unknown: Vec<u64> = reqs
+                    .into_iter()
+                    .filter(|r| {
+                        !st.pending
+                            .get(r)
+                            .is_some_and(|p| p.worker == w || p.paired_prefill == Some(w))
+                    })
+                    .collect();
+                if !unknown.is_empty() {
+                    let _ = self
+                        .transport
+                        .send(from, 0, Message::Unknown { reqs: unknown });
+                }
+            }
             Message::Admitted { req } => {
                 if let Some(p) = st.pending.get_mut(&req)
                     && p.worker == w
@@ -470,7 +490,10 @@ impl Inner {
             }
             Message::Events(batch) => {
                 for ev in batch {
-                    let ours = st.pending.get(&ev.req).is_some_and(|p| p.worker == w);
+                    let ours = st
+                        .pending
+                        .get(&ev.req)
+                        .is_some_and(|p| p.worker == w && p.reruns == ev.attempt);
                     if !ours {
                         // Work this Router no longer wants (it was failed or
                         // moved while the node was unreachable): stop it.
@@ -481,6 +504,9 @@ impl Inner {
                                 Message::Cancel {
                                     req: ev.req,
                                     stop_string: false,
+                                    // That placement (a later one there
+                                    // may be the current one).
+                                    attempt: ev.attempt,
                                 },
                             );
                         }
@@ -576,6 +602,7 @@ impl Inner {
         let cancel = Message::Cancel {
             req,
             stop_string: false,
+            attempt: p.reruns,
         };
         let _ = self.transport.send(node, req, cancel);
         let msg = format!(
@@ -747,6 +774,7 @@ impl Engine for ClusterEngine {
                     in_flight: w.in_flight,
                     routed: w.routed,
                     downs: w.downs,
+                    kv_orphans: w.load.kv_orphans,
                 });
                 if !w.up {
                     continue;

@@ -10,7 +10,7 @@
 //! their KV blocks back: a dead Router never strands work on a worker.
 
 use std::cmp::Reverse;
-use std::collections::{BTreeMap, BinaryHeap};
+use std::collections::{BTreeMap, BTreeSet, BinaryHeap};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -56,6 +56,23 @@ pub struct WorkerOptions {
     pub tenant_priority: Vec<u8>,
     /// KV transfers a prefill node sends at once.
     pub transfers_max: usize,
+    /// How often the node looks for orphaned leases: engine leases that
+    /// none of its requests own, and requests the Router no longer has
+    /// here (asked with `Holding`). A lease is given back as an orphan
+    /// only when found twice in a row, so it is at least this old.
+    pub reconcile_interval: Duration,
+    /// Told of every orphan given back (the simulator's leak check).
+    pub on_orphan: Option<OrphanHook>,
+}
+
+/// Called with a description of each orphaned lease a node gives back.
+#[derive(Clone)]
+pub struct OrphanHook(pub Arc<dyn Fn(&str) + Send + Sync>);
+
+impl std::fmt::Debug for OrphanHook {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("OrphanHook")
+    }
 }
 
 impl WorkerOptions {
@@ -73,6 +90,8 @@ impl WorkerOptions {
             hold_ttl: Duration::from_secs(30),
             tenant_priority: Vec::new(),
             transfers_max: 2,
+            reconcile_interval: Duration::from_millis(1000),
+            on_orphan: None,
         }
     }
 
@@ -97,6 +116,8 @@ type PfKey = (NodeId, u64, u32, u64);
 
 struct Out {
     key: Key,
+    /// The placement the event is of (`SubmitMsg::attempt`).
+    attempt: u32,
     /// Index of this event in the request's stream (tokens before it).
     index: u32,
     event: EngineEvent,
@@ -128,7 +149,7 @@ enum Ctl {
         result: Result<RequestStream, String>,
     },
     /// A prefill task ended; its blocks are given back.
-    PrefillDone(PfKey),
+    PrefillDone(PfKey, RequestId),
 }
 
 /// What a decode node tells a prefill task.
@@ -148,7 +169,7 @@ pub async fn run_worker(
     opts: WorkerOptions,
 ) {
     let (out_tx, out_rx) = mpsc::unbounded_channel::<Out>();
-    let (done_tx, mut done_rx) = mpsc::unbounded_channel::<Key>();
+    let (done_tx, mut done_rx) = mpsc::unbounded_channel::<(Key, u32)>();
     let (ctl_tx, mut ctl_rx) = mpsc::unbounded_channel::<Ctl>();
     tokio::spawn(send_events(
         transport.clone(),
@@ -157,17 +178,23 @@ pub async fn run_worker(
     ));
     let layout = kv.as_ref().map(|k| k.kv_layout());
     let slots = Slots::new(opts.transfers_max.max(1));
-    let mut active: BTreeMap<Key, oneshot::Sender<Stop>> = BTreeMap::new();
+    let mut active: BTreeMap<Key, Running> = BTreeMap::new();
     let mut routers: BTreeMap<NodeId, (u64, Instant)> = BTreeMap::new();
     let mut importing: BTreeMap<(NodeId, u64), Importing> = BTreeMap::new();
-    let mut prefills: BTreeMap<PfKey, mpsc::UnboundedSender<PfCtl>> = BTreeMap::new();
+    // Per ask: the prefill's engine id, the placement it is for, its task.
+    let mut prefills: BTreeMap<PfKey, (RequestId, u32, mpsc::UnboundedSender<PfCtl>)> =
+        BTreeMap::new();
+    // Reservations an import task owns (its bytes are being written).
+    let mut import_tasks: BTreeSet<RequestId> = BTreeSet::new();
+    let mut orphans = Orphans::new(opts.reconcile_interval);
     // Prefills a Router abandoned (their decode node is lost), until the
     // hold deadline: an ask from that decode node that comes after the
     // abandon (it was in flight) is refused instead of run for nobody.
     let mut abandoned: BTreeMap<PfKey, Instant> = BTreeMap::new();
-    let fail = |router: NodeId, epoch: u64, req: u64, why: String| {
+    let fail = |router: NodeId, epoch: u64, req: u64, attempt: u32, why: String| {
         let _ = out_tx.send(Out {
             key: (router, epoch, req),
+            attempt,
             // Before any token: no stream was forwarded for it.
             index: 0,
             event: EngineEvent::Failed(EngineFailure::KvTransfer(why)),
@@ -185,6 +212,7 @@ pub async fn run_worker(
             let cancel = Message::PrefillCancel {
                 router: key.0,
                 req: key.1,
+                attempt: e.submit.attempt,
             };
             let _ = transport.send(e.prefill, key.1, cancel);
         }
@@ -219,10 +247,11 @@ pub async fn run_worker(
                             ack_no(&why);
                             let e = importing.remove(&key).expect("looked up above");
                             drop_import(key, &e);
-                            fail(key.0, e.epoch, key.1, why);
+                            fail(key.0, e.epoch, key.1, e.submit.attempt, why);
                             continue;
                         }
                         e.writing = true;
+                        import_tasks.insert(e.reservation);
                         let kv = kv.clone();
                         let (reservation, req) = (e.reservation, e.submit.clone().into_request());
                         let ctl = ctl_tx.clone();
@@ -265,10 +294,24 @@ pub async fn run_worker(
                             let _ = transport.send(from, req, refused);
                             continue;
                         }
-                        if active.contains_key(&(from, epoch, req)) || importing.contains_key(&(from, req)) {
-                            // A duplicate (a resend after a reconnect): the
-                            // first copy is running.
-                            continue;
+                        let here = active
+                            .get(&(from, epoch, req))
+                            .map(|r| r.attempt)
+                            .or_else(|| importing.get(&(from, req)).map(|e| e.submit.attempt));
+                        if let Some(a) = here {
+                            if a >= s.attempt {
+                                // A duplicate (a resend after a reconnect),
+                                // or a late copy of an earlier placement.
+                                continue;
+                            }
+                            // A re-run placed here again that overtook the
+                            // Cancel of the earlier placement: end that one.
+                            if let Some(c) = active.remove(&(from, epoch, req)) {
+                                let _ = c.stop.send(Stop::Cancel);
+                            }
+                            if let Some(e) = importing.remove(&(from, req)) {
+                                drop_import((from, req), &e);
+                            }
                         }
                         if let (Some(p), Some(kvm), Role::Decode) = (s.prefill, &kv, opts.role) {
                             // Disaggregated: blocks first, then ask for the prefill.
@@ -305,19 +348,21 @@ pub async fn run_worker(
                                         k.cancel_reservation(reservation).await;
                                     }
                                 });
-                                fail(from, epoch, req, format!("cannot reach prefill node {p}: {}", err.reason));
+                                fail(from, epoch, req, e.submit.attempt, format!("cannot reach prefill node {p}: {}", err.reason));
                                 continue;
                             }
                             tracing::debug!(req, prefill = p, "KV reserved, prefill asked");
                             importing.insert((from, req), e);
                             continue;
                         }
+                        tracing::debug!(req, "submit (whole request)");
+                        let attempt = s.attempt;
                         let reply = match engine.submit(s.into_request()).await {
                             Ok(stream) => {
                                 let key = (from, epoch, req);
                                 let (cancel_tx, cancel_rx) = oneshot::channel();
-                                active.insert(key, cancel_tx);
-                                tokio::spawn(forward(key, stream, cancel_rx, out_tx.clone(), done_tx.clone()));
+                                active.insert(key, Running { id: stream.id, attempt, stop: cancel_tx });
+                                tokio::spawn(forward(key, attempt, stream, cancel_rx, out_tx.clone(), done_tx.clone()));
                                 Message::Admitted { req }
                             }
                             Err(r) => Message::Refused { req, rejection: WireRejection::from(&r) },
@@ -326,23 +371,35 @@ pub async fn run_worker(
                             tracing::warn!("{e}");
                             // The Router will not hear of it: do not run it.
                             if let Some(c) = active.remove(&(from, epoch, req)) {
-                                let _ = c.send(Stop::Cancel);
+                                let _ = c.stop.send(Stop::Cancel);
                             }
                         }
                     }
-                    Message::Cancel { req, stop_string } => {
-                        if let Some(c) = active.remove(&(from, epoch, req)) {
-                            let _ = c.send(if stop_string { Stop::StopString } else { Stop::Cancel });
+                    Message::Cancel { req, stop_string, attempt } => {
+                        // Not a later re-run that overtook this Cancel.
+                        if active.get(&(from, epoch, req)).is_some_and(|r| r.attempt <= attempt)
+                            && let Some(c) = active.remove(&(from, epoch, req))
+                        {
+                            let _ = c.stop.send(if stop_string { Stop::StopString } else { Stop::Cancel });
                         }
-                        if let Some(e) = importing.remove(&(from, req)) {
+                        if importing.get(&(from, req)).is_some_and(|e| e.submit.attempt <= attempt)
+                            && let Some(e) = importing.remove(&(from, req))
+                        {
                             drop_import((from, req), &e);
                         }
                     }
                     Message::Prefill(pm) => {
                         let (router, req) = (pm.router, pm.submit.req);
                         let key = (from, epoch, router, req);
-                        if prefills.contains_key(&key) {
-                            continue;
+                        let attempt = pm.submit.attempt;
+                        if let Some((_, a, tx)) = prefills.get(&key) {
+                            if *a >= attempt {
+                                // A duplicate, or a late ask of an earlier placement.
+                                continue;
+                            }
+                            // The decode node asks again for a re-run placed on
+                            // it, ahead of its cancel of the earlier ask.
+                            let _ = tx.send(PfCtl::Cancel);
                         }
                         let refuse = |reason: String| {
                             let m = Message::PrefillFailed { router, req, reason };
@@ -367,7 +424,8 @@ pub async fn run_worker(
                         match kvm.submit_for_export(r, opts.hold_ttl).await {
                             Ok(stream) => {
                                 let (tx, rx) = mpsc::unbounded_channel();
-                                prefills.insert(key, tx);
+                                let id = stream.id;
+                                prefills.insert(key, (id, attempt, tx));
                                 let task = PrefillTask {
                                     transport: transport.clone(),
                                     kv: kvm,
@@ -380,7 +438,7 @@ pub async fn run_worker(
                                 let ctl = ctl_tx.clone();
                                 tokio::spawn(async move {
                                     task.run(stream, rx).await;
-                                    let _ = ctl.send(Ctl::PrefillDone(key));
+                                    let _ = ctl.send(Ctl::PrefillDone(key, id));
                                 });
                             }
                             Err(r) => refuse(r.to_string()),
@@ -394,27 +452,61 @@ pub async fn run_worker(
                             if let Some(kv) = &kv {
                                 kv.cancel_reservation(e.reservation).await;
                             }
-                            fail(router, e.epoch, req, format!("prefill node {from}: {reason}"));
+                            fail(router, e.epoch, req, e.submit.attempt, format!("prefill node {from}: {reason}"));
                         }
                     }
                     Message::KvAck { router, req, .. } => {
-                        if let Some(tx) = prefills.get(&(from, epoch, router, req)) {
+                        if let Some((_, _, tx)) = prefills.get(&(from, epoch, router, req)) {
                             let _ = tx.send(PfCtl::Ack);
                         }
                     }
-                    Message::PrefillCancel { router, req } => {
-                        if let Some(tx) = prefills.get(&(from, epoch, router, req)) {
+                    Message::PrefillCancel { router, req, attempt } => {
+                        if let Some((_, a, tx)) = prefills.get(&(from, epoch, router, req))
+                            && *a <= attempt
+                        {
                             let _ = tx.send(PfCtl::Cancel);
                         }
                     }
                     Message::PrefillAbandon { decode, decode_epoch, req } if opts.routers.contains(&from) => {
                         let key = (decode, decode_epoch, from, req);
-                        if let Some(tx) = prefills.get(&key) {
+                        if let Some((_, _, tx)) = prefills.get(&key) {
                             tracing::debug!(req, "prefill for node {decode} abandoned by the Router");
                             let _ = tx.send(PfCtl::Cancel);
                         } else if abandoned.len() < ABANDONED_MAX {
                             abandoned.insert(key, Instant::now() + opts.hold_ttl);
                         }
+                    }
+                    Message::Unknown { reqs } if opts.routers.contains(&from) => {
+                        // Named twice in a row: nobody will end it but us.
+                        let before = orphans.unknown.remove(&from).unwrap_or_default();
+                        let mut named = BTreeSet::new();
+                        for req in reqs {
+                            if !before.contains(&req) {
+                                named.insert(req);
+                                continue;
+                            }
+                            let mut gave_back = false;
+                            let keys: Vec<Key> = active.keys().filter(|k| k.0 == from && k.2 == req).copied().collect();
+                            for k in keys {
+                                if let Some(c) = active.remove(&k) {
+                                    let _ = c.stop.send(Stop::Cancel);
+                                    gave_back = true;
+                                }
+                            }
+                            if let Some(e) = importing.remove(&(from, req)) {
+                                drop_import((from, req), &e);
+                                gave_back = true;
+                            }
+                            for (_, (_, _, tx)) in prefills.iter().filter(|(k, _)| k.2 == from && k.3 == req) {
+                                let _ = tx.send(PfCtl::Cancel);
+                                gave_back = true;
+                            }
+                            if gave_back {
+                                orphans.found += 1;
+                                orphan(&opts, &format!("node {}: request {req} of router {from}, which the Router no longer has here", transport.node()));
+                            }
+                        }
+                        orphans.unknown.insert(from, named);
                     }
                     Message::Ping { seq, pad } => {
                         let _ = transport.send(from, seq, Message::Pong { seq, pad });
@@ -422,11 +514,15 @@ pub async fn run_worker(
                     _ => {}
                 }
             }
-            Some(key) = done_rx.recv() => {
-                active.remove(&key);
+            Some((key, attempt)) = done_rx.recv() => {
+                // Not a later placement's entry under the same key.
+                if active.get(&key).is_some_and(|r| r.attempt == attempt) {
+                    active.remove(&key);
+                }
             }
             Some(c) = ctl_rx.recv() => match c {
                 Ctl::Imported { key, reservation, prefill, result } => {
+                    import_tasks.remove(&reservation);
                     let ok = result.is_ok();
                     tracing::debug!(req = key.1, ok, "import done");
                     let ack = Message::KvAck { router: key.0, req: key.1, ok };
@@ -441,29 +537,74 @@ pub async fn run_worker(
                         (Some(e), Ok(stream)) => {
                             let akey = (key.0, e.epoch, key.1);
                             let (cancel_tx, cancel_rx) = oneshot::channel();
-                            active.insert(akey, cancel_tx);
-                            tokio::spawn(forward(akey, stream, cancel_rx, out_tx.clone(), done_tx.clone()));
+                            active.insert(akey, Running { id: stream.id, attempt: e.submit.attempt, stop: cancel_tx });
+                            tokio::spawn(forward(akey, e.submit.attempt, stream, cancel_rx, out_tx.clone(), done_tx.clone()));
                         }
                         // Cancelled while its bytes were written: dropping
                         // the stream ends it and frees its blocks.
                         (None, Ok(stream)) => drop(stream),
-                        (Some(e), Err(why)) => fail(key.0, e.epoch, key.1, why),
+                        (Some(e), Err(why)) => fail(key.0, e.epoch, key.1, e.submit.attempt, why),
                         (None, Err(_)) => {}
                     }
                 }
-                Ctl::PrefillDone(key) => {
-                    prefills.remove(&key);
+                Ctl::PrefillDone(key, id) => {
+                    // Not a later ask's entry under the same key.
+                    if prefills.get(&key).is_some_and(|(i, _, _)| *i == id) {
+                        prefills.remove(&key);
+                    }
                 }
             },
             _ = tick.tick() => {
                 let status = engine.status().await;
-                let report = LoadReport::from(&status);
+                let mut report = LoadReport::from(&status);
+                report.kv_orphans = orphans.found;
                 for &r in &opts.routers {
                     // Unreachable Routers are noticed below, by silence.
                     let _ = transport.send(r, 0, Message::Heartbeat(report.clone()));
                 }
                 let now = Instant::now();
                 abandoned.retain(|_, until| *until > now);
+                if now >= orphans.next {
+                    orphans.next = now + orphans.interval;
+                    // Engine leases that no entry of this node owns: nobody
+                    // here will ever give them back.
+                    if let Some(kvm) = &kv {
+                        let owned: BTreeSet<RequestId> = active
+                            .values()
+                            .map(|r| r.id)
+                            .chain(importing.values().map(|e| e.reservation))
+                            .chain(prefills.values().map(|(id, _, _)| *id))
+                            .chain(import_tasks.iter().copied())
+                            .collect();
+                        let holders = kvm.kv_holders().await;
+                        let mut still = BTreeSet::new();
+                        for id in holders.into_iter().filter(|id| !owned.contains(id)) {
+                            if orphans.unowned.contains(&id) && kvm.drop_orphan(id).await {
+                                orphans.found += 1;
+                                orphan(&opts, &format!("node {}: engine lease {id} owned by no request here", transport.node()));
+                            } else {
+                                still.insert(id);
+                            }
+                        }
+                        orphans.unowned = still;
+                    }
+                    // Ask each Router about what this node holds for it
+                    // (only what it held at the last look as well).
+                    for &r in &opts.routers {
+                        let held: BTreeSet<u64> = active
+                            .keys()
+                            .filter(|k| k.0 == r)
+                            .map(|k| k.2)
+                            .chain(importing.keys().filter(|k| k.0 == r).map(|k| k.1))
+                            .chain(prefills.keys().filter(|k| k.2 == r).map(|k| k.3))
+                            .collect();
+                        let before = orphans.held.insert(r, held.clone()).unwrap_or_default();
+                        let ask: Vec<u64> = held.intersection(&before).copied().collect();
+                        if !ask.is_empty() {
+                            let _ = transport.send(r, 0, Message::Holding { reqs: ask });
+                        }
+                    }
+                }
                 let silent: Vec<NodeId> = routers
                     .iter()
                     .filter(|(_, (_, heard))| now.duration_since(*heard) > opts.down_after)
@@ -480,6 +621,7 @@ pub async fn run_worker(
                             drop_import(*k, e);
                             let _ = out_tx.send(Out {
                                 key: (k.0, e.epoch, k.1),
+                                attempt: e.submit.attempt,
                                 index: 0,
                                 event: EngineEvent::Failed(EngineFailure::RouterLost(why.clone())),
                             });
@@ -502,7 +644,7 @@ pub async fn run_worker(
                     let e = importing.remove(&k).expect("listed above");
                     drop_import(k, &e);
                     let ms = opts.reservation_ttl.as_millis();
-                    fail(k.0, e.epoch, k.1, format!("no KV from prefill node {} within {ms} ms", e.prefill));
+                    fail(k.0, e.epoch, k.1, e.submit.attempt, format!("no KV from prefill node {} within {ms} ms", e.prefill));
                 }
             }
         }
@@ -817,15 +959,58 @@ enum Stop {
     RouterSilent(String),
 }
 
-fn cancel_where(
-    active: &mut BTreeMap<Key, oneshot::Sender<Stop>>,
-    f: impl Fn(&Key) -> bool,
-    why: Stop,
-) {
+/// A request running here for a Router: its engine id and how to stop it.
+struct Running {
+    id: RequestId,
+    /// The placement (`SubmitMsg::attempt`).
+    attempt: u32,
+    stop: oneshot::Sender<Stop>,
+}
+
+fn cancel_where(active: &mut BTreeMap<Key, Running>, f: impl Fn(&Key) -> bool, why: Stop) {
     let keys: Vec<Key> = active.keys().filter(|k| f(k)).copied().collect();
     for k in keys {
         if let Some(c) = active.remove(&k) {
-            let _ = c.send(why.clone());
+            let _ = c.stop.send(why.clone());
+        }
+    }
+}
+
+/// Reports an orphaned lease that was given back.
+fn orphan(opts: &WorkerOptions, what: &str) {
+    tracing::warn!("orphaned lease given back: {what}");
+    if let Some(h) = &opts.on_orphan {
+        (h.0)(what);
+    }
+}
+
+/// Orphan hunting state: what was suspect at the last look. A lease is
+/// an orphan only if it is suspect at two looks in a row, a reconcile
+/// interval apart, so requests in the middle of being set up or torn
+/// down (a reply in flight, an ack on its way) are never taken for one.
+struct Orphans {
+    interval: Duration,
+    next: Instant,
+    /// Engine ids that none of this node's entries owned at the last look.
+    unowned: BTreeSet<RequestId>,
+    /// Per Router: request ids held at the last look (only those are
+    /// sent in `Holding`, so every one named is at least an interval old).
+    held: BTreeMap<NodeId, BTreeSet<u64>>,
+    /// Per Router: request ids its last `Unknown` named.
+    unknown: BTreeMap<NodeId, BTreeSet<u64>>,
+    /// Requests given back as orphans since start.
+    found: u64,
+}
+
+impl Orphans {
+    fn new(interval: Duration) -> Orphans {
+        Orphans {
+            interval,
+            next: Instant::now() + interval,
+            unowned: BTreeSet::new(),
+            held: BTreeMap::new(),
+            unknown: BTreeMap::new(),
+            found: 0,
         }
     }
 }
@@ -834,10 +1019,11 @@ fn cancel_where(
 /// cancelled; dropping the stream tells the engine to free it.
 async fn forward(
     key: Key,
+    attempt: u32,
     mut stream: RequestStream,
     mut cancel: oneshot::Receiver<Stop>,
     out: mpsc::UnboundedSender<Out>,
-    done: mpsc::UnboundedSender<Key>,
+    done: mpsc::UnboundedSender<(Key, u32)>,
 ) {
     let mut index = 0;
     loop {
@@ -849,7 +1035,7 @@ async fn forward(
                     EngineEvent::Failed(EngineFailure::Internal("the engine dropped the request".into()))
                 });
                 let terminal = !matches!(event, EngineEvent::Token(_));
-                let _ = out.send(Out { key, index, event });
+                let _ = out.send(Out { key, attempt, index, event });
                 index += 1;
                 if terminal {
                     break;
@@ -860,7 +1046,7 @@ async fn forward(
                     Ok(Stop::StopString) => stream.ended_by_stop_string(),
                     Ok(Stop::RouterSilent(why)) => {
                         let event = EngineEvent::Failed(EngineFailure::RouterLost(why));
-                        let _ = out.send(Out { key, index, event });
+                        let _ = out.send(Out { key, attempt, index, event });
                     }
                     Ok(Stop::Cancel) | Err(_) => {}
                 }
@@ -869,7 +1055,7 @@ async fn forward(
         }
     }
     drop(stream);
-    let _ = done.send(key);
+    let _ = done.send((key, attempt));
 }
 
 /// Coalesces events: whatever is waiting when the first arrives (one
@@ -887,10 +1073,11 @@ async fn send_events(
         while let Some(o) = next.take() {
             let (router, _, req) = o.key;
             let (batch, size) = per_router.entry(router).or_default();
-            let reuse = matches!(batch.last(), Some(r) if r.req == req && r.end.is_none());
+            let reuse = matches!(batch.last(), Some(r) if r.req == req && r.attempt == o.attempt && r.end.is_none());
             if !reuse {
                 batch.push(ReqEvents {
                     req,
+                    attempt: o.attempt,
                     first: o.index,
                     tokens: Vec::new(),
                     end: None,

@@ -259,6 +259,7 @@ pub fn run(args: NodeArgs) -> Result<()> {
                     .map(|t| cfg.tiers[t.tier].priority)
                     .collect(),
                 transfers_max: cl.kv_transfers_max,
+                reconcile_interval: cl.down_after(),
                 ..WorkerOptions::new(vec![cl.router().0], node.role)
             };
             let transport: Arc<dyn Transport> = t.clone();

@@ -245,6 +245,9 @@ pub struct NodeStatus {
     pub routed: u64,
     /// Times it was marked down.
     pub downs: u64,
+    /// Requests whose leases it gave back as orphans (held for requests
+    /// no longer alive anywhere); should stay 0.
+    pub kv_orphans: u64,
 }
 
 /// The events of one accepted request. Dropping it cancels the request: the
@@ -394,4 +397,10 @@ pub trait KvMigration: Send + Sync + 'static {
     ) -> BoxFuture<Result<RequestStream, Rejection>>;
     /// Gives back a reservation not imported; false if there was none.
     fn cancel_reservation(&self, reservation: RequestId) -> BoxFuture<bool>;
+    /// Every id that holds KV or a seat here (requests, held prefills,
+    /// reservations), for finding orphans.
+    fn kv_holders(&self) -> BoxFuture<Vec<RequestId>>;
+    /// Gives back what `id` holds because nobody owns it any more; false
+    /// if it held nothing (or its import is being written).
+    fn drop_orphan(&self, id: RequestId) -> BoxFuture<bool>;
 }

@@ -116,11 +116,15 @@ pub enum Kind {
     PrefillCancel = 13,
     /// [`Message::PrefillAbandon`].
     PrefillAbandon = 14,
+    /// [`Message::Holding`].
+    Holding = 15,
+    /// [`Message::Unknown`].
+    Unknown = 16,
 }
 
 impl Kind {
     /// Every kind, in number order.
-    pub const ALL: [Kind; 14] = [
+    pub const ALL: [Kind; 16] = [
         Kind::Heartbeat,
         Kind::Submit,
         Kind::Admitted,
@@ -135,6 +139,8 @@ impl Kind {
         Kind::KvAck,
         Kind::PrefillCancel,
         Kind::PrefillAbandon,
+        Kind::Holding,
+        Kind::Unknown,
     ];
 
     /// The kind numbered `n`, if any.
@@ -149,7 +155,10 @@ impl Kind {
     pub fn may_send(self, role: Role) -> bool {
         match self {
             Kind::Heartbeat | Kind::Ping | Kind::Pong => true,
-            Kind::Submit | Kind::Cancel | Kind::PrefillAbandon => role == Role::Router,
+            Kind::Submit | Kind::Cancel | Kind::PrefillAbandon | Kind::Unknown => {
+                role == Role::Router
+            }
+            Kind::Holding => role.runs_engine(),
             Kind::Admitted | Kind::Refused | Kind::Events => role.runs_engine(),
             Kind::KvBlocks => matches!(role, Role::Prefill | Role::Decode | Role::Worker),
             Kind::Prefill | Kind::KvAck | Kind::PrefillCancel => role == Role::Decode,
@@ -321,6 +330,9 @@ pub enum Message {
         req: u64,
         /// The Router ended it at a stop string: finish, not cancel.
         stop_string: bool,
+        /// Cancels this placement and earlier ones, not a later re-run
+        /// (`u32::MAX`: whatever runs).
+        attempt: u32,
     },
     /// Latency probe (benchmarks and tests); answered by `Pong`.
     Ping {
@@ -368,6 +380,8 @@ pub enum Message {
         router: u32,
         /// Router's request id.
         req: u64,
+        /// The placement it was asked for, and earlier ones.
+        attempt: u32,
     },
     /// Router -> prefill: the decode node that asked for this prefill is
     /// lost (dead, restarted, or cut off past the down bound), so no ack
@@ -381,6 +395,20 @@ pub enum Message {
         decode_epoch: u64,
         /// Router's request id.
         req: u64,
+    },
+    /// Engine node -> Router: the Router's requests this node has held
+    /// KV (or a seat) for since at least one reconcile period ago. The
+    /// Router answers with the ones it no longer has here.
+    Holding {
+        /// Router's request ids.
+        reqs: Vec<u64>,
+    },
+    /// Router -> engine node: of a `Holding` list, the requests the Router
+    /// does not have on that node (it ended or moved them). Named twice in
+    /// a row, a request is an orphan there and its lease goes back.
+    Unknown {
+        /// Router's request ids.
+        reqs: Vec<u64>,
     },
 }
 
@@ -402,6 +430,8 @@ impl Message {
             Message::KvAck { .. } => Kind::KvAck,
             Message::PrefillCancel { .. } => Kind::PrefillCancel,
             Message::PrefillAbandon { .. } => Kind::PrefillAbandon,
+            Message::Holding { .. } => Kind::Holding,
+            Message::Unknown { .. } => Kind::Unknown,
         }
     }
 }
@@ -429,6 +459,9 @@ pub struct LoadReport {
     pub kv_held: u32,
     /// Of `kv_used`: blocks reserved for an import.
     pub kv_reserved: u32,
+    /// Requests whose leases this node gave back as orphans since it
+    /// started (a leak it found and healed; should stay 0).
+    pub kv_orphans: u64,
     /// Preemptions since start.
     pub preemptions: u64,
     /// Per-tier queue and running counts.
@@ -459,6 +492,7 @@ impl From<&EngineStatus> for LoadReport {
             kv_cached: s.kv.cached,
             kv_held: s.kv.held,
             kv_reserved: s.kv.reserved,
+            kv_orphans: 0,
             preemptions: s.preemptions,
             tiers: s
                 .tiers
@@ -532,6 +566,10 @@ pub struct SubmitMsg {
     /// Node that computes the prompt (disaggregated serving); `None`: the
     /// receiving node runs the whole request.
     pub prefill: Option<u32>,
+    /// Which placement of the request this is (0, then one more per
+    /// re-run): a node tells a re-run placed on it again from a duplicate,
+    /// and a late `Cancel` of an earlier placement from one of this.
+    pub attempt: u32,
 }
 
 /// A prefill asked of a prefill node by the decode node that will continue it.
@@ -562,6 +600,7 @@ impl SubmitMsg {
             ignore_eos: r.ignore_eos,
             stop_token_ids: r.stop_token_ids.clone(),
             prefill: None,
+            attempt: 0,
         }
     }
 
@@ -611,6 +650,9 @@ pub struct TopLogprob {
 pub struct ReqEvents {
     /// Router's request id.
     pub req: u64,
+    /// The placement these events are of (`SubmitMsg::attempt`): events of
+    /// an earlier placement are not the current one's.
+    pub attempt: u32,
     /// Index of `tokens[0]` in the request's stream: the Router drops the
     /// tokens it already has (a duplicate) and holds a batch that comes
     /// before the one ahead of it (a reorder) until the gap fills.
@@ -956,6 +998,7 @@ mod tests {
                 kv_cached: 2,
                 kv_held: 3,
                 kv_reserved: 1,
+                kv_orphans: 0,
                 preemptions: 1,
                 tiers: vec![TierLoad {
                     name: "paid".into(),
@@ -975,6 +1018,7 @@ mod tests {
             },
             Message::Events(vec![ReqEvents {
                 req: 7,
+                attempt: 0,
                 first: 3,
                 tokens: vec![WireToken::from(&Sampled {
                     token: 42,
@@ -993,6 +1037,7 @@ mod tests {
             Message::Cancel {
                 req: 7,
                 stop_string: true,
+                attempt: 1,
             },
             Message::Ping {
                 seq: 1,
@@ -1038,6 +1083,7 @@ mod tests {
                     ignore_eos: false,
                     stop_token_ids: vec![],
                     prefill: None,
+                    attempt: 2,
                 },
                 priority: 2,
             }),
@@ -1051,12 +1097,18 @@ mod tests {
                 req: 9,
                 ok: true,
             },
-            Message::PrefillCancel { router: 0, req: 9 },
+            Message::PrefillCancel {
+                router: 0,
+                req: 9,
+                attempt: 0,
+            },
             Message::PrefillAbandon {
                 decode: 3,
                 decode_epoch: 7,
                 req: 9,
             },
+            Message::Holding { reqs: vec![1, 5] },
+            Message::Unknown { reqs: vec![5] },
         ]
     }
 

@@ -79,6 +79,7 @@ fn seeds(r: &mut Rng) -> Vec<Message> {
             ignore_eos: false,
             stop_token_ids: vec![2],
             prefill: Some(2),
+            attempt: 1,
         }),
         Message::Refused {
             req: 1,
@@ -92,6 +93,7 @@ fn seeds(r: &mut Rng) -> Vec<Message> {
             (0..n)
                 .map(|i| ReqEvents {
                     req: i as u64,
+                    attempt: i as u32 % 2,
                     first: i as u32,
                     tokens: (0..i % 3)
                         .map(|t| WireToken {
@@ -122,6 +124,7 @@ fn seeds(r: &mut Rng) -> Vec<Message> {
         Message::Cancel {
             req: 3,
             stop_string: false,
+            attempt: 0,
         },
         Message::Ping {
             seq: 1,

@@ -199,6 +199,38 @@ impl Scheduler {
         Ok(())
     }
 
+    /// Every id this engine keeps KV (or a seat) for: requests queued or
+    /// running, finished prefills held for export, reservations. Whoever
+    /// drives the engine compares it with what it knows of, to find
+    /// leases no one will ever give back (orphans).
+    pub fn kv_holders(&self) -> Vec<RequestId> {
+        let mut ids: Vec<RequestId> = self
+            .seqs
+            .keys()
+            .chain(self.held.keys())
+            .chain(self.reservations.keys())
+            .copied()
+            .collect();
+        ids.sort_unstable();
+        ids
+    }
+
+    /// Gives back whatever `id` holds (its owner is gone): held blocks, a
+    /// reservation not being written, or a request (cancelled). False if
+    /// it holds nothing, or its reservation is being written now (the
+    /// import ends it).
+    pub fn drop_orphan(&mut self, now: Duration, id: RequestId) -> bool {
+        if self.release_held(id) {
+            return true;
+        }
+        match self.reservations.get(&id) {
+            Some(r) if r.deadline.is_none() => return false,
+            Some(_) => return self.cancel_reservation(id),
+            None => {}
+        }
+        self.cancel(now, id)
+    }
+
     /// Gives back a reservation not yet imported (or whose import failed);
     /// false if there is none.
     pub fn cancel_reservation(&mut self, id: RequestId) -> bool {

@@ -199,3 +199,126 @@ impl ChaosSection {
         out
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn pd(chaos: &str) -> Scenario {
+        Scenario::parse(&format!(
+            r#"
+[run]
+duration_s = 30.0
+[model]
+preset = "llama3-8b"
+[gpu]
+preset = "a100"
+[cluster]
+engines = 0
+prefill = 2
+decode = 2
+[[tiers]]
+name = "paid"
+[[tenants]]
+name = "app"
+tier = "paid"
+arrivals = {{ kind = "poisson", rate_per_s = 1.0 }}
+prompt = {{ kind = "fixed", tokens = 64 }}
+output = {{ kind = "fixed", tokens = 8 }}
+[chaos]
+{chaos}
+"#
+        ))
+        .unwrap()
+    }
+
+    fn draw(sc: &Scenario, seed: u64) -> Vec<FaultSection> {
+        sc.chaos.as_ref().unwrap().draw(sc, &mut Rng::new(seed))
+    }
+
+    #[test]
+    fn a_seed_draws_the_same_faults_and_another_seed_others() {
+        let sc = pd("crashes = 3\npartitions = 3\nclogs = 3");
+        let key = |f: &[FaultSection]| format!("{f:?}");
+        assert_eq!(key(&draw(&sc, 5)), key(&draw(&sc, 5)));
+        assert_ne!(key(&draw(&sc, 5)), key(&draw(&sc, 6)));
+    }
+
+    #[test]
+    fn crashes_never_take_the_last_live_node_of_a_role() {
+        // Many crashes, no restarts: only one node of each role may die.
+        let sc = pd("crashes = 20\nrestart_fraction = 0.0");
+        for seed in 0..50 {
+            let f = draw(&sc, seed);
+            let crashed: Vec<u32> = f
+                .iter()
+                .filter_map(|x| match x.kind {
+                    FaultKind::Crash { node } => Some(node),
+                    _ => None,
+                })
+                .collect();
+            assert_eq!(crashed.len(), 2, "seed {seed}: {f:?}");
+            let roles: std::collections::BTreeSet<_> =
+                crashed.iter().map(|&n| sc.role_of(n)).collect();
+            assert_eq!(roles.len(), 2, "seed {seed}: two of one role died: {f:?}");
+        }
+    }
+
+    #[test]
+    fn windows_of_a_kind_do_not_overlap_and_lie_in_the_run() {
+        let sc = pd("partitions = 10\nclogs = 10\ncrashes = 4");
+        for seed in 0..50 {
+            let f = draw(&sc, seed);
+            assert!(f.windows(2).all(|w| w[0].at_s <= w[1].at_s));
+            let mut open_p = false;
+            let mut open_c = false;
+            let (mut np, mut nc) = (0, 0);
+            for x in &f {
+                assert!(x.at_s >= 1.0, "{x:?} before from_s");
+                match x.kind {
+                    FaultKind::Partition { a, b, .. } | FaultKind::Clog { a, b } => {
+                        assert_ne!(a, b);
+                        // Only links that carry traffic: one end the
+                        // Router, or a prefill and a decode node.
+                        let (ra, rb) = (sc.role_of(a), sc.role_of(b));
+                        assert!(a == 0 || b == 0 || ra != rb, "{x:?}");
+                        let open = if matches!(x.kind, FaultKind::Clog { .. }) {
+                            nc += 1;
+                            &mut open_c
+                        } else {
+                            np += 1;
+                            &mut open_p
+                        };
+                        assert!(!*open, "seed {seed}: overlapping windows {f:?}");
+                        *open = true;
+                    }
+                    FaultKind::Heal => open_p = false,
+                    FaultKind::Unclog => open_c = false,
+                    _ => {}
+                }
+            }
+            assert_eq!((np, nc), (10, 10));
+        }
+    }
+
+    #[test]
+    fn bad_chaos_sections_are_refused() {
+        for (bad, why) in [
+            ("crashes = 65", "at most 64"),
+            ("restart_fraction = 1.5", "within 0..=1"),
+            ("clog_s = [2.0, 1.0]", "min <= max"),
+            ("partition_s = [0.0, 1.0]", "0 < min"),
+            ("from_s = 40.0", "from_s < until_s"),
+        ] {
+            let text = format!(
+                "[run]\nduration_s = 30.0\n[model]\npreset = \"llama3-8b\"\n[gpu]\npreset = \"a100\"\n\
+                 [[tiers]]\nname = \"paid\"\n[[tenants]]\nname = \"app\"\ntier = \"paid\"\n\
+                 arrivals = {{ kind = \"poisson\", rate_per_s = 1.0 }}\n\
+                 prompt = {{ kind = \"fixed\", tokens = 64 }}\noutput = {{ kind = \"fixed\", tokens = 8 }}\n\
+                 [chaos]\n{bad}\n"
+            );
+            let e = Scenario::parse(&text).unwrap_err().to_string();
+            assert!(e.contains(why), "{bad}: {e}");
+        }
+    }
+}

@@ -13,7 +13,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use flotilla_actors::{Clock, EngineOptions, InvariantHook, LocalEngine, spawn_engine};
-use flotilla_cluster::{ClusterEngine, RouterOptions, WorkerOptions, run_worker};
+use flotilla_cluster::{ClusterEngine, OrphanHook, RouterOptions, WorkerOptions, run_worker};
 use flotilla_model::Executor;
 use flotilla_proto::{
     Engine, EngineEvent, EngineFailure, EngineRequest, FinishReason, Rejection, Role,
@@ -90,6 +90,9 @@ pub struct Report {
     pub preemptions: u64,
     /// Faults that fired.
     pub faults: FaultCounts,
+    /// Orphaned leases the nodes found and gave back, all within a fault
+    /// (a lease orphaned while the cluster was quiet breaks the run).
+    pub orphans: u64,
     /// Events in the trace.
     pub events: u64,
     /// FNV-1a hash of the trace.
@@ -160,6 +163,13 @@ impl std::fmt::Display for Report {
             x.crashes,
             x.restarts
         )?;
+        if self.orphans > 0 {
+            writeln!(
+                f,
+                "orphaned leases given back during faults: {}",
+                self.orphans
+            )?;
+        }
         if x.transfers > 0 {
             writeln!(
                 f,
@@ -269,6 +279,10 @@ struct World {
     /// Times some link was cut (partition or clog) and when it was
     /// restored, since the run's start.
     cuts: Mutex<Cuts>,
+    /// When the last fault (of any kind) began or ended, since the start.
+    last_fault: Mutex<Duration>,
+    /// Orphaned leases given back within a fault's reach.
+    orphans: Mutex<u64>,
 }
 
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
@@ -370,6 +384,8 @@ async fn simulate(sc: &Scenario, seed: u64) -> Result<Report, SimError> {
         rng: root,
         decodes: Arc::new(DecodeLog::default()),
         cuts: Mutex::new(Cuts::default()),
+        last_fault: Mutex::new(Duration::ZERO),
+        orphans: Mutex::new(0),
     });
     for i in 1..=n as u32 {
         start_engine(&world, i, 1).await?;
@@ -511,6 +527,7 @@ async fn simulate(sc: &Scenario, seed: u64) -> Result<Report, SimError> {
         kv_util: kv_sum / kv_n.max(1) as f64,
         preemptions,
         faults,
+        orphans: *lock(&world.orphans),
         events: trace.events,
         trace_hash: trace.hash,
     })
@@ -570,6 +587,8 @@ async fn start_engine(w: &Arc<World>, node: u32, life: u64) -> Result<(), SimErr
             .map(|t| w.sched.tiers[usize::from(t.tier.0)].priority)
             .collect(),
         transfers_max: w.sc.cluster.kv_transfers_max,
+        reconcile_interval: hb * w.sc.cluster.down_after_missed,
+        on_orphan: Some(orphan_hook(w, hb)),
         ..WorkerOptions::new(vec![0], role)
     };
     let (t, rx) = w.net.join(node, (u64::from(node) << 32) | life);
@@ -586,8 +605,35 @@ async fn start_engine(w: &Arc<World>, node: u32, life: u64) -> Result<(), SimErr
     Ok(())
 }
 
+/// An orphaned lease is expected only within a fault's reach: while a
+/// link is cut, or soon after any fault (the orphan hunt needs two looks
+/// and the Router its down bound). Outside that, it is a leak.
+fn orphan_hook(w: &Arc<World>, hb: Duration) -> OrphanHook {
+    let reach = hb * w.sc.cluster.down_after_missed * 6;
+    let weak = Arc::downgrade(w);
+    OrphanHook(Arc::new(move |what: &str| {
+        let Some(w) = weak.upgrade() else {
+            return;
+        };
+        let now = Instant::now().saturating_duration_since(w.t0);
+        let cut = {
+            let c = lock(&w.cuts);
+            c.partitioned || c.clogged
+        };
+        if cut || now.saturating_sub(*lock(&w.last_fault)) <= reach {
+            *lock(&w.orphans) += 1;
+        } else {
+            lock(&w.trace).violate(format!(
+                "an orphaned lease while the cluster was quiet (no fault for {} ms): {what}",
+                reach.as_millis()
+            ));
+        }
+    }))
+}
+
 async fn apply_fault(w: &Arc<World>, f: &FaultKind) {
     tracing::info!("fault: {f:?}");
+    *lock(&w.last_fault) = Instant::now().saturating_duration_since(w.t0);
     match *f {
         FaultKind::Crash { node } => {
             w.net.crash(node);

@@ -114,6 +114,7 @@ fn submit(req: u64) -> Message {
         ignore_eos: false,
         stop_token_ids: vec![],
         prefill: None,
+        attempt: 0,
     })
 }
 
