@@ -32,7 +32,7 @@ o = sys.argv[1]
 b = json.load(open(f"{o}/leaks.json")); r = json.load(open(f"{o}/leaks-ready.json"))
 e = dict(b["errors"]); dropped = e.pop("dropped", 0)
 print(f"requests: {b['requests_ok']} ok, {dropped} dropped by the client mid-stream, other failures {e or 'none'}")
-print("nodes:", ", ".join(f"{n['name']} up={n['up']} routed={n['routed']}" for n in r["nodes"]))
+print("nodes:", ", ".join(f"{n['name']} up={n['up']} routed={n['routed']} orphans={n.get('kv_orphans', 0)}" for n in r["nodes"]))
 import re
 log = [re.sub(r"\x1b\[[0-9;]*m", "", l) for l in open(f"{o}/leaks.log")]
 print(f"requests re-run after the kill: {sum('re-running it on' in l for l in log)}")

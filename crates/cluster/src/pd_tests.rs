@@ -381,18 +381,27 @@ fn opts(role: Role) -> WorkerOptions {
 }
 
 fn start(net: &Arc<MemNet>, node: NodeId, epoch: u64, role: Role, e: &FakePd) {
+    start_with(net, node, epoch, e, opts(role));
+}
+
+fn start_with(net: &Arc<MemNet>, node: NodeId, epoch: u64, e: &FakePd, o: WorkerOptions) {
     let (t, rx) = net.join(node, epoch);
     let kv: Arc<dyn KvMigration> = Arc::new(e.clone());
-    tokio::spawn(run_worker(t, rx, Arc::new(e.clone()), Some(kv), opts(role)));
+    tokio::spawn(run_worker(t, rx, Arc::new(e.clone()), Some(kv), o));
 }
 
 /// Router at node 0, then one node per role, each with a 1000-block cache.
 async fn rig(roles: &[Role]) -> Rig {
+    rig_with(roles, |o| o).await
+}
+
+/// [`rig`] with the nodes' options changed by `f`.
+async fn rig_with(roles: &[Role], f: impl Fn(WorkerOptions) -> WorkerOptions) -> Rig {
     let net = MemNet::new(roles.len() + 1);
     let router = start_router(&net, roles, BS as usize, HB, DOWN);
     let engines: Vec<FakePd> = roles.iter().map(|_| FakePd::new(1000)).collect();
     for (i, r) in roles.iter().enumerate() {
-        start(&net, i as NodeId + 1, 1, *r, &engines[i]);
+        start_with(&net, i as NodeId + 1, 1, &engines[i], f(opts(*r)));
     }
     wait_up(&router, roles.len()).await;
     Rig {
@@ -583,6 +592,76 @@ async fn a_decode_node_that_dies_mid_transfer_frees_the_prefill_side() {
     for i in [0, alive] {
         until("blocks back", || r.engines[i].used() == 0).await;
     }
+}
+
+#[tokio::test]
+async fn a_decode_node_lost_after_its_kv_arrived_frees_the_prefill_side_at_once() {
+    // Holds that would last a minute: only the Router's abandon frees
+    // them within the test's wait.
+    let long = |o: WorkerOptions| WorkerOptions {
+        hold_ttl: Duration::from_secs(60),
+        ..o
+    };
+    let r = rig_with(&[Role::Prefill, Role::Decode, Role::Decode], long).await;
+    // The KV reaches a decode node, which dies writing it: no ack ever.
+    r.engines[1].0.import_ms.store(5_000, Ordering::SeqCst);
+    r.engines[2].0.import_ms.store(5_000, Ordering::SeqCst);
+    let q = req(16, 6, 7);
+    let s = r.router.submit(q.clone()).await.unwrap();
+    until("the export", || {
+        r.engines[0].0.exports.load(Ordering::SeqCst) == 1
+    })
+    .await;
+    let (dead, alive) = if r.engines[1].used() > 0 {
+        (1, 2)
+    } else {
+        (2, 1)
+    };
+    r.engines[alive].0.import_ms.store(0, Ordering::SeqCst);
+    r.net.kill(dead as NodeId + 1);
+    let (toks, end) = drain(s).await;
+    assert_eq!(toks, expected(&q));
+    assert!(matches!(end, EngineEvent::Finished { .. }));
+    // Both prefills (the first for the dead node, the re-run's) are back
+    // within ~2 s, not after the 60 s hold.
+    assert_eq!(r.engines[0].0.exports.load(Ordering::SeqCst), 2);
+    for i in [0, alive] {
+        until("blocks back", || r.engines[i].used() == 0).await;
+    }
+}
+
+#[tokio::test]
+async fn a_lease_no_request_owns_is_found_and_given_back() {
+    let quick = |o: WorkerOptions| WorkerOptions {
+        reconcile_interval: HB * 2,
+        ..o
+    };
+    let r = rig_with(&[Role::Prefill, Role::Decode], quick).await;
+    // A request served normally leaves nothing behind ...
+    let q = req(12, 4, 3);
+    let (toks, _) = drain(r.router.submit(q.clone()).await.unwrap()).await;
+    assert_eq!(toks, expected(&q));
+    all_blocks_back(&r).await;
+    // ... then a reservation that no request of the node knows (a leak).
+    let d = &r.engines[1];
+    d.take(5).unwrap();
+    d.0.slots.lock().unwrap().insert(999, Slot::Reserved(5));
+    assert_eq!(d.used(), 5);
+    until("the orphan given back", || d.used() == 0).await;
+    assert_eq!(d.0.orphans_dropped.load(Ordering::SeqCst), 1);
+    assert_eq!(r.engines[0].0.orphans_dropped.load(Ordering::SeqCst), 0);
+    // The decode node says so in its load report, shown in /ready.
+    for _ in 0..400 {
+        let s = r.router.status().await;
+        if s.nodes
+            .iter()
+            .any(|n| n.name == "decode-2" && n.kv_orphans == 1)
+        {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    panic!("the Router never showed decode-2's orphan");
 }
 
 #[tokio::test]

@@ -89,6 +89,9 @@ pub struct FaultCounts {
     pub crashes: u64,
     /// Nodes restarted.
     pub restarts: u64,
+    /// Control messages sent (copies included): how many chances the
+    /// per-message faults had.
+    pub messages: u64,
     /// KV transfers started (not a fault: counted with them for the report).
     pub transfers: u64,
     /// Their modelled bytes.
@@ -304,6 +307,7 @@ impl Transport for SimTransport {
             1
         };
         let now = Instant::now();
+        st.faults.messages += copies;
         for _ in 0..copies {
             let lat = cfg.latency_us + st.rng.range(0, cfg.jitter_us);
             let mut at = now + Duration::from_micros(lat);

@@ -758,12 +758,16 @@ fn check_single_dispatch(w: &World) {
 fn unfired(sc: &Scenario, f: &FaultCounts) -> Option<String> {
     let mut missing = Vec::new();
     let net = &sc.network;
-    for (on, fired, name) in [
-        (net.loss > 0.0, f.lost, "loss"),
-        (net.duplicate > 0.0, f.duplicated, "duplicate"),
-        (net.reorder > 0.0, f.reordered, "reorder"),
+    for (rate, fired, name) in [
+        (net.loss, f.lost, "loss"),
+        (net.duplicate, f.duplicated, "duplicate"),
+        (net.reorder, f.reordered, "reorder"),
     ] {
-        if on && fired == 0 {
+        // A per-message fault may miss a short run by chance: only a run
+        // where it was expected at least 21 times (never firing has odds
+        // under 1e-9) must have seen it. Swarms check the rest in total.
+        let expected = rate * f.messages as f64;
+        if expected >= 21.0 && fired == 0 {
             missing.push(name);
         }
     }

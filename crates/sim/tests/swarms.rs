@@ -97,6 +97,10 @@ fn every_seed_that_ever_failed_holds() {
         // A decode node died after its KV arrived and before it acked:
         // the prefill node held the blocks to the 30 s hold deadline.
         ("pd-fault-storm.toml", &[4, 11, 35, 38, 45, 91]),
+        // Not a cluster bug: loss at 1e-3 per message did not fire in a
+        // run where it was expected ~10 times, and the per-seed "enabled
+        // fault never fired" check called that a failure.
+        ("pd-fault-storm.toml", &[748]),
         // An engine dropped a Router's requests when only Router -> engine
         // was cut, and the Router waited for them forever.
         ("chaos-storm.toml", &[2, 12, 15, 18, 21]),
