@@ -380,7 +380,7 @@ pub async fn run_worker(
                         if active.get(&(from, epoch, req)).is_some_and(|r| r.attempt <= attempt)
                             && let Some(c) = active.remove(&(from, epoch, req))
                         {
-                            let _ = c.stop.send(if stop_string { Stop::StopString } else { Stop::Cancel });
+                            let _ = c.stop.send(if stop_string { Stop::Finished } else { Stop::Cancel });
                         }
                         if importing.get(&(from, req)).is_some_and(|e| e.submit.attempt <= attempt)
                             && let Some(e) = importing.remove(&(from, req))
@@ -953,7 +953,7 @@ enum Stop {
     /// Its Router cancelled it (or is gone for good).
     Cancel,
     /// Its Router matched a stop string: it finished.
-    StopString,
+    Finished,
     /// Its Router is silent past the down bound: dropped here, and the
     /// Router is told (its messages may still reach it).
     RouterSilent(String),
@@ -1043,7 +1043,7 @@ async fn forward(
             }
             c = &mut cancel => {
                 match c {
-                    Ok(Stop::StopString) => stream.ended_by_stop_string(),
+                    Ok(Stop::Finished) => stream.ended_by_stop_string(),
                     Ok(Stop::RouterSilent(why)) => {
                         let event = EngineEvent::Failed(EngineFailure::RouterLost(why));
                         let _ = out.send(Out { key, attempt, index, event });

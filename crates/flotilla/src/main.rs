@@ -289,7 +289,7 @@ fn simulate(
             ),
             Ok(_) => {}
         }
-        if n % 100 == 0 {
+        if n.is_multiple_of(100) {
             eprintln!("{n}/{seeds} seeds run");
         }
     });

@@ -325,7 +325,8 @@ async fn health_ready_metrics_models() {
     );
     assert_eq!(
         v["kv_blocks"],
-        json!({"total": 100, "used": 30, "free": 60, "cached": 10})
+        json!({"total": 100, "used": 30, "free": 60, "cached": 10,
+               "held_for_transfer": 4, "reserved_for_import": 2})
     );
     assert_eq!(v["preemptions"], 2);
     s.fake.ready.store(false, Ordering::SeqCst);

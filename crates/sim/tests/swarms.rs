@@ -16,7 +16,7 @@ fn jobs() -> usize {
 
 /// Seeds per scenario in CI: enough to find what two seeds missed (the
 /// P/D leak broke 6 of 100), small enough for a few minutes in all.
-const CI_SEEDS: u64 = 64;
+const CI_SEEDS: u64 = 128;
 
 fn assert_no_failures(name: &str, s: &SwarmReport) {
     let failed: Vec<String> = s

@@ -178,7 +178,8 @@ impl Engine for Fake {
                     free: 60,
                     used: 30,
                     cached: 10,
-                    ..KvUsage::default()
+                    held: 4,
+                    reserved: 2,
                 },
                 preemptions: 2,
                 nodes: vec![],
