@@ -4,7 +4,6 @@
 
 pub mod chat;
 pub mod cpu;
-pub mod executor;
 pub mod generate;
 pub mod gguf;
 pub mod hub;
@@ -19,7 +18,9 @@ pub mod testutil;
 pub mod tokenizer;
 
 pub use cpu::{CpuConfig, CpuExecutor, LoadError};
-pub use executor::{
+/// The executor seam lives in `flotilla-exec`; its paths stay valid here.
+pub use flotilla_exec::executor;
+pub use flotilla_exec::{
     BatchLimits, ExecError, Executor, KvDtype, KvSpec, ModelSpec, OutputKind, SeqInput, SeqOutput,
     StepOutputs, validate_batch,
 };

@@ -9,7 +9,7 @@ use std::fmt;
 use std::future::Future;
 use std::pin::Pin;
 
-pub use flotilla_model::{Sampled, SamplingParams};
+pub use flotilla_exec::{Sampled, SamplingParams};
 use tokio::sync::mpsc;
 
 pub mod role;

@@ -5,8 +5,8 @@
 use std::cmp::Reverse;
 use std::time::Duration;
 
+use flotilla_exec::{OutputKind, SeqInput};
 use flotilla_kv::{AllocError, Owner};
-use flotilla_model::{OutputKind, SeqInput};
 use flotilla_proto::{EngineFailure, RequestId, SamplingParams, TierId};
 
 use crate::seq::Seq;

@@ -1,0 +1,14 @@
+//! The executor seam: the one interface between the GpuWorker actor and a
+//! backend (the CPU forward pass, the CUDA executor, the simulator's cost
+//! model), and the sampling types that cross it. No heavy dependency, so
+//! that the messages (`proto`) and the pure scheduler (`sched`) build
+//! without tokenizers, templates, an HTTP client or archive readers.
+
+pub mod executor;
+pub mod sampling;
+
+pub use executor::{
+    BatchLimits, ExecError, Executor, KvDtype, KvSpec, ModelSpec, OutputKind, SeqInput, SeqOutput,
+    StepOutputs, validate_batch,
+};
+pub use sampling::{MAX_TOP_LOGPROBS, Sampled, SamplingParams};
