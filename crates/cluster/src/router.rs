@@ -29,7 +29,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use flotilla_proto::wire::{LoadReport, Message, ReqEvents, SubmitMsg};
+use flotilla_proto::wire::{Held, LoadReport, Message, ReqEvents, SubmitMsg};
 use flotilla_proto::wire::{WireEnd, WireFailure};
 use flotilla_proto::{
     BoxFuture, Engine, EngineEvent, EngineFailure, EngineRequest, EngineStatus, KvUsage,
@@ -447,21 +447,21 @@ impl Inner {
         view.up = true;
         match msg {
             Message::Heartbeat(load) => st.workers[w].load = load,
-            Message::Holding { reqs } => {
-                // Requests it still holds that we no longer run there: we
-                // ended them, or moved them while it was cut off.
-                let unknown: Vec<u64> = reqs
-                    .into_iter()
-                    .filter(|r| {
-                        !st.pending
-                            .get(r)
-                            .is_some_and(|p| p.worker == w || p.paired_prefill == Some(w))
+            Message::Holding { held } => {
+                // What it still holds that we no longer run there (we ended
+                // or moved it while it was cut off), or prefill KV kept for
+                // a decode node that no longer has the request.
+                let known = |h: &Held| {
+                    st.pending.get(&h.req).is_some_and(|p| match h.for_decode {
+                        None => p.worker == w,
+                        Some(d) => p.paired_prefill == Some(w) && st.workers[p.worker].node == d,
                     })
-                    .collect();
+                };
+                let unknown: Vec<Held> = held.into_iter().filter(|h| !known(h)).collect();
                 if !unknown.is_empty() {
                     let _ = self
                         .transport
-                        .send(from, 0, Message::Unknown { reqs: unknown });
+                        .send(from, 0, Message::Unknown { held: unknown });
                 }
             }
             Message::Admitted { req } => {

@@ -16,7 +16,7 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use flotilla_proto::wire::{
-    KvTransferHeader, LoadReport, Message, PrefillMsg, ReqEvents, SubmitMsg, WireEnd,
+    Held, KvTransferHeader, LoadReport, Message, PrefillMsg, ReqEvents, SubmitMsg, WireEnd,
     WireRejection, WireToken,
 };
 use flotilla_proto::{
@@ -476,34 +476,38 @@ pub async fn run_worker(
                             abandoned.insert(key, Instant::now() + opts.hold_ttl);
                         }
                     }
-                    Message::Unknown { reqs } if opts.routers.contains(&from) => {
+                    Message::Unknown { held } if opts.routers.contains(&from) => {
                         // Named twice in a row: nobody will end it but us.
                         let before = orphans.unknown.remove(&from).unwrap_or_default();
                         let mut named = BTreeSet::new();
-                        for req in reqs {
-                            if !before.contains(&req) {
-                                named.insert(req);
+                        for h in held {
+                            if !before.contains(&h) {
+                                named.insert(h);
                                 continue;
                             }
+                            let req = h.req;
                             let mut gave_back = false;
-                            let keys: Vec<Key> = active.keys().filter(|k| k.0 == from && k.2 == req).copied().collect();
-                            for k in keys {
-                                if let Some(c) = active.remove(&k) {
-                                    let _ = c.stop.send(Stop::Cancel);
+                            if let Some(d) = h.for_decode {
+                                for (_, (_, _, tx)) in prefills.iter().filter(|(k, _)| k.0 == d && k.2 == from && k.3 == req) {
+                                    let _ = tx.send(PfCtl::Cancel);
+                                    gave_back = true;
+                                }
+                            } else {
+                                let keys: Vec<Key> = active.keys().filter(|k| k.0 == from && k.2 == req).copied().collect();
+                                for k in keys {
+                                    if let Some(c) = active.remove(&k) {
+                                        let _ = c.stop.send(Stop::Cancel);
+                                        gave_back = true;
+                                    }
+                                }
+                                if let Some(e) = importing.remove(&(from, req)) {
+                                    drop_import((from, req), &e);
                                     gave_back = true;
                                 }
                             }
-                            if let Some(e) = importing.remove(&(from, req)) {
-                                drop_import((from, req), &e);
-                                gave_back = true;
-                            }
-                            for (_, (_, _, tx)) in prefills.iter().filter(|(k, _)| k.2 == from && k.3 == req) {
-                                let _ = tx.send(PfCtl::Cancel);
-                                gave_back = true;
-                            }
                             if gave_back {
                                 orphans.found += 1;
-                                orphan(&opts, &format!("node {}: request {req} of router {from}, which the Router no longer has here", transport.node()));
+                                orphan(&opts, &format!("node {}: {h:?} of router {from}, which the Router no longer has here", transport.node()));
                             }
                         }
                         orphans.unknown.insert(from, named);
@@ -591,17 +595,18 @@ pub async fn run_worker(
                     // Ask each Router about what this node holds for it
                     // (only what it held at the last look as well).
                     for &r in &opts.routers {
-                        let held: BTreeSet<u64> = active
+                        let here = |req| Held { req, for_decode: None };
+                        let held: BTreeSet<Held> = active
                             .keys()
                             .filter(|k| k.0 == r)
-                            .map(|k| k.2)
-                            .chain(importing.keys().filter(|k| k.0 == r).map(|k| k.1))
-                            .chain(prefills.keys().filter(|k| k.2 == r).map(|k| k.3))
+                            .map(|k| here(k.2))
+                            .chain(importing.keys().filter(|k| k.0 == r).map(|k| here(k.1)))
+                            .chain(prefills.keys().filter(|k| k.2 == r).map(|k| Held { req: k.3, for_decode: Some(k.0) }))
                             .collect();
                         let before = orphans.held.insert(r, held.clone()).unwrap_or_default();
-                        let ask: Vec<u64> = held.intersection(&before).copied().collect();
+                        let ask: Vec<Held> = held.intersection(&before).copied().collect();
                         if !ask.is_empty() {
-                            let _ = transport.send(r, 0, Message::Holding { reqs: ask });
+                            let _ = transport.send(r, 0, Message::Holding { held: ask });
                         }
                     }
                 }
@@ -993,11 +998,11 @@ struct Orphans {
     next: Instant,
     /// Engine ids that none of this node's entries owned at the last look.
     unowned: BTreeSet<RequestId>,
-    /// Per Router: request ids held at the last look (only those are
-    /// sent in `Holding`, so every one named is at least an interval old).
-    held: BTreeMap<NodeId, BTreeSet<u64>>,
-    /// Per Router: request ids its last `Unknown` named.
-    unknown: BTreeMap<NodeId, BTreeSet<u64>>,
+    /// Per Router: what was held at the last look (only those are sent
+    /// in `Holding`, so every one named is at least an interval old).
+    held: BTreeMap<NodeId, BTreeSet<Held>>,
+    /// Per Router: what its last `Unknown` named.
+    unknown: BTreeMap<NodeId, BTreeSet<Held>>,
     /// Requests given back as orphans since start.
     found: u64,
 }

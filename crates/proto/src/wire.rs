@@ -400,16 +400,26 @@ pub enum Message {
     /// KV (or a seat) for since at least one reconcile period ago. The
     /// Router answers with the ones it no longer has here.
     Holding {
-        /// Router's request ids.
-        reqs: Vec<u64>,
+        /// What it holds, and for whom.
+        held: Vec<Held>,
     },
     /// Router -> engine node: of a `Holding` list, the requests the Router
     /// does not have on that node (it ended or moved them). Named twice in
     /// a row, a request is an orphan there and its lease goes back.
     Unknown {
-        /// Router's request ids.
-        reqs: Vec<u64>,
+        /// Entries of the `Holding` list the Router does not run there.
+        held: Vec<Held>,
     },
+}
+
+/// One lease an engine node holds for a Router's request.
+#[derive(Archive, Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+pub struct Held {
+    /// Router's request id.
+    pub req: u64,
+    /// `None`: the request runs (or is being imported) on this node.
+    /// `Some(d)`: this prefill node keeps its KV for decode node `d`.
+    pub for_decode: Option<u32>,
 }
 
 impl Message {
@@ -1107,8 +1117,24 @@ mod tests {
                 decode_epoch: 7,
                 req: 9,
             },
-            Message::Holding { reqs: vec![1, 5] },
-            Message::Unknown { reqs: vec![5] },
+            Message::Holding {
+                held: vec![
+                    Held {
+                        req: 1,
+                        for_decode: None,
+                    },
+                    Held {
+                        req: 5,
+                        for_decode: Some(3),
+                    },
+                ],
+            },
+            Message::Unknown {
+                held: vec![Held {
+                    req: 5,
+                    for_decode: Some(3),
+                }],
+            },
         ]
     }
 
