@@ -372,19 +372,16 @@ impl Inner {
                 };
                 let _ = self.transport.send(st.workers[pf].node, id, abandon);
             }
-            {
-                // Stop it where it was placed before it runs again: a decode
-                // node that is fine frees its reservation, and a node that
-                // only seems lost (our direction of the link still works)
-                // frees its blocks now instead of at its own deadline.
-                let node = st.workers[st.pending[&id].worker].node;
-                let cancel = Message::Cancel {
-                    req: id,
-                    stop_string: false,
-                    attempt: st.pending[&id].reruns,
-                };
-                let _ = self.transport.send(node, id, cancel);
-            }
+            // Stop it where it was placed before it runs again: a decode
+            // node that is fine frees its reservation, and a node that only
+            // seems lost (our direction of the link still works) frees its
+            // blocks now instead of at its own deadline.
+            let cancel = Message::Cancel {
+                req: id,
+                stop_string: false,
+                attempt: p.reruns,
+            };
+            let _ = self.transport.send(st.workers[p.worker].node, id, cancel);
             self.rerun_or_fail(st, id, Some(w), &format!("{name} {why}"));
         }
     }

@@ -191,14 +191,18 @@ pub async fn run_worker(
     // hold deadline: an ask from that decode node that comes after the
     // abandon (it was in flight) is refused instead of run for nobody.
     let mut abandoned: BTreeMap<PfKey, Instant> = BTreeMap::new();
-    let fail = |router: NodeId, epoch: u64, req: u64, attempt: u32, why: String| {
+    // Ends a placement that streamed nothing yet (an import) at the Router.
+    let fail_import = |key: (NodeId, u64), e: &Importing, why: EngineFailure| {
         let _ = out_tx.send(Out {
-            key: (router, epoch, req),
-            attempt,
+            key: (key.0, e.epoch, key.1),
+            attempt: e.submit.attempt,
             // Before any token: no stream was forwarded for it.
             index: 0,
-            event: EngineEvent::Failed(EngineFailure::KvTransfer(why)),
+            event: EngineEvent::Failed(why),
         });
+    };
+    let fail = |key: (NodeId, u64), e: &Importing, why: String| {
+        fail_import(key, e, EngineFailure::KvTransfer(why));
     };
     // Gives back a reservation and tells its prefill node to stop.
     let drop_import = |key: (NodeId, u64), e: &Importing| {
@@ -247,7 +251,7 @@ pub async fn run_worker(
                             ack_no(&why);
                             let e = importing.remove(&key).expect("looked up above");
                             drop_import(key, &e);
-                            fail(key.0, e.epoch, key.1, e.submit.attempt, why);
+                            fail(key, &e, why);
                             continue;
                         }
                         e.writing = true;
@@ -306,12 +310,7 @@ pub async fn run_worker(
                             }
                             // A re-run placed here again that overtook the
                             // Cancel of the earlier placement: end that one.
-                            if let Some(c) = active.remove(&(from, epoch, req)) {
-                                let _ = c.stop.send(Stop::Cancel);
-                            }
-                            if let Some(e) = importing.remove(&(from, req)) {
-                                drop_import((from, req), &e);
-                            }
+                            end_placement(&mut active, &mut importing, &drop_import, (from, epoch, req), s.attempt - 1, Stop::Cancel);
                         }
                         if let (Some(p), Some(kvm), Role::Decode) = (s.prefill, &kv, opts.role) {
                             // Disaggregated: blocks first, then ask for the prefill.
@@ -348,7 +347,7 @@ pub async fn run_worker(
                                         k.cancel_reservation(reservation).await;
                                     }
                                 });
-                                fail(from, epoch, req, e.submit.attempt, format!("cannot reach prefill node {p}: {}", err.reason));
+                                fail((from, req), &e, format!("cannot reach prefill node {p}: {}", err.reason));
                                 continue;
                             }
                             tracing::debug!(req, prefill = p, "KV reserved, prefill asked");
@@ -377,16 +376,8 @@ pub async fn run_worker(
                     }
                     Message::Cancel { req, stop_string, attempt } => {
                         // Not a later re-run that overtook this Cancel.
-                        if active.get(&(from, epoch, req)).is_some_and(|r| r.attempt <= attempt)
-                            && let Some(c) = active.remove(&(from, epoch, req))
-                        {
-                            let _ = c.stop.send(if stop_string { Stop::Finished } else { Stop::Cancel });
-                        }
-                        if importing.get(&(from, req)).is_some_and(|e| e.submit.attempt <= attempt)
-                            && let Some(e) = importing.remove(&(from, req))
-                        {
-                            drop_import((from, req), &e);
-                        }
+                        let stop = if stop_string { Stop::Finished } else { Stop::Cancel };
+                        end_placement(&mut active, &mut importing, &drop_import, (from, epoch, req), attempt, stop);
                     }
                     Message::Prefill(pm) => {
                         let (router, req) = (pm.router, pm.submit.req);
@@ -452,7 +443,7 @@ pub async fn run_worker(
                             if let Some(kv) = &kv {
                                 kv.cancel_reservation(e.reservation).await;
                             }
-                            fail(router, e.epoch, req, e.submit.attempt, format!("prefill node {from}: {reason}"));
+                            fail(key, &e, format!("prefill node {from}: {reason}"));
                         }
                     }
                     Message::KvAck { router, req, .. } => {
@@ -493,17 +484,7 @@ pub async fn run_worker(
                                     gave_back = true;
                                 }
                             } else {
-                                let keys: Vec<Key> = active.keys().filter(|k| k.0 == from && k.2 == req).copied().collect();
-                                for k in keys {
-                                    if let Some(c) = active.remove(&k) {
-                                        let _ = c.stop.send(Stop::Cancel);
-                                        gave_back = true;
-                                    }
-                                }
-                                if let Some(e) = importing.remove(&(from, req)) {
-                                    drop_import((from, req), &e);
-                                    gave_back = true;
-                                }
+                                gave_back = end_placement(&mut active, &mut importing, &drop_import, (from, epoch, req), u32::MAX, Stop::Cancel);
                             }
                             if gave_back {
                                 orphans.found += 1;
@@ -547,7 +528,7 @@ pub async fn run_worker(
                         // Cancelled while its bytes were written: dropping
                         // the stream ends it and frees its blocks.
                         (None, Ok(stream)) => drop(stream),
-                        (Some(e), Err(why)) => fail(key.0, e.epoch, key.1, e.submit.attempt, why),
+                        (Some(e), Err(why)) => fail(key, &e, why),
                         (None, Err(_)) => {}
                     }
                 }
@@ -624,12 +605,7 @@ pub async fn run_worker(
                     importing.retain(|k, e| {
                         if k.0 == n {
                             drop_import(*k, e);
-                            let _ = out_tx.send(Out {
-                                key: (k.0, e.epoch, k.1),
-                                attempt: e.submit.attempt,
-                                index: 0,
-                                event: EngineEvent::Failed(EngineFailure::RouterLost(why.clone())),
-                            });
+                            fail_import(*k, e, EngineFailure::RouterLost(why.clone()));
                         }
                         k.0 != n
                     });
@@ -649,7 +625,7 @@ pub async fn run_worker(
                     let e = importing.remove(&k).expect("listed above");
                     drop_import(k, &e);
                     let ms = opts.reservation_ttl.as_millis();
-                    fail(k.0, e.epoch, k.1, e.submit.attempt, format!("no KV from prefill node {} within {ms} ms", e.prefill));
+                    fail(k, &e, format!("no KV from prefill node {} within {ms} ms", e.prefill));
                 }
             }
         }
@@ -979,6 +955,36 @@ fn cancel_where(active: &mut BTreeMap<Key, Running>, f: impl Fn(&Key) -> bool, w
             let _ = c.stop.send(why.clone());
         }
     }
+}
+
+/// Ends request `key` of a Router on this node, running or being
+/// imported, if its placement is `attempt` or earlier (a later re-run
+/// stays). True if something was ended.
+fn end_placement(
+    active: &mut BTreeMap<Key, Running>,
+    importing: &mut BTreeMap<(NodeId, u64), Importing>,
+    drop_import: &dyn Fn((NodeId, u64), &Importing),
+    key: Key,
+    attempt: u32,
+    stop: Stop,
+) -> bool {
+    let (router, _, req) = key;
+    let mut ended = false;
+    if active.get(&key).is_some_and(|r| r.attempt <= attempt)
+        && let Some(c) = active.remove(&key)
+    {
+        let _ = c.stop.send(stop);
+        ended = true;
+    }
+    if importing
+        .get(&(router, req))
+        .is_some_and(|e| e.submit.attempt <= attempt)
+        && let Some(e) = importing.remove(&(router, req))
+    {
+        drop_import((router, req), &e);
+        ended = true;
+    }
+    ended
 }
 
 /// Reports an orphaned lease that was given back.

@@ -90,8 +90,8 @@ pub struct Report {
     pub preemptions: u64,
     /// Faults that fired.
     pub faults: FaultCounts,
-    /// Orphaned leases the nodes found and gave back, all within a fault
-    /// (a lease orphaned while the cluster was quiet breaks the run).
+    /// Orphaned leases the nodes found and gave back, all while a link
+    /// was cut or soon after (any other breaks the run).
     pub orphans: u64,
     /// Events in the trace.
     pub events: u64,
@@ -166,7 +166,7 @@ impl std::fmt::Display for Report {
         if self.orphans > 0 {
             writeln!(
                 f,
-                "orphaned leases given back during faults: {}",
+                "orphaned leases given back while a link was cut or soon after: {}",
                 self.orphans
             )?;
         }
@@ -279,8 +279,6 @@ struct World {
     /// Times some link was cut (partition or clog) and when it was
     /// restored, since the run's start.
     cuts: Mutex<Cuts>,
-    /// When a partition or clog last began or ended, since the start.
-    last_cut: Mutex<Duration>,
     /// Orphaned leases given back within a fault's reach.
     orphans: Mutex<u64>,
 }
@@ -384,7 +382,6 @@ async fn simulate(sc: &Scenario, seed: u64) -> Result<Report, SimError> {
         rng: root,
         decodes: Arc::new(DecodeLog::default()),
         cuts: Mutex::new(Cuts::default()),
-        last_cut: Mutex::new(Duration::ZERO),
         orphans: Mutex::new(0),
     });
     for i in 1..=n as u32 {
@@ -619,11 +616,7 @@ fn orphan_hook(w: &Arc<World>, hb: Duration) -> OrphanHook {
             return;
         };
         let now = Instant::now().saturating_duration_since(w.t0);
-        let cut = {
-            let c = lock(&w.cuts);
-            c.partitioned || c.clogged
-        };
-        if cut || now.saturating_sub(*lock(&w.last_cut)) <= reach {
+        if excused(now, now, &lock(&w.cuts).windows, reach) {
             *lock(&w.orphans) += 1;
         } else {
             lock(&w.trace).violate(format!(
@@ -730,7 +723,6 @@ impl Cuts {
 fn cut(w: &World, kind: Cut, begins: bool) {
     let now = Instant::now().saturating_duration_since(w.t0);
     lock(&w.cuts).note(kind, begins, now);
-    *lock(&w.last_cut) = now;
 }
 
 /// No request decodes on two engines at once, except while a link is cut
