@@ -22,8 +22,8 @@ use cudarc::cublas::sys::{cublasComputeType_t, cublasGemmAlgo_t, cublasOperation
 use cudarc::driver::{
     CudaContext, CudaFunction, CudaSlice, CudaStream, DevicePtr, LaunchConfig, PushKernelArg,
 };
+use flotilla_model::arch::ModelConfig;
 use flotilla_model::gguf::{GgmlType, GgufError, GgufFile};
-use flotilla_model::llama::LlamaConfig;
 use flotilla_model::sampling::{Sampled, SamplerScratch, sample};
 use flotilla_model::{
     BatchLimits, ExecError, Executor, KvDtype, KvSpec, ModelSpec, OutputKind, SeqInput, SeqOutput,
@@ -206,7 +206,7 @@ struct Host {
 
 /// A Llama-family model on one CUDA device.
 pub struct CudaExecutor {
-    cfg: LlamaConfig,
+    cfg: ModelConfig,
     spec: ModelSpec,
     ctx: Arc<CudaContext>,
     stream: Arc<CudaStream>,
@@ -287,7 +287,13 @@ impl CudaExecutor {
                 c.kv_cache_fraction
             )));
         }
-        let cfg = LlamaConfig::from_gguf(g)?;
+        let cfg = ModelConfig::from_gguf(g)?;
+        if cfg.arch != "llama" && cfg.arch != "mistral" {
+            return Err(CudaError::Config(format!(
+                "the CUDA forward pass runs the Llama family; {} runs on --device cpu",
+                cfg.describe()
+            )));
+        }
         if cfg.head_dim > 256 || cfg.head_dim % 2 != 0 {
             return Err(CudaError::Config(format!(
                 "head dimension {} (the attention kernel takes even sizes up to 256)",
@@ -624,7 +630,7 @@ impl CudaExecutor {
             self.gemm(ptr(&w.wqkv, st), h16, qkv, qkv_w, d, t_all)?;
             {
                 let mut l = st.launch_builder(&self.f.rope_qk);
-                let (qw, base) = (qkv_w as i32, self.cfg.rope_base);
+                let (qw, base) = (qkv_w as i32, self.cfg.rope_bases[0]);
                 l.arg(&qkv)
                     .arg(&tok_pos)
                     .arg(&n_tok)

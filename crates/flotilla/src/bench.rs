@@ -274,7 +274,7 @@ fn bytes_per_block_hint(path: &Path, cfg: &flotilla_model::CpuConfig) -> usize {
         Ok(g) => g,
         Err(_) => return 0,
     };
-    match flotilla_model::llama::LlamaConfig::from_gguf(&g) {
+    match flotilla_model::arch::ModelConfig::from_gguf(&g) {
         Ok(c) => c.n_layer * 2 * c.kv_dim() * cfg.block_size * cfg.kv_dtype.bytes(),
         Err(_) => 0,
     }

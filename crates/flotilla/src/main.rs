@@ -12,11 +12,11 @@ use std::time::Instant;
 
 use anyhow::{Context, Result, bail};
 use clap::{Parser, Subcommand};
+use flotilla_model::arch::ModelConfig;
 use flotilla_model::chat::ChatMessage;
 use flotilla_model::generate::{Driver, Finish, Request};
 use flotilla_model::gguf::GgufFile;
 use flotilla_model::kernels::Kernel;
-use flotilla_model::llama::LlamaConfig;
 use flotilla_model::model::TextSide;
 use flotilla_model::{CpuConfig, CpuExecutor, KvDtype, SamplingParams};
 
@@ -343,8 +343,13 @@ fn generate(
     let t0 = Instant::now();
     let g = GgufFile::open(&path)?;
     let text_side = TextSide::from_gguf(&g).context("loading the tokenizer")?;
-    let ctx = LlamaConfig::from_gguf(&g)?.ctx_len;
+    let ctx = ModelConfig::from_gguf(&g)?.ctx_len;
     let text = if chat {
+        if let Some(name) = text_side.chat_builtin {
+            eprintln!(
+                "note: the model has no chat template; --chat uses the built-in {name} format"
+            );
+        }
         let tpl = text_side
             .chat
             .as_ref()

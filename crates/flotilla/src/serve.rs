@@ -12,8 +12,8 @@ use flotilla_actors::{Clock, EngineOptions, spawn_engine};
 use flotilla_config::{ClusterConfig, check_kv_cache_fraction, check_queue_timeout_s};
 use flotilla_cuda::{CudaConfig, CudaExecutor, Device};
 use flotilla_gateway::GatewayConfig;
+use flotilla_model::arch::ModelConfig;
 use flotilla_model::gguf::GgufFile;
-use flotilla_model::llama::LlamaConfig;
 use flotilla_model::model::TextSide;
 use flotilla_model::{CpuExecutor, Executor};
 use flotilla_proto::TierId;
@@ -158,7 +158,7 @@ pub struct Front {
     pub model_name: String,
     pub max_model_len: usize,
     pub path: PathBuf,
-    pub llama: LlamaConfig,
+    pub llama: ModelConfig,
 }
 
 /// Config, tokenizer and model length from flags, config and the model file.
@@ -168,7 +168,13 @@ pub fn front(args: &ServeArgs) -> Result<Front> {
     let path = args.model.path()?;
     let g = GgufFile::open(&path)?;
     let text = TextSide::from_gguf(&g).context("loading the tokenizer")?;
-    let lc = LlamaConfig::from_gguf(&g)?;
+    if let Some(name) = text.chat_builtin {
+        eprintln!(
+            "note: {} has no chat template; the chat endpoint uses the built-in {name} format",
+            path.display()
+        );
+    }
+    let lc = ModelConfig::from_gguf(&g)?;
     let max_model_len = args.max_model_len.or(e.max_model_len).unwrap_or(lc.ctx_len);
     if max_model_len < 2 || max_model_len > lc.ctx_len {
         bail!(

@@ -218,36 +218,16 @@ impl Assembler {
             let bytes = text.as_bytes().to_vec();
             return (text, bytes);
         }
-        // Part of a character: recover the raw bytes from the byte-level form.
+        // Part of a character: the tokenizer knows the raw bytes.
         let bytes = tok
-            .token_str(id)
-            .and_then(|s| byte_level_bytes(&s))
-            .unwrap_or_else(|| text.as_bytes().to_vec());
+            .token_bytes(id)
+            .map_or_else(|| text.as_bytes().to_vec(), <[u8]>::to_vec);
         (text, bytes)
     }
 }
 
 fn finite(lp: f32) -> f32 {
     if lp.is_finite() { lp } else { LOGPROB_FLOOR }
-}
-
-/// Inverts GPT-2's byte-to-unicode table: `None` if `s` is not byte-level text.
-fn byte_level_bytes(s: &str) -> Option<Vec<u8>> {
-    let printable = |b: u32| (33..=126).contains(&b) || (161..=172).contains(&b) || b >= 174;
-    s.chars()
-        .map(|c| {
-            let c = c as u32;
-            if c < 256 && printable(c) {
-                return Some(c as u8);
-            }
-            // The other 68 bytes map to 256.. in increasing byte order.
-            let n = c.checked_sub(256)?;
-            (0u32..256)
-                .filter(|&b| !printable(b))
-                .nth(n as usize)
-                .map(|b| b as u8)
-        })
-        .collect()
 }
 
 #[cfg(test)]
@@ -329,9 +309,11 @@ mod tests {
     }
 
     #[test]
-    fn byte_level_inverse() {
-        assert_eq!(byte_level_bytes("Ġworld").unwrap(), b" world");
-        assert_eq!(byte_level_bytes("Ċ").unwrap(), b"\n");
-        assert_eq!(byte_level_bytes("\u{2581}"), None);
+    fn token_bytes_come_from_the_tokenizer() {
+        let t = text();
+        let world = t.tokenizer.token_id("Ġworld").unwrap();
+        assert_eq!(t.tokenizer.token_bytes(world).unwrap(), b" world");
+        let nl = t.tokenizer.token_id("Ċ").unwrap();
+        assert_eq!(t.tokenizer.token_bytes(nl).unwrap(), b"\n");
     }
 }

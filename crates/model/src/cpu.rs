@@ -1,5 +1,6 @@
-//! The CPU backend: a Llama forward pass over a flat mixed batch and a paged
-//! KV cache, multi-threaded over a persistent pool.
+//! The CPU backend: one forward pass for every architecture that
+//! [`crate::arch::ModelConfig`] describes, over a flat mixed batch and a
+//! paged KV cache, multi-threaded over a persistent pool.
 //!
 //! One step runs every token of the batch through each layer together, so the
 //! weights stream from memory once per step whatever the mix of prefill
@@ -12,13 +13,13 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 
 use half::f16;
 
+use crate::arch::{self, Activation, ModelConfig, Weights};
 use crate::executor::{
     BatchLimits, ExecError, Executor, KvDtype, KvSpec, ModelSpec, OutputKind, SeqInput, SeqOutput,
     StepOutputs, validate_batch,
 };
 use crate::gguf::{GgufError, GgufFile};
 use crate::kernels::{self, Acts, Kernel, OutPtr, QMatrix, Resolved};
-use crate::llama::{LlamaConfig, LlamaWeights};
 use crate::pool::{ThreadPool, split_range};
 use crate::quant::{BlockQ8A, QK, quantize_row_q8a};
 use crate::sampling::{SamplerScratch, sample};
@@ -140,7 +141,7 @@ impl KvLayout {
 }
 
 impl KvStore {
-    fn new(cfg: &LlamaConfig, block_size: usize, num_blocks: usize, dtype: KvDtype) -> KvStore {
+    fn new(cfg: &ModelConfig, block_size: usize, num_blocks: usize, dtype: KvDtype) -> KvStore {
         let block_elems = cfg.n_layer * 2 * cfg.n_head_kv * block_size * cfg.head_dim;
         let n = block_elems * num_blocks;
         let data = match dtype {
@@ -258,7 +259,8 @@ struct Scratch {
     tok_pos: Vec<usize>,
     out_tok: Vec<u32>,
     slots: Vec<usize>,
-    /// cos/sin of each token's position, `head_dim / 2` pairs per token.
+    /// cos/sin of each token's position, `head_dim / 2` pairs per token,
+    /// one table per RoPE base (`[base][token][pair]`).
     rope: Vec<(f32, f32)>,
     /// Per-thread attention buffers.
     /// Per-thread attention buffers, `att_per_thread` floats each.
@@ -269,15 +271,15 @@ struct Scratch {
 
 /// The CPU backend.
 pub struct CpuExecutor {
-    cfg: LlamaConfig,
-    w: LlamaWeights,
+    cfg: ModelConfig,
+    w: Weights,
     spec: ModelSpec,
     kv: KvStore,
     kernel: Resolved,
     pool: ThreadPool,
     max_tokens: usize,
-    /// `base^(-2i/head_dim)` in f64.
-    inv_freq: Vec<f64>,
+    /// Per RoPE base: `base^(-2i/head_dim) / factor_i` in f64.
+    inv_freq: Vec<Vec<f64>>,
     s: Scratch,
 }
 
@@ -316,14 +318,16 @@ impl CpuExecutor {
                 "max_batch_tokens and threads must be positive".into(),
             ));
         }
-        let cfg = LlamaConfig::from_gguf(g)?;
-        if cfg.n_embd % QK != 0 || cfg.n_ff % QK != 0 {
+        let cfg = ModelConfig::from_gguf(g)?;
+        if cfg.n_embd % QK != 0 || cfg.n_ff % QK != 0 || cfg.q_dim() % QK != 0 {
             return Err(LoadError::Config(format!(
-                "model widths {} and {} must be multiples of 32 for 8-bit activations",
-                cfg.n_embd, cfg.n_ff
+                "model widths {}, {} and {} must be multiples of 32 for 8-bit activations",
+                cfg.n_embd,
+                cfg.n_ff,
+                cfg.q_dim()
             )));
         }
-        let w = LlamaWeights::load(g, &cfg)?;
+        let w = Weights::load(g, &cfg)?;
         let name = g
             .str_opt("general.name")
             .ok()
@@ -357,7 +361,7 @@ impl CpuExecutor {
         }
         let kv = KvStore::new(&cfg, c.block_size, c.num_blocks, c.kv_dtype);
         let t = c.max_batch_tokens;
-        let (d, kvd, ff) = (cfg.n_embd, cfg.kv_dim(), cfg.n_ff);
+        let (d, qd, kvd, ff) = (cfg.n_embd, cfg.q_dim(), cfg.kv_dim(), cfg.n_ff);
         let wide = d.max(ff);
         let group = cfg.n_head / cfg.n_head_kv;
         // Rounded up and padded by a cache line (16 floats) so that no two
@@ -368,9 +372,9 @@ impl CpuExecutor {
         let s = Scratch {
             x: vec![0.0; t * d],
             xn: vec![0.0; t * wide],
-            q8: vec![BlockQ8A::default(); t * wide / QK],
-            qkv: vec![0.0; t * (d + 2 * kvd)],
-            att: vec![0.0; t * d],
+            q8: vec![BlockQ8A::default(); t * wide.max(qd) / QK],
+            qkv: vec![0.0; t * (qd + 2 * kvd)],
+            att: vec![0.0; t * qd],
             tmp: vec![0.0; t * d],
             gu: vec![0.0; t * 2 * ff],
             tok: Vec::with_capacity(t),
@@ -378,13 +382,15 @@ impl CpuExecutor {
             tok_pos: Vec::with_capacity(t),
             out_tok: Vec::with_capacity(t),
             slots: Vec::with_capacity(t),
-            rope: vec![(0.0, 0.0); t * cfg.head_dim / 2],
+            rope: vec![(0.0, 0.0); cfg.rope_bases.len() * t * cfg.head_dim / 2],
             att_thread: vec![0.0; c.threads * att_per_thread],
             att_per_thread,
             sampler: SamplerScratch::with_capacity(cfg.vocab),
         };
-        let inv_freq = (0..cfg.head_dim / 2)
-            .map(|i| (cfg.rope_base as f64).powf(-2.0 * i as f64 / cfg.head_dim as f64))
+        let inv_freq = cfg
+            .rope_bases
+            .iter()
+            .map(|&b| arch::inv_freq(b, cfg.head_dim, w.rope_factors.as_deref()))
             .collect();
         Ok(CpuExecutor {
             kernel: c.kernel.resolve(),
@@ -400,7 +406,7 @@ impl CpuExecutor {
     }
 
     /// The model's hyper-parameters.
-    pub fn config(&self) -> &LlamaConfig {
+    pub fn config(&self) -> &ModelConfig {
         &self.cfg
     }
 
@@ -438,20 +444,28 @@ impl CpuExecutor {
         }
         let t_all = s.tok.len();
         let half = hd / 2;
-        for (t, &pos) in s.tok_pos.iter().enumerate() {
-            for (i, f) in self.inv_freq.iter().enumerate() {
-                let (sin, cos) = (pos as f64 * f).sin_cos();
-                s.rope[t * half + i] = (cos as f32, sin as f32);
+        for (b, inv_freq) in self.inv_freq.iter().enumerate() {
+            let table = &mut s.rope[b * self.max_tokens * half..];
+            for (t, &pos) in s.tok_pos.iter().enumerate() {
+                for (i, f) in inv_freq.iter().enumerate() {
+                    let (sin, cos) = (pos as f64 * f).sin_cos();
+                    table[t * half + i] = (cos as f32, sin as f32);
+                }
             }
         }
         // Embedding lookup.
         {
             let x = Shared::new(&mut s.x[..t_all * d]);
             let (tok, emb) = (&s.tok, &self.w.tok_embd);
+            let scale = self.cfg.embd_scale;
             par_tokens(&self.pool, t_all, &|r: Range<usize>| {
                 for t in r {
                     // SAFETY: token rows are disjoint across threads.
-                    emb.dequantize_row(tok[t] as usize, unsafe { x.slice(t * d..(t + 1) * d) });
+                    let row = unsafe { x.slice(t * d..(t + 1) * d) };
+                    emb.dequantize_row(tok[t] as usize, row);
+                    if scale != 1.0 {
+                        row.iter_mut().for_each(|v| *v *= scale);
+                    }
                 }
             });
         }
@@ -496,9 +510,15 @@ impl CpuExecutor {
     }
 
     fn attention_block(&mut self, l: usize, batch: &[SeqInput<'_>], t_all: usize) {
-        let (d, kvd, hd) = (self.cfg.n_embd, self.cfg.kv_dim(), self.cfg.head_dim);
-        let qkv_w = d + 2 * kvd;
+        let (d, qd, kvd, hd) = (
+            self.cfg.n_embd,
+            self.cfg.q_dim(),
+            self.cfg.kv_dim(),
+            self.cfg.head_dim,
+        );
+        let qkv_w = qd + 2 * kvd;
         let layer = &self.w.layers[l];
+        let spec = self.cfg.layers[l];
         let s = &mut self.s;
         norm_rows(
             &self.pool,
@@ -515,31 +535,47 @@ impl CpuExecutor {
             let o = |off| OutPtr { off, ..base };
             let outs = [
                 (&layer.wq, o(0)),
-                (&layer.wk, o(d)),
-                (&layer.wv, o(d + kvd)),
+                (&layer.wk, o(qd)),
+                (&layer.wv, o(qd + kvd)),
             ];
             matmul(&self.pool, self.kernel, &outs, &acts);
         }
-        // RoPE on Q and K, then K and V into their cache slots.
+        // Biases, QK-norm and RoPE on Q and K, then K and V into their cache slots.
         {
             let qkv = Shared::new(&mut s.qkv[..t_all * qkv_w]);
-            let (rope, tok_seq, tok_pos) = (&s.rope, &s.tok_seq, &s.tok_pos);
+            let half = hd / 2;
+            let rope = &s.rope[spec.rope * self.max_tokens * half..];
+            let (tok_seq, tok_pos) = (&s.tok_seq, &s.tok_pos);
+            let (style, eps) = (self.cfg.rope_style, self.cfg.rms_eps);
             let kv = self.kv.layout;
             let kv_ptr = KvPtr::new(&mut self.kv.data);
             let n_kv = self.cfg.n_head_kv;
-            let half = hd / 2;
             let bs = kv.block_size;
             let kernel = self.kernel;
             par_tokens(&self.pool, t_all, &|r: Range<usize>| {
+                let mut normed = [0f32; 1024];
                 for t in r {
                     // SAFETY: disjoint token rows.
                     let row = unsafe { qkv.slice(t * qkv_w..(t + 1) * qkv_w) };
+                    if let Some(b) = &layer.bias {
+                        add_residual(&mut row[..qd], &b.q);
+                        add_residual(&mut row[qd..qd + kvd], &b.k);
+                        add_residual(&mut row[qd + kvd..], &b.v);
+                    }
+                    if let Some((qn, kn)) = &layer.qk_norm {
+                        for (i, h) in row[..qd + kvd].chunks_exact_mut(hd).enumerate() {
+                            let w = if i < qd / hd { qn } else { kn };
+                            rms_norm(h, w, eps, &mut normed[..hd]);
+                            h.copy_from_slice(&normed[..hd]);
+                        }
+                    }
                     let cs = &rope[t * half..(t + 1) * half];
-                    for h in row[..d + kvd].chunks_exact_mut(hd) {
+                    for h in row[..qd + kvd].chunks_exact_mut(hd) {
                         for (i, &(c, sn)) in cs.iter().enumerate() {
-                            let (a, b) = (h[2 * i], h[2 * i + 1]);
-                            h[2 * i] = a * c - b * sn;
-                            h[2 * i + 1] = a * sn + b * c;
+                            let (ia, ib) = arch::rope_pair(style, hd, i);
+                            let (a, b) = (h[ia], h[ib]);
+                            h[ia] = a * c - b * sn;
+                            h[ib] = a * sn + b * c;
                         }
                     }
                     let seq = &batch[tok_seq[t] as usize];
@@ -547,8 +583,8 @@ impl CpuExecutor {
                     let block = seq.block_table[pos / bs] as usize;
                     let slot = pos % bs;
                     for h in 0..n_kv {
-                        let k = &row[d + h * hd..d + (h + 1) * hd];
-                        let v = &row[d + kvd + h * hd..d + kvd + (h + 1) * hd];
+                        let k = &row[qd + h * hd..qd + (h + 1) * hd];
+                        let v = &row[qd + kvd + h * hd..qd + kvd + (h + 1) * hd];
                         let ko = kv.offset(block, l, 0, h) + slot * hd;
                         let vo = kv.offset(block, l, 1, h) + slot * hd;
                         // SAFETY: slots are distinct across the batch
@@ -567,13 +603,14 @@ impl CpuExecutor {
             let group = self.cfg.n_head / n_kv;
             let tasks = t_all * n_kv;
             let next = AtomicUsize::new(0);
-            let att = Shared::new(&mut s.att[..t_all * d]);
+            let att = Shared::new(&mut s.att[..t_all * qd]);
             let per = s.att_per_thread;
             let scratch = Shared::new(&mut s.att_thread);
             let (qkv, tok_seq, tok_pos) = (&s.qkv, &s.tok_seq, &s.tok_pos);
             let (kv, kv_data) = (self.kv.layout, &self.kv.data);
             let kernel = self.kernel;
-            let scale = 1.0 / (hd as f32).sqrt();
+            let scale = self.cfg.attn_scale;
+            let window = spec.window;
             self.pool.run(&|ti, _| {
                 // SAFETY: thread ti alone uses its slice of the scratch buffer.
                 let buf = unsafe { scratch.slice(ti * per..(ti + 1) * per) };
@@ -588,7 +625,7 @@ impl CpuExecutor {
                     let q = &qkv[t * qkv_w + kh * group * hd..t * qkv_w + (kh + 1) * group * hd];
                     // SAFETY: the heads of (t, kh) are written by this task only.
                     let o = unsafe {
-                        att.slice(t * d + kh * group * hd..t * d + (kh + 1) * group * hd)
+                        att.slice(t * qd + kh * group * hd..t * qd + (kh + 1) * group * hd)
                     };
                     match kv_data {
                         KvData::F32(data) => attend(
@@ -599,6 +636,7 @@ impl CpuExecutor {
                             kh,
                             seq.block_table,
                             pos,
+                            window,
                             q,
                             o,
                             group,
@@ -613,6 +651,7 @@ impl CpuExecutor {
                             kh,
                             seq.block_table,
                             pos,
+                            window,
                             q,
                             o,
                             group,
@@ -623,16 +662,23 @@ impl CpuExecutor {
                 }
             });
         }
-        // Output projection, residual add.
+        // Output projection, post-norm, residual add.
         {
-            let acts = quantize_acts(self.kernel, &s.att[..t_all * d], d, &mut s.q8, &self.pool);
+            let acts = quantize_acts(self.kernel, &s.att[..t_all * qd], qd, &mut s.q8, &self.pool);
             matmul(
                 &self.pool,
                 self.kernel,
                 &[(&layer.wo, OutPtr::new(&mut s.tmp[..t_all * d], d, 0))],
                 &acts,
             );
-            add_residual(&mut s.x[..t_all * d], &s.tmp[..t_all * d]);
+            residual(
+                &self.pool,
+                &mut s.x[..t_all * d],
+                &s.tmp[..t_all * d],
+                layer.post_attn_norm.as_deref(),
+                self.cfg.rms_eps,
+                &mut s.xn[..t_all * d],
+            );
         }
     }
 
@@ -660,13 +706,23 @@ impl CpuExecutor {
         {
             let h = Shared::new(&mut s.xn[..t_all * ff]);
             let gu = &s.gu;
+            let act = self.cfg.act;
             par_tokens(&self.pool, t_all, &|r: Range<usize>| {
                 for t in r {
                     // SAFETY: disjoint token rows.
                     let h = unsafe { h.slice(t * ff..(t + 1) * ff) };
                     let (g, u) = gu[t * 2 * ff..(t + 1) * 2 * ff].split_at(ff);
-                    for ((h, &g), &u) in h.iter_mut().zip(g).zip(u) {
-                        *h = g / (1.0 + (-g).exp()) * u;
+                    match act {
+                        Activation::Silu => {
+                            for ((h, &g), &u) in h.iter_mut().zip(g).zip(u) {
+                                *h = g / (1.0 + (-g).exp()) * u;
+                            }
+                        }
+                        Activation::GeluTanh => {
+                            for ((h, &g), &u) in h.iter_mut().zip(g).zip(u) {
+                                *h = gelu_tanh(g) * u;
+                            }
+                        }
                     }
                 }
             });
@@ -677,7 +733,14 @@ impl CpuExecutor {
                 &[(&layer.w_down, OutPtr::new(&mut s.tmp[..t_all * d], d, 0))],
                 &acts,
             );
-            add_residual(&mut s.x[..t_all * d], &s.tmp[..t_all * d]);
+            residual(
+                &self.pool,
+                &mut s.x[..t_all * d],
+                &s.tmp[..t_all * d],
+                layer.post_ffn_norm.as_deref(),
+                self.cfg.rms_eps,
+                &mut s.xn[..t_all * d],
+            );
         }
     }
 }
@@ -732,6 +795,7 @@ fn attend<T: KvElem>(
     kh: usize,
     table: &[u32],
     pos: usize,
+    window: Option<usize>,
     q: &[f32],
     out: &mut [f32],
     group: usize,
@@ -748,10 +812,14 @@ fn attend<T: KvElem>(
     mx.fill(f32::NEG_INFINITY);
     sum.fill(0.0);
     let n_blocks = pos / bs + 1;
-    for (bi, &block) in table[..n_blocks].iter().enumerate() {
-        let n = if bi + 1 == n_blocks { pos % bs + 1 } else { bs };
-        let kb = kv.offset(block as usize, layer, 0, kh);
-        let vb = kv.offset(block as usize, layer, 1, kh);
+    // A sliding window reads only the blocks that hold its positions.
+    let first = window.map_or(0, |w| (pos + 1).saturating_sub(w));
+    for (bi, &block) in table[..n_blocks].iter().enumerate().skip(first / bs) {
+        let end = if bi + 1 == n_blocks { pos % bs + 1 } else { bs };
+        let start = if bi == first / bs { first % bs } else { 0 };
+        let n = end - start;
+        let kb = kv.offset(block as usize, layer, 0, kh) + start * hd;
+        let vb = kv.offset(block as usize, layer, 1, kh) + start * hd;
         let kblk = &data[kb..kb + n * hd];
         let vblk = &data[vb..vb + n * hd];
         #[cfg(target_arch = "x86_64")]
@@ -849,6 +917,32 @@ fn norm_rows(pool: &ThreadPool, x: &[f32], w: &[f32], eps: f32, out: &mut [f32])
             });
         }
     });
+}
+
+/// The residual connection, `x += y`, or `x += rmsnorm(y) * w` when the
+/// block norms its output (`out` is scratch of `x`'s size).
+fn residual(
+    pool: &ThreadPool,
+    x: &mut [f32],
+    y: &[f32],
+    post_norm: Option<&[f32]>,
+    eps: f32,
+    out: &mut [f32],
+) {
+    match post_norm {
+        Some(w) => {
+            norm_rows(pool, y, w, eps, out);
+            add_residual(x, out);
+        }
+        None => add_residual(x, y),
+    }
+}
+
+/// GELU with the tanh approximation, as Gemma's GeGLU uses it.
+#[inline(always)]
+pub fn gelu_tanh(x: f32) -> f32 {
+    const SQRT_2_OVER_PI: f32 = 0.797_884_6;
+    0.5 * x * (1.0 + (SQRT_2_OVER_PI * x * (1.0 + 0.044_715 * x * x)).tanh())
 }
 
 /// The residual connection: `x += y`.
@@ -983,7 +1077,9 @@ mod tests {
     use crate::testutil::rnd;
 
     /// The SIMD attention (eight scores per hadd tree, vector exp) agrees with
-    /// the scalar one over shuffled blocks, partial last blocks and GQA groups.
+    /// the scalar one, and both with a naive softmax over exactly the window's
+    /// positions, over shuffled blocks, partial last blocks, GQA groups and
+    /// sliding windows that start inside a block, at its edge and at 0.
     #[test]
     fn simd_attention_matches_scalar() {
         if !kernels::has_avx2() {
@@ -1004,42 +1100,50 @@ mod tests {
         let table = [5u32, 2, 7, 0];
         let q: Vec<f32> = (0..group * hd).map(|_| rnd(&mut s) * 3.0).collect();
         let mut buf = vec![0f32; group * (hd + 2) + bs];
-        for pos in [0usize, 7, 15, 16, 33, 63] {
-            let mut a = vec![0f32; group * hd];
-            let mut b = vec![0f32; group * hd];
-            attend(
-                Resolved::Scalar,
-                &data,
-                &layout,
-                1,
-                1,
-                &table,
-                pos,
-                &q,
-                &mut a,
-                group,
-                0.125,
-                &mut buf,
-            );
-            attend(
-                Resolved::Avx2,
-                &data,
-                &layout,
-                1,
-                1,
-                &table,
-                pos,
-                &q,
-                &mut b,
-                group,
-                0.125,
-                &mut buf,
-            );
-            for (x, y) in a.iter().zip(&b) {
-                assert!(
-                    (x - y).abs() < 1e-5 * (1.0 + x.abs()),
-                    "pos {pos}: {x} vs {y}"
-                );
+        for window in [None, Some(1), Some(5), Some(16), Some(20)] {
+            for pos in [0usize, 7, 15, 16, 33, 63] {
+                let mut a = vec![0f32; group * hd];
+                let mut b = vec![0f32; group * hd];
+                for (kernel, out) in [(Resolved::Scalar, &mut a), (Resolved::Avx2, &mut b)] {
+                    attend(
+                        kernel, &data, &layout, 1, 1, &table, pos, window, &q, out, group, 0.125,
+                        &mut buf,
+                    );
+                }
+                // Naive: softmax over exactly the positions inside the window.
+                let lo = window.map_or(0, |w| (pos + 1).saturating_sub(w));
+                for g in 0..group {
+                    let qg = &q[g * hd..(g + 1) * hd];
+                    let at = |p: usize, kv: usize| {
+                        let o = layout.offset(table[p / bs] as usize, 1, kv, 1) + (p % bs) * hd;
+                        &data[o..o + hd]
+                    };
+                    let sc: Vec<f64> = (lo..=pos)
+                        .map(|p| {
+                            let k = at(p, 0);
+                            (0..hd).map(|i| (qg[i] * k[i].to_f32()) as f64).sum::<f64>() * 0.125
+                        })
+                        .collect();
+                    let m = sc.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+                    let z: f64 = sc.iter().map(|v| (v - m).exp()).sum();
+                    for i in 0..hd {
+                        let want: f64 = (lo..=pos)
+                            .zip(&sc)
+                            .map(|(p, v)| (v - m).exp() / z * at(p, 1)[i].to_f32() as f64)
+                            .sum();
+                        let got = a[g * hd + i] as f64;
+                        assert!(
+                            (got - want).abs() < 1e-4 * (1.0 + want.abs()),
+                            "window {window:?} pos {pos}: {got} vs {want}"
+                        );
+                    }
+                }
+                for (x, y) in a.iter().zip(&b) {
+                    assert!(
+                        (x - y).abs() < 1e-5 * (1.0 + x.abs()),
+                        "window {window:?} pos {pos}: {x} vs {y}"
+                    );
+                }
             }
         }
     }

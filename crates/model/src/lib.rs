@@ -2,17 +2,18 @@
 //! forward pass with quantised kernels, sampling, and the executor trait that
 //! every backend implements.
 
+pub mod arch;
 pub mod chat;
 pub mod cpu;
 pub mod generate;
 pub mod gguf;
 pub mod hub;
 pub mod kernels;
-pub mod llama;
 pub mod model;
 pub mod pool;
 pub mod quant;
 pub mod sampling;
+pub mod spm;
 #[doc(hidden)]
 pub mod testutil;
 pub mod tokenizer;

@@ -81,6 +81,18 @@ pub fn dequantize(ty: GgmlType, src: &[u8], out: &mut [f32]) {
                 }
             }
         }
+        GgmlType::Q5_0 => {
+            for (b, o) in src.chunks_exact(22).zip(out.chunks_exact_mut(32)) {
+                let d = f16_at(b, 0);
+                let qh = u32::from_le_bytes([b[2], b[3], b[4], b[5]]);
+                for j in 0..16 {
+                    let h0 = ((qh >> j) & 1) << 4;
+                    let h1 = ((qh >> (j + 16)) & 1) << 4;
+                    o[j] = d * (((b[6 + j] & 0xF) as u32 | h0) as i32 - 16) as f32;
+                    o[j + 16] = d * (((b[6 + j] >> 4) as u32 | h1) as i32 - 16) as f32;
+                }
+            }
+        }
         GgmlType::Q4_K => {
             for (b, o) in src.chunks_exact(144).zip(out.chunks_exact_mut(256)) {
                 let (d, dmin) = (f16_at(b, 0), f16_at(b, 2));
@@ -142,6 +154,24 @@ pub fn q4_0_to_q4_1(src: &[u8]) -> Vec<u8> {
         out.extend_from_slice(&b[0..2]);
         out.extend_from_slice(&f16::from_f32(-8.0 * d).to_bits().to_le_bytes());
         out.extend_from_slice(&b[2..18]);
+    }
+    out
+}
+
+/// Repacks Q5_0 blocks into Q8_0 blocks: the same scale and `q - 16` as
+/// an i8, so the values are exactly the same.
+pub fn q5_0_to_q8_0(src: &[u8]) -> Vec<u8> {
+    let mut out = Vec::with_capacity(src.len() / 22 * Q8_0_BYTES);
+    for b in src.chunks_exact(22) {
+        out.extend_from_slice(&b[0..2]);
+        let qh = u32::from_le_bytes([b[2], b[3], b[4], b[5]]);
+        let mut q = [0i8; 32];
+        for j in 0..16 {
+            q[j] = (((b[6 + j] & 0xF) as u32 | (((qh >> j) & 1) << 4)) as i32 - 16) as i8;
+            q[j + 16] =
+                (((b[6 + j] >> 4) as u32 | (((qh >> (j + 16)) & 1) << 4)) as i32 - 16) as i8;
+        }
+        out.extend(q.iter().map(|&v| v as u8));
     }
     out
 }
@@ -306,6 +336,30 @@ mod tests {
         dequantize(GgmlType::Q4_0, &src, &mut a);
         dequantize(GgmlType::Q4_1, &q4_0_to_q4_1(&src), &mut b);
         assert_eq!(a, b);
+    }
+
+    #[test]
+    fn q5_0_repack_is_exact() {
+        let mut s = 5;
+        let mut src = vec![0u8; 22 * 3];
+        for (i, v) in src.iter_mut().enumerate() {
+            *v = lcg(&mut s) as u8;
+            if i % 22 == 1 {
+                *v = 0x2c;
+            }
+        }
+        let mut a = vec![0f32; 96];
+        let mut b = vec![0f32; 96];
+        dequantize(GgmlType::Q5_0, &src, &mut a);
+        dequantize(GgmlType::Q8_0, &q5_0_to_q8_0(&src), &mut b);
+        assert_eq!(a, b);
+        // Both ends of the 5-bit range occur.
+        let d = f16_at(&src, 0);
+        assert!(
+            a[..32]
+                .iter()
+                .all(|v| (v / d).round() >= -16.0 && (v / d).round() <= 15.0)
+        );
     }
 
     #[test]

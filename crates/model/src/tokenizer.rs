@@ -9,8 +9,9 @@
 //!
 //! * **GGUF metadata** ([`Tokenizer::from_gguf`]): byte-level BPE vocabularies
 //!   (`tokenizer.ggml.model = "gpt2"`), rebuilt so that encoding gives the same
-//!   ids as llama.cpp. SentencePiece (`"llama"`), WordPiece (`"bert"`), T5 and
-//!   RWKV vocabularies are **not** supported and give
+//!   ids as llama.cpp, and SentencePiece vocabularies (`"llama"`: Gemma,
+//!   Llama 2, Mistral), encoded by [`crate::spm`] as llama.cpp does. WordPiece
+//!   (`"bert"`), T5 and RWKV vocabularies are **not** supported and give
 //!   [`TokenizerError::Unsupported`].
 //! * **A Hugging Face `tokenizer.json`** ([`Tokenizer::from_file`]), any model
 //!   type the `tokenizers` crate can load.
@@ -60,6 +61,8 @@ use tokenizers::pre_tokenizers::sequence::Sequence;
 use tokenizers::pre_tokenizers::split::{Split, SplitPattern};
 use tokenizers::{AddedToken, SplitDelimiterBehavior};
 
+use crate::spm::{self, Spm};
+
 /// GGUF `token_type` value of a normal token.
 pub const TOKEN_TYPE_NORMAL: i32 = 1;
 /// GGUF `token_type` value of a control (special) token such as `<|im_start|>`.
@@ -90,6 +93,12 @@ pub struct GgufVocab<'a> {
     pub eos: Option<u32>,
     /// `tokenizer.ggml.add_bos_token`: whether [`Tokenizer::encode`] prepends BOS.
     pub add_bos: bool,
+    /// `tokenizer.ggml.scores` (SentencePiece merge priorities).
+    pub scores: Option<&'a [f32]>,
+    /// `tokenizer.ggml.unknown_token_id`.
+    pub unk: Option<u32>,
+    /// `tokenizer.ggml.add_space_prefix` (SentencePiece; llama.cpp's default is true).
+    pub add_space_prefix: bool,
 }
 
 /// Errors from building or using a [`Tokenizer`].
@@ -396,6 +405,23 @@ fn push_byte_level_bytes(token: &str, out: &mut Vec<u8>) {
 // ---------------------------------------------------------------------------
 
 /// How ids are turned back into text.
+/// How text becomes ids.
+enum Encoder {
+    /// Byte-level BPE from GGUF, or a `tokenizer.json`, through `tokenizers`.
+    Library {
+        /// Pipeline that recognises special tokens in text (`parse_special = true`).
+        with_special: Box<tokenizers::Tokenizer>,
+        /// Same pipeline with special-token matching off (`parse_special = false`).
+        plain: Box<tokenizers::Tokenizer>,
+    },
+    /// A SentencePiece vocabulary from GGUF.
+    Spm {
+        spm: Box<Spm>,
+        /// Token strings by id.
+        names: Vec<String>,
+    },
+}
+
 enum Detok {
     /// Byte-level vocabulary: the exact bytes of every id.
     Bytes(Vec<Box<[u8]>>),
@@ -407,10 +433,7 @@ enum Detok {
 ///
 /// Cheap to share: all methods take `&self` and it is `Send + Sync`.
 pub struct Tokenizer {
-    /// Pipeline that recognises special tokens in text (`parse_special = true`).
-    with_special: tokenizers::Tokenizer,
-    /// Same pipeline with special-token matching off (`parse_special = false`).
-    plain: tokenizers::Tokenizer,
+    enc: Encoder,
     bos: Option<u32>,
     eos: Option<u32>,
     add_bos: bool,
@@ -440,13 +463,17 @@ impl Tokenizer {
     /// or an unknown `pre`; [`TokenizerError::InvalidVocab`] for inconsistent
     /// metadata.
     pub fn from_gguf(v: &GgufVocab) -> Result<Tokenizer, TokenizerError> {
-        if v.model != "gpt2" {
-            return Err(TokenizerError::Unsupported {
-                key: "tokenizer.ggml.model",
-                value: v.model.to_owned(),
-                hint: "only \"gpt2\" (byte-level BPE) vocabularies are supported; \
-                       SentencePiece (\"llama\"), WordPiece (\"bert\"), \"t5\" and \"rwkv\" are not",
-            });
+        match v.model {
+            "gpt2" => {}
+            "llama" => return Self::from_gguf_spm(v),
+            _ => {
+                return Err(TokenizerError::Unsupported {
+                    key: "tokenizer.ggml.model",
+                    value: v.model.to_owned(),
+                    hint: "supported: \"gpt2\" (byte-level BPE) and \"llama\" (SentencePiece); \
+                           WordPiece (\"bert\"), \"t5\" and \"rwkv\" are not",
+                });
+            }
         }
         let spec = pre_tokenizer_spec(v.pre)?;
         let n = v.tokens.len();
@@ -567,6 +594,70 @@ impl Tokenizer {
         Ok(tok)
     }
 
+    /// A SentencePiece vocabulary (`tokenizer.ggml.model = "llama"`), encoded
+    /// as llama.cpp does (see [`crate::spm`]).
+    fn from_gguf_spm(v: &GgufVocab) -> Result<Tokenizer, TokenizerError> {
+        let n = v.tokens.len();
+        if n == 0 || n > u32::MAX as usize {
+            return Err(TokenizerError::InvalidVocab(format!(
+                "a vocabulary of {n} tokens"
+            )));
+        }
+        let types: Vec<i32> = match v.token_types {
+            Some(tt) if tt.len() == n => tt.to_vec(),
+            Some(tt) => {
+                return Err(TokenizerError::InvalidVocab(format!(
+                    "tokenizer.ggml.token_type has {} entries but there are {n} tokens",
+                    tt.len()
+                )));
+            }
+            None => vec![TOKEN_TYPE_NORMAL; n],
+        };
+        let scores: Vec<f32> = match v.scores {
+            Some(sc) if sc.len() == n => sc.to_vec(),
+            Some(sc) => {
+                return Err(TokenizerError::InvalidVocab(format!(
+                    "tokenizer.ggml.scores has {} entries but there are {n} tokens",
+                    sc.len()
+                )));
+            }
+            None => {
+                return Err(TokenizerError::InvalidVocab(
+                    "a SentencePiece vocabulary needs tokenizer.ggml.scores".into(),
+                ));
+            }
+        };
+        if let Some(u) = v.unk
+            && u as usize >= n
+        {
+            return Err(TokenizerError::InvalidVocab(format!(
+                "unknown-token id {u} is out of range"
+            )));
+        }
+        let spm = Spm::new(v.tokens, &scores, &types, v.unk, v.add_space_prefix);
+        let special = types.iter().map(|&t| t == TOKEN_TYPE_CONTROL).collect();
+        let pieces = v
+            .tokens
+            .iter()
+            .zip(&types)
+            .map(|(t, &ty)| spm::piece_bytes(t, ty).into_boxed_slice())
+            .collect();
+        let mut tok = Tokenizer {
+            enc: Encoder::Spm {
+                spm: Box::new(spm),
+                names: v.tokens.to_vec(),
+            },
+            bos: None,
+            eos: None,
+            add_bos: false,
+            vocab_size: n,
+            special,
+            detok: Detok::Bytes(pieces),
+        };
+        tok.set_special_ids(v.bos, v.eos, v.add_bos)?;
+        Ok(tok)
+    }
+
     /// Load a Hugging Face `tokenizer.json`.
     ///
     /// BOS/EOS and whether BOS is prepended come from a `tokenizer_config.json`
@@ -675,8 +766,10 @@ impl Tokenizer {
         let mut plain = with_special.clone();
         plain.set_encode_special_tokens(true);
         Tokenizer {
-            with_special,
-            plain,
+            enc: Encoder::Library {
+                with_special: Box::new(with_special),
+                plain: Box::new(plain),
+            },
             bos: None,
             eos: None,
             add_bos: false,
@@ -720,10 +813,19 @@ impl Tokenizer {
     /// its single id; without it, that text is tokenized like any other text
     /// (use this for untrusted user content).
     pub fn encode(&self, text: &str, parse_special: bool) -> Result<Vec<u32>, TokenizerError> {
-        let tk = if parse_special {
-            &self.with_special
-        } else {
-            &self.plain
+        let tk = match &self.enc {
+            Encoder::Library { with_special, .. } if parse_special => with_special,
+            Encoder::Library { plain, .. } => plain,
+            Encoder::Spm { spm, .. } => {
+                let mut out = Vec::with_capacity(text.len() / 3 + 2);
+                if self.add_bos
+                    && let Some(bos) = self.bos
+                {
+                    out.push(bos);
+                }
+                spm.encode(text, parse_special, &mut out);
+                return Ok(out);
+            }
         };
         let enc = tk
             .encode_fast(text, false)
@@ -762,10 +864,12 @@ impl Tokenizer {
                     Err(e) => String::from_utf8_lossy(e.as_bytes()).into_owned(),
                 })
             }
-            Detok::Library => self
-                .with_special
-                .decode(ids, skip_special)
-                .map_err(TokenizerError::lib("decoding ids")),
+            Detok::Library => match &self.enc {
+                Encoder::Library { with_special, .. } => with_special
+                    .decode(ids, skip_special)
+                    .map_err(TokenizerError::lib("decoding ids")),
+                Encoder::Spm { .. } => unreachable!("SentencePiece vocabularies decode by bytes"),
+            },
         }
     }
 
@@ -805,14 +909,29 @@ impl Tokenizer {
         if id as usize >= self.vocab_size {
             return None;
         }
-        self.with_special.id_to_token(id)
+        match &self.enc {
+            Encoder::Library { with_special, .. } => with_special.id_to_token(id),
+            Encoder::Spm { names, .. } => names.get(id as usize).cloned(),
+        }
+    }
+
+    /// The exact bytes an id stands for in decoded text (a byte-fallback
+    /// token's one byte, a byte-level token's bytes), when the vocabulary
+    /// decodes by bytes; `None` for a `tokenizer.json` decoder or a bad id.
+    pub fn token_bytes(&self, id: u32) -> Option<&[u8]> {
+        match &self.detok {
+            Detok::Bytes(pieces) => pieces.get(id as usize).map(|p| &p[..]),
+            Detok::Library => None,
+        }
     }
 
     /// The id of a vocabulary string (e.g. `"<|im_end|>"`), if present.
     pub fn token_id(&self, token: &str) -> Option<u32> {
-        self.with_special
-            .token_to_id(token)
-            .filter(|&id| (id as usize) < self.vocab_size)
+        match &self.enc {
+            Encoder::Library { with_special, .. } => with_special.token_to_id(token),
+            Encoder::Spm { spm, .. } => spm.token_id(token),
+        }
+        .filter(|&id| (id as usize) < self.vocab_size)
     }
 
     /// Whether an id is a special (control) token such as `<|im_end|>`.
@@ -999,6 +1118,9 @@ pub(crate) mod tests {
                 bos: self.bos,
                 eos: self.eos,
                 add_bos: self.add_bos,
+                scores: None,
+                unk: None,
+                add_space_prefix: false,
             }
         }
     }
@@ -1323,10 +1445,10 @@ pub(crate) mod tests {
     #[test]
     fn unsupported_and_invalid_vocabs() {
         let mut v = tiny();
-        v.model = "llama".into();
+        v.model = "bert".into();
         let err = Tokenizer::from_gguf(&v.as_vocab()).unwrap_err();
         assert!(matches!(err, TokenizerError::Unsupported { .. }));
-        assert!(err.to_string().contains("\"llama\""), "{err}");
+        assert!(err.to_string().contains("\"bert\""), "{err}");
 
         let mut v = tiny();
         v.pre = Some("no-such-pre".into());
@@ -1387,7 +1509,10 @@ pub(crate) mod tests {
         let dir = std::env::temp_dir().join(format!("flotilla-tok-{}", std::process::id()));
         std::fs::create_dir_all(&dir).unwrap();
         let path = dir.join("tokenizer.json");
-        tok.with_special.save(&path, false).unwrap();
+        let Encoder::Library { with_special, .. } = &tok.enc else {
+            panic!("a byte-level vocabulary goes through the library");
+        };
+        with_special.save(&path, false).unwrap();
         std::fs::write(
             dir.join("tokenizer_config.json"),
             r#"{"bos_token": "<|bos|>", "eos_token": {"content": "<|eos|>"}, "add_bos_token": false}"#,
