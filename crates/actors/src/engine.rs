@@ -14,7 +14,7 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Duration;
 
-use flotilla_model::{Executor, KvDtype};
+use flotilla_exec::{Executor, KvDtype};
 use flotilla_proto::{
     BoxFuture, Engine, EngineEvent, EngineFailure, EngineRequest, EngineStatus, KvExport, KvLayout,
     KvMigration, Rejection, RequestId, RequestStream, Sampled, TenantId, TierId,

@@ -5,7 +5,7 @@ use std::sync::Arc;
 use std::sync::mpsc as std_mpsc;
 use std::time::{Duration, Instant};
 
-use flotilla_model::{
+use flotilla_exec::{
     ExecError, Executor, KvDtype, KvSpec, ModelSpec, OutputKind, Sampled, SamplingParams, SeqInput,
     SeqOutput, StepOutputs,
 };

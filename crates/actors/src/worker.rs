@@ -6,7 +6,7 @@ use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::sync::Arc;
 use std::time::Duration;
 
-use flotilla_model::{ExecError, Executor, SeqInput, StepOutputs};
+use flotilla_exec::{ExecError, Executor, SeqInput, StepOutputs};
 use flotilla_proto::{KvExport, Sampled};
 use flotilla_sched::Plan;
 use ractor::{Actor, ActorProcessingErr, ActorRef, RpcReplyPort};

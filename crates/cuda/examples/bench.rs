@@ -35,7 +35,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     }
     let path = match model {
         Some(p) => p,
-        None => flotilla_model::hub::ensure_default_model(true)?,
+        None => flotilla_hub::ensure_default_model(true)?,
     };
     let cfg = CudaConfig {
         max_batch_tokens: 2048,

@@ -22,8 +22,8 @@ use cudarc::cublas::sys::{cublasComputeType_t, cublasGemmAlgo_t, cublasOperation
 use cudarc::driver::{
     CudaContext, CudaFunction, CudaSlice, CudaStream, DevicePtr, LaunchConfig, PushKernelArg,
 };
+use flotilla_gguf::{GgmlType, GgufError, GgufFile};
 use flotilla_model::arch::ModelConfig;
-use flotilla_model::gguf::{GgmlType, GgufError, GgufFile};
 use flotilla_model::sampling::{Sampled, SamplerScratch, sample};
 use flotilla_model::{
     BatchLimits, ExecError, Executor, KvDtype, KvSpec, ModelSpec, OutputKind, SeqInput, SeqOutput,

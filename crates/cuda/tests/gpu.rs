@@ -10,8 +10,9 @@ use std::path::PathBuf;
 use cudarc::driver::{CudaContext, LaunchConfig, PushKernelArg};
 use flotilla_cuda::kernels::{self, SOURCES};
 use flotilla_cuda::{CudaConfig, CudaError, CudaExecutor, driver_present, probe};
+use flotilla_hub::test_model_path as model_path;
 use flotilla_model::kernels::Kernel;
-use flotilla_model::testutil::{model_path, rnd};
+use flotilla_model::testutil::rnd;
 use flotilla_model::{
     CpuConfig, CpuExecutor, Executor, KvDtype, OutputKind, SamplingParams, SeqInput, StepOutputs,
 };
@@ -527,7 +528,7 @@ fn a_mixed_batch_gives_each_sequence_its_row_and_token() {
 #[test]
 fn dequantisers_match_the_cpu_s() {
     let Some(ctx) = gpu_or_skip() else { return };
-    use flotilla_model::gguf::GgmlType;
+    use flotilla_gguf::GgmlType;
     let (major, minor) = ctx.compute_capability().unwrap();
     let arch = kernels::arch_name(major, minor).unwrap();
     let src = SOURCES.iter().find(|s| s.file == "dequant.cu").unwrap();

@@ -270,7 +270,7 @@ pub fn run(a: &BenchArgs) -> Result<()> {
 
 /// Bytes of one KV block for this model and config (reads the header only).
 fn bytes_per_block_hint(path: &Path, cfg: &flotilla_model::CpuConfig) -> usize {
-    let g = match flotilla_model::gguf::GgufFile::open(path) {
+    let g = match flotilla_gguf::GgufFile::open(path) {
         Ok(g) => g,
         Err(_) => return 0,
     };

@@ -12,13 +12,13 @@ use std::time::Instant;
 
 use anyhow::{Context, Result, bail};
 use clap::{Parser, Subcommand};
+use flotilla_gguf::GgufFile;
 use flotilla_model::arch::ModelConfig;
-use flotilla_model::chat::ChatMessage;
 use flotilla_model::generate::{Driver, Finish, Request};
-use flotilla_model::gguf::GgufFile;
 use flotilla_model::kernels::Kernel;
-use flotilla_model::model::TextSide;
 use flotilla_model::{CpuConfig, CpuExecutor, KvDtype, SamplingParams};
+use flotilla_text::TextSide;
+use flotilla_text::chat::ChatMessage;
 
 #[derive(Parser)]
 #[command(name = "flotilla", version, about = "Flotilla: an LLM serving cluster")]
@@ -30,7 +30,8 @@ struct Cli {
 /// Options shared by the commands that load a model.
 #[derive(clap::Args, Clone)]
 struct ModelArgs {
-    /// GGUF model file; default: SmolLM2-135M-Instruct (Q4_1), fetched on first use.
+    /// A model by name (smollm2-135m, gemma3-270m: fetched on first use) or
+    /// a GGUF file's path; default: smollm2-135m (SmolLM2-135M-Instruct, Q4_1).
     #[arg(long)]
     model: Option<PathBuf>,
     /// Compute threads (default: all cores).
@@ -52,17 +53,29 @@ struct ModelArgs {
     device: flotilla_cuda::Device,
 }
 
+/// `--model`: a known name (fetched into the cache on first use, with a
+/// progress bar and checksum), else a GGUF file's path; none is the default.
+fn resolve_model(model: Option<&std::path::Path>) -> Result<PathBuf> {
+    use flotilla_hub::{self as hub, KNOWN_MODELS, ModelSource};
+    let Some(p) = model else {
+        return Ok(hub::ensure_default_model(true)?);
+    };
+    if let Some(src) = p.to_str().and_then(ModelSource::by_name) {
+        return Ok(hub::ensure(&src, &hub::cache_dir()?, true)?);
+    }
+    if !p.is_file() {
+        bail!(
+            "--model {}: no such file, and not a known model name ({})",
+            p.display(),
+            KNOWN_MODELS.join(", ")
+        );
+    }
+    Ok(p.to_path_buf())
+}
+
 impl ModelArgs {
     fn path(&self) -> Result<PathBuf> {
-        match &self.model {
-            Some(p) => {
-                if !p.is_file() {
-                    bail!("model file {} does not exist", p.display());
-                }
-                Ok(p.clone())
-            }
-            None => Ok(flotilla_model::hub::ensure_default_model(true)?),
-        }
+        resolve_model(self.model.as_deref())
     }
 
     fn cpu_config(&self, num_blocks: usize, max_batch_tokens: usize) -> Result<CpuConfig> {
@@ -131,8 +144,12 @@ enum Cmd {
     Bench(flotilla_bench::BenchArgs),
     /// Benchmark the CPU backend (pp512, tg128, batched decode) beside llama.cpp.
     BenchModel(bench::BenchArgs),
-    /// Download the default model into the cache (if needed) and print its path.
-    FetchModel,
+    /// Download a model into the cache (if needed) and print its path.
+    FetchModel {
+        /// smollm2-135m (the default) or gemma3-270m.
+        #[arg(long)]
+        model: Option<PathBuf>,
+    },
     /// Run one node of a multi-node cluster (router or engine), named in --config.
     Node(node::NodeArgs),
     /// Run every node of a cluster config as its own process on this machine.
@@ -210,11 +227,8 @@ fn run() -> Result<()> {
             jobs,
             verbose,
         } => simulate(&scenario, seed, seeds, jobs, verbose),
-        Cmd::FetchModel => {
-            println!(
-                "{}",
-                flotilla_model::hub::ensure_default_model(true)?.display()
-            );
+        Cmd::FetchModel { model } => {
+            println!("{}", resolve_model(model.as_deref())?.display());
             Ok(())
         }
     }

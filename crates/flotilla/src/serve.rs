@@ -12,13 +12,13 @@ use flotilla_actors::{Clock, EngineOptions, spawn_engine};
 use flotilla_config::{ClusterConfig, check_kv_cache_fraction, check_queue_timeout_s};
 use flotilla_cuda::{CudaConfig, CudaExecutor, Device};
 use flotilla_gateway::GatewayConfig;
+use flotilla_gguf::GgufFile;
 use flotilla_model::arch::ModelConfig;
-use flotilla_model::gguf::GgufFile;
-use flotilla_model::model::TextSide;
 use flotilla_model::{CpuExecutor, Executor};
 use flotilla_proto::TierId;
 use flotilla_sched::{Batching, SchedConfig, TenantConfig, TierConfig};
 use flotilla_telemetry::Metrics;
+use flotilla_text::TextSide;
 
 use crate::ModelArgs;
 

@@ -5,15 +5,12 @@ use std::process::Command;
 
 fn flotilla() -> Command {
     let mut c = Command::new(env!("CARGO_BIN_EXE_flotilla"));
-    c.env(
-        "FLOTILLA_TEST_MODEL",
-        flotilla_model::testutil::model_path(),
-    );
+    c.env("FLOTILLA_TEST_MODEL", flotilla_hub::test_model_path());
     c
 }
 
 fn model_arg() -> String {
-    flotilla_model::testutil::model_path().display().to_string()
+    flotilla_hub::test_model_path().display().to_string()
 }
 
 #[test]
@@ -85,7 +82,11 @@ fn bad_input_is_a_clear_error() {
     let cases: &[(&[&str], &str)] = &[
         (
             &["generate", "--prompt", "x", "--model", "/nonexistent.gguf"],
-            "does not exist",
+            "no such file, and not a known model name (smollm2-135m, gemma3-270m)",
+        ),
+        (
+            &["generate", "--prompt", "x", "--model", "gemma3-27b"],
+            "not a known model name",
         ),
         (
             &["generate", "--prompt", "x", "--temperature=-1"],

@@ -127,7 +127,7 @@ fn start_node_with(
     name: &str,
     extra: &[&str],
 ) -> (Node, Option<String>) {
-    let model = flotilla_model::testutil::model_path();
+    let model = flotilla_hub::test_model_path();
     let mut child = cmd
         .args(["node", "--name", name, "--config"])
         .arg(config)
@@ -709,7 +709,7 @@ fn the_cluster_command_takes_its_nodes_down_on_sigterm() {
     let addrs = [0, 1, 2].map(|_| format!("127.0.0.1:{}", free_port()));
     let http = format!("127.0.0.1:{}", free_tcp_port());
     std::fs::write(&config, config_text(&certs, addrs, http, roles)).unwrap();
-    let model = flotilla_model::testutil::model_path();
+    let model = flotilla_hub::test_model_path();
     let mut parent = flotilla()
         .args(["cluster", "--config"])
         .arg(&config)

@@ -72,7 +72,7 @@ fn start(config_text: &str, extra: &[&str]) -> Server {
     std::fs::create_dir_all(&dir).unwrap();
     let cfg = dir.join("cluster.toml");
     std::fs::write(&cfg, config_text).unwrap();
-    let model = flotilla_model::testutil::model_path();
+    let model = flotilla_hub::test_model_path();
     let mut child = Command::new(env!("CARGO_BIN_EXE_flotilla"))
         .arg("serve")
         .arg("--model")

@@ -23,9 +23,9 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
 use flotilla_config::ClusterConfig;
-use flotilla_model::model::TextSide;
 use flotilla_proto::{Engine, EngineRequest, TenantId};
 use flotilla_telemetry::Metrics;
+use flotilla_text::TextSide;
 use serde_json::json;
 
 use crate::error::ApiError;

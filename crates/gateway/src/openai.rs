@@ -6,10 +6,10 @@
 //! clients' many unknown fields are ignored. A field set to `null` counts as
 //! absent, as OpenAI's API treats it.
 
-use flotilla_model::chat::{ChatError, ChatMessage};
-use flotilla_model::model::TextSide;
-use flotilla_model::sampling::MAX_TOP_LOGPROBS;
+use flotilla_exec::MAX_TOP_LOGPROBS;
 use flotilla_proto::SamplingParams;
+use flotilla_text::TextSide;
+use flotilla_text::chat::{ChatError, ChatMessage};
 use serde_json::{Map, Value};
 
 use crate::error::ApiError;
@@ -527,8 +527,8 @@ mod tests {
     fn text() -> &'static TextSide {
         static T: OnceLock<TextSide> = OnceLock::new();
         T.get_or_init(|| {
-            let path = flotilla_model::testutil::model_path();
-            TextSide::from_gguf(&flotilla_model::gguf::GgufFile::open(&path).unwrap()).unwrap()
+            let path = flotilla_hub::test_model_path();
+            TextSide::from_gguf(&flotilla_gguf::GgufFile::open(&path).unwrap()).unwrap()
         })
     }
 

@@ -4,8 +4,8 @@
 
 use std::sync::Arc;
 
-use flotilla_model::model::TextSide;
 use flotilla_proto::Sampled;
+use flotilla_text::TextSide;
 
 /// OpenAI's stand-in for a log-probability of minus infinity.
 const LOGPROB_FLOOR: f32 = -9999.0;
@@ -238,8 +238,8 @@ mod tests {
     fn text() -> Arc<TextSide> {
         static T: OnceLock<Arc<TextSide>> = OnceLock::new();
         T.get_or_init(|| {
-            let path = flotilla_model::testutil::model_path();
-            let g = flotilla_model::gguf::GgufFile::open(&path).unwrap();
+            let path = flotilla_hub::test_model_path();
+            let g = flotilla_gguf::GgufFile::open(&path).unwrap();
             Arc::new(TextSide::from_gguf(&g).unwrap())
         })
         .clone()

@@ -24,8 +24,7 @@ fn exec(kernel: Kernel, kv_dtype: KvDtype, threads: usize) -> CpuExecutor {
         max_batch_tokens: 256,
         ..Default::default()
     };
-    CpuExecutor::load(&flotilla_model::testutil::model_path(), &cfg)
-        .expect("load the default model")
+    CpuExecutor::load(&flotilla_hub::test_model_path(), &cfg).expect("load the default model")
 }
 
 #[derive(Deserialize)]
@@ -239,7 +238,7 @@ fn mixed_batches_give_the_same_tokens_as_single_runs() {
         threads: 2,
         ..Default::default()
     };
-    let e = CpuExecutor::load(&flotilla_model::testutil::model_path(), &cfg).unwrap();
+    let e = CpuExecutor::load(&flotilla_hub::test_model_path(), &cfg).unwrap();
     let mut d = Driver::new(e);
     let alone: Vec<Vec<u32>> = reqs
         .iter()
@@ -434,8 +433,8 @@ fn block_export_import_round_trips() {
 /// gives llama.cpp's ids for the chat prompts of the greedy fixture.
 #[test]
 fn chat_prompts_tokenize_like_llama_cpp() {
-    let g = flotilla_model::gguf::GgufFile::open(&flotilla_model::testutil::model_path()).unwrap();
-    let text = flotilla_model::model::TextSide::from_gguf(&g).unwrap();
+    let g = flotilla_gguf::GgufFile::open(&flotilla_hub::test_model_path()).unwrap();
+    let text = flotilla_text::TextSide::from_gguf(&g).unwrap();
     let tpl = text
         .chat
         .as_ref()
@@ -453,7 +452,7 @@ fn chat_prompts_tokenize_like_llama_cpp() {
     for c in cases.iter().filter(|c| c.chat) {
         let rendered = tpl
             .render(
-                &[flotilla_model::chat::ChatMessage::new(
+                &[flotilla_text::chat::ChatMessage::new(
                     "user",
                     c.text.clone(),
                 )],
@@ -484,7 +483,7 @@ fn driver_returns_blocks_on_every_path() {
         threads: 1,
         ..Default::default()
     };
-    let e = CpuExecutor::load(&flotilla_model::testutil::model_path(), &cfg).unwrap();
+    let e = CpuExecutor::load(&flotilla_hub::test_model_path(), &cfg).unwrap();
     let mut d = Driver::new(e);
     let req = |first: u32| Request {
         prompt: (first..first + 30).collect(),

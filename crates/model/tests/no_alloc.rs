@@ -42,7 +42,7 @@ fn steps_allocate_nothing_after_warm_up() {
         max_batch_tokens: 64,
         ..Default::default()
     };
-    let mut e = CpuExecutor::load(&flotilla_model::testutil::model_path(), &cfg).unwrap();
+    let mut e = CpuExecutor::load(&flotilla_hub::test_model_path(), &cfg).unwrap();
     let mut out = StepOutputs::default();
     let a: Vec<u32> = (100..160).collect();
     let (ta, tb) = ([0u32, 1, 2, 3, 4, 5], [10u32, 11, 12, 13]);

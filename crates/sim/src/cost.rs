@@ -128,6 +128,12 @@ pub struct ModelShape {
     pub vocab: usize,
     /// Longest sequence.
     pub ctx_len: usize,
+    /// Sliding window of the windowed layers, in tokens (0: none).
+    #[serde(default)]
+    pub window: usize,
+    /// Layers that attend within `window` only (Gemma 3: 5 of every 6).
+    #[serde(default)]
+    pub window_layers: usize,
 }
 
 impl ModelShape {
@@ -146,6 +152,8 @@ impl ModelShape {
                 kv_bytes: 2,
                 vocab: 32_000,
                 ctx_len: 4096,
+                window: 0,
+                window_layers: 0,
             },
             "llama3-8b" => ModelShape {
                 name: name.into(),
@@ -170,6 +178,25 @@ impl ModelShape {
                 kv_bytes: 2,
                 vocab: 49_152,
                 ctx_len: 8192,
+                window: 0,
+                window_layers: 0,
+            },
+            // Gemma 3 270M, Q4_K_M (253 MB): 18 layers, 15 of them with a
+            // 512-token window; 4 query heads of 256 over one KV head; a
+            // 262,144-token tied head (168M of the 268M parameters).
+            "gemma3-270m" => ModelShape {
+                name: name.into(),
+                params: 2.68e8,
+                weight_bytes_per_param: 253e6 / 2.68e8,
+                n_layer: 18,
+                q_width: 1024,
+                n_head_kv: 1,
+                head_dim: 256,
+                kv_bytes: 2,
+                vocab: 262_144,
+                ctx_len: 32_768,
+                window: 512,
+                window_layers: 15,
             },
             _ => return None,
         })
@@ -183,6 +210,21 @@ impl ModelShape {
     /// KV bytes per token (all layers, K and V).
     pub fn kv_bytes_per_token(&self) -> usize {
         2 * self.n_layer * self.n_head_kv * self.head_dim * self.kv_bytes
+    }
+
+    /// Layers that attend over every position.
+    fn global_layers(&self) -> usize {
+        self.n_layer - self.window_layers.min(self.n_layer)
+    }
+
+    /// Positions a token at `p` attends to, summed over the layers.
+    fn attended(&self, p: f64) -> f64 {
+        let windowed = if self.window > 0 {
+            p.min(self.window as f64)
+        } else {
+            p
+        };
+        self.global_layers() as f64 * p + self.window_layers.min(self.n_layer) as f64 * windowed
     }
 }
 
@@ -205,16 +247,24 @@ pub fn step_time(gpu: &GpuParams, m: &ModelShape, batch: &[SeqCost]) -> Duration
     for s in batch {
         let n = s.tokens as f64;
         linear += 2.0 * m.params * n;
-        // Attention over positions 0..=p for each new token at p.
-        let ctx_sum = n * s.start_pos as f64 + n * (n + 1.0) / 2.0;
-        let attn = 4.0 * (m.n_layer * m.q_width) as f64 * ctx_sum;
+        // Attention over positions 0..=p (or the window) for each new token at p.
+        let ctx_sum: f64 = if m.window > 0 && m.window_layers > 0 {
+            (s.start_pos..s.start_pos + s.tokens)
+                .map(|p| m.attended(p as f64 + 1.0))
+                .sum()
+        } else {
+            m.n_layer as f64 * (n * s.start_pos as f64 + n * (n + 1.0) / 2.0)
+        };
+        let attn = 4.0 * m.q_width as f64 * ctx_sum;
         if s.tokens > 1 {
             prefill = true;
             attn_prefill += attn;
         } else {
             attn_decode += attn;
         }
-        kv_read += ((s.start_pos + s.tokens) * m.kv_bytes_per_token()) as f64;
+        // Windowed layers read only the blocks inside their window.
+        kv_read += m.attended((s.start_pos + s.tokens) as f64) * m.kv_bytes_per_token() as f64
+            / m.n_layer as f64;
     }
     let linear_rate = if prefill {
         gpu.prefill_flops
@@ -277,6 +327,42 @@ mod tests {
             }],
         ));
         assert!((40.0..60.0).contains(&pf), "{pf}");
+    }
+
+    #[test]
+    fn sliding_window_layers_cost_only_their_window() {
+        let g = GpuParams::preset("h200").unwrap();
+        let swa = ModelShape::preset("gemma3-270m").unwrap();
+        let full = ModelShape {
+            window: 0,
+            window_layers: 0,
+            ..swa.clone()
+        };
+        let at = |m: &ModelShape, p: usize, n: usize| {
+            ms(step_time(
+                &g,
+                m,
+                &[SeqCost {
+                    start_pos: p,
+                    tokens: n,
+                }],
+            ))
+        };
+        // Inside the window the two are the same model.
+        assert_eq!(at(&swa, 100, 1), at(&full, 100, 1));
+        assert_eq!(at(&swa, 0, 400), at(&full, 0, 400));
+        // Far past it, 15 of 18 layers read 512 positions instead of 30,000.
+        let batch: Vec<SeqCost> = (0..64)
+            .map(|_| SeqCost {
+                start_pos: 30_000,
+                tokens: 1,
+            })
+            .collect();
+        let (a, b) = (
+            ms(step_time(&g, &swa, &batch)),
+            ms(step_time(&g, &full, &batch)),
+        );
+        assert!(a < b * 0.5, "windowed {a} ms vs full {b} ms");
     }
 
     #[test]

@@ -3,7 +3,7 @@
 
 use std::time::Duration;
 
-use flotilla_model::{
+use flotilla_exec::{
     ExecError, Executor, KvDtype, KvSpec, ModelSpec, OutputKind, Sampled, SeqInput, SeqOutput,
     StepOutputs,
 };

@@ -14,7 +14,7 @@ use std::time::Duration;
 
 use flotilla_actors::{Clock, EngineOptions, InvariantHook, LocalEngine, spawn_engine};
 use flotilla_cluster::{ClusterEngine, OrphanHook, RouterOptions, WorkerOptions, run_worker};
-use flotilla_model::Executor;
+use flotilla_exec::Executor;
 use flotilla_proto::{
     Engine, EngineEvent, EngineFailure, EngineRequest, FinishReason, Rejection, Role,
     SamplingParams, TenantId, TierId,

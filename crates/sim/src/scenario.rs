@@ -387,7 +387,7 @@ impl Scenario {
         match &self.model {
             Named::Preset { preset } => ModelShape::preset(preset).ok_or_else(|| {
                 ScenarioError::Invalid(format!(
-                    "unknown model preset '{preset}' (llama-7b, llama3-8b, smollm2-135m)"
+                    "unknown model preset '{preset}' (llama-7b, llama3-8b, smollm2-135m, gemma3-270m)"
                 ))
             }),
             Named::Model(m) => Ok(m.clone()),

@@ -9,12 +9,12 @@ use std::time::{Duration, Instant};
 
 use flotilla_config::ClusterConfig;
 use flotilla_gateway::{GatewayConfig, router};
-use flotilla_model::model::TextSide;
 use flotilla_proto::{
     BoxFuture, Engine, EngineEvent, EngineFailure, EngineRequest, EngineStatus, FinishReason,
     KvUsage, Rejection, RequestId, RequestStream, Sampled, TierStatus, Usage,
 };
 use flotilla_telemetry::Metrics;
+use flotilla_text::TextSide;
 use serde_json::{Value, json};
 use tokio::sync::mpsc;
 
@@ -25,7 +25,7 @@ pub const MAX_MODEL_LEN: usize = 256;
 pub fn text() -> Arc<TextSide> {
     static TEXT: OnceLock<Arc<TextSide>> = OnceLock::new();
     TEXT.get_or_init(|| {
-        let g = flotilla_model::gguf::GgufFile::open(&flotilla_model::testutil::model_path())
+        let g = flotilla_gguf::GgufFile::open(&flotilla_hub::test_model_path())
             .expect("open the test model");
         Arc::new(TextSide::from_gguf(&g).expect("text side"))
     })

@@ -1128,7 +1128,7 @@ pub(crate) mod tests {
     /// The default model's vocabulary, read with the crate's GGUF reader.
     /// Always `Some`: the model is fetched if absent, and a failure fails the test.
     pub(crate) fn load_test_vocab() -> Option<TestVocab> {
-        let g = crate::gguf::GgufFile::open(&crate::testutil::model_path())
+        let g = flotilla_gguf::GgufFile::open(&flotilla_hub::test_model_path())
             .expect("open the default model");
         let id = |k: &str| g.u64_opt(k).unwrap().map(|v| v as u32);
         Some(TestVocab {

@@ -286,6 +286,26 @@ fn resolve_cache_dir(
     Err(HubError::NoCacheDir)
 }
 
+/// Path of the model the tests run: `$FLOTILLA_TEST_MODEL`, else the default
+/// model from the cache (downloaded on first use).
+pub fn test_model_path() -> PathBuf {
+    if let Some(p) = std::env::var_os("FLOTILLA_TEST_MODEL") {
+        return PathBuf::from(p);
+    }
+    ensure_default_model(false).unwrap_or_else(|e| panic!("the tests need the default model: {e}"))
+}
+
+/// Path of Gemma 3 270M for the tests: `$FLOTILLA_TEST_GEMMA3`, else from the
+/// cache (downloaded on first use).
+pub fn test_gemma3_path() -> PathBuf {
+    if let Some(p) = std::env::var_os("FLOTILLA_TEST_GEMMA3") {
+        return PathBuf::from(p);
+    }
+    let cache = cache_dir().unwrap_or_else(|e| panic!("the tests need a cache directory: {e}"));
+    ensure(&ModelSource::gemma3_270m(), &cache, false)
+        .unwrap_or_else(|e| panic!("the tests need Gemma 3 270M: {e}"))
+}
+
 /// Download the default model into [`cache_dir`] unless it is already there; returns its path.
 pub fn ensure_default_model(progress: bool) -> Result<PathBuf, HubError> {
     ensure(&ModelSource::default_model(), &cache_dir()?, progress)
