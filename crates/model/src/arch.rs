@@ -355,10 +355,14 @@ pub struct Weights {
 
 impl Weights {
     /// Loads every tensor, zero-copy where the file's layout is a kernel layout.
-    pub fn load(g: &GgufFile, cfg: &ModelConfig) -> Result<Weights, GgufError> {
+    /// With `exact`, types that the fast layouts only approximate (Q4_K's
+    /// sub-block scales rounded to f16, Q6_K requantised to Q8_0) are kept as
+    /// f32 instead, so that the exact kernel computes with the file's values.
+    pub fn load(g: &GgufFile, cfg: &ModelConfig, exact: bool) -> Result<Weights, GgufError> {
+        let matrix = |name: &str, rows, cols| matrix(g, name, rows, cols, exact);
         let (d, qd, kvd, ff) = (cfg.n_embd, cfg.q_dim(), cfg.kv_dim(), cfg.n_ff);
         let hd = cfg.head_dim;
-        let tok_embd = matrix(g, "token_embd.weight", cfg.vocab, d)?;
+        let tok_embd = matrix("token_embd.weight", cfg.vocab, d)?;
         let mut layers = Vec::with_capacity(cfg.n_layer);
         for i in 0..cfg.n_layer {
             let n = |s: &str| format!("blk.{i}.{s}");
@@ -388,22 +392,22 @@ impl Weights {
             };
             layers.push(Layer {
                 attn_norm: vector(g, &n("attn_norm.weight"), d)?,
-                wq: matrix(g, &n("attn_q.weight"), qd, d)?,
-                wk: matrix(g, &n("attn_k.weight"), kvd, d)?,
-                wv: matrix(g, &n("attn_v.weight"), kvd, d)?,
-                wo: matrix(g, &n("attn_output.weight"), d, qd)?,
+                wq: matrix(&n("attn_q.weight"), qd, d)?,
+                wk: matrix(&n("attn_k.weight"), kvd, d)?,
+                wv: matrix(&n("attn_v.weight"), kvd, d)?,
+                wo: matrix(&n("attn_output.weight"), d, qd)?,
                 bias,
                 qk_norm,
                 post_attn_norm: post("post_attention_norm.weight")?,
                 ffn_norm: vector(g, &n("ffn_norm.weight"), d)?,
-                w_gate: matrix(g, &n("ffn_gate.weight"), ff, d)?,
-                w_up: matrix(g, &n("ffn_up.weight"), ff, d)?,
-                w_down: matrix(g, &n("ffn_down.weight"), d, ff)?,
+                w_gate: matrix(&n("ffn_gate.weight"), ff, d)?,
+                w_up: matrix(&n("ffn_up.weight"), ff, d)?,
+                w_down: matrix(&n("ffn_down.weight"), d, ff)?,
                 post_ffn_norm: post("post_ffw_norm.weight")?,
             });
         }
         let output = if cfg.separate_head {
-            Some(matrix(g, "output.weight", cfg.vocab, d)?)
+            Some(matrix("output.weight", cfg.vocab, d)?)
         } else {
             None
         };
@@ -496,8 +500,15 @@ fn vector(g: &GgufFile, name: &str, n: usize) -> Result<Vec<f32>, GgufError> {
     Ok(v)
 }
 
-/// Reads a `rows` x `cols` matrix into a kernel layout.
-pub fn matrix(g: &GgufFile, name: &str, rows: usize, cols: usize) -> Result<QMatrix, GgufError> {
+/// Reads a `rows` x `cols` matrix into a kernel layout (f32 for the types a
+/// kernel layout would round, with `exact`).
+pub fn matrix(
+    g: &GgufFile,
+    name: &str,
+    rows: usize,
+    cols: usize,
+    exact: bool,
+) -> Result<QMatrix, GgufError> {
     let t = g.tensor(name)?;
     check_shape(t, &[cols as u64, rows as u64])?;
     let bytes = g.tensor_bytes(t);
@@ -507,6 +518,11 @@ pub fn matrix(g: &GgufFile, name: &str, rows: usize, cols: usize) -> Result<QMat
         len: t.len,
     };
     let data = match t.ty {
+        GgmlType::Q4_K | GgmlType::Q6_K if exact => {
+            let mut f = vec![0f32; rows * cols];
+            quant::dequantize(t.ty, bytes, &mut f);
+            WData::F32(f)
+        }
         GgmlType::Q4_1 => WData::Q4_1x8(quant::repack_q4_1_x8(bytes, rows, cols)),
         GgmlType::Q8_0 => WData::Q8_0(mapped()),
         GgmlType::Q5_0 => WData::Q8_0(Bytes::Owned(quant::q5_0_to_q8_0(bytes))),
@@ -594,7 +610,7 @@ mod tests {
             ],
         ));
         let cfg = ModelConfig::from_gguf(&g).unwrap();
-        let err = Weights::load(&g, &cfg)
+        let err = Weights::load(&g, &cfg, false)
             .err()
             .expect("must fail")
             .to_string();

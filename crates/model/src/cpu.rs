@@ -327,7 +327,7 @@ impl CpuExecutor {
                 cfg.q_dim()
             )));
         }
-        let w = Weights::load(g, &cfg)?;
+        let w = Weights::load(g, &cfg, c.kernel == Kernel::Exact)?;
         let name = g
             .str_opt("general.name")
             .ok()

@@ -60,11 +60,14 @@ fn repo() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../..")
 }
 
-/// Writes the tiny model of `arch` into a fresh directory; `None` (with a
+/// Writes the tiny model of `arch` into a directory of its own for `test`; `None` (with a
 /// note) when Python lacks numpy or gguf outside CI.
-fn generate(arch: &str) -> Option<(PathBuf, Expected)> {
+fn generate(arch: &str, test: &str) -> Option<(PathBuf, Expected)> {
     let python = std::env::var("FLOTILLA_PYTHON").unwrap_or_else(|_| "python3".into());
-    let dir = std::env::temp_dir().join(format!("flotilla-tiny-{arch}-{}", std::process::id()));
+    let dir = std::env::temp_dir().join(format!(
+        "flotilla-tiny-{arch}-{test}-{}",
+        std::process::id()
+    ));
     std::fs::create_dir_all(&dir).unwrap();
     let out = Command::new(&python)
         .arg(repo().join("tests/reference/tiny.py"))
@@ -146,7 +149,7 @@ fn chunked(
 #[test]
 fn every_architecture_matches_the_reference() {
     for arch in ARCHS {
-        let Some((dir, want)) = generate(arch) else {
+        let Some((dir, want)) = generate(arch, "reference") else {
             return;
         };
         let mut e = exec(&dir, Kernel::Exact);
@@ -193,7 +196,7 @@ fn every_architecture_matches_the_reference() {
 #[test]
 fn every_architecture_is_batch_invariant() {
     for arch in ARCHS {
-        let Some((dir, want)) = generate(arch) else {
+        let Some((dir, want)) = generate(arch, "batch") else {
             return;
         };
         let mut e = exec(&dir, Kernel::Exact);
@@ -251,7 +254,7 @@ fn every_architecture_is_batch_invariant() {
 #[test]
 fn every_tokenizer_matches_llama_cpp() {
     for arch in ARCHS {
-        let Some((dir, want)) = generate(arch) else {
+        let Some((dir, want)) = generate(arch, "tokenizer") else {
             return;
         };
         let fixture: TokFixture = serde_json::from_str(

@@ -67,7 +67,7 @@ impl TextSide {
             }
         }
         // Chat templates end a turn with a marker of their own; stop there too.
-        for name in ["<|im_end|>", "<|eot_id|>", "<end_of_turn>"] {
+        for &name in tokenizer::EOG_TEXTS {
             if let Some(id) = tokenizer.token_id(name)
                 && tokenizer.is_special(id)
                 && !stop_tokens.contains(&id)

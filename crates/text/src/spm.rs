@@ -99,6 +99,10 @@ impl Spm {
 
     /// Encodes `text` (without BOS) into `out`.
     pub fn encode(&self, text: &str, parse_special: bool, out: &mut Vec<u32>) {
+        // No text, no fragment: not even the space prefix (as llama.cpp).
+        if text.is_empty() {
+            return;
+        }
         let specials = if parse_special {
             &self.all_special
         } else {

@@ -71,6 +71,30 @@ pub const TOKEN_TYPE_CONTROL: i32 = 3;
 /// decoded as its raw text, not special).
 pub const TOKEN_TYPE_USER_DEFINED: i32 = 4;
 
+/// Texts of end-of-generation tokens: stop tokens, and control tokens even
+/// where a file types them otherwise (Gemma's `</s>` is user-defined in its
+/// GGUF), as llama.cpp does when it loads a vocabulary.
+pub const EOG_TEXTS: &[&str] = &[
+    "<|eot_id|>",
+    "<|im_end|>",
+    "<|end|>",
+    "<end_of_turn>",
+    "<|endoftext|>",
+    "</s>",
+    "<|eom_id|>",
+    "<EOT>",
+    "<|end_of_text|>",
+];
+
+/// A token's type, with end-of-generation texts made control tokens.
+fn effective_type(name: &str, ty: i32) -> i32 {
+    if EOG_TEXTS.contains(&name) {
+        TOKEN_TYPE_CONTROL
+    } else {
+        ty
+    }
+}
+
 /// Vocabulary facts taken from a GGUF file's `tokenizer.ggml.*` keys.
 #[derive(Clone, Copy, Debug)]
 pub struct GgufVocab<'a> {
@@ -495,7 +519,12 @@ impl Tokenizer {
                 tt.len()
             )));
         }
-        let token_type = |i: usize| v.token_types.map_or(TOKEN_TYPE_NORMAL, |tt| tt[i]);
+        let token_type = |i: usize| {
+            effective_type(
+                &v.tokens[i],
+                v.token_types.map_or(TOKEN_TYPE_NORMAL, |tt| tt[i]),
+            )
+        };
 
         // Token strings; empty ones are renamed as llama.cpp does.
         let names: Vec<String> = v
@@ -604,14 +633,23 @@ impl Tokenizer {
             )));
         }
         let types: Vec<i32> = match v.token_types {
-            Some(tt) if tt.len() == n => tt.to_vec(),
+            Some(tt) if tt.len() == n => v
+                .tokens
+                .iter()
+                .zip(tt)
+                .map(|(t, &ty)| effective_type(t, ty))
+                .collect(),
             Some(tt) => {
                 return Err(TokenizerError::InvalidVocab(format!(
                     "tokenizer.ggml.token_type has {} entries but there are {n} tokens",
                     tt.len()
                 )));
             }
-            None => vec![TOKEN_TYPE_NORMAL; n],
+            None => v
+                .tokens
+                .iter()
+                .map(|t| effective_type(t, TOKEN_TYPE_NORMAL))
+                .collect(),
         };
         let scores: Vec<f32> = match v.scores {
             Some(sc) if sc.len() == n => sc.to_vec(),
