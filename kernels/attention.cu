@@ -2,9 +2,14 @@
 //
 // Reads Q from the fused QKV activations (f32 rows [q | k | v], see rope.cu) and
 // K/V from the f16 paged cache (layout in kv.cu); a token's own K/V and those of
-// all earlier positions of its sequence must already be in the cache. Writes
-// out[t][h*head_dim + d] (f32, row width n_head*head_dim).
+// the earlier positions it sees must already be in the cache. Writes
+// out[t][h*head_dim + d] (f32, row width n_head*head_dim, which need not equal
+// the model's residual width).
 // Query head h reads KV head h / (n_head / n_head_kv) (grouped-query attention).
+// The token at position p sees positions max(0, p + 1 - window)..=p when
+// window > 0 (a sliding window: p - p0 < window), else 0..=p; only the cache
+// blocks holding those positions are read. Scores are q.k * scale (the model's
+// attention scale, not necessarily 1/sqrt(head_dim)).
 //
 // Launch: grid = (n_tokens, n_head), block = (128) — any multiple of 32 up to 256.
 // Shared memory: static only (9,280 bytes); no dynamic shared memory.
@@ -56,17 +61,17 @@ __device__ __forceinline__ float dot_row(const float* q, const unsigned short* k
     return acc;
 }
 
-// One CTA per (token, query head). Each warp walks chunks of 32 positions
-// (warp w takes chunks w, w + n_warps, ...): every lane scores one position of
-// the chunk, then the warp accumulates the chunk's V rows with each lane owning
-// dim pairs (2*(lane + 32*k), +1). The warps' partial (max, sum, acc) are merged
-// at the end. Online softmax, f32 throughout.
+// One CTA per (token, query head). Each warp walks chunks of 32 positions from
+// the window's first position (warp w takes chunks w, w + n_warps, ...): every
+// lane scores one position of the chunk, then the warp accumulates the chunk's
+// V rows with each lane owning dim pairs (2*(lane + 32*k), +1). The warps'
+// partial (max, sum, acc) are merged at the end. Online softmax, f32 throughout.
 extern "C" __global__ void paged_attention(float* out, const float* qkv, const unsigned short* kv,
                                            const int* tok_seq, const int* tok_pos,
                                            const int* block_tables, int max_blocks,
                                            int n_tokens, int layer, int n_layer, int n_head,
                                            int n_head_kv, int head_dim, int block_size,
-                                           float scale) {
+                                           int window, float scale) {
     __shared__ __align__(16) float q_s[ATT_MAX_HEAD_DIM];
     __shared__ float acc_s[ATT_MAX_WARPS][ATT_MAX_HEAD_DIM];
     __shared__ float m_s[ATT_MAX_WARPS];
@@ -88,7 +93,8 @@ extern "C" __global__ void paged_attention(float* out, const float* qkv, const u
     for (int i = threadIdx.x; i < head_dim; i += blockDim.x) q_s[i] = q[i];
     __syncthreads();
 
-    const int n_pos = tok_pos[t] + 1;  // causal: positions 0..=tok_pos[t]
+    const int n_pos = tok_pos[t] + 1;  // causal: positions first..=tok_pos[t]
+    const int first = window > 0 ? max(0, n_pos - window) : 0;
     const int* table = block_tables + (size_t)tok_seq[t] * max_blocks;
     const size_t block_elems = (size_t)n_layer * 2 * n_head_kv * block_size * head_dim;
     const size_t head_stride = (size_t)block_size * head_dim;
@@ -102,7 +108,7 @@ extern "C" __global__ void paged_attention(float* out, const float* qkv, const u
 #pragma unroll
     for (int k = 0; k < ATT_PAIRS_PER_LANE; ++k) acc[k][0] = acc[k][1] = 0.0f;
 
-    for (int base = warp * 32; base < n_pos; base += n_warps * 32) {
+    for (int base = first + warp * 32; base < n_pos; base += n_warps * 32) {
         const int p = base + lane;
         int phys = 0;
         float s = neg_inf;

@@ -27,14 +27,27 @@ extern "C" __global__ void swiglu(const float* gate, const float* up, unsigned s
     }
 }
 
-// x[t] = f32(table[tokens[t]]), rows of dim elements.
+// out = f16(gelu_tanh(gate) * up) (GeGLU, Gemma), with GELU's tanh approximation
+// gelu_tanh(x) = 0.5 * x * (1 + tanh(sqrt(2/pi) * x * (1 + 0.044715 * x^2))).
+extern "C" __global__ void geglu(const float* gate, const float* up, unsigned short* out,
+                                 long long n) {
+    const long long stride = (long long)gridDim.x * blockDim.x;
+    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride) {
+        const float g = gate[i];
+        const float gelu = 0.5f * g * (1.0f + tanhf(0.7978846f * g * (1.0f + 0.044715f * g * g)));
+        out[i] = f32_to_f16_bits(gelu * up[i]);
+    }
+}
+
+// x[t] = f32(table[tokens[t]]) * scale, rows of dim elements (scale: the
+// model's embedding scale, sqrt(n_embd) for Gemma, else 1).
 extern "C" __global__ void embed(const unsigned short* table, const unsigned int* tokens,
-                                 float* x, int n_tokens, int dim) {
+                                 float* x, int n_tokens, int dim, float scale) {
     const int t = blockIdx.x;
     if (t >= n_tokens) return;
     const unsigned short* src = table + (size_t)tokens[t] * (size_t)dim;
     float* dst = x + (size_t)t * (size_t)dim;
-    for (int i = threadIdx.x; i < dim; i += blockDim.x) dst[i] = f16_bits_to_f32(src[i]);
+    for (int i = threadIdx.x; i < dim; i += blockDim.x) dst[i] = f16_bits_to_f32(src[i]) * scale;
 }
 
 extern "C" __global__ void f32_to_f16(const float* in, unsigned short* out, long long n) {

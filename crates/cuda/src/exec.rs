@@ -1,12 +1,37 @@
-//! The CUDA executor: a Llama forward pass over a flat mixed batch and a
-//! paged f16 KV cache in device memory.
+//! The CUDA executor: one forward pass for every architecture that
+//! [`flotilla_model::arch::ModelConfig`] describes (Llama, Mistral, Qwen2,
+//! Gemma 3), over a flat mixed batch and a paged f16 KV cache in device
+//! memory, computing what the CPU backend (`flotilla_model::cpu`) computes.
+//!
+//! Per layer, from the description's pieces:
+//! - RMSNorm (the previous block's residual add fused in front), then one
+//!   GEMM for Q, K and V (`n_head * head_dim + 2 * n_head_kv * head_dim`
+//!   rows; the query width need not equal `n_embd`);
+//! - `rope_qk`: Q/K/V biases (`qkv_bias`), per-head RMSNorm of Q and K
+//!   (`qk_norm`) and RoPE (normal or NEOX pairs; the layer's base; the
+//!   frequency factors of Llama 3), with RoPE's inverse frequencies
+//!   computed on the host in f64 by [`flotilla_model::arch::inv_freq`], as
+//!   on the CPU;
+//! - K and V into the cache, then paged attention with the layer's sliding
+//!   window (only the blocks inside it are read) and the model's
+//!   `attn_scale`;
+//! - the output projection (`n_embd x q_dim`) and the residual add:
+//!   `x += y`, or `x += rmsnorm(y) * w` with `post_norms` (Gemma), fused
+//!   into the next RMSNorm either way;
+//! - the gated FFN with SiLU (SwiGLU) or tanh-GELU (GeGLU).
+//!
+//! The token embedding is scaled by `embd_scale`; the head is separate or
+//! tied to the embedding.
 //!
 //! Weights: every matrix is dequantised to f16 once, at load (Q8_0, Q4_0
-//! and Q4_1 on the device by `kernels/dequant.cu`; other GGUF types on the
-//! host), and multiplied by cuBLAS (`cublasGemmEx`, f16 inputs, f32
-//! accumulation and output). Twice the bytes of Q8_0 per decode step, in
-//! exchange for one GEMM path that serves prefill and decode alike; a
-//! dequantising GEMV for decode is the next step for bandwidth.
+//! and Q4_1 on the device by `kernels/dequant.cu`; other GGUF types, Q5_0,
+//! Q4_K and Q6_K among them, on the host by
+//! [`flotilla_model::quant::dequantize`]), and multiplied by cuBLAS
+//! (`cublasGemmEx`, f16 inputs, f32 accumulation and output); norm
+//! weights, biases and RoPE factors stay f32. Twice the bytes of Q8_0 per
+//! decode step, in exchange for one GEMM path that serves prefill and
+//! decode alike; a dequantising GEMV for decode is the next step for
+//! bandwidth.
 //!
 //! One stream; a step queues its kernels and GEMMs without a host sync
 //! until the sampled rows' logits are read back. Device buffers are sized
@@ -23,7 +48,7 @@ use cudarc::driver::{
     CudaContext, CudaFunction, CudaSlice, CudaStream, DevicePtr, LaunchConfig, PushKernelArg,
 };
 use flotilla_gguf::{GgmlType, GgufError, GgufFile};
-use flotilla_model::arch::ModelConfig;
+use flotilla_model::arch::{self, Activation, ModelConfig, RopeStyle};
 use flotilla_model::sampling::{Sampled, SamplerScratch, sample};
 use flotilla_model::{
     BatchLimits, ExecError, Executor, KvDtype, KvSpec, ModelSpec, OutputKind, SeqInput, SeqOutput,
@@ -141,13 +166,22 @@ pub fn probe(ordinal: usize) -> Result<Arc<CudaContext>, CudaError> {
 
 struct LayerW {
     attn_norm: CudaSlice<f32>,
-    /// Q, K and V rows stacked: `[qkv_w][n_embd]`.
+    /// Q, K and V rows stacked: `[qkv_w][n_embd]`, `qkv_w = q_dim + 2 * kv_dim`.
     wqkv: CudaSlice<u16>,
+    /// Q, K and V biases laid out as a QKV row (`qkv_w` floats).
+    bias: Option<CudaSlice<f32>>,
+    /// Per-head RMSNorm weights of Q and K (`head_dim` each).
+    qk_norm: Option<(CudaSlice<f32>, CudaSlice<f32>)>,
+    /// `[n_embd][q_dim]`.
     wo: CudaSlice<u16>,
+    /// RMSNorm of the attention output before its residual add.
+    post_attn_norm: Option<CudaSlice<f32>>,
     ffn_norm: CudaSlice<f32>,
     w_gate: CudaSlice<u16>,
     w_up: CudaSlice<u16>,
     w_down: CudaSlice<u16>,
+    /// RMSNorm of the FFN output before its residual add.
+    post_ffn_norm: Option<CudaSlice<f32>>,
 }
 
 struct Funcs {
@@ -157,6 +191,7 @@ struct Funcs {
     copy_block: CudaFunction,
     paged_attention: CudaFunction,
     swiglu: CudaFunction,
+    geglu: CudaFunction,
     embed: CudaFunction,
     f32_to_f16: CudaFunction,
     add_rows: CudaFunction,
@@ -172,7 +207,7 @@ struct Funcs {
 struct Bufs {
     x: CudaSlice<f32>,
     delta: CudaSlice<f32>,
-    /// f16 matmul input, `[tokens][max(n_embd, n_ff)]`.
+    /// f16 matmul input, `[tokens][max(n_embd, q_dim, n_ff)]`.
     h16: CudaSlice<u16>,
     qkv: CudaSlice<f32>,
     att: CudaSlice<f32>,
@@ -204,7 +239,7 @@ struct Host {
     picks: Vec<u32>,
 }
 
-/// A Llama-family model on one CUDA device.
+/// A model of any [`ModelConfig`] architecture on one CUDA device.
 pub struct CudaExecutor {
     cfg: ModelConfig,
     spec: ModelSpec,
@@ -216,6 +251,9 @@ pub struct CudaExecutor {
     head: Option<CudaSlice<u16>>,
     out_norm: CudaSlice<f32>,
     layers: Vec<LayerW>,
+    /// RoPE's inverse frequencies, `[base][head_dim / 2]` (f64), one row
+    /// per entry of `cfg.rope_bases`, frequency factors applied.
+    inv_freq: CudaSlice<f64>,
     kv: CudaSlice<u16>,
     block_elems: usize,
     num_blocks: usize,
@@ -267,6 +305,12 @@ fn ptr<T>(s: &CudaSlice<T>, stream: &CudaStream) -> u64 {
     p
 }
 
+/// The address of an optional buffer; null (0) when absent, which the
+/// kernels read as "this piece is off".
+fn opt_ptr<T>(s: Option<&CudaSlice<T>>, stream: &CudaStream) -> u64 {
+    s.map_or(0, |s| ptr(s, stream))
+}
+
 impl CudaExecutor {
     /// Loads a GGUF model onto device `c.ordinal`.
     pub fn load(path: &Path, c: &CudaConfig) -> Result<CudaExecutor, CudaError> {
@@ -288,12 +332,6 @@ impl CudaExecutor {
             )));
         }
         let cfg = ModelConfig::from_gguf(g)?;
-        if cfg.arch != "llama" && cfg.arch != "mistral" {
-            return Err(CudaError::Config(format!(
-                "the CUDA forward pass runs the Llama family; {} runs on --device cpu",
-                cfg.describe()
-            )));
-        }
         if cfg.head_dim > 256 || cfg.head_dim % 2 != 0 {
             return Err(CudaError::Config(format!(
                 "head dimension {} (the attention kernel takes even sizes up to 256)",
@@ -326,6 +364,7 @@ impl CudaExecutor {
             copy_block: take("copy_block")?,
             paged_attention: take("paged_attention")?,
             swiglu: take("swiglu")?,
+            geglu: take("geglu")?,
             embed: take("embed")?,
             f32_to_f16: take("f32_to_f16")?,
             add_rows: take("add_rows")?,
@@ -342,25 +381,30 @@ impl CudaExecutor {
         }
         let blas = CudaBlas::new(stream.clone()).map_err(drv)?;
 
-        let (d, kvd, ff, vocab) = (cfg.n_embd, cfg.kv_dim(), cfg.n_ff, cfg.vocab);
-        let qkv_w = d + 2 * kvd;
+        let (d, qd, kvd, ff, vocab) = (cfg.n_embd, cfg.q_dim(), cfg.kv_dim(), cfg.n_ff, cfg.vocab);
+        let (hd, half) = (cfg.head_dim, cfg.head_dim / 2);
+        let qkv_w = qd + 2 * kvd;
         let t = c.max_batch_tokens;
         let s = c.max_seqs.min(t);
         let max_blocks = cfg.ctx_len.div_ceil(c.block_size);
         // Weights and buffers first, then check what is left.
         let weight_elems = vocab * d
-            + cfg.n_layer * (qkv_w * d + d * d + 2 * ff * d + d * ff)
-            + if g.has_tensor("output.weight") {
-                vocab * d
-            } else {
-                0
-            };
-        let buf_bytes = 4 * t * (2 * d + qkv_w + d + 2 * ff)
-            + 2 * t * d.max(ff)
-            + s * (4 * d + 2 * d + 4 * vocab)
+            + cfg.n_layer * (qkv_w * d + d * qd + 2 * ff * d + d * ff)
+            + if cfg.separate_head { vocab * d } else { 0 };
+        // f32 vectors: norms, biases, QK-norms; and the f64 RoPE table.
+        let vector_bytes = 4
+            * (d + cfg.n_layer
+                * (2 * d
+                    + if cfg.post_norms { 2 * d } else { 0 }
+                    + if cfg.qkv_bias { qkv_w } else { 0 }
+                    + if cfg.qk_norm { 2 * hd } else { 0 }))
+            + 8 * cfg.rope_bases.len() * half;
+        let buf_bytes = 4 * t * (2 * d + qkv_w + qd + 2 * ff)
+            + 2 * t * d.max(qd).max(ff)
+            + s * (4 * d + 2 * d + 4 * vocab + 8)
             + 4 * (4 * t + s + s * max_blocks);
         let (free, _) = ctx.mem_get_info().map_err(drv)?;
-        let need = weight_elems * 2 + buf_bytes;
+        let need = weight_elems * 2 + vector_bytes + buf_bytes;
         if need > free {
             return Err(CudaError::DoesNotFit {
                 need_mib: need >> 20,
@@ -375,7 +419,7 @@ impl CudaExecutor {
             g,
         };
         let tok_embd = up.matrix("token_embd.weight", vocab, d)?;
-        let head = if g.has_tensor("output.weight") {
+        let head = if cfg.separate_head {
             Some(up.matrix("output.weight", vocab, d)?)
         } else {
             None
@@ -384,31 +428,80 @@ impl CudaExecutor {
         let mut layers = Vec::with_capacity(cfg.n_layer);
         for i in 0..cfg.n_layer {
             let n = |s: &str| format!("blk.{i}.{s}");
+            let bias = if cfg.qkv_bias {
+                let mut b = up.host_vector(&n("attn_q.bias"), qd)?;
+                b.extend(up.host_vector(&n("attn_k.bias"), kvd)?);
+                b.extend(up.host_vector(&n("attn_v.bias"), kvd)?);
+                Some(stream.clone_htod(&b).map_err(drv)?)
+            } else {
+                None
+            };
+            let qk_norm = if cfg.qk_norm {
+                Some((
+                    up.vector(&n("attn_q_norm.weight"), hd)?,
+                    up.vector(&n("attn_k_norm.weight"), hd)?,
+                ))
+            } else {
+                None
+            };
+            let mut post = |name: &str| -> Result<Option<CudaSlice<f32>>, CudaError> {
+                if cfg.post_norms {
+                    Ok(Some(up.vector(&n(name), d)?))
+                } else {
+                    Ok(None)
+                }
+            };
+            let post_attn_norm = post("post_attention_norm.weight")?;
+            let post_ffn_norm = post("post_ffw_norm.weight")?;
             layers.push(LayerW {
                 attn_norm: up.vector(&n("attn_norm.weight"), d)?,
                 wqkv: up.stacked(
                     &[
-                        (&n("attn_q.weight"), d),
+                        (&n("attn_q.weight"), qd),
                         (&n("attn_k.weight"), kvd),
                         (&n("attn_v.weight"), kvd),
                     ],
                     d,
                 )?,
-                wo: up.matrix(&n("attn_output.weight"), d, d)?,
+                bias,
+                qk_norm,
+                wo: up.matrix(&n("attn_output.weight"), d, qd)?,
+                post_attn_norm,
                 ffn_norm: up.vector(&n("ffn_norm.weight"), d)?,
                 w_gate: up.matrix(&n("ffn_gate.weight"), ff, d)?,
                 w_up: up.matrix(&n("ffn_up.weight"), ff, d)?,
                 w_down: up.matrix(&n("ffn_down.weight"), d, ff)?,
+                post_ffn_norm,
             });
         }
+        // RoPE's inverse frequencies, as the CPU backend computes them.
+        let factors = if cfg.rope_factors {
+            let f = up.host_vector("rope_freqs.weight", half)?;
+            if !f.iter().all(|v| v.is_finite() && *v > 0.0) {
+                return Err(CudaError::Model(GgufError::Invalid(
+                    "rope_freqs.weight holds a factor that is not a positive number".into(),
+                )));
+            }
+            Some(f)
+        } else {
+            None
+        };
+        let inv_freq: Vec<f64> = cfg
+            .rope_bases
+            .iter()
+            .flat_map(|&b| arch::inv_freq(b, hd, factors.as_deref()))
+            .collect();
+        let inv_freq = stream.clone_htod(&inv_freq).map_err(drv)?;
         let z32 = |n: usize| stream.alloc_zeros::<f32>(n.max(1)).map_err(drv);
         let zi = |n: usize| stream.alloc_zeros::<i32>(n.max(1)).map_err(drv);
         let b = Bufs {
             x: z32(t * d)?,
             delta: z32(t * d)?,
-            h16: stream.alloc_zeros::<u16>(t * d.max(ff)).map_err(drv)?,
+            h16: stream
+                .alloc_zeros::<u16>(t * d.max(qd).max(ff))
+                .map_err(drv)?,
             qkv: z32(t * qkv_w)?,
-            att: z32(t * d)?,
+            att: z32(t * qd)?,
             gate: z32(t * ff)?,
             up: z32(t * ff)?,
             xs: z32(s * d)?,
@@ -442,6 +535,7 @@ impl CudaExecutor {
         tracing::info!(
             device = %ctx.name().unwrap_or_default(),
             arch,
+            model = %cfg.describe(),
             weights_mib = (weight_elems * 2) >> 20,
             kv_blocks = num_blocks,
             "CUDA executor ready"
@@ -475,6 +569,7 @@ impl CudaExecutor {
             head,
             out_norm,
             layers,
+            inv_freq,
             kv,
             block_elems,
             num_blocks,
@@ -528,10 +623,27 @@ impl CudaExecutor {
         Ok(())
     }
 
-    fn norm(&self, x: u64, delta: u64, w: u64, out: u64, rows_n: usize) -> Result<(), ExecError> {
+    /// `rms_norm_residual` over `rows_n` rows of `n_embd`: the residual add
+    /// `x += delta` (`delta_w` null) or `x += rmsnorm(delta) * delta_w`
+    /// (a post norm) when `delta` is not null, then `out = f16(rmsnorm(x) * w)`
+    /// when `out` is not null.
+    fn norm(
+        &self,
+        x: u64,
+        (delta, delta_w): (u64, u64),
+        w: u64,
+        out: u64,
+        rows_n: usize,
+    ) -> Result<(), ExecError> {
         let mut l = self.stream.launch_builder(&self.f.rms_norm_residual);
         let (dim, eps) = (self.cfg.n_embd as i32, self.cfg.rms_eps);
-        l.arg(&x).arg(&delta).arg(&w).arg(&out).arg(&dim).arg(&eps);
+        l.arg(&x)
+            .arg(&delta)
+            .arg(&delta_w)
+            .arg(&w)
+            .arg(&out)
+            .arg(&dim)
+            .arg(&eps);
         // SAFETY: as above.
         unsafe { l.launch(rows(rows_n, 256)) }.map_err(exec_err)?;
         Ok(())
@@ -539,13 +651,14 @@ impl CudaExecutor {
 
     fn forward(&mut self, batch: &[SeqInput<'_>], out: &mut StepOutputs) -> Result<(), ExecError> {
         let st = &self.stream;
-        let (d, kvd, ff, hd) = (
+        let (d, qd, kvd, ff, hd) = (
             self.cfg.n_embd,
+            self.cfg.q_dim(),
             self.cfg.kv_dim(),
             self.cfg.n_ff,
             self.cfg.head_dim,
         );
-        let qkv_w = d + 2 * kvd;
+        let qkv_w = qd + 2 * kvd;
         let h = &mut self.host;
         h.tokens.clear();
         h.tok_seq.clear();
@@ -614,33 +727,64 @@ impl CudaExecutor {
             self.max_blocks as i32,
         );
 
+        // SAFETY (every launch of this step): the arguments match the
+        // kernel's signature, and the addresses name live buffers sized at
+        // load for max_batch_tokens / max_seqs / max_blocks, which
+        // validate_batch and the checks in `step` keep this batch within.
         {
             let mut l = st.launch_builder(&self.f.embed);
-            let (tab, dim) = (ptr(&self.tok_embd, st), d as i32);
-            l.arg(&tab).arg(&tokens).arg(&x).arg(&n_tok).arg(&dim);
-            // SAFETY: as above.
+            let (tab, dim, scale) = (ptr(&self.tok_embd, st), d as i32, self.cfg.embd_scale);
+            l.arg(&tab)
+                .arg(&tokens)
+                .arg(&x)
+                .arg(&n_tok)
+                .arg(&dim)
+                .arg(&scale);
+            // SAFETY: see above.
             unsafe { l.launch(rows(t_all, 256)) }.map_err(exec_err)?;
         }
+        let (neox, eps) = (
+            i32::from(self.cfg.rope_style == RopeStyle::Neox),
+            self.cfg.rms_eps,
+        );
+        // rope_qk: a warp per head, up to 8 warps.
+        let rope_heads = self.cfg.n_head + 2 * self.cfg.n_head_kv;
+        let rope_threads = 32 * rope_heads.min(8) as u32;
+        let act = match self.cfg.act {
+            Activation::Silu => &self.f.swiglu,
+            Activation::GeluTanh => &self.f.geglu,
+        };
+        // The residual add still owed by the previous block: its output
+        // (`delta`) and its post norm, fused into the next RMSNorm.
+        let mut owed = (null, null);
         for (li, w) in self.layers.iter().enumerate() {
             let layer = li as i32;
-            // Attention: the residual add of the previous layer's FFN is
-            // fused into this norm (none before the first layer).
-            let prev = if li == 0 { null } else { delta };
-            self.norm(x, prev, ptr(&w.attn_norm, st), h16, t_all)?;
+            let spec = self.cfg.layers[li];
+            // Attention: the previous layer's FFN residual fused into this norm.
+            self.norm(x, owed, ptr(&w.attn_norm, st), h16, t_all)?;
             self.gemm(ptr(&w.wqkv, st), h16, qkv, qkv_w, d, t_all)?;
             {
                 let mut l = st.launch_builder(&self.f.rope_qk);
-                let (qw, base) = (qkv_w as i32, self.cfg.rope_bases[0]);
+                let bias = opt_ptr(w.bias.as_ref(), st);
+                let (qn, kn) = match &w.qk_norm {
+                    Some((q, k)) => (ptr(q, st), ptr(k, st)),
+                    None => (null, null),
+                };
+                let freqs = ptr(&self.inv_freq, st) + (spec.rope * hd / 2 * 8) as u64;
                 l.arg(&qkv)
+                    .arg(&bias)
+                    .arg(&qn)
+                    .arg(&kn)
+                    .arg(&freqs)
                     .arg(&tok_pos)
                     .arg(&n_tok)
-                    .arg(&qw)
                     .arg(&n_head)
                     .arg(&n_kv)
                     .arg(&hd32)
-                    .arg(&base);
-                // SAFETY: as above.
-                unsafe { l.launch(rows(t_all, 64)) }.map_err(exec_err)?;
+                    .arg(&neox)
+                    .arg(&eps);
+                // SAFETY: see above; `freqs` is row `spec.rope` of inv_freq.
+                unsafe { l.launch(rows(t_all, rope_threads)) }.map_err(exec_err)?;
             }
             {
                 let mut l = st.launch_builder(&self.f.kv_append);
@@ -657,12 +801,14 @@ impl CudaExecutor {
                     .arg(&n_kv)
                     .arg(&hd32)
                     .arg(&bs);
-                // SAFETY: as above.
+                // SAFETY: see above.
                 unsafe { l.launch(rows(t_all, 128)) }.map_err(exec_err)?;
             }
             {
                 let mut l = st.launch_builder(&self.f.paged_attention);
-                let scale = 1.0 / (hd as f32).sqrt();
+                let scale = self.cfg.attn_scale;
+                // 0: global attention.
+                let window = spec.window.map_or(0, |w| w.min(i32::MAX as usize) as i32);
                 l.arg(&att)
                     .arg(&qkv)
                     .arg(&kv)
@@ -677,29 +823,32 @@ impl CudaExecutor {
                     .arg(&n_kv)
                     .arg(&hd32)
                     .arg(&bs)
+                    .arg(&window)
                     .arg(&scale);
                 let cfg = LaunchConfig {
                     grid_dim: (t_all as u32, self.cfg.n_head as u32, 1),
                     block_dim: (128, 1, 1),
                     shared_mem_bytes: 0,
                 };
-                // SAFETY: as above.
+                // SAFETY: see above.
                 unsafe { l.launch(cfg) }.map_err(exec_err)?;
             }
-            self.to_f16(att, h16, t_all * d)?;
-            self.gemm(ptr(&w.wo, st), h16, delta, d, d, t_all)?;
-            // FFN, the attention residual fused into its norm.
-            self.norm(x, delta, ptr(&w.ffn_norm, st), h16, t_all)?;
+            self.to_f16(att, h16, t_all * qd)?;
+            self.gemm(ptr(&w.wo, st), h16, delta, d, qd, t_all)?;
+            // FFN, the attention residual (and its post norm) fused into its norm.
+            let post_attn = opt_ptr(w.post_attn_norm.as_ref(), st);
+            self.norm(x, (delta, post_attn), ptr(&w.ffn_norm, st), h16, t_all)?;
             self.gemm(ptr(&w.w_gate, st), h16, gate, ff, d, t_all)?;
             self.gemm(ptr(&w.w_up, st), h16, upb, ff, d, t_all)?;
             {
-                let mut l = st.launch_builder(&self.f.swiglu);
+                let mut l = st.launch_builder(act);
                 let n = (t_all * ff) as i64;
                 l.arg(&gate).arg(&upb).arg(&h16).arg(&n);
-                // SAFETY: as above.
+                // SAFETY: see above.
                 unsafe { l.launch(flat(t_all * ff)) }.map_err(exec_err)?;
             }
             self.gemm(ptr(&w.w_down, st), h16, delta, d, ff, t_all)?;
+            owed = (delta, opt_ptr(w.post_ffn_norm.as_ref(), st));
         }
         if n_out == 0 {
             st.synchronize().map_err(exec_err)?;
@@ -707,23 +856,26 @@ impl CudaExecutor {
             return Ok(());
         }
         // Last residual add, then only the rows that want logits.
-        {
+        if owed.1 == null {
             let mut l = st.launch_builder(&self.f.add_rows);
             let n = (t_all * d) as i64;
             l.arg(&x).arg(&delta).arg(&n);
-            // SAFETY: as above.
+            // SAFETY: see above.
             unsafe { l.launch(flat(t_all * d)) }.map_err(exec_err)?;
+        } else {
+            // With a post norm: x += rmsnorm(delta) * w, no normalised output.
+            self.norm(x, owed, null, null, t_all)?;
         }
         let xs = ptr(&self.b.xs, st);
         {
             let mut l = st.launch_builder(&self.f.gather_rows);
             let (rows_p, dim) = (ptr(&self.b.rows, st), d as i32);
             l.arg(&x).arg(&xs).arg(&rows_p).arg(&dim);
-            // SAFETY: as above.
+            // SAFETY: see above.
             unsafe { l.launch(rows(n_out, 256)) }.map_err(exec_err)?;
         }
         let hs16 = ptr(&self.b.hs16, st);
-        self.norm(xs, null, ptr(&self.out_norm, st), hs16, n_out)?;
+        self.norm(xs, (null, null), ptr(&self.out_norm, st), hs16, n_out)?;
         let vocab = self.cfg.vocab;
         let head = ptr(self.head.as_ref().unwrap_or(&self.tok_embd), st);
         self.gemm(head, hs16, ptr(&self.b.logits, st), vocab, d, n_out)?;
@@ -746,7 +898,7 @@ impl CudaExecutor {
                 ptr(&self.b.pick_vals, st),
             );
             l.arg(&lp).arg(&v).arg(&tk).arg(&tv);
-            // SAFETY: as above.
+            // SAFETY: see above.
             unsafe { l.launch(rows(n_out, 256)) }.map_err(exec_err)?;
             let picks = &mut self.host.picks;
             picks.resize(n_out, 0);
@@ -806,12 +958,19 @@ struct Uploader<'a> {
 
 impl Uploader<'_> {
     fn vector(&mut self, name: &str, n: usize) -> Result<CudaSlice<f32>, CudaError> {
+        let v = self.host_vector(name, n)?;
+        self.stream.clone_htod(&v).map_err(drv)
+    }
+
+    /// A vector of `n` floats (norm weights, biases, RoPE factors), read
+    /// on the host.
+    fn host_vector(&mut self, name: &str, n: usize) -> Result<Vec<f32>, CudaError> {
         let t = self.g.tensor(name)?;
         if t.elems() != n as u64 || t.ty.block_elems() != 1 {
             return Err(CudaError::Model(GgufError::UnsupportedType {
                 tensor: name.to_string(),
                 ty: format!(
-                    "{} with {} elements (a norm vector of {n})",
+                    "{} with {} elements (a vector of {n})",
                     t.ty.name(),
                     t.elems()
                 ),
@@ -819,7 +978,7 @@ impl Uploader<'_> {
         }
         let mut v = vec![0f32; n];
         flotilla_model::quant::dequantize(t.ty, self.g.tensor_bytes(t), &mut v);
-        self.stream.clone_htod(&v).map_err(drv)
+        Ok(v)
     }
 
     fn matrix(

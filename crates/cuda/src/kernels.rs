@@ -39,7 +39,14 @@ pub const SOURCES: &[Source] = &[
     Source {
         file: "ffn.cu",
         code: include_str!("../../../kernels/ffn.cu"),
-        kernels: &["swiglu", "embed", "f32_to_f16", "add_rows", "gather_rows"],
+        kernels: &[
+            "swiglu",
+            "geglu",
+            "embed",
+            "f32_to_f16",
+            "add_rows",
+            "gather_rows",
+        ],
     },
     Source {
         file: "dequant.cu",

@@ -104,6 +104,7 @@ pub fn run(a: &BenchArgs) -> Result<()> {
         (e.kv_spec().bytes_per_block * blocks) as f64 / 1e6,
         t0.elapsed().as_secs_f64()
     );
+    eprintln!("architecture {}", e.config().describe());
     let mut out = StepOutputs::default();
     let table: Vec<u32> = (0..blocks as u32).collect();
     let greedy = OutputKind::Sample(SamplingParams::greedy());

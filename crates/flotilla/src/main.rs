@@ -43,7 +43,8 @@ struct ModelArgs {
     /// Tokens per KV block.
     #[arg(long, default_value_t = 16)]
     block_size: usize,
-    /// Matrix kernels: auto (SIMD), scalar, or exact (f32 reference, slow).
+    /// Matrix kernels: auto (the best SIMD this CPU has), avx512 (AVX-512
+    /// VNNI), avx2, scalar, or exact (f32 reference, slow).
     #[arg(long, default_value = "auto")]
     kernel: String,
     /// Where the model runs: cpu, or cuda / cuda:N (an NVIDIA GPU; f16 KV
@@ -79,12 +80,7 @@ impl ModelArgs {
     }
 
     fn cpu_config(&self, num_blocks: usize, max_batch_tokens: usize) -> Result<CpuConfig> {
-        let kernel = match self.kernel.as_str() {
-            "auto" => Kernel::Auto,
-            "scalar" => Kernel::Scalar,
-            "exact" => Kernel::Exact,
-            k => bail!("unknown --kernel '{k}' (expected auto, scalar or exact)"),
-        };
+        let kernel = Kernel::parse(&self.kernel).map_err(anyhow::Error::msg)?;
         let kv_dtype = KvDtype::parse(&self.kv_cache_dtype).map_err(anyhow::Error::msg)?;
         let mut c = CpuConfig {
             kernel,

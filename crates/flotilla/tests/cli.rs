@@ -163,3 +163,53 @@ fn a_gpu_device_without_a_driver_or_an_unknown_device_is_a_clear_error() {
         "{err}"
     );
 }
+
+/// `--model gemma3-270m` names a model: `fetch-model` prints the verified
+/// cache path, and `generate` runs it by name, raw completion being the main
+/// use of this base model (the reference's greedy tokens of
+/// tests/fixtures/gemma3/greedy.json, raw_france).
+#[test]
+fn gemma3_by_name() {
+    // Fetched (or found) in the cache the other tests use.
+    let path = flotilla_hub::test_gemma3_path();
+    if std::env::var_os("FLOTILLA_TEST_GEMMA3").is_some() {
+        eprintln!("skipped: FLOTILLA_TEST_GEMMA3 points elsewhere than the cache");
+        return;
+    }
+    let out = flotilla()
+        .args(["fetch-model", "--model", "gemma3-270m"])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert_eq!(
+        String::from_utf8(out.stdout).unwrap().trim(),
+        path.display().to_string()
+    );
+    let out = flotilla()
+        .args([
+            "generate",
+            "--model",
+            "gemma3-270m",
+            "--prompt",
+            "The capital of France is",
+            "--max-tokens",
+            "8",
+            "--threads",
+            "1",
+        ])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert_eq!(
+        String::from_utf8(out.stdout).unwrap(),
+        " the capital of the country of France.\n"
+    );
+}

@@ -127,12 +127,12 @@ fn start_node_with(
     name: &str,
     extra: &[&str],
 ) -> (Node, Option<String>) {
-    let model = flotilla_hub::test_model_path();
-    let mut child = cmd
-        .args(["node", "--name", name, "--config"])
-        .arg(config)
-        .arg("--model")
-        .arg(&model)
+    let mut child = cmd.args(["node", "--name", name, "--config"]).arg(config);
+    // The default model unless the caller names one.
+    if !extra.contains(&"--model") {
+        child = child.arg("--model").arg(flotilla_hub::test_model_path());
+    }
+    let mut child = child
         .args([
             "--kv-cache-bytes",
             "100000000",
@@ -210,14 +210,21 @@ fn start_cluster() -> Cluster {
 
 /// A Router and two engine nodes of `roles`.
 fn start_cluster_with(roles: [&str; 2]) -> Cluster {
+    start_cluster_on(roles, &flotilla_hub::test_model_path())
+}
+
+/// As [`start_cluster_with`], every node on the model file at `model`.
+fn start_cluster_on(roles: [&str; 2], model: &Path) -> Cluster {
     let (dir, certs) = certs_dir(roles);
     let config = dir.0.join("cluster.toml");
     let addrs = [0, 1, 2].map(|_| format!("127.0.0.1:{}", free_port()));
     let http = format!("127.0.0.1:{}", free_tcp_port());
     std::fs::write(&config, config_text(&certs, addrs, http, roles)).unwrap();
-    let (w1, _) = start_node(&config, "worker-1");
-    let (w2, _) = start_node(&config, "worker-2");
-    let (r, url) = start_node(&config, "router");
+    let model = model.to_str().unwrap();
+    let on = ["--model", model];
+    let (w1, _) = start_node_with(flotilla(), &config, "worker-1", &on);
+    let (w2, _) = start_node_with(flotilla(), &config, "worker-2", &on);
+    let (r, url) = start_node_with(flotilla(), &config, "router", &on);
     Cluster {
         dir,
         config,
@@ -629,8 +636,19 @@ async fn complete_text(base: &str, body: &Value) -> (String, Value) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn disaggregated_prefill_and_decode_give_the_colocated_tokens() {
+    disaggregated_equals_colocated(&flotilla_hub::test_model_path()).await;
+}
+
+/// The same on Gemma 3 270M: its KV (one 256-wide KV head per layer,
+/// sliding-window layers) migrates between the nodes like SmolLM2's.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn gemma3_disaggregated_prefill_and_decode_give_the_colocated_tokens() {
+    disaggregated_equals_colocated(&flotilla_hub::test_gemma3_path()).await;
+}
+
+async fn disaggregated_equals_colocated(model: &Path) {
     // worker-1 computes prompts, worker-2 continues them.
-    let mut c = start_cluster_with(["prefill", "decode"]);
+    let mut c = start_cluster_on(["prefill", "decode"], model);
     wait_for(&c.base, "both nodes up", |r| {
         node(r, "worker-1")["up"] == true && node(r, "worker-2")["up"] == true
     })

@@ -62,8 +62,14 @@ max_concurrent = {free_concurrent}
     )
 }
 
-/// Starts the binary on an ephemeral port and waits for its ready line.
+/// Starts the binary on the default model, on an ephemeral port, and waits
+/// for its ready line.
 fn start(config_text: &str, extra: &[&str]) -> Server {
+    start_model(&flotilla_hub::test_model_path(), config_text, extra)
+}
+
+/// As [`start`], on the model file at `model`.
+fn start_model(model: &std::path::Path, config_text: &str, extra: &[&str]) -> Server {
     let dir = std::env::temp_dir().join(format!(
         "flotilla-serve-test-{}-{}",
         std::process::id(),
@@ -72,11 +78,10 @@ fn start(config_text: &str, extra: &[&str]) -> Server {
     std::fs::create_dir_all(&dir).unwrap();
     let cfg = dir.join("cluster.toml");
     std::fs::write(&cfg, config_text).unwrap();
-    let model = flotilla_hub::test_model_path();
     let mut child = Command::new(env!("CARGO_BIN_EXE_flotilla"))
         .arg("serve")
         .arg("--model")
-        .arg(&model)
+        .arg(model)
         .arg("--config")
         .arg(&cfg)
         .args(["--port", "0", "--kv-cache-bytes", "200000000"])
@@ -160,10 +165,10 @@ fn completion(prompt: &str, max_tokens: u32, stream: bool) -> Value {
            "temperature": 0, "ignore_eos": true})
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn openai_python_client_chat_and_completions() {
-    let python = match std::env::var("FLOTILLA_PYTHON") {
-        Ok(p) => p,
+/// The Python interpreter with the `openai` package, or `None` (skip) outside CI.
+fn openai_python() -> Option<String> {
+    match std::env::var("FLOTILLA_PYTHON") {
+        Ok(p) => Some(p),
         Err(_) => {
             let ok = Command::new("python3")
                 .args(["-c", "import openai"])
@@ -175,12 +180,15 @@ async fn openai_python_client_chat_and_completions() {
                     "CI must provide the openai client (FLOTILLA_PYTHON)"
                 );
                 eprintln!("SKIPPED: no python with the openai package (set FLOTILLA_PYTHON)");
-                return;
+                return None;
             }
-            "python3".to_string()
+            Some("python3".to_string())
         }
-    };
-    let srv = start(&config(4, 8), &[]);
+    }
+}
+
+/// Runs tests/openai_client.py against `srv`.
+fn run_openai_client(python: &str, srv: &Server) {
     let script = concat!(env!("CARGO_MANIFEST_DIR"), "/../../tests/openai_client.py");
     let out = Command::new(python)
         .arg(script)
@@ -192,6 +200,30 @@ async fn openai_python_client_chat_and_completions() {
     eprintln!("{stdout}\n{}", String::from_utf8_lossy(&out.stderr));
     assert!(out.status.success(), "openai client script failed");
     assert!(stdout.contains("ALL OK"), "{stdout}");
+}
+
+/// The same client against Gemma 3 270M: SentencePiece detokenization in
+/// the stream, the built-in Gemma turn format on the chat endpoint.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn openai_python_client_against_gemma3() {
+    let Some(python) = openai_python() else {
+        return;
+    };
+    let srv = start_model(
+        &flotilla_hub::test_gemma3_path(),
+        &config(4, 8),
+        &["--max-model-len", "4096"],
+    );
+    run_openai_client(&python, &srv);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn openai_python_client_chat_and_completions() {
+    let Some(python) = openai_python() else {
+        return;
+    };
+    let srv = start(&config(4, 8), &[]);
+    run_openai_client(&python, &srv);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -345,6 +345,21 @@ impl GgufFile {
         self.by_name.contains_key(name)
     }
 
+    /// Says that a tensor's bytes will not be read again (they were copied
+    /// into another layout), so their pages leave the process's resident
+    /// set; a later read would fetch them from the file again.
+    pub fn release(&self, t: &TensorInfo) {
+        #[cfg(unix)]
+        // SAFETY: the map is a read-only shared mapping of a file: dropping
+        // its pages loses nothing, a later access reads the file again.
+        let _ = unsafe {
+            self.map
+                .unchecked_advise_range(memmap2::UncheckedAdvice::DontNeed, t.start, t.len)
+        };
+        #[cfg(not(unix))]
+        let _ = t;
+    }
+
     /// The bytes of a tensor (bounds were checked at parse time).
     pub fn tensor_bytes(&self, t: &TensorInfo) -> &[u8] {
         &self.map[t.start..t.start + t.len]

@@ -13,7 +13,7 @@
 use std::sync::Arc;
 
 use crate::gguf::{GgmlType, GgufError, GgufFile, TensorInfo};
-use crate::kernels::{Bytes, QMatrix, WData};
+use crate::kernels::{Bytes, QMatrix, Resolved, WData};
 use crate::quant;
 
 /// How RoPE pairs a head's dimensions.
@@ -354,12 +354,10 @@ pub struct Weights {
 }
 
 impl Weights {
-    /// Loads every tensor, zero-copy where the file's layout is a kernel layout.
-    /// With `exact`, types that the fast layouts only approximate (Q4_K's
-    /// sub-block scales rounded to f16, Q6_K requantised to Q8_0) are kept as
-    /// f32 instead, so that the exact kernel computes with the file's values.
-    pub fn load(g: &GgufFile, cfg: &ModelConfig, exact: bool) -> Result<Weights, GgufError> {
-        let matrix = |name: &str, rows, cols| matrix(g, name, rows, cols, exact);
+    /// Loads every tensor in the layouts `kernel` reads, zero-copy where the
+    /// file's layout is one (see [`matrix`]).
+    pub fn load(g: &GgufFile, cfg: &ModelConfig, kernel: Resolved) -> Result<Weights, GgufError> {
+        let matrix = |name: &str, rows, cols| matrix(g, name, rows, cols, kernel);
         let (d, qd, kvd, ff) = (cfg.n_embd, cfg.q_dim(), cfg.kv_dim(), cfg.n_ff);
         let hd = cfg.head_dim;
         let tok_embd = matrix("token_embd.weight", cfg.vocab, d)?;
@@ -500,15 +498,20 @@ fn vector(g: &GgufFile, name: &str, n: usize) -> Result<Vec<f32>, GgufError> {
     Ok(v)
 }
 
-/// Reads a `rows` x `cols` matrix into a kernel layout (f32 for the types a
-/// kernel layout would round, with `exact`).
+/// Reads a `rows` x `cols` matrix into the layout `kernel` reads: Q4_0,
+/// Q4_1 and Q4_K as interleaved Q4_1; Q8_0 zero-copy from the file, Q5_0
+/// exactly and Q6_K requantised as Q8_0, interleaved (`q + 128`) for the
+/// VNNI kernels; floats as f32. For the exact kernel, types that the fast
+/// layouts only approximate (Q4_K's sub-block scales rounded to f16, Q6_K
+/// requantised) are kept as f32, so it computes with the file's values.
 pub fn matrix(
     g: &GgufFile,
     name: &str,
     rows: usize,
     cols: usize,
-    exact: bool,
+    kernel: Resolved,
 ) -> Result<QMatrix, GgufError> {
+    let exact = kernel == Resolved::Exact;
     let t = g.tensor(name)?;
     check_shape(t, &[cols as u64, rows as u64])?;
     let bytes = g.tensor_bytes(t);
@@ -547,6 +550,17 @@ pub fn matrix(
             WData::F32(f)
         }
     };
+    // The VNNI kernels read Q8_0 interleaved, eight rows per load.
+    let data = match data {
+        WData::Q8_0(b) if kernel == Resolved::Avx512Vnni => {
+            WData::Q8_0x8(quant::repack_q8_0_x8(b.as_slice(), rows, cols))
+        }
+        other => other,
+    };
+    // What was copied into another layout need not stay resident twice.
+    if !matches!(data, WData::Q8_0(Bytes::Mapped { .. })) {
+        g.release(t);
+    }
     Ok(QMatrix::new(rows, cols, data))
 }
 
@@ -610,7 +624,7 @@ mod tests {
             ],
         ));
         let cfg = ModelConfig::from_gguf(&g).unwrap();
-        let err = Weights::load(&g, &cfg, false)
+        let err = Weights::load(&g, &cfg, Resolved::Scalar)
             .err()
             .expect("must fail")
             .to_string();

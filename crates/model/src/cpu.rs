@@ -327,7 +327,7 @@ impl CpuExecutor {
                 cfg.q_dim()
             )));
         }
-        let w = Weights::load(g, &cfg, c.kernel == Kernel::Exact)?;
+        let w = Weights::load(g, &cfg, c.kernel.resolve())?;
         let name = g
             .str_opt("general.name")
             .ok()
@@ -772,7 +772,7 @@ impl KvPtr {
 
 fn store_kv<T: KvElem>(kernel: Resolved, dst: &mut [T], src: &[f32]) {
     #[cfg(target_arch = "x86_64")]
-    if kernel == Resolved::Avx2 {
+    if kernel.avx2() {
         // SAFETY: AVX2 resolved only when present; lengths equal, multiple of 8.
         unsafe { avx2::store_kv(dst, src) };
         return;
@@ -823,7 +823,7 @@ fn attend<T: KvElem>(
         let kblk = &data[kb..kb + n * hd];
         let vblk = &data[vb..vb + n * hd];
         #[cfg(target_arch = "x86_64")]
-        if kernel == Resolved::Avx2 {
+        if kernel.avx2() {
             // SAFETY: AVX2 resolved only when present; slices sized above.
             unsafe { avx2::attend_block(q, kblk, vblk, n, hd, scale, scores, mx, sum, acc) };
             continue;
@@ -869,7 +869,7 @@ fn attend<T: KvElem>(
 #[inline(always)]
 fn dot_kv<T: KvElem>(kernel: Resolved, q: &[f32], k: &[T]) -> f32 {
     #[cfg(target_arch = "x86_64")]
-    if kernel == Resolved::Avx2 {
+    if kernel.avx2() {
         // SAFETY: AVX2 resolved only when present; head_dim % 8 == 0 checked at load.
         return unsafe { avx2::dot_kv(q, k) };
     }
@@ -884,7 +884,7 @@ fn dot_kv<T: KvElem>(kernel: Resolved, q: &[f32], k: &[T]) -> f32 {
 #[inline(always)]
 fn axpy_kv<T: KvElem>(kernel: Resolved, acc: &mut [f32], scale: f32, p: f32, v: &[T]) {
     #[cfg(target_arch = "x86_64")]
-    if kernel == Resolved::Avx2 {
+    if kernel.avx2() {
         // SAFETY: as in dot_kv.
         unsafe { avx2::scale_axpy_kv(acc, scale, p, v) };
         return;

@@ -233,6 +233,60 @@ pub fn repack_q4_1_x8(src: &[u8], rows: usize, cols: usize) -> Vec<u8> {
     out
 }
 
+/// Bytes of one 8-row group of one 32-column block in the interleaved Q8_0
+/// layout: 8 f16 scales, then 8 x 32 bytes of `q + 128` (unsigned).
+pub const Q8_0X8_BYTES: usize = 272;
+
+/// Repacks row-major Q8_0 blocks (`rows` x `cols`) into the interleaved layout
+/// of the VNNI kernels: for each group of 8 rows and each block, the 8
+/// scales, then 8 chunks of 32 bytes in which chunk `j` holds bytes
+/// `4j..4j+4` of each of the 8 rows, each as `q + 128` (so a row is an
+/// unsigned byte times `d` plus the offset `-128 d`, as Q4_1's `d q + m`).
+/// Missing rows of the last group are zero (d = 0).
+pub fn repack_q8_0_x8(src: &[u8], rows: usize, cols: usize) -> Vec<u8> {
+    let nb = cols / QK;
+    assert_eq!(
+        src.len(),
+        rows * nb * Q8_0_BYTES,
+        "repack_q8_0_x8: size does not match the shape"
+    );
+    let groups = rows.div_ceil(8);
+    let mut out = vec![0x80u8; groups * nb * Q8_0X8_BYTES];
+    for blk in out.chunks_exact_mut(Q8_0X8_BYTES) {
+        blk[..16].fill(0);
+    }
+    for r in 0..rows {
+        let (g, lane) = (r / 8, r % 8);
+        for b in 0..nb {
+            let blk = &src[(r * nb + b) * Q8_0_BYTES..(r * nb + b + 1) * Q8_0_BYTES];
+            let o = &mut out[(g * nb + b) * Q8_0X8_BYTES..(g * nb + b + 1) * Q8_0X8_BYTES];
+            o[2 * lane..2 * lane + 2].copy_from_slice(&blk[0..2]);
+            for j in 0..8 {
+                for k in 0..4 {
+                    o[16 + 32 * j + 4 * lane + k] = blk[2 + 4 * j + k] ^ 0x80;
+                }
+            }
+        }
+    }
+    out
+}
+
+/// Dequantises row `r` of an interleaved Q8_0 matrix of width `cols`.
+pub fn dequantize_q8_0_x8_row(data: &[u8], cols: usize, r: usize, out: &mut [f32]) {
+    let nb = cols / QK;
+    let (g, lane) = (r / 8, r % 8);
+    for b in 0..nb {
+        let o = &data[(g * nb + b) * Q8_0X8_BYTES..(g * nb + b + 1) * Q8_0X8_BYTES];
+        let d = f16_at(o, 2 * lane);
+        for j in 0..8 {
+            for k in 0..4 {
+                let q = (o[16 + 32 * j + 4 * lane + k] ^ 0x80) as i8;
+                out[b * QK + 4 * j + k] = d * q as f32;
+            }
+        }
+    }
+}
+
 /// Dequantises row `r` of an interleaved Q4_1 matrix of width `cols`.
 pub fn dequantize_q4_1_x8_row(data: &[u8], cols: usize, r: usize, out: &mut [f32]) {
     let nb = cols / QK;

@@ -107,9 +107,12 @@ struct Golden {
     top64: Vec<Vec<(u32, f64)>>,
 }
 
+/// Reference logits of one position as (id, value) pairs.
+type RefRow = Vec<(u32, f32)>;
+
 /// Reference logits at (id, value) pairs per position: the strided ids and
 /// the reference's top 64.
-fn golden() -> Vec<(Golden, Vec<Vec<(u32, f32)>>)> {
+fn golden() -> Vec<(Golden, Vec<RefRow>)> {
     let cases: Vec<Golden> = load("golden_logits.json");
     cases
         .into_iter()

@@ -166,6 +166,8 @@ impl ModelShape {
                 kv_bytes: 2,
                 vocab: 128_256,
                 ctx_len: 8192,
+                window: 0,
+                window_layers: 0,
             },
             "smollm2-135m" => ModelShape {
                 name: name.into(),

@@ -9,17 +9,23 @@
 use std::ops::Range;
 use std::sync::OnceLock;
 
-use crate::quant::{self, BlockQ8A, Q4_1X8_BYTES, Q8_0_BYTES, QK};
+use crate::quant::{self, BlockQ8A, Q4_1X8_BYTES, Q8_0_BYTES, Q8_0X8_BYTES, QK};
 
 #[cfg(target_arch = "x86_64")]
 pub mod avx2;
+#[cfg(target_arch = "x86_64")]
+pub mod avx512;
 pub mod scalar;
 
 /// Which implementation the matrix products use.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Kernel {
-    /// Best SIMD for this CPU, chosen at run time (AVX2+FMA+F16C on x86-64).
+    /// Best SIMD for this CPU, chosen at run time: AVX-512 VNNI, else AVX2.
     Auto,
+    /// AVX-512 F/BW/VL + VNNI for the quantised products (AVX2 elsewhere).
+    Avx512,
+    /// AVX2 + FMA + F16C.
+    Avx2,
     /// Portable scalar integer kernels (same arithmetic as the SIMD ones).
     Scalar,
     /// Weights dequantised to f32, activations kept f32: slow and exact.
@@ -27,13 +33,62 @@ pub enum Kernel {
 }
 
 impl Kernel {
-    /// Resolves `Auto` to what this CPU supports.
+    /// Every choice, by the name `--kernel` takes.
+    pub const ALL: [(&'static str, Kernel); 5] = [
+        ("auto", Kernel::Auto),
+        ("avx512", Kernel::Avx512),
+        ("avx2", Kernel::Avx2),
+        ("scalar", Kernel::Scalar),
+        ("exact", Kernel::Exact),
+    ];
+
+    /// Parses a `--kernel` name; the error lists the choices and says which
+    /// ones this CPU cannot run.
+    pub fn parse(name: &str) -> Result<Kernel, String> {
+        let list = || {
+            Kernel::ALL
+                .iter()
+                .map(|(n, k)| {
+                    if k.supported() {
+                        n.to_string()
+                    } else {
+                        format!("{n} (not on this CPU)")
+                    }
+                })
+                .collect::<Vec<_>>()
+                .join(", ")
+        };
+        match Kernel::ALL.iter().find(|(n, _)| *n == name) {
+            Some((_, k)) if k.supported() => Ok(*k),
+            Some(_) => Err(format!(
+                "--kernel {name}: this CPU lacks the instructions; choose one of {}",
+                list()
+            )),
+            None => Err(format!(
+                "unknown --kernel '{name}': choose one of {}",
+                list()
+            )),
+        }
+    }
+
+    /// Whether this CPU can run the choice.
+    pub fn supported(self) -> bool {
+        match self {
+            Kernel::Avx512 => has_avx512_vnni(),
+            Kernel::Avx2 => has_avx2(),
+            Kernel::Auto | Kernel::Scalar | Kernel::Exact => true,
+        }
+    }
+
+    /// Resolves `Auto` to the best this CPU supports; a forced variant the
+    /// CPU lacks falls back the same way (`supported` says so beforehand).
     pub fn resolve(self) -> Resolved {
         match self {
             Kernel::Exact => Resolved::Exact,
             Kernel::Scalar => Resolved::Scalar,
-            Kernel::Auto if has_avx2() => Resolved::Avx2,
-            Kernel::Auto => Resolved::Scalar,
+            Kernel::Avx512 | Kernel::Auto if has_avx512_vnni() => Resolved::Avx512Vnni,
+            Kernel::Avx512 | Kernel::Avx2 | Kernel::Auto if has_avx2() => Resolved::Avx2,
+            Kernel::Avx512 | Kernel::Avx2 | Kernel::Auto => Resolved::Scalar,
         }
     }
 }
@@ -41,12 +96,41 @@ impl Kernel {
 /// A concrete kernel choice.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Resolved {
+    /// AVX-512 VNNI for the quantised products, AVX2 for the rest.
+    Avx512Vnni,
     /// x86-64 AVX2 + FMA + F16C.
     Avx2,
     /// Portable scalar.
     Scalar,
     /// Dequantise-to-f32 reference.
     Exact,
+}
+
+impl Resolved {
+    /// Whether the AVX2 kernels (attention, norms, activations) may run.
+    #[inline(always)]
+    pub fn avx2(self) -> bool {
+        matches!(self, Resolved::Avx2 | Resolved::Avx512Vnni)
+    }
+}
+
+/// Whether this CPU has AVX-512 F, BW, VL and VNNI besides AVX2 (checked once).
+pub fn has_avx512_vnni() -> bool {
+    static HAS: OnceLock<bool> = OnceLock::new();
+    *HAS.get_or_init(|| {
+        #[cfg(target_arch = "x86_64")]
+        {
+            has_avx2()
+                && std::is_x86_feature_detected!("avx512f")
+                && std::is_x86_feature_detected!("avx512bw")
+                && std::is_x86_feature_detected!("avx512vl")
+                && std::is_x86_feature_detected!("avx512vnni")
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        {
+            false
+        }
+    })
 }
 
 /// Whether this CPU has AVX2, FMA and F16C (checked once).
@@ -72,6 +156,9 @@ pub enum WData {
     Q4_1x8(Vec<u8>),
     /// Q8_0 blocks (34 bytes per 32 weights).
     Q8_0(Bytes),
+    /// Q8_0 weights interleaved by groups of 8 rows as `q + 128`
+    /// (`quant::repack_q8_0_x8`), for the VNNI kernels.
+    Q8_0x8(Vec<u8>),
     /// Plain f32, row-major.
     F32(Vec<f32>),
 }
@@ -127,6 +214,7 @@ impl QMatrix {
         let expect = match &data {
             WData::Q4_1x8(b) => (b.len(), rows.div_ceil(8) * cols / QK * Q4_1X8_BYTES),
             WData::Q8_0(b) => (b.as_slice().len(), rows * cols / QK * Q8_0_BYTES),
+            WData::Q8_0x8(b) => (b.len(), rows.div_ceil(8) * cols / QK * Q8_0X8_BYTES),
             WData::F32(v) => (v.len(), rows * cols),
         };
         assert_eq!(
@@ -148,6 +236,7 @@ impl QMatrix {
         match &self.data {
             WData::Q4_1x8(b) => b.len(),
             WData::Q8_0(b) => b.as_slice().len(),
+            WData::Q8_0x8(b) => b.len(),
             WData::F32(v) => v.len() * 4,
         }
     }
@@ -164,6 +253,7 @@ impl QMatrix {
                     out,
                 )
             }
+            WData::Q8_0x8(b) => quant::dequantize_q8_0_x8_row(b, self.cols, r, out),
             WData::F32(v) => out.copy_from_slice(&v[r * self.cols..(r + 1) * self.cols]),
         }
     }
@@ -263,8 +353,24 @@ pub(crate) fn matmul_rows(
         (WData::F32(v), Resolved::Scalar) => scalar::f32_rows(v, x, rows, out),
         (WData::Q4_1x8(b), Resolved::Scalar) => scalar::q4_1x8_rows(b, x, rows, out),
         (WData::Q8_0(b), Resolved::Scalar) => scalar::q8_0_rows(b.as_slice(), x, rows, out),
+        // Only the VNNI kernels read this layout at speed (`maddubs` would
+        // saturate on unsigned bytes up to 255); others get it only in tests.
+        (WData::Q8_0x8(b), Resolved::Scalar | Resolved::Avx2) => {
+            scalar::q8_0x8_rows(b, x, rows, out)
+        }
         #[cfg(target_arch = "x86_64")]
-        (WData::F32(v), Resolved::Avx2) => {
+        (WData::Q8_0x8(b), Resolved::Avx512Vnni) => {
+            // SAFETY: Avx512Vnni is only resolved when the CPU has AVX-512
+            // F/BW/VL/VNNI and AVX2; shapes asserted inside.
+            unsafe { avx512::q8_0x8_rows(b, x, rows, out) }
+        }
+        #[cfg(target_arch = "x86_64")]
+        (WData::Q4_1x8(b), Resolved::Avx512Vnni) => {
+            // SAFETY: as above.
+            unsafe { avx512::q4_1x8_rows(b, x, rows, out) }
+        }
+        #[cfg(target_arch = "x86_64")]
+        (WData::F32(v), Resolved::Avx2 | Resolved::Avx512Vnni) => {
             // SAFETY: Avx2 is only resolved when the CPU has AVX2, FMA and F16C.
             unsafe { avx2::f32_rows(v, x, rows, out) }
         }
@@ -275,13 +381,15 @@ pub(crate) fn matmul_rows(
             unsafe { avx2::q4_1x8_rows(b, x, rows, out) }
         }
         #[cfg(target_arch = "x86_64")]
-        (WData::Q8_0(b), Resolved::Avx2) => {
+        (WData::Q8_0(b), Resolved::Avx2 | Resolved::Avx512Vnni) => {
             assert!(x.q.len() >= x.t * x.k / QK);
             // SAFETY: as above; shapes asserted.
             unsafe { avx2::q8_0_rows(b.as_slice(), x, rows, out) }
         }
         #[cfg(not(target_arch = "x86_64"))]
-        (_, Resolved::Avx2) => unreachable!("AVX2 is never resolved off x86-64"),
+        (_, Resolved::Avx2 | Resolved::Avx512Vnni) => {
+            unreachable!("x86 SIMD is never resolved off x86-64")
+        }
     }
 }
 
@@ -290,7 +398,7 @@ pub(crate) fn matmul_rows(
 pub fn dot_f32(kernel: Resolved, a: &[f32], b: &[f32]) -> f32 {
     debug_assert_eq!(a.len(), b.len());
     #[cfg(target_arch = "x86_64")]
-    if kernel == Resolved::Avx2 && has_avx2() {
+    if kernel.avx2() && has_avx2() {
         // SAFETY: Avx2 resolved only with AVX2+FMA present.
         return unsafe { avx2::dot_f32(a, b) };
     }
@@ -384,15 +492,32 @@ mod tests {
                 let av = run(Resolved::Avx2, &w, &x);
                 check_close(&av, &sc, 1e-5, "avx2 q4_1 vs scalar");
             }
+            if has_avx512_vnni() {
+                let av = run(Resolved::Avx512Vnni, &w, &x);
+                check_close(&av, &sc, 1e-5, "avx512 vnni q4_1 vs scalar");
+            }
         }
     }
 
     #[test]
     fn simd_q8_0_and_f32_match_scalar() {
         let mut s = 2;
-        for &(rows, cols, t) in &[(9, 64, 1), (17, 192, 6)] {
+        for &(rows, cols, t) in &[(9, 64, 1), (17, 192, 6), (8, 32, 3), (24, 640, 70)] {
             let wf: Vec<f32> = (0..rows * cols).map(|_| rnd(&mut s)).collect();
-            let w8 = QMatrix::new(rows, cols, WData::Q8_0(Bytes::Owned(quantize_q8_0(&wf))));
+            let q8 = quantize_q8_0(&wf);
+            let w8x8 = QMatrix::new(
+                rows,
+                cols,
+                WData::Q8_0x8(quant::repack_q8_0_x8(&q8, rows, cols)),
+            );
+            let w8 = QMatrix::new(rows, cols, WData::Q8_0(Bytes::Owned(q8)));
+            // The interleaved layout holds the same values.
+            let (mut a, mut b) = (vec![0f32; cols], vec![0f32; cols]);
+            for r in 0..rows {
+                w8.dequantize_row(r, &mut a);
+                w8x8.dequantize_row(r, &mut b);
+                assert_eq!(a, b, "row {r}");
+            }
             let w32 = QMatrix::new(rows, cols, WData::F32(wf.clone()));
             let (f, q) = acts(t, cols, &mut s);
             let x = Acts {
@@ -402,6 +527,20 @@ mod tests {
                 q: &q,
             };
             let sc8 = run(Resolved::Scalar, &w8, &x);
+            check_close(
+                &run(Resolved::Scalar, &w8x8, &x),
+                &sc8,
+                1e-5,
+                "scalar q8_0x8 vs q8_0",
+            );
+            if has_avx512_vnni() {
+                check_close(
+                    &run(Resolved::Avx512Vnni, &w8x8, &x),
+                    &sc8,
+                    1e-5,
+                    "avx512 vnni q8_0x8 vs scalar",
+                );
+            }
             let sc32 = run(Resolved::Scalar, &w32, &x);
             let ex32 = run(Resolved::Exact, &w32, &x);
             check_close(&sc32, &ex32, 1e-5, "scalar f32 vs exact");

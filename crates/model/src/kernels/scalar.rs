@@ -4,7 +4,7 @@ use std::cell::RefCell;
 use std::ops::Range;
 
 use super::{Acts, OutPtr, QMatrix};
-use crate::quant::{BlockQ8A, Q4_1X8_BYTES, Q8_0_BYTES, QK, f16_at};
+use crate::quant::{BlockQ8A, Q4_1X8_BYTES, Q8_0_BYTES, Q8_0X8_BYTES, QK, f16_at};
 
 /// Integer dot of row `lane` of an interleaved Q4_1 group with one quantised activation row.
 pub fn dot_q4_1x8_q8a(group: &[u8], lane: usize, a: &[BlockQ8A]) -> f32 {
@@ -20,6 +20,23 @@ pub fn dot_q4_1x8_q8a(group: &[u8], lane: usize, a: &[BlockQ8A]) -> f32 {
             }
         }
         sum += d * ab.d * isum as f32 + m * ab.s;
+    }
+    sum
+}
+
+/// Integer dot of row `lane` of an interleaved Q8_0 group with one quantised
+/// activation row: `d da sum((q + 128) a) - 128 d s`, as the VNNI kernel.
+pub fn dot_q8_0x8_q8a(group: &[u8], lane: usize, a: &[BlockQ8A]) -> f32 {
+    let mut sum = 0f32;
+    for (o, ab) in group.chunks_exact(Q8_0X8_BYTES).zip(a) {
+        let d = f16_at(o, 2 * lane);
+        let mut isum = 0i32;
+        for j in 0..8 {
+            for k in 0..4 {
+                isum += o[16 + 32 * j + 4 * lane + k] as i32 * ab.qs[4 * j + k] as i32;
+            }
+        }
+        sum += d * ab.d * isum as f32 + (-128.0 * d) * ab.s;
     }
     sum
 }
@@ -62,6 +79,17 @@ pub(super) fn q4_1x8_rows(w: &[u8], x: &Acts<'_>, rows: Range<usize>, out: OutPt
         let g = &w[r / 8 * gb..(r / 8 + 1) * gb];
         for t in 0..x.t {
             out.put(t, r, dot_q4_1x8_q8a(g, r % 8, &x.q[t * nb..(t + 1) * nb]));
+        }
+    }
+}
+
+pub(super) fn q8_0x8_rows(w: &[u8], x: &Acts<'_>, rows: Range<usize>, out: OutPtr) {
+    let nb = x.k / QK;
+    let gb = nb * Q8_0X8_BYTES;
+    for r in rows {
+        let g = &w[r / 8 * gb..(r / 8 + 1) * gb];
+        for t in 0..x.t {
+            out.put(t, r, dot_q8_0x8_q8a(g, r % 8, &x.q[t * nb..(t + 1) * nb]));
         }
     }
 }

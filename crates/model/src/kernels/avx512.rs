@@ -1,0 +1,175 @@
+//! AVX-512 VNNI kernels (`vpdpbusd` on 256-bit registers, AVX-512 VL):
+//! unsigned byte times signed byte, four products summed straight into an
+//! i32 lane, so no `maddubs` saturation to work around and no `madd` to
+//! widen. Both weight layouts hold unsigned bytes: Q4_1's nibbles, and Q8_0
+//! stored as `q + 128` (`quant::repack_q8_0_x8`) with the offset `-128 d`
+//! folded in through the activations' scaled sums, as Q4_1's `m`.
+//!
+//! Each 256-bit load of weights feeds eight rows (one 4-byte group of each);
+//! the matching 4 activation bytes are broadcast to all lanes. Tiles of 8
+//! rows x 4 tokens; tokens in passes of 64, as the AVX2 kernels.
+
+use std::arch::x86_64::*;
+use std::ops::Range;
+
+use super::{Acts, OutPtr};
+use crate::quant::{BlockQ8A, Q4_1X8_BYTES, Q8_0X8_BYTES, QK};
+
+const TILE: usize = 4;
+const TOKENS_PER_PASS: usize = 64;
+
+/// The 4 activation bytes `qs[at..at + 4]` of token block `ab`, in every lane.
+#[inline(always)]
+unsafe fn bcast4(ab: &BlockQ8A, at: usize) -> __m256i {
+    // SAFETY: at + 4 <= 32 at every call site.
+    unsafe {
+        _mm256_set1_epi32(std::ptr::read_unaligned(
+            ab.qs.as_ptr().add(at) as *const i32
+        ))
+    }
+}
+
+/// Interleaved Q4_1 group times N tokens: 8 rows per lane set.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+unsafe fn q4_1x8_tile<const N: usize>(
+    g: *const u8,
+    nb: usize,
+    a: &[BlockQ8A],
+    t0: usize,
+) -> [__m256; N] {
+    let mask = _mm256_set1_epi8(0x0F);
+    let mut acc = [_mm256_setzero_ps(); N];
+    for b in 0..nb {
+        // SAFETY: b < nb; the group holds nb blocks.
+        let blk = unsafe { g.add(b * Q4_1X8_BYTES) };
+        let (dw, mw) = unsafe {
+            (
+                _mm256_cvtph_ps(_mm_loadu_si128(blk as *const __m128i)),
+                _mm256_cvtph_ps(_mm_loadu_si128(blk.add(16) as *const __m128i)),
+            )
+        };
+        let mut i32s = [_mm256_setzero_si256(); N];
+        for j in 0..4 {
+            // SAFETY: chunk j lies inside the block.
+            let v = unsafe { _mm256_loadu_si256(blk.add(32 + 32 * j) as *const __m256i) };
+            let lo = _mm256_and_si256(v, mask);
+            let hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), mask);
+            for c in 0..N {
+                let ab = &a[(t0 + c) * nb + b];
+                // SAFETY: offsets 4j and 16 + 4j leave 4 bytes inside qs.
+                let (alo, ahi) = unsafe { (bcast4(ab, 4 * j), bcast4(ab, 16 + 4 * j)) };
+                i32s[c] = _mm256_dpbusd_epi32(i32s[c], lo, alo);
+                i32s[c] = _mm256_dpbusd_epi32(i32s[c], hi, ahi);
+            }
+        }
+        for c in 0..N {
+            let ab = &a[(t0 + c) * nb + b];
+            acc[c] = _mm256_fmadd_ps(
+                _mm256_cvtepi32_ps(i32s[c]),
+                _mm256_mul_ps(dw, _mm256_set1_ps(ab.d)),
+                acc[c],
+            );
+            acc[c] = _mm256_fmadd_ps(mw, _mm256_set1_ps(ab.s), acc[c]);
+        }
+    }
+    acc
+}
+
+/// Interleaved Q8_0 (`q + 128`) group times N tokens.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+unsafe fn q8_0x8_tile<const N: usize>(
+    g: *const u8,
+    nb: usize,
+    a: &[BlockQ8A],
+    t0: usize,
+) -> [__m256; N] {
+    let mut acc = [_mm256_setzero_ps(); N];
+    let m128 = _mm256_set1_ps(-128.0);
+    for b in 0..nb {
+        // SAFETY: b < nb; the group holds nb blocks.
+        let blk = unsafe { g.add(b * Q8_0X8_BYTES) };
+        let dw = unsafe { _mm256_cvtph_ps(_mm_loadu_si128(blk as *const __m128i)) };
+        let mut i32s = [_mm256_setzero_si256(); N];
+        for j in 0..8 {
+            // SAFETY: chunk j lies inside the block.
+            let v = unsafe { _mm256_loadu_si256(blk.add(16 + 32 * j) as *const __m256i) };
+            for c in 0..N {
+                // SAFETY: 4j + 4 <= 32.
+                let av = unsafe { bcast4(&a[(t0 + c) * nb + b], 4 * j) };
+                i32s[c] = _mm256_dpbusd_epi32(i32s[c], v, av);
+            }
+        }
+        let mw = _mm256_mul_ps(dw, m128);
+        for c in 0..N {
+            let ab = &a[(t0 + c) * nb + b];
+            acc[c] = _mm256_fmadd_ps(
+                _mm256_cvtepi32_ps(i32s[c]),
+                _mm256_mul_ps(dw, _mm256_set1_ps(ab.d)),
+                acc[c],
+            );
+            acc[c] = _mm256_fmadd_ps(mw, _mm256_set1_ps(ab.s), acc[c]);
+        }
+    }
+    acc
+}
+
+/// Stores the 8 row results of a group, keeping only rows inside `rows`.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn store_group(v: __m256, out: OutPtr, t: usize, g0: usize, rows: &Range<usize>) {
+    let mut buf = [0f32; 8];
+    // SAFETY: buf has 8 floats.
+    unsafe { _mm256_storeu_ps(buf.as_mut_ptr(), v) };
+    let lo = rows.start.max(g0);
+    let hi = rows.end.min(g0 + 8);
+    out.put_run(t, lo, &buf[lo - g0..hi - g0]);
+}
+
+/// One interleaved layout's rows `rows` times all tokens, through `tile`.
+macro_rules! grouped_rows {
+    ($name:ident, $tile:ident, $bytes:expr) => {
+        /// Interleaved rows `rows` times all tokens of `x`.
+        ///
+        /// # Safety
+        /// The CPU must have AVX2, FMA, F16C and AVX-512 F/BW/VL/VNNI
+        /// (`kernels::has_avx512_vnni`); slices must have the lengths the
+        /// shapes imply (asserted where cheap).
+        #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+        pub(crate) unsafe fn $name(w: &[u8], x: &Acts<'_>, rows: Range<usize>, out: OutPtr) {
+            let nb = x.k / QK;
+            let gb = nb * $bytes;
+            let (g_first, g_end) = (rows.start / 8, rows.end.div_ceil(8));
+            assert!(g_end * gb <= w.len());
+            assert!(x.q.len() >= x.t * nb);
+            let mut p0 = 0;
+            while p0 < x.t {
+                let p1 = (p0 + TOKENS_PER_PASS).min(x.t);
+                for g in g_first..g_end {
+                    // SAFETY: g < g_end, asserted in bounds above.
+                    let gp = unsafe { w.as_ptr().add(g * gb) };
+                    let mut t = p0;
+                    unsafe {
+                        while t + TILE <= p1 {
+                            let r = $tile::<TILE>(gp, nb, x.q, t);
+                            for (c, v) in r.iter().enumerate() {
+                                store_group(*v, out, t + c, g * 8, &rows);
+                            }
+                            t += TILE;
+                        }
+                        while t < p1 {
+                            let [v] = $tile::<1>(gp, nb, x.q, t);
+                            store_group(v, out, t, g * 8, &rows);
+                            t += 1;
+                        }
+                    }
+                }
+                p0 = p1;
+            }
+        }
+    };
+}
+
+grouped_rows!(q4_1x8_rows, q4_1x8_tile, Q4_1X8_BYTES);
+grouped_rows!(q8_0x8_rows, q8_0x8_tile, Q8_0X8_BYTES);
