@@ -366,7 +366,7 @@ impl CpuExecutor {
         let group = cfg.n_head / cfg.n_head_kv;
         // Rounded up and padded by a cache line (16 floats) so that no two
         // threads ever write the same line: shared lines cost more than the work.
-        let att_per_thread = (group * (cfg.head_dim + 2) + c.block_size.next_multiple_of(8))
+        let att_per_thread = (group * (cfg.head_dim + 2 + c.block_size.next_multiple_of(8)))
             .next_multiple_of(16)
             + 16;
         let s = Scratch {
@@ -805,7 +805,8 @@ fn attend<T: KvElem>(
     let hd = kv.head_dim;
     let bs = kv.block_size;
     let (acc, rest) = buf.split_at_mut(group * hd);
-    let (scores, rest) = rest.split_at_mut(bs.next_multiple_of(8));
+    // One row of scores per query head (the SIMD path fills them together).
+    let (scores, rest) = rest.split_at_mut(group * bs.next_multiple_of(8));
     let (mx, rest) = rest.split_at_mut(group);
     let sum = &mut rest[..group];
     acc.fill(0.0);
@@ -1085,7 +1086,7 @@ mod tests {
         if !kernels::has_avx2() {
             return;
         }
-        let (bs, hd, n_kv, group, layers) = (16, 64, 2, 3, 2);
+        let (bs, hd, n_kv, layers) = (16, 64, 2, 2);
         let num_blocks = 8;
         let layout = KvLayout {
             block_size: bs,
@@ -1098,51 +1099,55 @@ mod tests {
             .map(|_| f16::from_f32(rnd(&mut s) * 2.0))
             .collect();
         let table = [5u32, 2, 7, 0];
-        let q: Vec<f32> = (0..group * hd).map(|_| rnd(&mut s) * 3.0).collect();
-        let mut buf = vec![0f32; group * (hd + 2) + bs];
-        for window in [None, Some(1), Some(5), Some(16), Some(20)] {
-            for pos in [0usize, 7, 15, 16, 33, 63] {
-                let mut a = vec![0f32; group * hd];
-                let mut b = vec![0f32; group * hd];
-                for (kernel, out) in [(Resolved::Scalar, &mut a), (Resolved::Avx2, &mut b)] {
-                    attend(
-                        kernel, &data, &layout, 1, 1, &table, pos, window, &q, out, group, 0.125,
-                        &mut buf,
-                    );
-                }
-                // Naive: softmax over exactly the positions inside the window.
-                let lo = window.map_or(0, |w| (pos + 1).saturating_sub(w));
-                for g in 0..group {
-                    let qg = &q[g * hd..(g + 1) * hd];
-                    let at = |p: usize, kv: usize| {
-                        let o = layout.offset(table[p / bs] as usize, 1, kv, 1) + (p % bs) * hd;
-                        &data[o..o + hd]
-                    };
-                    let sc: Vec<f64> = (lo..=pos)
-                        .map(|p| {
-                            let k = at(p, 0);
-                            (0..hd).map(|i| (qg[i] * k[i].to_f32()) as f64).sum::<f64>() * 0.125
-                        })
-                        .collect();
-                    let m = sc.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
-                    let z: f64 = sc.iter().map(|v| (v - m).exp()).sum();
-                    for i in 0..hd {
-                        let want: f64 = (lo..=pos)
-                            .zip(&sc)
-                            .map(|(p, v)| (v - m).exp() / z * at(p, 1)[i].to_f32() as f64)
-                            .sum();
-                        let got = a[g * hd + i] as f64;
-                        assert!(
-                            (got - want).abs() < 1e-4 * (1.0 + want.abs()),
-                            "window {window:?} pos {pos}: {got} vs {want}"
+        // Groups of 1, 3, 5 and 8 query heads per KV head: the SIMD path
+        // takes them in chunks of up to four.
+        for group in [1usize, 3, 5, 8] {
+            let q: Vec<f32> = (0..group * hd).map(|_| rnd(&mut s) * 3.0).collect();
+            let mut buf = vec![0f32; group * (hd + 2 + bs)];
+            for window in [None, Some(1), Some(5), Some(16), Some(20)] {
+                for pos in [0usize, 7, 15, 16, 33, 63] {
+                    let mut a = vec![0f32; group * hd];
+                    let mut b = vec![0f32; group * hd];
+                    for (kernel, out) in [(Resolved::Scalar, &mut a), (Resolved::Avx2, &mut b)] {
+                        attend(
+                            kernel, &data, &layout, 1, 1, &table, pos, window, &q, out, group,
+                            0.125, &mut buf,
                         );
                     }
-                }
-                for (x, y) in a.iter().zip(&b) {
-                    assert!(
-                        (x - y).abs() < 1e-5 * (1.0 + x.abs()),
-                        "window {window:?} pos {pos}: {x} vs {y}"
-                    );
+                    // Naive: softmax over exactly the positions inside the window.
+                    let lo = window.map_or(0, |w| (pos + 1).saturating_sub(w));
+                    for g in 0..group {
+                        let qg = &q[g * hd..(g + 1) * hd];
+                        let at = |p: usize, kv: usize| {
+                            let o = layout.offset(table[p / bs] as usize, 1, kv, 1) + (p % bs) * hd;
+                            &data[o..o + hd]
+                        };
+                        let sc: Vec<f64> = (lo..=pos)
+                            .map(|p| {
+                                let k = at(p, 0);
+                                (0..hd).map(|i| (qg[i] * k[i].to_f32()) as f64).sum::<f64>() * 0.125
+                            })
+                            .collect();
+                        let m = sc.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+                        let z: f64 = sc.iter().map(|v| (v - m).exp()).sum();
+                        for i in 0..hd {
+                            let want: f64 = (lo..=pos)
+                                .zip(&sc)
+                                .map(|(p, v)| (v - m).exp() / z * at(p, 1)[i].to_f32() as f64)
+                                .sum();
+                            let got = a[g * hd + i] as f64;
+                            assert!(
+                                (got - want).abs() < 1e-4 * (1.0 + want.abs()),
+                                "group {group} window {window:?} pos {pos}: {got} vs {want}"
+                            );
+                        }
+                    }
+                    for (x, y) in a.iter().zip(&b) {
+                        assert!(
+                            (x - y).abs() < 1e-5 * (1.0 + x.abs()),
+                            "window {window:?} pos {pos}: {x} vs {y}"
+                        );
+                    }
                 }
             }
         }

@@ -494,8 +494,9 @@ unsafe fn hsum8x8(v: &[__m256; 8]) -> __m256 {
 
 /// One KV block of the online softmax for the `group` query heads that share
 /// a KV head: scores of `n` positions, block max, rescale, accumulate V.
-/// `q` is `group * hd`, `k` and `v` are `n * hd`; `scores` holds at least
-/// `n.next_multiple_of(8)` floats.
+/// Query heads go in chunks of up to four that share every K and V load (and
+/// its f16 conversion). `q` is `group * hd`, `k` and `v` are `n * hd`;
+/// `scores` holds at least `group * n.next_multiple_of(8)` floats.
 #[allow(clippy::too_many_arguments)]
 ///
 /// # Safety
@@ -515,71 +516,142 @@ pub unsafe fn attend_block<T: KvLoad>(
     acc: &mut [f32],
 ) {
     let group = mx.len();
+    let stride = n.next_multiple_of(8);
     assert!(
         q.len() >= group * hd && k.len() >= n * hd && v.len() >= n * hd && acc.len() >= group * hd
     );
-    assert!(hd.is_multiple_of(8) && scores.len() >= n.next_multiple_of(8));
-    for g in 0..group {
-        let qg = &q[g * hd..(g + 1) * hd];
-        // Scores, eight positions at a time, reduced with one hadd tree.
-        let mut j0 = 0;
-        while j0 < n {
-            let m = (n - j0).min(8);
-            let mut parts = [_mm256_setzero_ps(); 8];
-            for (jj, p) in parts.iter_mut().enumerate().take(m) {
-                let kr = &k[(j0 + jj) * hd..(j0 + jj + 1) * hd];
-                let mut i = 0;
-                // SAFETY: i + 8 <= hd on every load.
-                unsafe {
-                    while i < hd {
-                        *p = _mm256_fmadd_ps(
-                            _mm256_loadu_ps(qg.as_ptr().add(i)),
-                            T::load8(kr.as_ptr().add(i)),
-                            *p,
-                        );
-                        i += 8;
+    assert!(hd.is_multiple_of(8) && scores.len() >= group * stride && sum.len() >= group);
+    let mut g0 = 0;
+    while g0 < group {
+        let h = (group - g0).min(4);
+        let a = Heads {
+            q,
+            k,
+            v,
+            n,
+            hd,
+            scale,
+            g0,
+        };
+        // SAFETY: shapes asserted above; heads g0..g0 + h exist.
+        unsafe {
+            match h {
+                1 => attend_heads::<T, 1>(&a, scores, mx, sum, acc),
+                2 => attend_heads::<T, 2>(&a, scores, mx, sum, acc),
+                3 => attend_heads::<T, 3>(&a, scores, mx, sum, acc),
+                _ => attend_heads::<T, 4>(&a, scores, mx, sum, acc),
+            }
+        }
+        g0 += h;
+    }
+}
+
+/// The inputs of [`attend_heads`]: query heads `g0..g0 + G` over one block.
+struct Heads<'a, T> {
+    q: &'a [f32],
+    k: &'a [T],
+    v: &'a [T],
+    n: usize,
+    hd: usize,
+    scale: f32,
+    g0: usize,
+}
+
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn attend_heads<T: KvLoad, const G: usize>(
+    a: &Heads<'_, T>,
+    scores: &mut [f32],
+    mx: &mut [f32],
+    sum: &mut [f32],
+    acc: &mut [f32],
+) {
+    let (n, hd, g0) = (a.n, a.hd, a.g0);
+    let stride = n.next_multiple_of(8);
+    let qp = a.q.as_ptr();
+    // Scores, eight positions at a time, each K row loaded once for the G
+    // heads, reduced with one hadd tree per head.
+    let mut j0 = 0;
+    while j0 < n {
+        let m = (n - j0).min(8);
+        let mut parts = [[_mm256_setzero_ps(); 8]; G];
+        for jj in 0..m {
+            let kr = a.k[(j0 + jj) * hd..].as_ptr();
+            let mut s = [_mm256_setzero_ps(); G];
+            let mut i = 0;
+            // SAFETY: i + 8 <= hd on every load; heads g0 + g < group.
+            unsafe {
+                while i < hd {
+                    let kv = T::load8(kr.add(i));
+                    for (g, sg) in s.iter_mut().enumerate() {
+                        *sg = _mm256_fmadd_ps(_mm256_loadu_ps(qp.add((g0 + g) * hd + i)), kv, *sg);
                     }
+                    i += 8;
                 }
             }
-            let s = _mm256_mul_ps(unsafe { hsum8x8(&parts) }, _mm256_set1_ps(scale));
-            // SAFETY: scores holds n rounded up to 8.
-            unsafe { _mm256_storeu_ps(scores.as_mut_ptr().add(j0), s) };
-            j0 += 8;
+            for (p, sg) in parts.iter_mut().zip(s) {
+                p[jj] = sg;
+            }
         }
-        let bmax = scores[..n].iter().fold(f32::NEG_INFINITY, |a, &b| a.max(b));
-        let m_new = mx[g].max(bmax);
-        let corr = (mx[g] - m_new).exp();
-        mx[g] = m_new;
-        // Probabilities, eight at a time; lanes past n are dropped from the sum.
+        for (g, p) in parts.iter().enumerate() {
+            let sc = _mm256_mul_ps(unsafe { hsum8x8(p) }, _mm256_set1_ps(a.scale));
+            // SAFETY: scores holds group * stride floats.
+            unsafe { _mm256_storeu_ps(scores.as_mut_ptr().add((g0 + g) * stride + j0), sc) };
+        }
+        j0 += 8;
+    }
+    // Online softmax per head; probabilities overwrite the scores.
+    let mut corr = [0f32; G];
+    for (g, c) in corr.iter_mut().enumerate() {
+        let h = g0 + g;
+        let sc = &mut scores[h * stride..(h + 1) * stride];
+        let bmax = sc[..n].iter().fold(f32::NEG_INFINITY, |a, &b| a.max(b));
+        let m_new = mx[h].max(bmax);
+        *c = (mx[h] - m_new).exp();
+        mx[h] = m_new;
+        // Eight at a time; lanes past n are dropped from the sum.
         let mut l = 0f32;
         let mut j0 = 0;
         while j0 < n {
-            // SAFETY: scores holds n rounded up to 8.
+            // SAFETY: sc holds stride = n rounded up to 8.
             unsafe {
                 let e = exp8(_mm256_sub_ps(
-                    _mm256_loadu_ps(scores.as_ptr().add(j0)),
+                    _mm256_loadu_ps(sc.as_ptr().add(j0)),
                     _mm256_set1_ps(m_new),
                 ));
-                _mm256_storeu_ps(scores.as_mut_ptr().add(j0), e);
+                _mm256_storeu_ps(sc.as_mut_ptr().add(j0), e);
             }
-            for &p in &scores[j0..(j0 + 8).min(n)] {
+            for &p in &sc[j0..(j0 + 8).min(n)] {
                 l += p;
             }
             j0 += 8;
         }
-        sum[g] = sum[g] * corr + l;
-        let a = &mut acc[g * hd..(g + 1) * hd];
-        let mut i = 0;
-        // SAFETY: i + 8 <= hd on every access; j < n rows of v.
-        unsafe {
-            while i < hd {
-                let mut s = _mm256_mul_ps(_mm256_loadu_ps(a.as_ptr().add(i)), _mm256_set1_ps(corr));
-                for (j, &p) in scores[..n].iter().enumerate() {
-                    s = _mm256_fmadd_ps(_mm256_set1_ps(p), T::load8(v.as_ptr().add(j * hd + i)), s);
-                }
-                _mm256_storeu_ps(a.as_mut_ptr().add(i), s);
-                i += 8;
+        sum[h] = sum[h] * *c + l;
+    }
+    // V, each row loaded once for the G heads.
+    let vp = a.v.as_ptr();
+    let mut i = 0;
+    // SAFETY: i + 8 <= hd on every access; j < n rows of v; heads < group.
+    unsafe {
+        while i < hd {
+            let mut s = [_mm256_setzero_ps(); G];
+            for (g, sg) in s.iter_mut().enumerate() {
+                *sg = _mm256_mul_ps(
+                    _mm256_loadu_ps(acc.as_ptr().add((g0 + g) * hd + i)),
+                    _mm256_set1_ps(corr[g]),
+                );
             }
+            for j in 0..n {
+                let vv = T::load8(vp.add(j * hd + i));
+                for (g, sg) in s.iter_mut().enumerate() {
+                    let p = *scores.get_unchecked((g0 + g) * stride + j);
+                    *sg = _mm256_fmadd_ps(_mm256_set1_ps(p), vv, *sg);
+                }
+            }
+            for (g, sg) in s.iter().enumerate() {
+                _mm256_storeu_ps(acc.as_mut_ptr().add((g0 + g) * hd + i), *sg);
+            }
+            i += 8;
         }
     }
 }
