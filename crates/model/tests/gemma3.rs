@@ -13,6 +13,8 @@ use flotilla_model::{
 use flotilla_text::TextSide;
 use serde::Deserialize;
 
+mod common;
+
 fn fixtures() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/gemma3")
 }
@@ -147,27 +149,11 @@ fn golden() -> Vec<(Golden, Vec<RefRow>)> {
 fn logits_at(e: &mut CpuExecutor, ids: &[u32], positions: &[usize]) -> Vec<Vec<f32>> {
     let n_blocks = ids.len().div_ceil(16);
     let table: Vec<u32> = (0..n_blocks as u32).map(|i| (i * 7 + 3) % 127).collect();
-    let mut out = StepOutputs::default();
-    let mut start = 0;
-    let mut rows = Vec::new();
-    for &p in positions {
-        let batch = [SeqInput {
-            tokens: &ids[start..=p],
-            start_pos: start,
-            block_table: &table,
-            output: OutputKind::Logits,
-        }];
-        e.step(&batch, &mut out).unwrap();
-        rows.push(out.logits_of(0).unwrap().to_vec());
-        start = p + 1;
-    }
-    rows
+    common::logits_at(e, ids, positions, &table)
 }
 
 fn argmax(v: &[f32]) -> u32 {
-    v.iter()
-        .enumerate()
-        .fold(0, |b, (i, &x)| if x > v[b] { i } else { b }) as u32
+    common::argmax(v) as u32
 }
 
 /// Max |diff| at the reference's ids, after removing the mean difference

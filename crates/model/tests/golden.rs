@@ -11,6 +11,9 @@ use flotilla_model::{
 };
 use serde::Deserialize;
 
+mod common;
+use common::argmax;
+
 fn fixtures() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures")
 }
@@ -57,27 +60,7 @@ fn golden() -> Vec<(Golden, Vec<Vec<f32>>)> {
 /// consecutive prefill chunks that end at those positions.
 fn logits_at(e: &mut CpuExecutor, ids: &[u32], positions: &[usize]) -> Vec<Vec<f32>> {
     let table: Vec<u32> = (0..ids.len().div_ceil(16) as u32).collect();
-    let mut out = StepOutputs::default();
-    let mut start = 0;
-    let mut rows = Vec::new();
-    for &p in positions {
-        let batch = [SeqInput {
-            tokens: &ids[start..=p],
-            start_pos: start,
-            block_table: &table,
-            output: OutputKind::Logits,
-        }];
-        e.step(&batch, &mut out).unwrap();
-        rows.push(out.logits_of(0).unwrap().to_vec());
-        start = p + 1;
-    }
-    rows
-}
-
-fn argmax(v: &[f32]) -> usize {
-    v.iter()
-        .enumerate()
-        .fold(0, |b, (i, &x)| if x > v[b] { i } else { b })
+    common::logits_at(e, ids, positions, &table)
 }
 
 fn top2_gap(v: &[f32]) -> f32 {

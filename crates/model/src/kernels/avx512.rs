@@ -29,6 +29,31 @@ unsafe fn bcast4(ab: &BlockQ8A, at: usize) -> __m256i {
     }
 }
 
+/// Adds one block's integer sums to the 8-row accumulators of N tokens:
+/// `acc += isum * (dw * d_a) + mw * s_a`, where `a[(t0 + c) * nb]` is token
+/// `t0 + c`'s block (the caller passes the slice starting at the block).
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn fold_block<const N: usize>(
+    acc: &mut [__m256; N],
+    i32s: &[__m256i; N],
+    dw: __m256,
+    mw: __m256,
+    a: &[BlockQ8A],
+    t0: usize,
+    nb: usize,
+) {
+    for c in 0..N {
+        let ab = &a[(t0 + c) * nb];
+        acc[c] = _mm256_fmadd_ps(
+            _mm256_cvtepi32_ps(i32s[c]),
+            _mm256_mul_ps(dw, _mm256_set1_ps(ab.d)),
+            acc[c],
+        );
+        acc[c] = _mm256_fmadd_ps(mw, _mm256_set1_ps(ab.s), acc[c]);
+    }
+}
+
 /// Interleaved Q4_1 group times N tokens: 8 rows per lane set.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
@@ -63,15 +88,8 @@ unsafe fn q4_1x8_tile<const N: usize>(
                 i32s[c] = _mm256_dpbusd_epi32(i32s[c], hi, ahi);
             }
         }
-        for c in 0..N {
-            let ab = &a[(t0 + c) * nb + b];
-            acc[c] = _mm256_fmadd_ps(
-                _mm256_cvtepi32_ps(i32s[c]),
-                _mm256_mul_ps(dw, _mm256_set1_ps(ab.d)),
-                acc[c],
-            );
-            acc[c] = _mm256_fmadd_ps(mw, _mm256_set1_ps(ab.s), acc[c]);
-        }
+        // SAFETY: same features as this function.
+        unsafe { fold_block(&mut acc, &i32s, dw, mw, &a[b..], t0, nb) };
     }
     acc
 }
@@ -102,15 +120,8 @@ unsafe fn q8_0x8_tile<const N: usize>(
             }
         }
         let mw = _mm256_mul_ps(dw, m128);
-        for c in 0..N {
-            let ab = &a[(t0 + c) * nb + b];
-            acc[c] = _mm256_fmadd_ps(
-                _mm256_cvtepi32_ps(i32s[c]),
-                _mm256_mul_ps(dw, _mm256_set1_ps(ab.d)),
-                acc[c],
-            );
-            acc[c] = _mm256_fmadd_ps(mw, _mm256_set1_ps(ab.s), acc[c]);
-        }
+        // SAFETY: same features as this function.
+        unsafe { fold_block(&mut acc, &i32s, dw, mw, &a[b..], t0, nb) };
     }
     acc
 }

@@ -1,0 +1,32 @@
+//! Helpers shared by the model tests.
+
+#![allow(dead_code)]
+
+use flotilla_model::{CpuExecutor, Executor, OutputKind, SeqInput, StepOutputs};
+
+/// Index of the largest logit (the first on ties).
+pub fn argmax(v: &[f32]) -> usize {
+    v.iter()
+        .enumerate()
+        .fold(0, |b, (i, &x)| if x > v[b] { i } else { b })
+}
+
+/// Logits after each of `ends` (ascending positions), running `ids` as
+/// consecutive prefill chunks that end there, over the block table `table`.
+pub fn logits_at(e: &mut CpuExecutor, ids: &[u32], ends: &[usize], table: &[u32]) -> Vec<Vec<f32>> {
+    let mut out = StepOutputs::default();
+    let mut start = 0;
+    let mut rows = Vec::with_capacity(ends.len());
+    for &p in ends {
+        let batch = [SeqInput {
+            tokens: &ids[start..=p],
+            start_pos: start,
+            block_table: table,
+            output: OutputKind::Logits,
+        }];
+        e.step(&batch, &mut out).unwrap();
+        rows.push(out.logits_of(0).unwrap().to_vec());
+        start = p + 1;
+    }
+    rows
+}
