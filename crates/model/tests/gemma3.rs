@@ -222,50 +222,46 @@ struct Greedy {
 /// reference's tokens, the fast path picks the reference's token at every
 /// step whose reference top-2 gap is at least 0.3; running free, it gives
 /// the reference's tokens up to the first such near-tie.
+/// The greedy token after `ids`: the prompt as one chunk at step 0, then
+/// one token at a time through the cache.
+fn next_greedy(
+    e: &mut CpuExecutor,
+    ids: &[u32],
+    step: usize,
+    prompt: &[u32],
+    table: &[u32],
+) -> u32 {
+    let start = if step == 0 { 0 } else { ids.len() - 1 };
+    debug_assert!(step == 0 || ids.len() == prompt.len() + step);
+    argmax(&common::step_logits(e, ids, start, table))
+}
+
 #[test]
 fn greedy_continuations_match_reference() {
     let cases: Vec<Greedy> = load("greedy.json");
     assert!(cases.len() >= 10);
     let mut e = exec(Kernel::Auto, KvDtype::F16);
     let table: Vec<u32> = (0..16).rev().collect();
-    let mut out = StepOutputs::default();
     let (mut checked, mut near) = (0, 0);
     for c in &cases {
+        // Teacher-forced: the reference's token goes in after each step.
         let mut ids = c.prompt_ids.clone();
-        let mut start = 0;
         for (step, (&want, &gap)) in c.tokens.iter().zip(&c.gaps).enumerate() {
-            let batch = [SeqInput {
-                tokens: &ids[start..],
-                start_pos: start,
-                block_table: &table,
-                output: OutputKind::Logits,
-            }];
-            e.step(&batch, &mut out).unwrap();
-            let got = argmax(out.logits_of(0).unwrap());
+            let got = next_greedy(&mut e, &ids, step, &c.prompt_ids, &table);
             if gap >= 0.3 {
                 assert_eq!(got, want, "{} step {step} (reference gap {gap:.3})", c.name);
                 checked += 1;
             } else {
                 near += 1;
             }
-            start = ids.len();
             ids.push(want);
         }
         // Free-running, up to the first near-tie.
         let free_len = c.gaps.iter().position(|&g| g < 0.3).unwrap_or(c.gaps.len());
         let mut ids = c.prompt_ids.clone();
-        let mut start = 0;
         for step in 0..free_len {
-            let batch = [SeqInput {
-                tokens: &ids[start..],
-                start_pos: start,
-                block_table: &table,
-                output: OutputKind::Logits,
-            }];
-            e.step(&batch, &mut out).unwrap();
-            let got = argmax(out.logits_of(0).unwrap());
+            let got = next_greedy(&mut e, &ids, step, &c.prompt_ids, &table);
             assert_eq!(got, c.tokens[step], "{}: free-running step {step}", c.name);
-            start = ids.len();
             ids.push(got);
         }
     }
@@ -285,24 +281,11 @@ fn batch_invariant() {
         &cases[2].prompt_ids,
     );
     let mut out = StepOutputs::default();
-    let one = |e: &mut CpuExecutor, out: &mut StepOutputs, ids: &[u32], table: &[u32]| {
-        e.step(
-            &[SeqInput {
-                tokens: ids,
-                start_pos: 0,
-                block_table: table,
-                output: OutputKind::Logits,
-            }],
-            out,
-        )
-        .unwrap();
-        out.logits_of(0).unwrap().to_vec()
-    };
-    let alone = one(&mut e, &mut out, a, &[0, 1]);
-    let shuffled = one(&mut e, &mut out, a, &[90, 17]);
+    let alone = common::step_logits(&mut e, a, 0, &[0, 1]);
+    let shuffled = common::step_logits(&mut e, a, 0, &[90, 17]);
     assert_eq!(alone, shuffled, "shuffled physical blocks");
     // b's prompt first, then a mixed step: b decodes, a prefills, c prefills.
-    one(&mut e, &mut out, b, &[40, 41]);
+    common::step_logits(&mut e, b, 0, &[40, 41]);
     let mut b_next = b.clone();
     b_next.push(cases[1].tokens[0]);
     let batch = [
@@ -358,17 +341,9 @@ fn teacher_forced_beside_llama_cpp() {
     let mut e = exec(Kernel::Auto, KvDtype::F16);
     let n = tf.ids.len() - 1;
     let table: Vec<u32> = (0..tf.ids.len().div_ceil(16) as u32).collect();
-    let mut out = StepOutputs::default();
     let (mut agree_llama, mut agree_ref, mut ref_total, mut kl_sum) = (0, 0, 0, 0f64);
     for p in 0..n {
-        let batch = [SeqInput {
-            tokens: &tf.ids[p..=p],
-            start_pos: p,
-            block_table: &table,
-            output: OutputKind::Logits,
-        }];
-        e.step(&batch, &mut out).unwrap();
-        let logits = out.logits_of(0).unwrap();
+        let logits = &common::step_logits(&mut e, &tf.ids[..=p], p, &table);
         let ours = argmax(logits);
         let theirs = &tf.llama_cpp_top20[p];
         if ours == theirs[0].0 {

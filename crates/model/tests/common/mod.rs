@@ -11,21 +11,27 @@ pub fn argmax(v: &[f32]) -> usize {
         .fold(0, |b, (i, &x)| if x > v[b] { i } else { b })
 }
 
+/// The logits after `ids`, running `ids[start..]` as one chunk (positions
+/// before `start` are already in the cache) over the block table `table`.
+pub fn step_logits(e: &mut CpuExecutor, ids: &[u32], start: usize, table: &[u32]) -> Vec<f32> {
+    let mut out = StepOutputs::default();
+    let batch = [SeqInput {
+        tokens: &ids[start..],
+        start_pos: start,
+        block_table: table,
+        output: OutputKind::Logits,
+    }];
+    e.step(&batch, &mut out).unwrap();
+    out.logits_of(0).unwrap().to_vec()
+}
+
 /// Logits after each of `ends` (ascending positions), running `ids` as
 /// consecutive prefill chunks that end there, over the block table `table`.
 pub fn logits_at(e: &mut CpuExecutor, ids: &[u32], ends: &[usize], table: &[u32]) -> Vec<Vec<f32>> {
-    let mut out = StepOutputs::default();
     let mut start = 0;
     let mut rows = Vec::with_capacity(ends.len());
     for &p in ends {
-        let batch = [SeqInput {
-            tokens: &ids[start..=p],
-            start_pos: start,
-            block_table: table,
-            output: OutputKind::Logits,
-        }];
-        e.step(&batch, &mut out).unwrap();
-        rows.push(out.logits_of(0).unwrap().to_vec());
+        rows.push(step_logits(e, &ids[..=p], start, table));
         start = p + 1;
     }
     rows
