@@ -119,11 +119,7 @@ fn golden() -> Vec<(Golden, Vec<RefRow>)> {
     cases
         .into_iter()
         .map(|c| {
-            let bytes = std::fs::read(fixtures().join(&c.file)).unwrap();
-            let f: Vec<f32> = bytes
-                .chunks_exact(4)
-                .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
-                .collect();
+            let f = common::read_f32(&fixtures().join(&c.file));
             let s = &c.strided_ids;
             assert_eq!(f.len(), s.count * c.positions.len());
             let rows = f

@@ -44,11 +44,7 @@ fn golden() -> Vec<(Golden, Vec<Vec<f32>>)> {
     cases
         .into_iter()
         .map(|c| {
-            let bytes = std::fs::read(fixtures().join(&c.file)).unwrap();
-            let f: Vec<f32> = bytes
-                .chunks_exact(4)
-                .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
-                .collect();
+            let f = common::read_f32(&fixtures().join(&c.file));
             let vocab = f.len() / c.positions.len();
             let rows = f.chunks(vocab).map(|r| r.to_vec()).collect();
             (c, rows)

@@ -4,6 +4,15 @@
 
 use flotilla_model::{CpuExecutor, Executor, OutputKind, SeqInput, StepOutputs};
 
+/// A little-endian f32 fixture file (golden logits).
+pub fn read_f32(path: &std::path::Path) -> Vec<f32> {
+    std::fs::read(path)
+        .unwrap()
+        .chunks_exact(4)
+        .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+        .collect()
+}
+
 /// Index of the largest logit (the first on ties).
 pub fn argmax(v: &[f32]) -> usize {
     v.iter()
