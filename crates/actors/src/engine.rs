@@ -16,8 +16,9 @@ use std::time::Duration;
 
 use flotilla_exec::{Executor, KvDtype};
 use flotilla_proto::{
-    BoxFuture, Engine, EngineEvent, EngineFailure, EngineRequest, EngineStatus, KvExport, KvLayout,
-    KvMigration, Rejection, RequestId, RequestStream, Sampled, TenantId, TierId,
+    BoxFuture, Engine, EngineEvent, EngineFailure, EngineRequest, EngineStatus, EventSink,
+    KvExport, KvLayout, KvMigration, Rejection, RequestId, RequestStream, Sampled, StepEvents,
+    TenantId, TierId,
 };
 use flotilla_sched::{SchedConfig, SchedEvent, Scheduler, Timings};
 use flotilla_telemetry::{Metrics, PhaseTimes, Terminal};
@@ -29,9 +30,11 @@ use crate::worker::{GpuWorker, StepResult, WorkerArgs, WorkerMsg};
 
 /// Messages of the Scheduler actor.
 pub(crate) enum SchedMsg {
-    /// Admit a request (or refuse it at once).
+    /// Admit a request (or refuse it at once); its events go to its own
+    /// stream, or with a `sink` there, per step.
     Submit {
         req: EngineRequest,
+        sink: Option<EventSink>,
         reply: RpcReplyPort<Result<RequestStream, Rejection>>,
     },
     /// The client went away: drop the request wherever it is.
@@ -91,6 +94,7 @@ pub(crate) struct PendingImport {
     tokens: u32,
     req: EngineRequest,
     first: Sampled,
+    sink: Option<EventSink>,
     reply: RpcReplyPort<Result<RequestStream, Rejection>>,
 }
 
@@ -115,8 +119,47 @@ pub struct EngineOptions {
 }
 
 struct Live {
-    tx: mpsc::UnboundedSender<EngineEvent>,
+    out: LiveOut,
     tier: usize,
+}
+
+/// Where a live request's events go.
+enum LiveOut {
+    /// Its own stream, event by event.
+    Stream(mpsc::UnboundedSender<EngineEvent>),
+    /// A sink, with the other events of the same step.
+    Sink(EventSink),
+}
+
+/// Events gathered per sink while one step's events are delivered.
+#[derive(Default)]
+struct SinkBatches(Vec<(EventSink, StepEvents)>);
+
+impl SinkBatches {
+    fn push(&mut self, sink: &EventSink, id: RequestId, ev: EngineEvent) {
+        match self.0.iter_mut().find(|(s, _)| s.same_channel(sink)) {
+            Some((_, b)) => b.push((id, ev)),
+            None => self.0.push((sink.clone(), vec![(id, ev)])),
+        }
+    }
+
+    fn flush(&mut self) {
+        for (sink, b) in self.0.drain(..) {
+            let _ = sink.send(b);
+        }
+    }
+}
+
+impl Live {
+    /// Sends one event (a sink's waits in `batches` for the step's end).
+    fn send(&self, id: RequestId, ev: EngineEvent, batches: &mut SinkBatches) {
+        match &self.out {
+            LiveOut::Stream(tx) => {
+                let _ = tx.send(ev);
+            }
+            LiveOut::Sink(sink) => batches.push(sink, id, ev),
+        }
+    }
 }
 
 struct SchedulerActor;
@@ -137,6 +180,8 @@ struct SchedState {
     /// The worker is alive and its executor trusted; once false, never true again.
     worker_ok: bool,
     events: Vec<SchedEvent>,
+    /// Per-sink batches of the step being delivered (kept for reuse).
+    batches: SinkBatches,
     /// Bytes of one KV block (import size checks).
     bytes_per_block: u64,
     /// Set while invariants are checked (none has broken yet).
@@ -190,6 +235,7 @@ impl Actor for SchedulerActor {
             wake_at: None,
             worker_ok: true,
             events: Vec::new(),
+            batches: SinkBatches::default(),
             bytes_per_block: a.bytes_per_block,
             check: a.check,
             handled: 0,
@@ -204,7 +250,7 @@ impl Actor for SchedulerActor {
     ) -> Result<(), ActorProcessingErr> {
         let now = st.clock.now();
         match msg {
-            SchedMsg::Submit { req, reply } => {
+            SchedMsg::Submit { req, sink, reply } => {
                 let id = RequestId(st.next_id);
                 st.next_id += 1;
                 let tier = st
@@ -217,7 +263,7 @@ impl Actor for SchedulerActor {
                 } else {
                     st.sched
                         .submit(now, id, req)
-                        .map(|()| open_stream(&myself, st, id, tier))
+                        .map(|()| open_stream(&myself, st, id, tier, sink))
                 };
                 // The caller may have given up waiting; then the stream it
                 // would have got is dropped here and cancels itself.
@@ -236,7 +282,7 @@ impl Actor for SchedulerActor {
                 } else {
                     st.sched
                         .submit_held(now, id, req, hold_for)
-                        .map(|()| open_stream(&myself, st, id, tier))
+                        .map(|()| open_stream(&myself, st, id, tier, None))
                 };
                 let _ = reply.send(answer);
             }
@@ -284,6 +330,7 @@ impl Actor for SchedulerActor {
                     reservation,
                     req,
                     first,
+                    sink,
                     reply,
                     ..
                 } = *p;
@@ -298,7 +345,7 @@ impl Actor for SchedulerActor {
                         // Live before the first token is delivered below.
                         st.sched
                             .submit_imported(now, reservation, req, first)
-                            .map(|()| open_stream(&myself, st, reservation, tier))
+                            .map(|()| open_stream(&myself, st, reservation, tier, sink))
                     }
                 };
                 let _ = reply.send(answer);
@@ -429,9 +476,15 @@ impl Actor for SchedulerActor {
         let now = st.clock.now();
         st.sched.fail_all(now, EngineFailure::ShuttingDown);
         deliver(st);
-        for (_, l) in std::mem::take(&mut st.live) {
-            let _ = l.tx.send(EngineEvent::Failed(EngineFailure::ShuttingDown));
+        let mut batches = SinkBatches::default();
+        for (id, l) in std::mem::take(&mut st.live) {
+            l.send(
+                id,
+                EngineEvent::Failed(EngineFailure::ShuttingDown),
+                &mut batches,
+            );
         }
+        batches.flush();
         st.worker.stop(None);
         Ok(())
     }
@@ -454,23 +507,41 @@ fn open_stream(
     st: &mut SchedState,
     id: RequestId,
     tier: usize,
+    sink: Option<EventSink>,
 ) -> RequestStream {
-    let (tx, rx) = mpsc::unbounded_channel();
-    st.live.insert(id, Live { tx, tier });
     let me = myself.clone();
-    RequestStream::new(
-        id,
-        rx,
-        Box::new(move |stop_string| {
-            // After the end, or with the engine gone, there is nothing
-            // left to cancel.
-            let _ = me.cast(if stop_string {
-                SchedMsg::StopString(id)
-            } else {
-                SchedMsg::Cancel(id)
-            });
-        }),
-    )
+    let on_drop = Box::new(move |stop_string| {
+        // After the end, or with the engine gone, there is nothing left
+        // to cancel.
+        let _ = me.cast(if stop_string {
+            SchedMsg::StopString(id)
+        } else {
+            SchedMsg::Cancel(id)
+        });
+    });
+    match sink {
+        Some(sink) => {
+            st.live.insert(
+                id,
+                Live {
+                    out: LiveOut::Sink(sink),
+                    tier,
+                },
+            );
+            RequestStream::detached(id, on_drop)
+        }
+        None => {
+            let (tx, rx) = mpsc::unbounded_channel();
+            st.live.insert(
+                id,
+                Live {
+                    out: LiveOut::Stream(tx),
+                    tier,
+                },
+            );
+            RequestStream::new(id, rx, on_drop)
+        }
+    }
 }
 
 /// Pins the reservation and sends its blocks to the worker to write; the
@@ -568,11 +639,13 @@ fn deliver(st: &mut SchedState) {
     // draining, and delivery needs the rest of the state.
     let mut events = std::mem::take(&mut st.events);
     events.extend(st.sched.drain_events());
+    // One message per sink for everything this step produced.
+    let mut batches = std::mem::take(&mut st.batches);
     for ev in events.drain(..) {
         match ev {
             SchedEvent::Token { id, token } => {
                 if let Some(l) = st.live.get(&id) {
-                    let _ = l.tx.send(EngineEvent::Token(token));
+                    l.send(id, EngineEvent::Token(token), &mut batches);
                 }
             }
             SchedEvent::Finished {
@@ -591,7 +664,7 @@ fn deliver(st: &mut SchedState) {
                 );
                 st.metrics.request_ended(tier, Terminal::Finished);
                 if let Some(l) = st.live.remove(&id) {
-                    let _ = l.tx.send(EngineEvent::Finished { reason, usage });
+                    l.send(id, EngineEvent::Finished { reason, usage }, &mut batches);
                 }
             }
             SchedEvent::Failed {
@@ -606,7 +679,7 @@ fn deliver(st: &mut SchedState) {
                 };
                 st.metrics.request_ended(tier, state);
                 if let Some(l) = st.live.remove(&id) {
-                    let _ = l.tx.send(EngineEvent::Failed(failure));
+                    l.send(id, EngineEvent::Failed(failure), &mut batches);
                 }
             }
             SchedEvent::Preempted { tier, .. } => {
@@ -615,6 +688,8 @@ fn deliver(st: &mut SchedState) {
         }
     }
     st.events = events;
+    batches.flush();
+    st.batches = batches;
 }
 
 /// The metrics label of a tier.
@@ -726,12 +801,35 @@ impl Engine for LocalEngine {
         let sched = self.sched.clone();
         Box::pin(async move {
             match sched
-                .call(|reply| SchedMsg::Submit { req, reply }, None)
+                .call(
+                    |reply| SchedMsg::Submit {
+                        req,
+                        sink: None,
+                        reply,
+                    },
+                    None,
+                )
                 .await
             {
                 Ok(ractor::rpc::CallResult::Success(r)) => r,
                 _ => Err(Rejection::Unavailable),
             }
+        })
+    }
+
+    fn submit_to(
+        &self,
+        req: EngineRequest,
+        sink: EventSink,
+    ) -> BoxFuture<Result<RequestStream, Rejection>> {
+        let sched = self.sched.clone();
+        Box::pin(async move {
+            let msg = |reply| SchedMsg::Submit {
+                req,
+                sink: Some(sink),
+                reply,
+            };
+            ask(&sched, msg, Err(Rejection::Unavailable)).await
         })
     }
 
@@ -817,6 +915,7 @@ impl KvMigration for LocalEngine {
         data: Vec<u8>,
         req: EngineRequest,
         first: Sampled,
+        sink: Option<EventSink>,
     ) -> BoxFuture<Result<RequestStream, Rejection>> {
         let sched = self.sched.clone();
         Box::pin(async move {
@@ -826,6 +925,7 @@ impl KvMigration for LocalEngine {
                     tokens,
                     req,
                     first,
+                    sink,
                     reply,
                 };
                 SchedMsg::Import(Box::new(p), data)

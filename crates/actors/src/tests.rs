@@ -157,6 +157,14 @@ const WAIT: Duration = Duration::from_secs(10);
     reason = "the actors run on real timers here, so the clock is the real one"
 )]
 async fn rig(queue_timeout: Duration, panic: bool) -> Rig {
+    rig_seats(queue_timeout, panic, 1).await
+}
+
+#[allow(
+    clippy::disallowed_methods,
+    reason = "the actors run on real timers here, so the clock is the real one"
+)]
+async fn rig_seats(queue_timeout: Duration, panic: bool, seats: usize) -> Rig {
     let (entered_tx, entered) = mpsc::unbounded_channel();
     let (gate, gate_rx) = std_mpsc::channel();
     let exec = FakeExec {
@@ -180,7 +188,7 @@ async fn rig(queue_timeout: Duration, panic: bool) -> Rig {
     let sched = SchedConfig {
         num_blocks: 64,
         block_size: 4,
-        max_num_seqs: 1,
+        max_num_seqs: seats,
         max_num_batched_tokens: 256,
         max_model_len: 64,
         batching: Batching::Continuous,
@@ -382,7 +390,7 @@ async fn kv_exported_from_one_engine_continues_on_another() {
     kv_used_becomes(&d.engine, 3).await;
     let mut out = d
         .engine
-        .import_kv(r, 10, exp.data, prompt_of(5), first.clone())
+        .import_kv(r, 10, exp.data, prompt_of(5), first.clone(), None)
         .await
         .unwrap();
     let mut tokens = Vec::new();
@@ -430,7 +438,7 @@ async fn held_and_reserved_blocks_go_back_by_themselves() {
     };
     let late = r
         .engine
-        .import_kv(res, 10, vec![1; 12], prompt_of(5), first.clone())
+        .import_kv(res, 10, vec![1; 12], prompt_of(5), first.clone(), None)
         .await;
     assert!(
         matches!(late, Err(Rejection::Invalid(_))),
@@ -443,7 +451,7 @@ async fn held_and_reserved_blocks_go_back_by_themselves() {
     let res = r.engine.reserve_kv(TenantId(0), 10, WAIT).await.unwrap();
     let short = r
         .engine
-        .import_kv(res, 10, vec![1; 5], prompt_of(5), first)
+        .import_kv(res, 10, vec![1; 5], prompt_of(5), first, None)
         .await;
     assert!(
         matches!(short, Err(Rejection::Invalid(_))),
@@ -465,5 +473,59 @@ async fn held_and_reserved_blocks_go_back_by_themselves() {
         assert!(r.engine.cancel_reservation(h).await);
     }
     kv_used_becomes(&r.engine, 0).await;
+    r.engine.stop();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn requests_submitted_to_a_sink_get_one_message_per_step() {
+    let mut r = rig_seats(Duration::from_secs(60), false, 4).await;
+    let (sink, mut rx) = mpsc::unbounded_channel();
+    let mut a = r
+        .engine
+        .submit_to(prompt_of(4), sink.clone())
+        .await
+        .unwrap();
+    let b = r
+        .engine
+        .submit_to(prompt_of(4), sink.clone())
+        .await
+        .unwrap();
+    // Detached: the events go to the sink, not to the handle.
+    assert_eq!(a.recv().await, None);
+    r.open_gate();
+    let (ids, mut tokens, mut ended) = ([a.id, b.id], [0u32; 2], [false; 2]);
+    let (mut messages, mut events, mut shared) = (0, 0, 0);
+    while ended != [true, true] {
+        let step = tokio::time::timeout(WAIT, rx.recv())
+            .await
+            .unwrap()
+            .unwrap();
+        messages += 1;
+        events += step.len();
+        let mut seen = [0; 2];
+        for (id, ev) in step {
+            let i = ids.iter().position(|x| *x == id).expect("an id of ours");
+            seen[i] += 1;
+            assert!(!ended[i], "an event after the end of {id}");
+            match ev {
+                EngineEvent::Token(_) => tokens[i] += 1,
+                EngineEvent::Finished { usage, .. } => {
+                    assert_eq!(usage.completion_tokens, tokens[i]);
+                    ended[i] = true;
+                }
+                other => panic!("{other:?}"),
+            }
+        }
+        // A step samples one token per request: a request's events in one
+        // message are that token and, at most, its end.
+        assert!(seen.iter().all(|&n| n <= 2), "{seen:?}");
+        if seen.iter().all(|&n| n > 0) {
+            shared += 1;
+        }
+    }
+    assert_eq!(tokens, [4, 4]);
+    assert!(shared > 0, "no step carried both requests' events");
+    assert!(messages < events, "{messages} messages for {events} events");
+    drop((a, b));
     r.engine.stop();
 }

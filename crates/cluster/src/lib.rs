@@ -1,16 +1,16 @@
 //! Engines across nodes. The Router's side is [`ClusterEngine`], an
-//! [`flotilla_proto::Engine`] whose requests run on engine nodes; the
-//! engine node's side is [`run_worker`], which feeds what arrives to the
-//! node's own engine. Both speak only through a
-//! [`flotilla_transport::Transport`], so the same code runs over QUIC and
-//! over the simulated network.
+//! [`flotilla_proto::Engine`] whose requests run on engine nodes: an actor
+//! around [`RouterCore`], the Router's state machine; the engine node's
+//! side is [`run_worker`], which feeds what arrives to the node's own
+//! engine. Both speak only through a [`flotilla_transport::Transport`], so
+//! the same code runs over QUIC and over the simulated network.
 
 pub mod memnet;
 pub mod prefix;
 pub mod router;
 pub mod worker;
 
-pub use router::{ClusterEngine, RouterOptions};
+pub use router::{CheckHook, ClusterEngine, RouterCore, RouterInput, RouterOptions, RouterOutput};
 pub use worker::{OrphanHook, WorkerOptions, run_worker};
 
 #[cfg(test)]

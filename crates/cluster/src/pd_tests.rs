@@ -8,9 +8,9 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use flotilla_proto::{
-    BoxFuture, Engine, EngineEvent, EngineFailure, EngineRequest, EngineStatus, FinishReason,
-    KvExport, KvLayout, KvMigration, KvUsage, Rejection, RequestId, RequestStream, Role, Sampled,
-    SamplingParams, TenantId, Usage,
+    BoxFuture, Engine, EngineEvent, EngineFailure, EngineRequest, EngineStatus, EventSink,
+    FinishReason, KvExport, KvLayout, KvMigration, KvUsage, Rejection, RequestId, RequestStream,
+    Role, Sampled, SamplingParams, TenantId, Usage,
 };
 use flotilla_transport::NodeId;
 use tokio::sync::mpsc;
@@ -292,6 +292,7 @@ impl KvMigration for FakePd {
         data: Vec<u8>,
         req: EngineRequest,
         first: Sampled,
+        sink: Option<EventSink>,
     ) -> BoxFuture<Result<RequestStream, Rejection>> {
         let me = self.clone();
         Box::pin(async move {
@@ -328,13 +329,17 @@ impl KvMigration for FakePd {
                 drop(s);
             });
             let m2 = me.clone();
-            Ok(RequestStream::new(
+            let stream = RequestStream::new(
                 RequestId(id),
                 rx2,
                 Box::new(move |_| {
                     m2.free_if(id, |s| matches!(s, Slot::Running(_)));
                 }),
-            ))
+            );
+            Ok(match sink {
+                Some(sink) => stream.forward_to(sink),
+                None => stream,
+            })
         })
     }
 
@@ -371,12 +376,10 @@ struct Rig {
 
 fn opts(role: Role) -> WorkerOptions {
     WorkerOptions {
-        heartbeat_interval: HB,
-        down_after: DOWN,
         model: "fake".into(),
         reservation_ttl: TTL,
         hold_ttl: TTL,
-        ..WorkerOptions::new(vec![0], role)
+        ..crate::testrig::node_opts(HB, DOWN, role)
     }
 }
 
@@ -398,7 +401,7 @@ async fn rig(roles: &[Role]) -> Rig {
 /// [`rig`] with the nodes' options changed by `f`.
 async fn rig_with(roles: &[Role], f: impl Fn(WorkerOptions) -> WorkerOptions) -> Rig {
     let net = MemNet::new(roles.len() + 1);
-    let router = start_router(&net, roles, BS as usize, HB, DOWN);
+    let router = start_router(&net, roles, BS as usize, HB, DOWN).await;
     let engines: Vec<FakePd> = roles.iter().map(|_| FakePd::new(1000)).collect();
     for (i, r) in roles.iter().enumerate() {
         start_with(&net, i as NodeId + 1, 1, &engines[i], f(opts(*r)));
@@ -658,7 +661,7 @@ async fn a_decode_node_that_dies_mid_stream_ends_the_stream_with_an_error() {
 #[tokio::test]
 async fn kv_for_another_model_is_refused_and_the_request_runs_colocated() {
     let net = MemNet::new(3);
-    let router = start_router(&net, &[Role::Prefill, Role::Decode], BS as usize, HB, DOWN);
+    let router = start_router(&net, &[Role::Prefill, Role::Decode], BS as usize, HB, DOWN).await;
     let (p, d) = (FakePd::new(1000), FakePd::new(1000));
     start(&net, 1, 1, Role::Prefill, &p);
     let (t, rx) = net.join(2, 1);
@@ -666,7 +669,7 @@ async fn kv_for_another_model_is_refused_and_the_request_runs_colocated() {
     let mut o = opts(Role::Decode);
     o.model = "another".into();
     tokio::spawn(run_worker(t, rx, Arc::new(d.clone()), Some(kv), o));
-    until("both up", || router.up_nodes().len() == 2).await;
+    wait_up(&router, 2).await;
     let q = req(10, 5, 8);
     let (toks, _) = drain(router.submit(q.clone()).await.unwrap()).await;
     assert_eq!(toks, expected(&q));

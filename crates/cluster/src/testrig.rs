@@ -5,14 +5,41 @@
 use std::sync::Arc;
 use std::time::Duration;
 
+use flotilla_config::ClusterSection;
 use flotilla_proto::{EngineEvent, RequestStream, Role};
 
 use crate::memnet::MemNet;
-use crate::{ClusterEngine, RouterOptions};
+use crate::{ClusterEngine, RouterOptions, WorkerOptions};
+
+/// A cluster config's settings with the tests' fast heartbeat and down
+/// bound (a whole number of heartbeats).
+pub(crate) fn cluster(heartbeat: Duration, down_after: Duration) -> ClusterSection {
+    let hb = heartbeat.as_millis() as u64;
+    ClusterSection {
+        heartbeat_interval_ms: hb,
+        down_after_missed: (down_after.as_millis() as u64 / hb) as u32,
+        ..ClusterSection::defaults()
+    }
+}
+
+/// An engine node's settings for the tests: their timing, orphans looked
+/// for once a second (as long as the tests' transfers can take).
+pub(crate) fn node_opts(heartbeat: Duration, down_after: Duration, role: Role) -> WorkerOptions {
+    let cl = cluster(heartbeat, down_after);
+    assert_eq!(
+        cl.down_after(),
+        down_after,
+        "the down bound is whole heartbeats"
+    );
+    WorkerOptions {
+        reconcile_interval: Duration::from_secs(1),
+        ..WorkerOptions::from_config(&cl, vec![0], role)
+    }
+}
 
 /// A Router at node 0 of `net` that knows one engine node per entry of
 /// `roles` (nodes 1..), named `{role}-{node}`.
-pub(crate) fn start_router(
+pub(crate) async fn start_router(
     net: &Arc<MemNet>,
     roles: &[Role],
     block_size: usize,
@@ -24,30 +51,32 @@ pub(crate) fn start_router(
         t,
         rx,
         RouterOptions {
-            workers: roles
-                .iter()
-                .enumerate()
-                .map(|(i, r)| (i as u32 + 1, format!("{r}-{}", i + 1), *r))
-                .collect(),
-            heartbeat_interval: heartbeat,
-            down_after,
-            block_size,
-            tenant_salts: vec![0],
-            reruns_max: 2,
             prefix_blocks_max: 1000,
+            ..RouterOptions::from_config(
+                &cluster(heartbeat, down_after),
+                roles
+                    .iter()
+                    .enumerate()
+                    .map(|(i, r)| (i as u32 + 1, format!("{r}-{}", i + 1), *r))
+                    .collect(),
+                block_size,
+                vec![0],
+            )
         },
     )
+    .await
+    .expect("router starts")
 }
 
 /// Waits until exactly `n` nodes are up (two seconds at most).
 pub(crate) async fn wait_up(router: &ClusterEngine, n: usize) {
     for _ in 0..400 {
-        if router.up_nodes().len() == n {
+        if router.up_nodes().await.len() == n {
             return;
         }
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
-    panic!("only {:?} came up", router.up_nodes());
+    panic!("only {:?} came up", router.up_nodes().await);
 }
 
 /// Reads a stream to its end: (tokens, terminal event).

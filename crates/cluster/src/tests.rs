@@ -97,11 +97,7 @@ struct Rig {
 }
 
 fn worker_opts() -> WorkerOptions {
-    WorkerOptions {
-        heartbeat_interval: HB,
-        down_after: DOWN,
-        ..WorkerOptions::new(vec![0], Role::Worker)
-    }
+    testrig::node_opts(HB, DOWN, Role::Worker)
 }
 
 fn start_worker(net: &Arc<MemNet>, node: u32, epoch: u64) -> Arc<FakeEngine> {
@@ -122,7 +118,7 @@ async fn rig(workers: usize) -> Rig {
 /// A Router that knows `workers` engine nodes, of which the first `started` run.
 async fn rig_with(workers: usize, started: usize) -> Rig {
     let net = MemNet::new(workers + 1);
-    let router = start_router(&net, &vec![Role::Worker; workers], 4, HB, DOWN);
+    let router = start_router(&net, &vec![Role::Worker; workers], 4, HB, DOWN).await;
     let engines = (1..=started as u32)
         .map(|n| start_worker(&net, n, 1))
         .collect();
@@ -157,21 +153,9 @@ async fn drain(s: RequestStream) -> (u32, EngineEvent) {
     (toks.len() as u32, end)
 }
 
-fn routed(r: &Rig) -> Vec<u64> {
-    let s = futures_lite_block(r.router.status());
+async fn routed(r: &Rig) -> Vec<u64> {
+    let s = r.router.status().await;
     s.nodes.iter().map(|n| n.routed).collect()
-}
-
-fn futures_lite_block(f: BoxFuture<EngineStatus>) -> EngineStatus {
-    // status() takes the state lock and returns at once; polling it on this
-    // thread needs no runtime.
-    let waker = std::task::Waker::noop();
-    let mut cx = std::task::Context::from_waker(waker);
-    let mut f = f;
-    match f.as_mut().poll(&mut cx) {
-        std::task::Poll::Ready(s) => s,
-        std::task::Poll::Pending => panic!("status() waited"),
-    }
 }
 
 #[tokio::test]
@@ -189,7 +173,7 @@ async fn requests_stream_from_both_workers() {
         assert_eq!(n, 6);
         assert!(matches!(end, EngineEvent::Finished { usage, .. } if usage.completion_tokens == 6));
     }
-    let by = routed(&r);
+    let by = routed(&r).await;
     assert_eq!(by.iter().sum::<u64>(), 8);
     assert!(by.iter().all(|&n| n >= 2), "load did not spread: {by:?}");
     for e in &r.engines {
@@ -206,13 +190,13 @@ async fn a_cached_prefix_wins_unless_its_worker_is_much_busier() {
     let r = rig(2).await;
     let first = r.router.submit(req(0, 32, 2, 0)).await.unwrap();
     drain(first).await;
-    let home = routed(&r).iter().position(|&n| n == 1).unwrap();
+    let home = routed(&r).await.iter().position(|&n| n == 1).unwrap();
     for i in 1..4 {
         let s = r.router.submit(req(0, 36, 2, i)).await.unwrap();
         drain(s).await;
     }
     assert_eq!(
-        routed(&r)[home],
+        routed(&r).await[home],
         4,
         "shared-prefix requests left the worker holding it"
     );
@@ -223,9 +207,9 @@ async fn a_cached_prefix_wins_unless_its_worker_is_much_busier() {
     let mut busy = Vec::new();
     let mut went = Vec::new();
     for i in 0..3 {
-        let before = routed(&r);
+        let before = routed(&r).await;
         busy.push(r.router.submit(req(0, 36, 4000, 100 + i)).await.unwrap());
-        let after = routed(&r);
+        let after = routed(&r).await;
         went.push((0..2).find(|&w| after[w] > before[w]).unwrap());
     }
     assert_eq!(
@@ -278,7 +262,7 @@ async fn a_dead_worker_is_marked_down_its_requests_rerun_or_fail() {
     let (n, end) = drain(waiting).await;
     assert!(matches!(end, EngineEvent::Finished { .. }), "{end:?}");
     assert_eq!(n, 3);
-    let s = futures_lite_block(r.router.status());
+    let s = r.router.status().await;
     assert!(!s.nodes[0].up && s.nodes[0].downs == 1, "{:?}", s.nodes);
     // New work goes to the live worker.
     let (n, _) = drain(r.router.submit(req(0, 8, 2, 3)).await.unwrap()).await;
@@ -290,15 +274,15 @@ async fn a_restarted_worker_rejoins_with_a_new_epoch_and_takes_work() {
     let r = rig(2).await;
     r.net.kill(1);
     for _ in 0..100 {
-        if r.router.up_nodes() == ["worker-2"] {
+        if r.router.up_nodes().await == ["worker-2"] {
             break;
         }
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
-    assert_eq!(r.router.up_nodes(), ["worker-2"]);
+    assert_eq!(r.router.up_nodes().await, ["worker-2"]);
     let e1 = start_worker(&r.net, 1, 2);
     wait_up(&r.router, 2).await;
-    let s = futures_lite_block(r.router.status());
+    let s = r.router.status().await;
     assert_eq!(s.nodes[0].epoch, 2);
     for i in 0..4 {
         let mut q = req(0, 8, 2, i);
@@ -345,10 +329,10 @@ async fn a_silent_router_gets_its_requests_cancelled_on_the_workers() {
 #[tokio::test]
 async fn no_worker_up_is_a_refusal_not_a_hang() {
     let net = MemNet::new(2);
-    let router = start_router(&net, &[Role::Worker], 4, HB, DOWN);
+    let router = start_router(&net, &[Role::Worker], 4, HB, DOWN).await;
     assert!(matches!(
         router.submit(req(0, 4, 1, 0)).await,
         Err(Rejection::Unavailable)
     ));
-    assert!(!futures_lite_block(router.status()).ready);
+    assert!(!router.status().await.ready);
 }

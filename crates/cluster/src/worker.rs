@@ -1,8 +1,10 @@
 //! The engine node's side: requests that arrive over the transport are
 //! submitted to the node's own engine (the same Scheduler, KvBlockPool and
 //! GpuWorker actors `flotilla serve` runs), and their events go back to
-//! the Router coalesced: everything one step produced for one Router
-//! leaves in one frame.
+//! the Router per step: the engine sends every event of one step for this
+//! node's requests in one message to the node's sink
+//! ([`Engine::submit_to`]), and it leaves as one frame per Router (split
+//! only near the frame cap). No task and no channel per request.
 //!
 //! Every request is tied to the Router that sent it and that Router's
 //! epoch. When the Router goes silent past the down-after bound, or comes
@@ -15,13 +17,11 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use bytes::Bytes;
-use flotilla_proto::wire::{
-    Held, KvTransferHeader, LoadReport, Message, PrefillMsg, ReqEvents, SubmitMsg, WireEnd,
-    WireRejection, WireToken,
-};
+use flotilla_config::ClusterSection;
+use flotilla_proto::wire::{Held, KvTransferHeader, Message, PrefillMsg, ReqEvents, Submit};
 use flotilla_proto::{
-    Engine, EngineEvent, EngineFailure, KvLayout, KvMigration, RequestId, RequestStream, Role,
-    TenantId,
+    Engine, EngineEvent, EngineFailure, KvLayout, KvMigration, Rejection, RequestId, RequestStream,
+    Role, StepEvents,
 };
 use flotilla_transport::{Inbound, NodeId, Transport};
 use tokio::sync::{mpsc, oneshot};
@@ -76,21 +76,25 @@ impl std::fmt::Debug for OrphanHook {
 }
 
 impl WorkerOptions {
-    /// A node of `role` with the defaults of the cluster config.
-    pub fn new(routers: Vec<NodeId>, role: Role) -> WorkerOptions {
+    /// An engine node's settings from the cluster config: the one place
+    /// they are built (`flotilla node`, the simulator and the tests start
+    /// from here). The served model, tenants and their priorities come
+    /// from the engine's own settings.
+    pub fn from_config(cl: &ClusterSection, routers: Vec<NodeId>, role: Role) -> WorkerOptions {
         WorkerOptions {
             routers,
-            heartbeat_interval: Duration::from_millis(250),
-            down_after: Duration::from_millis(1000),
+            heartbeat_interval: Duration::from_millis(cl.heartbeat_interval_ms),
+            down_after: cl.down_after(),
             num_tenants: 1,
-            frame_len_max_bytes: 1 << 20,
+            frame_len_max_bytes: cl.frame_len_max_bytes,
             role,
             model: String::new(),
-            reservation_ttl: Duration::from_secs(30),
-            hold_ttl: Duration::from_secs(30),
+            reservation_ttl: Duration::from_millis(cl.kv_reservation_ttl_ms),
+            hold_ttl: Duration::from_millis(cl.kv_hold_ttl_ms),
             tenant_priority: Vec::new(),
-            transfers_max: 2,
-            reconcile_interval: Duration::from_millis(1000),
+            transfers_max: cl.kv_transfers_max,
+            // Orphans are looked for once per down bound.
+            reconcile_interval: cl.down_after(),
             on_orphan: None,
         }
     }
@@ -114,15 +118,6 @@ type Key = (NodeId, u64, u64);
 /// request). A decode node's later life is another key.
 type PfKey = (NodeId, u64, u32, u64);
 
-struct Out {
-    key: Key,
-    /// The placement the event is of (`SubmitMsg::attempt`).
-    attempt: u32,
-    /// Index of this event in the request's stream (tokens before it).
-    index: u32,
-    event: EngineEvent,
-}
-
 /// Decode side: a request whose blocks are reserved and whose KV has not
 /// been imported yet.
 struct Importing {
@@ -131,7 +126,7 @@ struct Importing {
     reservation: RequestId,
     prefill: NodeId,
     deadline: Instant,
-    submit: SubmitMsg,
+    submit: Submit,
     /// Its bytes arrived and are being written: the import task owns the
     /// reservation now and acks the prefill node when it is done.
     writing: bool,
@@ -168,17 +163,13 @@ pub async fn run_worker(
     kv: Option<Arc<dyn KvMigration>>,
     opts: WorkerOptions,
 ) {
-    let (out_tx, out_rx) = mpsc::unbounded_channel::<Out>();
-    let (done_tx, mut done_rx) = mpsc::unbounded_channel::<(Key, u32)>();
+    // Every request's events come through one sink, a message per engine
+    // step, and leave as one frame per Router.
+    let (sink, mut sink_rx) = mpsc::unbounded_channel::<StepEvents>();
     let (ctl_tx, mut ctl_rx) = mpsc::unbounded_channel::<Ctl>();
-    tokio::spawn(send_events(
-        transport.clone(),
-        out_rx,
-        opts.frame_len_max_bytes,
-    ));
     let layout = kv.as_ref().map(|k| k.kv_layout());
     let slots = Slots::new(opts.transfers_max.max(1));
-    let mut active: BTreeMap<Key, Running> = BTreeMap::new();
+    let mut active = Active::new(opts.frame_len_max_bytes);
     let mut routers: BTreeMap<NodeId, (u64, Instant)> = BTreeMap::new();
     let mut importing: BTreeMap<(NodeId, u64), Importing> = BTreeMap::new();
     // Per ask: the prefill's engine id, the placement it is for, its task.
@@ -192,17 +183,12 @@ pub async fn run_worker(
     // abandon (it was in flight) is refused instead of run for nobody.
     let mut abandoned: BTreeMap<PfKey, Instant> = BTreeMap::new();
     // Ends a placement that streamed nothing yet (an import) at the Router.
-    let fail_import = |key: (NodeId, u64), e: &Importing, why: EngineFailure| {
-        let _ = out_tx.send(Out {
-            key: (key.0, e.epoch, key.1),
-            attempt: e.submit.attempt,
-            // Before any token: no stream was forwarded for it.
-            index: 0,
-            event: EngineEvent::Failed(why),
-        });
+    let fail_import = |out: &mut Outbox, key: (NodeId, u64), e: &Importing, why: EngineFailure| {
+        // Before any token: no stream was forwarded for it.
+        out.push(key.0, key.1, e.submit.attempt, 0, EngineEvent::Failed(why));
     };
-    let fail = |key: (NodeId, u64), e: &Importing, why: String| {
-        fail_import(key, e, EngineFailure::KvTransfer(why));
+    let fail = |out: &mut Outbox, key: (NodeId, u64), e: &Importing, why: String| {
+        fail_import(out, key, e, EngineFailure::KvTransfer(why));
     };
     // Gives back a reservation and tells its prefill node to stop.
     let drop_import = |key: (NodeId, u64), e: &Importing| {
@@ -224,6 +210,11 @@ pub async fn run_worker(
     let mut tick = tokio::time::interval(opts.heartbeat_interval);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
+        // What the last wake-up produced (a step's events, a failure)
+        // leaves now, one frame per Router.
+        if !active.outbox.is_empty() {
+            active.outbox.flush(&*transport);
+        }
         tokio::select! {
             // Deterministic under the simulator: branches in order.
             biased;
@@ -247,20 +238,21 @@ pub async fn run_worker(
                             ack_no("no request waits for it");
                             continue;
                         };
-                        if let Err(why) = check_header(&header, layout, &opts.model, e.submit.prompt.len()) {
+                        if let Err(why) = check_header(&header, layout, &opts.model, e.submit.request.prompt.len()) {
                             ack_no(&why);
                             let e = importing.remove(&key).expect("looked up above");
                             drop_import(key, &e);
-                            fail(key, &e, why);
+                            fail(&mut active.outbox, key, &e, why);
                             continue;
                         }
                         e.writing = true;
                         import_tasks.insert(e.reservation);
                         let kv = kv.clone();
-                        let (reservation, req) = (e.reservation, e.submit.clone().into_request());
+                        let (reservation, req) = (e.reservation, e.submit.request.clone());
                         let ctl = ctl_tx.clone();
+                        let sink = sink.clone();
                         tokio::spawn(async move {
-                            let result = import(&*kv, reservation, header, data, req).await;
+                            let result = import(&*kv, reservation, header, data, req, sink).await;
                             let _ = ctl.send(Ctl::Imported { key, reservation, prefill: from, result });
                         });
                         continue;
@@ -272,7 +264,7 @@ pub async fn run_worker(
                     let entry = routers.entry(from).or_insert((epoch, Instant::now()));
                     if epoch > entry.0 {
                         transport.reconnect(from);
-                        cancel_where(&mut active, |k| k.0 == from && k.1 < epoch, Stop::Cancel);
+                        active.stop_where(|k| k.0 == from && k.1 < epoch, &Stop::Cancel);
                         importing.retain(|k, e| {
                             let keep = k.0 != from || e.epoch >= epoch;
                             if !keep {
@@ -287,20 +279,20 @@ pub async fn run_worker(
                 match msg {
                     Message::Submit(s) => {
                         let req = s.req;
-                        if s.tenant >= opts.num_tenants {
+                        let tenant = s.request.tenant;
+                        if tenant.0 >= opts.num_tenants {
                             let refused = Message::Refused {
                                 req,
-                                rejection: WireRejection::Invalid(format!(
+                                rejection: Rejection::Invalid(format!(
                                     "unknown tenant {} (the config has {})",
-                                    s.tenant, opts.num_tenants
+                                    tenant.0, opts.num_tenants
                                 )),
                             };
                             let _ = transport.send(from, req, refused);
                             continue;
                         }
                         let here = active
-                            .get(&(from, epoch, req))
-                            .map(|r| r.attempt)
+                            .attempt(&(from, epoch, req))
                             .or_else(|| importing.get(&(from, req)).map(|e| e.submit.attempt));
                         if let Some(a) = here {
                             if a >= s.attempt {
@@ -315,10 +307,10 @@ pub async fn run_worker(
                         if let (Some(p), Some(kvm), Role::Decode) = (s.prefill, &kv, opts.role) {
                             // Disaggregated: blocks first, then ask for the prefill.
                             let ttl = opts.reservation_ttl + opts.heartbeat_interval * 4;
-                            let reservation = match kvm.reserve_kv(TenantId(s.tenant), s.prompt.len() as u32, ttl).await {
+                            let reservation = match kvm.reserve_kv(tenant, s.request.prompt.len() as u32, ttl).await {
                                 Ok(r) => r,
                                 Err(r) => {
-                                    let refused = Message::Refused { req, rejection: WireRejection::from(&r) };
+                                    let refused = Message::Refused { req, rejection: r };
                                     let _ = transport.send(from, req, refused);
                                     continue;
                                 }
@@ -337,8 +329,8 @@ pub async fn run_worker(
                             }
                             let ask = Message::Prefill(PrefillMsg {
                                 router: from,
-                                submit: SubmitMsg { prefill: None, ..s },
-                                priority: opts.priority(e.submit.tenant),
+                                submit: Submit { prefill: None, ..s },
+                                priority: opts.priority(e.submit.request.tenant.0),
                             });
                             if let Err(err) = transport.send(p, req, ask) {
                                 let k = kv.clone();
@@ -347,7 +339,7 @@ pub async fn run_worker(
                                         k.cancel_reservation(reservation).await;
                                     }
                                 });
-                                fail((from, req), &e, format!("cannot reach prefill node {p}: {}", err.reason));
+                                fail(&mut active.outbox, (from, req), &e, format!("cannot reach prefill node {p}: {}", err.reason));
                                 continue;
                             }
                             tracing::debug!(req, prefill = p, "KV reserved, prefill asked");
@@ -356,22 +348,17 @@ pub async fn run_worker(
                         }
                         tracing::debug!(req, "submit (whole request)");
                         let attempt = s.attempt;
-                        let reply = match engine.submit(s.into_request()).await {
+                        let reply = match engine.submit_to(s.request, sink.clone()).await {
                             Ok(stream) => {
-                                let key = (from, epoch, req);
-                                let (cancel_tx, cancel_rx) = oneshot::channel();
-                                active.insert(key, Running { id: stream.id, attempt, stop: cancel_tx });
-                                tokio::spawn(forward(key, attempt, stream, cancel_rx, out_tx.clone(), done_tx.clone()));
+                                active.insert((from, epoch, req), stream, attempt);
                                 Message::Admitted { req }
                             }
-                            Err(r) => Message::Refused { req, rejection: WireRejection::from(&r) },
+                            Err(rejection) => Message::Refused { req, rejection },
                         };
                         if let Err(e) = transport.send(from, req, reply) {
                             tracing::warn!("{e}");
                             // The Router will not hear of it: do not run it.
-                            if let Some(c) = active.remove(&(from, epoch, req)) {
-                                let _ = c.stop.send(Stop::Cancel);
-                            }
+                            active.stop(&(from, epoch, req), &Stop::Cancel);
                         }
                     }
                     Message::Cancel { req, stop_string, attempt } => {
@@ -404,11 +391,11 @@ pub async fn run_worker(
                             refuse(format!("node {} is not a prefill node", transport.node()));
                             continue;
                         };
-                        if pm.submit.tenant >= opts.num_tenants {
-                            refuse(format!("unknown tenant {}", pm.submit.tenant));
+                        if pm.submit.request.tenant.0 >= opts.num_tenants {
+                            refuse(format!("unknown tenant {}", pm.submit.request.tenant.0));
                             continue;
                         }
-                        let mut r = pm.submit.into_request();
+                        let mut r = pm.submit.request;
                         // Only the first token is sampled here; the decode
                         // node samples the rest.
                         r.max_tokens = 1;
@@ -443,7 +430,7 @@ pub async fn run_worker(
                             if let Some(kv) = &kv {
                                 kv.cancel_reservation(e.reservation).await;
                             }
-                            fail(key, &e, format!("prefill node {from}: {reason}"));
+                            fail(&mut active.outbox, key, &e, format!("prefill node {from}: {reason}"));
                         }
                     }
                     Message::KvAck { router, req, .. } => {
@@ -499,15 +486,13 @@ pub async fn run_worker(
                     _ => {}
                 }
             }
-            Some((key, attempt)) = done_rx.recv() => {
-                // Not a later placement's entry under the same key.
-                if active.get(&key).is_some_and(|r| r.attempt == attempt) {
-                    active.remove(&key);
-                }
-            }
+            Some(step) = sink_rx.recv() => active.on_step(step, &import_tasks),
             Some(c) = ctl_rx.recv() => match c {
                 Ctl::Imported { key, reservation, prefill, result } => {
                     import_tasks.remove(&reservation);
+                    // Placed below (the request keeps the reservation's id)
+                    // or dropped: its early events go with it either way.
+                    let early = active.early.remove(&reservation);
                     let ok = result.is_ok();
                     tracing::debug!(req = key.1, ok, "import done");
                     let ack = Message::KvAck { router: key.0, req: key.1, ok };
@@ -520,15 +505,15 @@ pub async fn run_worker(
                     let entry = if mine { importing.remove(&key) } else { None };
                     match (entry, result) {
                         (Some(e), Ok(stream)) => {
-                            let akey = (key.0, e.epoch, key.1);
-                            let (cancel_tx, cancel_rx) = oneshot::channel();
-                            active.insert(akey, Running { id: stream.id, attempt: e.submit.attempt, stop: cancel_tx });
-                            tokio::spawn(forward(akey, e.submit.attempt, stream, cancel_rx, out_tx.clone(), done_tx.clone()));
+                            if let Some(ev) = early {
+                                active.early.insert(stream.id, ev);
+                            }
+                            active.insert((key.0, e.epoch, key.1), stream, e.submit.attempt);
                         }
                         // Cancelled while its bytes were written: dropping
                         // the stream ends it and frees its blocks.
                         (None, Ok(stream)) => drop(stream),
-                        (Some(e), Err(why)) => fail(key, &e, why),
+                        (Some(e), Err(why)) => fail(&mut active.outbox, key, &e, why),
                         (None, Err(_)) => {}
                     }
                 }
@@ -540,9 +525,8 @@ pub async fn run_worker(
                 }
             },
             _ = tick.tick() => {
-                let status = engine.status().await;
-                let mut report = LoadReport::from(&status);
-                report.kv_orphans = orphans.found;
+                let mut report = engine.status().await;
+                report.orphans = orphans.found;
                 for &r in &opts.routers {
                     // Unreachable Routers are noticed below, by silence.
                     let _ = transport.send(r, 0, Message::Heartbeat(report.clone()));
@@ -555,8 +539,9 @@ pub async fn run_worker(
                     // here will ever give them back.
                     if let Some(kvm) = &kv {
                         let owned: BTreeSet<RequestId> = active
-                            .values()
-                            .map(|r| r.id)
+                            .by_id
+                            .keys()
+                            .copied()
                             .chain(importing.values().map(|e| e.reservation))
                             .chain(prefills.values().map(|(id, _, _)| *id))
                             .chain(import_tasks.iter().copied())
@@ -578,6 +563,7 @@ pub async fn run_worker(
                     for &r in &opts.routers {
                         let here = |req| Held { req, for_decode: None };
                         let held: BTreeSet<Held> = active
+                            .map
                             .keys()
                             .filter(|k| k.0 == r)
                             .map(|k| here(k.2))
@@ -597,19 +583,19 @@ pub async fn run_worker(
                     .map(|(n, _)| *n)
                     .collect();
                 for n in silent {
-                    let before = active.len() + importing.len();
+                    let before = active.map.len() + importing.len();
                     // Told to the Router too, in case only its direction
                     // of the link is cut: it runs them again or ends them.
                     let why = format!("no message from the Router for over {} ms", opts.down_after.as_millis());
-                    cancel_where(&mut active, |k| k.0 == n, Stop::RouterSilent(why.clone()));
+                    active.stop_where(|k| k.0 == n, &Stop::RouterSilent(why.clone()));
                     importing.retain(|k, e| {
                         if k.0 == n {
                             drop_import(*k, e);
-                            fail_import(*k, e, EngineFailure::RouterLost(why.clone()));
+                            fail_import(&mut active.outbox, *k, e, EngineFailure::RouterLost(why.clone()));
                         }
                         k.0 != n
                     });
-                    let cancelled = before - active.len() - importing.len();
+                    let cancelled = before - active.map.len() - importing.len();
                     if cancelled > 0 {
                         tracing::warn!(router = n, "router silent for over {:?}: cancelled {cancelled} requests", opts.down_after);
                     }
@@ -625,7 +611,7 @@ pub async fn run_worker(
                     let e = importing.remove(&k).expect("listed above");
                     drop_import(k, &e);
                     let ms = opts.reservation_ttl.as_millis();
-                    fail(k, &e, format!("no KV from prefill node {} within {ms} ms", e.prefill));
+                    fail(&mut active.outbox, k, &e, format!("no KV from prefill node {} within {ms} ms", e.prefill));
                 }
             }
         }
@@ -687,6 +673,7 @@ async fn import(
     h: KvTransferHeader,
     data: Vec<Bytes>,
     req: flotilla_proto::EngineRequest,
+    sink: flotilla_proto::EventSink,
 ) -> Result<RequestStream, String> {
     let mut bytes = Vec::with_capacity(h.bytes as usize);
     let mut crc = crc32fast::Hasher::new();
@@ -705,7 +692,7 @@ async fn import(
             h.checksum
         ));
     }
-    kv.import_kv(reservation, h.token_count, bytes, req, h.first.into())
+    kv.import_kv(reservation, h.token_count, bytes, req, h.first, Some(sink))
         .await
         .map_err(|r| format!("decode node refused the KV: {r}"))
 }
@@ -805,7 +792,7 @@ impl PrefillTask {
             block_count: exp.blocks,
             bytes: exp.data.len() as u64,
             checksum: u64::from(crc32fast::hash(&exp.data)),
-            first: WireToken::from(&first),
+            first,
         };
         let (bytes, t0) = (exp.data.len(), Instant::now());
         tokio::select! {
@@ -940,28 +927,11 @@ enum Stop {
     RouterSilent(String),
 }
 
-/// A request running here for a Router: its engine id and how to stop it.
-struct Running {
-    id: RequestId,
-    /// The placement (`SubmitMsg::attempt`).
-    attempt: u32,
-    stop: oneshot::Sender<Stop>,
-}
-
-fn cancel_where(active: &mut BTreeMap<Key, Running>, f: impl Fn(&Key) -> bool, why: Stop) {
-    let keys: Vec<Key> = active.keys().filter(|k| f(k)).copied().collect();
-    for k in keys {
-        if let Some(c) = active.remove(&k) {
-            let _ = c.stop.send(why.clone());
-        }
-    }
-}
-
 /// Ends request `key` of a Router on this node, running or being
 /// imported, if its placement is `attempt` or earlier (a later re-run
 /// stays). True if something was ended.
 fn end_placement(
-    active: &mut BTreeMap<Key, Running>,
+    active: &mut Active,
     importing: &mut BTreeMap<(NodeId, u64), Importing>,
     drop_import: &dyn Fn((NodeId, u64), &Importing),
     key: Key,
@@ -970,11 +940,8 @@ fn end_placement(
 ) -> bool {
     let (router, _, req) = key;
     let mut ended = false;
-    if active.get(&key).is_some_and(|r| r.attempt <= attempt)
-        && let Some(c) = active.remove(&key)
-    {
-        let _ = c.stop.send(stop);
-        ended = true;
+    if active.attempt(&key).is_some_and(|a| a <= attempt) {
+        ended = active.stop(&key, &stop);
     }
     if importing
         .get(&(router, req))
@@ -1026,105 +993,185 @@ impl Orphans {
     }
 }
 
-/// Moves one request's events to the sender task until it ends or is
-/// cancelled; dropping the stream tells the engine to free it.
-async fn forward(
-    key: Key,
+/// A request running here for a Router.
+struct Running {
+    /// The engine's handle: dropping it cancels the request, or finishes
+    /// it once marked as ended at a stop string. Its events come through
+    /// the node's sink.
+    stream: RequestStream,
+    /// The placement (`Submit::attempt`).
     attempt: u32,
-    mut stream: RequestStream,
-    mut cancel: oneshot::Receiver<Stop>,
-    out: mpsc::UnboundedSender<Out>,
-    done: mpsc::UnboundedSender<(Key, u32)>,
-) {
-    let mut index = 0;
-    loop {
-        tokio::select! {
-            // Deterministic under the simulator: branches in order.
-            biased;
-            ev = stream.recv() => {
-                let event = ev.unwrap_or_else(|| {
-                    EngineEvent::Failed(EngineFailure::Internal("the engine dropped the request".into()))
-                });
-                let terminal = !matches!(event, EngineEvent::Token(_));
-                let _ = out.send(Out { key, attempt, index, event });
-                index += 1;
-                if terminal {
-                    break;
-                }
-            }
-            c = &mut cancel => {
-                match c {
-                    Ok(Stop::Finished) => stream.ended_by_stop_string(),
-                    Ok(Stop::RouterSilent(why)) => {
-                        let event = EngineEvent::Failed(EngineFailure::RouterLost(why));
-                        let _ = out.send(Out { key, attempt, index, event });
-                    }
-                    Ok(Stop::Cancel) | Err(_) => {}
-                }
-                break;
-            }
-        }
-    }
-    drop(stream);
-    let _ = done.send((key, attempt));
+    /// Events sent to the Router so far: the next one's index.
+    index: u32,
 }
 
-/// Coalesces events: whatever is waiting when the first arrives (one
-/// engine step's worth) leaves as one frame per Router.
-async fn send_events(
-    transport: Arc<dyn Transport>,
-    mut rx: mpsc::UnboundedReceiver<Out>,
-    frame_len_max_bytes: u32,
-) {
-    // A conservative size estimate keeps every batch well under the cap.
-    let budget = (frame_len_max_bytes / 4) as usize;
-    let mut per_router: BTreeMap<NodeId, (Vec<ReqEvents>, usize)> = BTreeMap::new();
-    while let Some(first) = rx.recv().await {
-        let mut next = Some(first);
-        while let Some(o) = next.take() {
-            let (router, _, req) = o.key;
-            let (batch, size) = per_router.entry(router).or_default();
-            let reuse = matches!(batch.last(), Some(r) if r.req == req && r.attempt == o.attempt && r.end.is_none());
-            if !reuse {
-                batch.push(ReqEvents {
-                    req,
-                    attempt: o.attempt,
-                    first: o.index,
-                    tokens: Vec::new(),
-                    end: None,
-                });
-                *size += 32;
-            }
-            let last = batch.last_mut().expect("pushed above");
-            match &o.event {
-                EngineEvent::Token(s) => {
-                    *size += 16 + 8 * s.top.len();
-                    last.tokens.push(WireToken::from(s));
-                }
-                e => {
-                    *size += 64;
-                    last.end = WireEnd::from_event(e);
-                }
-            }
-            if *size >= budget {
-                let (b, _) = per_router.remove(&router).expect("entry exists");
-                send_batch(&*transport, router, b);
-            }
-            next = rx.try_recv().ok();
+/// The requests running here for Routers, and their events on the way
+/// back.
+struct Active {
+    map: BTreeMap<Key, Running>,
+    /// The Router's key of each engine request.
+    by_id: BTreeMap<RequestId, Key>,
+    /// Events of imports whose result has not reached this loop yet (the
+    /// engine delivers an import's first token as it answers): kept
+    /// until the import is placed here, or dropped with it.
+    early: BTreeMap<RequestId, Vec<EngineEvent>>,
+    outbox: Outbox,
+}
+
+impl Active {
+    fn new(frame_len_max_bytes: u32) -> Active {
+        Active {
+            map: BTreeMap::new(),
+            by_id: BTreeMap::new(),
+            early: BTreeMap::new(),
+            outbox: Outbox::new(frame_len_max_bytes),
         }
-        for (router, (b, _)) in std::mem::take(&mut per_router) {
-            send_batch(&*transport, router, b);
+    }
+
+    /// The placement running under `key`, if any.
+    fn attempt(&self, key: &Key) -> Option<u32> {
+        self.map.get(key).map(|r| r.attempt)
+    }
+
+    /// Runs `stream` (placement `attempt`) under `key`; one still there is
+    /// ended. Events that came for it before are sent now.
+    fn insert(&mut self, key: Key, stream: RequestStream, attempt: u32) {
+        let id = stream.id;
+        let running = Running {
+            stream,
+            attempt,
+            index: 0,
+        };
+        if let Some(old) = self.map.insert(key, running) {
+            self.by_id.remove(&old.stream.id);
+        }
+        self.by_id.insert(id, key);
+        if let Some(early) = self.early.remove(&id) {
+            self.on_step(
+                early.into_iter().map(|e| (id, e)).collect(),
+                &BTreeSet::new(),
+            );
+        }
+    }
+
+    /// Ends the request under `key`; false if none runs.
+    fn stop(&mut self, key: &Key, why: &Stop) -> bool {
+        let Some(mut r) = self.map.remove(key) else {
+            return false;
+        };
+        self.by_id.remove(&r.stream.id);
+        match why {
+            Stop::Cancel => {}
+            Stop::Finished => r.stream.ended_by_stop_string(),
+            Stop::RouterSilent(why) => {
+                let ev = EngineEvent::Failed(EngineFailure::RouterLost(why.clone()));
+                self.outbox.push(key.0, key.2, r.attempt, r.index, ev);
+            }
+        }
+        // Dropping the handle ends it in the engine.
+        true
+    }
+
+    fn stop_where(&mut self, f: impl Fn(&Key) -> bool, why: &Stop) {
+        let keys: Vec<Key> = self.map.keys().filter(|k| f(k)).copied().collect();
+        for k in keys {
+            self.stop(&k, why);
+        }
+    }
+
+    /// One engine step's events for this node's requests: onto the
+    /// Routers' batches, in order; an ended request is forgotten. Events of
+    /// an import in `importing` wait for it to be placed.
+    fn on_step(&mut self, events: StepEvents, importing: &BTreeSet<RequestId>) {
+        for (id, ev) in events {
+            let Some(&key) = self.by_id.get(&id) else {
+                if importing.contains(&id) {
+                    self.early.entry(id).or_default().push(ev);
+                }
+                // Else stopped here meanwhile: its Router does not want it.
+                continue;
+            };
+            let r = self
+                .map
+                .get_mut(&key)
+                .expect("by_id names running requests");
+            let end = !matches!(ev, EngineEvent::Token(_));
+            self.outbox.push(key.0, key.2, r.attempt, r.index, ev);
+            r.index += 1;
+            if end {
+                self.by_id.remove(&id);
+                self.map.remove(&key);
+            }
         }
     }
 }
 
-fn send_batch(transport: &dyn Transport, router: NodeId, batch: Vec<ReqEvents>) {
-    if batch.is_empty() {
-        return;
+/// Events on their way to the Routers: one batch per Router, sent when
+/// the node's loop has handled what it was woken for (a step's events
+/// leave as one frame), or earlier once a batch nears the frame cap.
+struct Outbox {
+    /// A conservative size estimate keeps every batch well under the cap.
+    budget: usize,
+    per_router: BTreeMap<NodeId, (Vec<ReqEvents>, usize)>,
+    full: Vec<(NodeId, Vec<ReqEvents>)>,
+}
+
+impl Outbox {
+    fn new(frame_len_max_bytes: u32) -> Outbox {
+        Outbox {
+            budget: (frame_len_max_bytes / 4) as usize,
+            per_router: BTreeMap::new(),
+            full: Vec::new(),
+        }
     }
-    if let Err(e) = transport.send(router, 0, Message::Events(batch)) {
-        // The Router is unreachable; its requests are cancelled when it
-        // is found silent (or it restarts with a new epoch).
-        tracing::warn!("{e}");
+
+    /// Queues event `index` of the Router's request `req` (placement
+    /// `attempt`).
+    fn push(&mut self, router: NodeId, req: u64, attempt: u32, index: u32, event: EngineEvent) {
+        let (batch, size) = self.per_router.entry(router).or_default();
+        let reuse = matches!(batch.last(), Some(r) if r.req == req && r.attempt == attempt
+            && r.first + r.events.len() as u32 == index && r.end().is_none());
+        if !reuse {
+            batch.push(ReqEvents {
+                req,
+                attempt,
+                first: index,
+                events: Vec::new(),
+            });
+            *size += 32;
+        }
+        *size += match &event {
+            EngineEvent::Token(s) => 24 + 8 * s.top.len(),
+            EngineEvent::Failed(f) => 64 + f.to_string().len(),
+            EngineEvent::Finished { .. } => 64,
+        };
+        batch.last_mut().expect("pushed above").events.push(event);
+        if *size >= self.budget {
+            let (b, _) = self.per_router.remove(&router).expect("entry exists");
+            self.full.push((router, b));
+        }
+    }
+
+    /// Sends everything queued.
+    fn flush(&mut self, transport: &dyn Transport) {
+        let batches = self.full.drain(..).chain(
+            std::mem::take(&mut self.per_router)
+                .into_iter()
+                .map(|(r, (b, _))| (r, b)),
+        );
+        for (router, batch) in batches {
+            if batch.is_empty() {
+                continue;
+            }
+            if let Err(e) = transport.send(router, 0, Message::Events(batch)) {
+                // The Router is unreachable; its requests are cancelled when
+                // it is found silent (or it restarts with a new epoch).
+                tracing::warn!("{e}");
+            }
+        }
+    }
+
+    fn is_empty(&self) -> bool {
+        self.full.is_empty() && self.per_router.is_empty()
     }
 }

@@ -268,6 +268,84 @@ pub(crate) fn validate(
     }))
 }
 
+/// Every numeric `[cluster]` setting: name, default, smallest, largest.
+/// The one place their defaults and ranges are written: a config file's
+/// values and a section built in code ([`ClusterSection::check`], the
+/// simulator's) are checked against it.
+const NUMBERS: [(&str, i64, i64, i64); 9] = [
+    ("heartbeat_interval_ms", 500, 10, 60_000),
+    ("down_after_missed", 3, 1, 100),
+    ("frame_len_max_bytes", 1 << 20, 4096, 1 << 28),
+    ("send_queue_len_max", 4096, 1, 1 << 20),
+    ("reconnect_backoff_max_ms", 2000, 10, 60_000),
+    ("idle_timeout_ms", 10_000, 10, 600_000),
+    ("kv_reservation_ttl_ms", 30_000, 100, 600_000),
+    ("kv_hold_ttl_ms", 30_000, 100, 600_000),
+    ("kv_transfers_max", 2, 1, 64),
+];
+
+/// `v` (or the default) for setting `field`, or why it is out of range.
+fn number(field: &str, v: Option<i64>) -> Result<i64, String> {
+    let &(_, default, lo, hi) = NUMBERS
+        .iter()
+        .find(|n| n.0 == field)
+        .expect("a known setting");
+    let v = v.unwrap_or(default);
+    if (lo..=hi).contains(&v) {
+        Ok(v)
+    } else {
+        Err(format!("cluster.{field} = {v} is out of range {lo}..={hi}"))
+    }
+}
+
+impl ClusterSection {
+    /// The section a config file with an empty `[cluster]` gets: every
+    /// default, no nodes.
+    pub fn defaults() -> ClusterSection {
+        let none = |_: usize, message: String| ConfigError::Invalid {
+            origin: "<defaults>".into(),
+            line: 0,
+            message,
+        };
+        settings(None, &none).expect("the defaults are in range")
+    }
+
+    /// Checks a section built in code as a config file's is checked;
+    /// the error names the setting, its value and its range.
+    pub fn check(&self) -> Result<(), String> {
+        let values: [(&str, i64); 9] = [
+            ("heartbeat_interval_ms", self.heartbeat_interval_ms as i64),
+            ("down_after_missed", i64::from(self.down_after_missed)),
+            ("frame_len_max_bytes", i64::from(self.frame_len_max_bytes)),
+            ("send_queue_len_max", self.send_queue_len_max as i64),
+            (
+                "reconnect_backoff_max_ms",
+                self.reconnect_backoff_max_ms as i64,
+            ),
+            ("idle_timeout_ms", self.idle_timeout_ms as i64),
+            ("kv_reservation_ttl_ms", self.kv_reservation_ttl_ms as i64),
+            ("kv_hold_ttl_ms", self.kv_hold_ttl_ms as i64),
+            ("kv_transfers_max", self.kv_transfers_max as i64),
+        ];
+        for (field, v) in values {
+            number(field, Some(v))?;
+        }
+        idle_covers_heartbeats(self.idle_timeout_ms, self.heartbeat_interval_ms)
+    }
+}
+
+/// A connection must outlive at least one lost heartbeat, or a single
+/// dropped datagram closes it.
+fn idle_covers_heartbeats(idle_timeout_ms: u64, heartbeat_interval_ms: u64) -> Result<(), String> {
+    if idle_timeout_ms < 2 * heartbeat_interval_ms {
+        return Err(format!(
+            "cluster.idle_timeout_ms = {idle_timeout_ms} must be at least 2 * heartbeat_interval_ms ({})",
+            2 * heartbeat_interval_ms
+        ));
+    }
+    Ok(())
+}
+
 /// The `[cluster]` settings with defaults filled in and ranges checked;
 /// `nodes` is left empty.
 fn settings(
@@ -288,65 +366,22 @@ fn settings(
         kv_transfers_max: None,
     };
     let c = cluster.map_or(&empty, |c| c.get_ref());
-    let range = |field: &str, v: Option<i64>, default: i64, lo: i64, hi: i64| {
-        let v = v.unwrap_or(default);
-        if (lo..=hi).contains(&v) {
-            Ok(v)
-        } else {
-            Err(invalid(
-                at,
-                format!("cluster.{field} = {v} is out of range {lo}..={hi}"),
-            ))
-        }
-    };
+    let range = |field: &str, v: Option<i64>| number(field, v).map_err(|why| invalid(at, why));
     let certs_dir = c.certs_dir.as_deref().unwrap_or(CERTS_DIR_DEFAULT);
     if certs_dir.is_empty() {
         return Err(invalid(at, "cluster.certs_dir is empty".into()));
     }
-    let heartbeat_interval_ms = range(
-        "heartbeat_interval_ms",
-        c.heartbeat_interval_ms,
-        500,
-        10,
-        60_000,
-    )?;
-    let down_after_missed = range("down_after_missed", c.down_after_missed, 3, 1, 100)?;
-    let frame_len_max_bytes = range(
-        "frame_len_max_bytes",
-        c.frame_len_max_bytes,
-        1 << 20,
-        4096,
-        1 << 28,
-    )?;
-    let send_queue_len_max = range("send_queue_len_max", c.send_queue_len_max, 4096, 1, 1 << 20)?;
-    let reconnect_backoff_max_ms = range(
-        "reconnect_backoff_max_ms",
-        c.reconnect_backoff_max_ms,
-        2000,
-        10,
-        60_000,
-    )?;
-    let idle_timeout_ms = range("idle_timeout_ms", c.idle_timeout_ms, 10_000, 10, 600_000)?;
-    // A connection must outlive at least one lost heartbeat, or a single
-    // dropped datagram closes it.
-    if idle_timeout_ms < 2 * heartbeat_interval_ms {
-        return Err(invalid(
-            at,
-            format!(
-                "cluster.idle_timeout_ms = {idle_timeout_ms} must be at least 2 * heartbeat_interval_ms ({})",
-                2 * heartbeat_interval_ms
-            ),
-        ));
-    }
-    let kv_reservation_ttl_ms = range(
-        "kv_reservation_ttl_ms",
-        c.kv_reservation_ttl_ms,
-        30_000,
-        100,
-        600_000,
-    )?;
-    let kv_hold_ttl_ms = range("kv_hold_ttl_ms", c.kv_hold_ttl_ms, 30_000, 100, 600_000)?;
-    let kv_transfers_max = range("kv_transfers_max", c.kv_transfers_max, 2, 1, 64)?;
+    let heartbeat_interval_ms = range("heartbeat_interval_ms", c.heartbeat_interval_ms)?;
+    let down_after_missed = range("down_after_missed", c.down_after_missed)?;
+    let frame_len_max_bytes = range("frame_len_max_bytes", c.frame_len_max_bytes)?;
+    let send_queue_len_max = range("send_queue_len_max", c.send_queue_len_max)?;
+    let reconnect_backoff_max_ms = range("reconnect_backoff_max_ms", c.reconnect_backoff_max_ms)?;
+    let idle_timeout_ms = range("idle_timeout_ms", c.idle_timeout_ms)?;
+    idle_covers_heartbeats(idle_timeout_ms as u64, heartbeat_interval_ms as u64)
+        .map_err(|why| invalid(at, why))?;
+    let kv_reservation_ttl_ms = range("kv_reservation_ttl_ms", c.kv_reservation_ttl_ms)?;
+    let kv_hold_ttl_ms = range("kv_hold_ttl_ms", c.kv_hold_ttl_ms)?;
+    let kv_transfers_max = range("kv_transfers_max", c.kv_transfers_max)?;
     // The ranges above fit every target type: the casts cannot truncate.
     Ok(ClusterSection {
         certs_dir: PathBuf::from(certs_dir),
@@ -962,5 +997,34 @@ addr = "[::1]:7402"
         std::fs::write(&path, with_cluster("certs_dir = \"/etc/flotilla/certs\"\n")).unwrap();
         let c = ClusterConfig::load(&path).unwrap().cluster.unwrap();
         assert_eq!(c.certs_dir, PathBuf::from("/etc/flotilla/certs"));
+    }
+}
+
+#[cfg(test)]
+mod settings_tests {
+    use super::*;
+
+    #[test]
+    fn defaults_are_the_config_files_and_a_built_section_is_checked_the_same_way() {
+        let d = ClusterSection::defaults();
+        assert_eq!((d.heartbeat_interval_ms, d.down_after_missed), (500, 3));
+        assert_eq!((d.kv_hold_ttl_ms, d.kv_transfers_max), (30_000, 2));
+        assert_eq!(d.check(), Ok(()));
+        let mut s = d.clone();
+        s.heartbeat_interval_ms = 5;
+        assert_eq!(
+            s.check(),
+            Err("cluster.heartbeat_interval_ms = 5 is out of range 10..=60000".into())
+        );
+        let mut s = d.clone();
+        s.heartbeat_interval_ms = 6000;
+        assert!(
+            s.check()
+                .unwrap_err()
+                .contains("idle_timeout_ms = 10000 must be at least")
+        );
+        let mut s = d;
+        s.kv_transfers_max = 0;
+        assert!(s.check().unwrap_err().contains("kv_transfers_max = 0"));
     }
 }

@@ -3,8 +3,9 @@
 //! temperature, top-k, top-p; randomness a function of seed and position)
 //! lives with the forward pass.
 
-/// How to pick the next token of one sequence.
-#[derive(Clone, Copy, Debug, PartialEq)]
+/// How to pick the next token of one sequence. It crosses nodes as it is
+/// (rkyv), inside the request.
+#[derive(Clone, Copy, Debug, PartialEq, rkyv::Archive, rkyv::Serialize, rkyv::Deserialize)]
 pub struct SamplingParams {
     /// 0 means greedy (argmax); otherwise logits are divided by it.
     pub temperature: f32,
@@ -63,8 +64,9 @@ impl SamplingParams {
     }
 }
 
-/// The token picked for one sequence, with its log-probabilities.
-#[derive(Clone, Debug, PartialEq)]
+/// The token picked for one sequence, with its log-probabilities. It
+/// crosses nodes as it is (rkyv), inside event batches.
+#[derive(Clone, Debug, PartialEq, rkyv::Archive, rkyv::Serialize, rkyv::Deserialize)]
 pub struct Sampled {
     /// Token id.
     pub token: u32,

@@ -179,7 +179,6 @@ pub fn run(args: NodeArgs) -> Result<()> {
         .enable_all()
         .build()?;
     rt.block_on(async move {
-        let hb = Duration::from_millis(cl.heartbeat_interval_ms);
         if node.role == Role::Router {
             let f = serve::front(&args.serve)?;
             let (t, inbound) = QuicTransport::start(quic_options(&cl, id, faults), &certs)
@@ -189,19 +188,17 @@ pub fn run(args: NodeArgs) -> Result<()> {
             let engine = ClusterEngine::start(
                 t,
                 inbound,
-                RouterOptions {
-                    workers: cl
-                        .engines()
+                RouterOptions::from_config(
+                    &cl,
+                    cl.engines()
                         .map(|(i, n)| (i, n.name.clone(), n.role))
                         .collect(),
-                    heartbeat_interval: hb,
-                    down_after: cl.down_after(),
                     block_size,
-                    tenant_salts: cfg.tenants.iter().map(tenant_salt).collect(),
-                    reruns_max: 2,
-                    prefix_blocks_max: 1 << 20,
-                },
-            );
+                    cfg.tenants.iter().map(tenant_salt).collect(),
+                ),
+            )
+            .await
+            .map_err(anyhow::Error::msg)?;
             let workers: Vec<&str> = cl.engines().map(|(_, n)| n.name.as_str()).collect();
             let what = format!(
                 "router {} on QUIC {} epoch {epoch}; workers: {}; API keys from {}",
@@ -246,21 +243,14 @@ pub fn run(args: NodeArgs) -> Result<()> {
                 t.epoch()
             );
             let opts = WorkerOptions {
-                heartbeat_interval: hb,
-                down_after: cl.down_after(),
                 num_tenants: cfg.tenants.len().max(1) as u32,
-                frame_len_max_bytes: cl.frame_len_max_bytes,
                 model: r.model_name.clone(),
-                reservation_ttl: Duration::from_millis(cl.kv_reservation_ttl_ms),
-                hold_ttl: Duration::from_millis(cl.kv_hold_ttl_ms),
                 tenant_priority: cfg
                     .tenants
                     .iter()
                     .map(|t| cfg.tiers[t.tier].priority)
                     .collect(),
-                transfers_max: cl.kv_transfers_max,
-                reconcile_interval: cl.down_after(),
-                ..WorkerOptions::new(vec![cl.router().0], node.role)
+                ..WorkerOptions::from_config(&cl, vec![cl.router().0], node.role)
             };
             let transport: Arc<dyn Transport> = t.clone();
             let engine = Arc::new(engine);

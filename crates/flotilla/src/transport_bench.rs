@@ -11,7 +11,8 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, Result};
 use bytes::Bytes;
 use flotilla_proto::Role;
-use flotilla_proto::wire::{KvTransferHeader, Message, WireToken};
+use flotilla_proto::Sampled;
+use flotilla_proto::wire::{KvTransferHeader, Message};
 use flotilla_transport::quic::{LinkFaults, PeerSpec, QuicOptions, QuicTransport};
 use flotilla_transport::tls::{self, TlsMaterial};
 use flotilla_transport::{Inbound, SendFailure, Transport};
@@ -340,7 +341,7 @@ fn header(bytes: u64) -> KvTransferHeader {
         block_count: 0,
         bytes,
         checksum: 0,
-        first: WireToken {
+        first: Sampled {
             token: 0,
             logprob: 0.0,
             top: vec![],

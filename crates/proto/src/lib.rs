@@ -1,15 +1,18 @@
 //! Types that cross actor boundaries: ids, engine requests and events, and
 //! the `Engine` trait the Router drives.
 //!
-//! Inside one process these travel as Rust values. Issue 4 (QUIC transport)
-//! gives the ones that cross nodes an rkyv archive form; nothing here may hold
-//! a pointer into another actor's state.
+//! One family of messages: inside one process these travel as Rust values,
+//! between nodes the same types travel as rkyv archives ([`wire`]), so a
+//! remote engine and a local one get and give the same request, events,
+//! rejections, failures and status. Nothing here may hold a pointer into
+//! another actor's state.
 
 use std::fmt;
 use std::future::Future;
 use std::pin::Pin;
 
 pub use flotilla_exec::{Sampled, SamplingParams};
+use rkyv::{Archive, Deserialize, Serialize};
 use tokio::sync::mpsc;
 
 pub mod role;
@@ -18,7 +21,9 @@ pub mod wire;
 pub use role::Role;
 
 /// Index of a tenant in the validated config (`[[tenants]]` order).
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+#[derive(
+    Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Archive, Serialize, Deserialize,
+)]
 pub struct TenantId(pub u32);
 
 /// Index of a tier in the validated config (`[[tiers]]` order).
@@ -26,7 +31,9 @@ pub struct TenantId(pub u32);
 pub struct TierId(pub u8);
 
 /// One request inside one engine; unique for the engine's lifetime.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+#[derive(
+    Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Archive, Serialize, Deserialize,
+)]
 pub struct RequestId(pub u64);
 
 impl fmt::Display for RequestId {
@@ -36,7 +43,7 @@ impl fmt::Display for RequestId {
 }
 
 /// A validated, tokenized request, as the Router hands it to an engine.
-#[derive(Clone, Debug, PartialEq)]
+#[derive(Clone, Debug, PartialEq, Archive, Serialize, Deserialize)]
 pub struct EngineRequest {
     /// Who asked (resolved from the API key).
     pub tenant: TenantId,
@@ -53,7 +60,7 @@ pub struct EngineRequest {
 }
 
 /// Why a request ended normally.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Archive, Serialize, Deserialize)]
 pub enum FinishReason {
     /// A stop token (or, at the Router, a stop string).
     Stop,
@@ -72,7 +79,7 @@ impl FinishReason {
 }
 
 /// Token counts of one finished request.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Archive, Serialize, Deserialize)]
 pub struct Usage {
     /// Prompt tokens.
     pub prompt_tokens: u32,
@@ -84,7 +91,7 @@ pub struct Usage {
 
 /// What an engine sends back about one request, in order: tokens, then
 /// exactly one `Finished` or `Failed`.
-#[derive(Clone, Debug, PartialEq)]
+#[derive(Clone, Debug, PartialEq, Archive, Serialize, Deserialize)]
 pub enum EngineEvent {
     /// One generated token (with log-probabilities when asked).
     Token(Sampled),
@@ -100,7 +107,7 @@ pub enum EngineEvent {
 }
 
 /// Why an accepted request failed.
-#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error, Archive, Serialize, Deserialize)]
 pub enum EngineFailure {
     /// It waited in the queue longer than `--queue-timeout`.
     #[error("request waited {waited_ms} ms in the queue, the limit is {limit_ms} ms")]
@@ -138,7 +145,7 @@ pub enum EngineFailure {
 }
 
 /// Why an engine refused a request at admission (nothing was queued).
-#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error, Archive, Serialize, Deserialize)]
 pub enum Rejection {
     /// The tenant is at its concurrency or rate limit (HTTP 429).
     #[error("tenant '{tenant}' is over its limit: {reason}")]
@@ -182,7 +189,7 @@ pub enum Rejection {
 }
 
 /// KV cache occupancy in blocks.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Archive, Serialize, Deserialize)]
 pub struct KvUsage {
     /// Blocks in the pool.
     pub total: u32,
@@ -201,7 +208,7 @@ pub struct KvUsage {
 }
 
 /// Per-tier queue figures.
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
+#[derive(Clone, Debug, Default, PartialEq, Eq, Archive, Serialize, Deserialize)]
 pub struct TierStatus {
     /// Tier name.
     pub name: String,
@@ -211,8 +218,9 @@ pub struct TierStatus {
     pub running: usize,
 }
 
-/// What `/ready` reports about an engine.
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
+/// What `/ready` reports about an engine; an engine node sends it with
+/// every heartbeat, and the Router routes by it.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Archive, Serialize, Deserialize)]
 pub struct EngineStatus {
     /// Model loaded and the step loop alive.
     pub ready: bool,
@@ -226,12 +234,16 @@ pub struct EngineStatus {
     pub kv: KvUsage,
     /// Preemptions since start.
     pub preemptions: u64,
+    /// Leases the engine's node gave back as orphans since it started
+    /// (held for requests no longer alive anywhere; a leak it found and
+    /// healed, so it should stay 0). 0 for an engine with no node.
+    pub orphans: u64,
     /// Engine nodes behind a cluster Router (empty for an engine in this process).
     pub nodes: Vec<NodeStatus>,
 }
 
 /// One engine node as a cluster Router sees it.
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
+#[derive(Clone, Debug, Default, PartialEq, Eq, Archive, Serialize, Deserialize)]
 pub struct NodeStatus {
     /// Node name.
     pub name: String,
@@ -258,10 +270,21 @@ pub struct NodeStatus {
 pub struct RequestStream {
     /// The engine's id for the request.
     pub id: RequestId,
-    rx: mpsc::UnboundedReceiver<EngineEvent>,
+    /// `None` for a request whose events go to an [`EventSink`].
+    rx: Option<mpsc::UnboundedReceiver<EngineEvent>>,
     on_drop: Option<Box<dyn FnOnce(bool) + Send>>,
     stop_string: bool,
 }
+
+/// The events one engine step produced for the requests that go to one
+/// sink, in order (a request's tokens, then possibly its end).
+pub type StepEvents = Vec<(RequestId, EngineEvent)>;
+
+/// Where an engine sends the events of requests submitted with
+/// [`Engine::submit_to`]: one message per engine step, holding every event
+/// of that step for them, instead of one message per token per request.
+/// An engine node's bridge takes all its requests' events through one.
+pub type EventSink = mpsc::UnboundedSender<StepEvents>;
 
 impl RequestStream {
     /// A stream fed by `rx`; `on_drop` runs once when the stream is dropped,
@@ -274,10 +297,62 @@ impl RequestStream {
     ) -> Self {
         RequestStream {
             id,
-            rx,
+            rx: Some(rx),
             on_drop: Some(on_drop),
             stop_string: false,
         }
+    }
+
+    /// The handle of a request whose events go to a sink: it yields no
+    /// events, and dropping it (or ending it at a stop string) ends the
+    /// request as for any stream.
+    pub fn detached(id: RequestId, on_drop: Box<dyn FnOnce(bool) + Send>) -> Self {
+        RequestStream {
+            id,
+            rx: None,
+            on_drop: Some(on_drop),
+            stop_string: false,
+        }
+    }
+
+    /// Sends this stream's events to `sink` (one message per event: for
+    /// engines with no step of their own to batch by) and returns the
+    /// detached handle that ends it. A stream that ends with no terminal
+    /// event gets a `Failed` one, so the sink always sees the end.
+    pub fn forward_to(mut self, sink: EventSink) -> RequestStream {
+        let id = self.id;
+        let (stop_tx, mut stop_rx) = tokio::sync::oneshot::channel::<bool>();
+        tokio::spawn(async move {
+            loop {
+                tokio::select! {
+                    // Events first: an end that came is delivered.
+                    biased;
+                    ev = self.recv() => {
+                        let ev = ev.unwrap_or_else(|| {
+                            EngineEvent::Failed(EngineFailure::Internal(
+                                "the engine dropped the request".into(),
+                            ))
+                        });
+                        let end = !matches!(ev, EngineEvent::Token(_));
+                        if sink.send(vec![(id, ev)]).is_err() || end {
+                            return;
+                        }
+                    }
+                    stop = &mut stop_rx => {
+                        if stop == Ok(true) {
+                            self.ended_by_stop_string();
+                        }
+                        return;
+                    }
+                }
+            }
+        });
+        RequestStream::detached(
+            id,
+            Box::new(move |stop_string| {
+                let _ = stop_tx.send(stop_string);
+            }),
+        )
     }
 
     /// The Router found a stop string: when this stream is dropped, the
@@ -290,7 +365,10 @@ impl RequestStream {
     /// The next event; `None` once the engine has dropped its side (after
     /// the terminal event, or if the engine died).
     pub async fn recv(&mut self) -> Option<EngineEvent> {
-        self.rx.recv().await
+        match &mut self.rx {
+            Some(rx) => rx.recv().await,
+            None => None,
+        }
     }
 }
 
@@ -320,6 +398,18 @@ pub trait Engine: Send + Sync + 'static {
     fn submit(&self, req: EngineRequest) -> BoxFuture<Result<RequestStream, Rejection>>;
     /// Current figures for `/ready`.
     fn status(&self) -> BoxFuture<EngineStatus>;
+    /// Admits a request whose events go to `sink`, batched per engine
+    /// step with those of every other request submitted to the same sink;
+    /// the returned handle is detached ([`RequestStream::detached`]).
+    /// Engines with no steps of their own forward event by event.
+    fn submit_to(
+        &self,
+        req: EngineRequest,
+        sink: EventSink,
+    ) -> BoxFuture<Result<RequestStream, Rejection>> {
+        let submitted = self.submit(req);
+        Box::pin(async move { Ok(submitted.await?.forward_to(sink)) })
+    }
 }
 
 /// The shape of an engine's KV blocks: two engines can exchange blocks
@@ -385,8 +475,11 @@ pub trait KvMigration: Send + Sync + 'static {
     ) -> BoxFuture<Result<RequestId, Rejection>>;
     /// Writes `data` (`tokens` tokens of KV, whole blocks) into the
     /// reservation and continues `req` from `first`, the token sampled by
-    /// the prefill side: the stream yields `first`, then the rest. On an
-    /// error the reservation is given back.
+    /// the prefill side: the stream yields `first`, then the rest (or,
+    /// with a `sink`, they go there per step and the stream is detached,
+    /// as with [`Engine::submit_to`]; the request keeps the reservation's
+    /// id, and its first events may reach the sink before this answers).
+    /// On an error the reservation is given back.
     fn import_kv(
         &self,
         reservation: RequestId,
@@ -394,6 +487,7 @@ pub trait KvMigration: Send + Sync + 'static {
         data: Vec<u8>,
         req: EngineRequest,
         first: Sampled,
+        sink: Option<EventSink>,
     ) -> BoxFuture<Result<RequestStream, Rejection>>;
     /// Gives back a reservation not imported; false if there was none.
     fn cancel_reservation(&self, reservation: RequestId) -> BoxFuture<bool>;

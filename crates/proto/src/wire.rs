@@ -24,15 +24,12 @@ use rkyv::rancor;
 use rkyv::util::AlignedVec;
 use rkyv::{Archive, Deserialize, Serialize};
 
-use crate::{
-    EngineEvent, EngineFailure, EngineRequest, EngineStatus, FinishReason, KvUsage, Rejection,
-    Role, Sampled, SamplingParams, TenantId, TierStatus, Usage,
-};
+use crate::{EngineEvent, EngineRequest, EngineStatus, Rejection, Role, Sampled};
 
 /// First four bytes of every frame.
 pub const MAGIC: [u8; 4] = *b"FLTL";
 /// The protocol this build speaks; a peer with another one is refused.
-pub const PROTOCOL_VERSION: u16 = 4;
+pub const PROTOCOL_VERSION: u16 = 5;
 /// Bytes of the envelope before the payload.
 pub const HEADER_LEN: usize = 32;
 /// Smallest frame cap a config may set (a load report must fit).
@@ -306,10 +303,11 @@ pub fn decode_frame(b: &[u8], cap: u32) -> Result<(Header, Message), WireError> 
 /// Everything one node says to another.
 #[derive(Archive, Serialize, Deserialize, Clone, Debug, PartialEq)]
 pub enum Message {
-    /// "I am alive", with the sender's load (all zero from a router).
-    Heartbeat(LoadReport),
+    /// "I am alive", with the sender's engine status (all zero from a
+    /// router): the Router routes by it and shows it in `/ready`.
+    Heartbeat(EngineStatus),
     /// Router -> engine: run this request (correlation = request id).
-    Submit(SubmitMsg),
+    Submit(Submit),
     /// Engine -> router: the request was queued.
     Admitted {
         /// Router's request id.
@@ -320,7 +318,7 @@ pub enum Message {
         /// Router's request id.
         req: u64,
         /// Why.
-        rejection: WireRejection,
+        rejection: Rejection,
     },
     /// Engine -> router: every event of one step for this router's requests.
     Events(Vec<ReqEvents>),
@@ -446,140 +444,22 @@ impl Message {
     }
 }
 
-/// A node's load, sent with every heartbeat; the Router routes by it.
-#[derive(Archive, Serialize, Deserialize, Clone, Debug, Default, PartialEq)]
-pub struct LoadReport {
-    /// Model loaded and the step loop alive.
-    pub ready: bool,
-    /// Steps run since start.
-    pub steps: u64,
-    /// Sequences running.
-    pub running: u32,
-    /// Requests waiting, all tiers.
-    pub queued: u32,
-    /// KV blocks in the pool.
-    pub kv_total: u32,
-    /// KV blocks free.
-    pub kv_free: u32,
-    /// KV blocks held by sequences.
-    pub kv_used: u32,
-    /// KV blocks holding an evictable cached prefix.
-    pub kv_cached: u32,
-    /// Of `kv_used`: blocks held for a decode node's transfer.
-    pub kv_held: u32,
-    /// Of `kv_used`: blocks reserved for an import.
-    pub kv_reserved: u32,
-    /// Requests whose leases this node gave back as orphans since it
-    /// started (a leak it found and healed; should stay 0).
-    pub kv_orphans: u64,
-    /// Preemptions since start.
-    pub preemptions: u64,
-    /// Per-tier queue and running counts.
-    pub tiers: Vec<TierLoad>,
-}
-
-/// One tier's figures in a [`LoadReport`].
-#[derive(Archive, Serialize, Deserialize, Clone, Debug, Default, PartialEq)]
-pub struct TierLoad {
-    /// Tier name.
-    pub name: String,
-    /// Requests waiting.
-    pub queued: u32,
-    /// Requests running.
-    pub running: u32,
-}
-
-impl From<&EngineStatus> for LoadReport {
-    fn from(s: &EngineStatus) -> LoadReport {
-        LoadReport {
-            ready: s.ready,
-            steps: s.steps,
-            running: s.running as u32,
-            queued: s.tiers.iter().map(|t| t.queued as u32).sum(),
-            kv_total: s.kv.total,
-            kv_free: s.kv.free,
-            kv_used: s.kv.used,
-            kv_cached: s.kv.cached,
-            kv_held: s.kv.held,
-            kv_reserved: s.kv.reserved,
-            kv_orphans: 0,
-            preemptions: s.preemptions,
-            tiers: s
-                .tiers
-                .iter()
-                .map(|t| TierLoad {
-                    name: t.name.clone(),
-                    queued: t.queued as u32,
-                    running: t.running as u32,
-                })
-                .collect(),
-        }
-    }
-}
-
-impl From<&LoadReport> for EngineStatus {
-    fn from(r: &LoadReport) -> EngineStatus {
-        EngineStatus {
-            ready: r.ready,
-            steps: r.steps,
-            running: r.running as usize,
-            tiers: r
-                .tiers
-                .iter()
-                .map(|t| TierStatus {
-                    name: t.name.clone(),
-                    queued: t.queued as usize,
-                    running: t.running as usize,
-                })
-                .collect(),
-            kv: KvUsage {
-                total: r.kv_total,
-                free: r.kv_free,
-                used: r.kv_used,
-                cached: r.kv_cached,
-                held: r.kv_held,
-                reserved: r.kv_reserved,
-            },
-            preemptions: r.preemptions,
-            nodes: Vec::new(),
-        }
-    }
-}
-
-/// A request as it crosses to an engine node.
+/// A request as it crosses to an engine node: the engine's own request
+/// type, with the Router's id and placement.
 #[derive(Archive, Serialize, Deserialize, Clone, Debug, PartialEq)]
-pub struct SubmitMsg {
+pub struct Submit {
     /// Router's request id (unique per router epoch).
     pub req: u64,
-    /// Tenant index in the shared config.
-    pub tenant: u32,
-    /// Prompt token ids.
-    pub prompt: Vec<u32>,
-    /// Most tokens to generate.
-    pub max_tokens: u32,
-    /// Sampling temperature (0 = greedy).
-    pub temperature: f32,
-    /// Top-k (0 = off).
-    pub top_k: u32,
-    /// Top-p (1 = off).
-    pub top_p: f32,
-    /// Seed of the request's draws.
-    pub seed: u64,
-    /// Return the chosen token's log-probability.
-    pub logprobs: bool,
-    /// Alternatives to return.
-    pub top_logprobs: u32,
-    /// Generate past end-of-sequence.
-    pub ignore_eos: bool,
-    /// Extra stop tokens.
-    pub stop_token_ids: Vec<u32>,
-    /// Node that computes the prompt (disaggregated serving); `None`: the
-    /// receiving node runs the whole request.
-    pub prefill: Option<u32>,
     /// Which placement of the request this is (0, then one more per
     /// re-run): a node tells a re-run placed on it again from a duplicate,
     /// and a late `Cancel` of an earlier placement from one of this.
     pub attempt: u32,
+    /// Node that computes the prompt (disaggregated serving); `None`: the
+    /// receiving node runs the whole request.
+    pub prefill: Option<u32>,
+    /// The request. The engine's admission validates it as it validates
+    /// any request (a tenant outside the config is refused by the node).
+    pub request: EngineRequest,
 }
 
 /// A prefill asked of a prefill node by the decode node that will continue it.
@@ -588,170 +468,61 @@ pub struct PrefillMsg {
     /// The Router the request came from.
     pub router: u32,
     /// The request (`prefill` is `None`; `max_tokens` is the client's).
-    pub submit: SubmitMsg,
+    pub submit: Submit,
     /// Priority of the tenant's tier: transfers of higher ones go first.
     pub priority: u8,
 }
 
-impl SubmitMsg {
-    /// The wire form of `r` under the Router's id `req`.
-    pub fn from_request(req: u64, r: &EngineRequest) -> SubmitMsg {
-        SubmitMsg {
-            req,
-            tenant: r.tenant.0,
-            prompt: r.prompt.clone(),
-            max_tokens: r.max_tokens,
-            temperature: r.sampling.temperature,
-            top_k: r.sampling.top_k,
-            top_p: r.sampling.top_p,
-            seed: r.sampling.seed,
-            logprobs: r.sampling.logprobs,
-            top_logprobs: r.sampling.top_logprobs,
-            ignore_eos: r.ignore_eos,
-            stop_token_ids: r.stop_token_ids.clone(),
-            prefill: None,
-            attempt: 0,
-        }
-    }
-
-    /// Back to an engine request. The engine's admission validates it as it
-    /// validates any request; this only moves fields.
-    pub fn into_request(self) -> EngineRequest {
-        EngineRequest {
-            tenant: TenantId(self.tenant),
-            prompt: self.prompt,
-            max_tokens: self.max_tokens,
-            sampling: SamplingParams {
-                temperature: self.temperature,
-                top_k: self.top_k,
-                top_p: self.top_p,
-                seed: self.seed,
-                logprobs: self.logprobs,
-                top_logprobs: self.top_logprobs,
-            },
-            ignore_eos: self.ignore_eos,
-            stop_token_ids: self.stop_token_ids,
-        }
-    }
-}
-
-/// One generated token on the wire.
-#[derive(Archive, Serialize, Deserialize, Clone, Debug, PartialEq)]
-pub struct WireToken {
-    /// Token id.
-    pub token: u32,
-    /// Its log-probability (NaN unless asked).
-    pub logprob: f32,
-    /// Alternatives, best first: (token, log-probability).
-    pub top: Vec<TopLogprob>,
-}
-
-/// One alternative token.
-#[derive(Archive, Serialize, Deserialize, Clone, Copy, Debug, PartialEq)]
-pub struct TopLogprob {
-    /// Token id.
-    pub token: u32,
-    /// Log-probability.
-    pub logprob: f32,
-}
-
-/// One request's events of one step: tokens, then possibly its end.
+/// One request's events of one engine step (or a few, coalesced): the
+/// engine's own events, tokens first, then at most one terminal event.
 #[derive(Archive, Serialize, Deserialize, Clone, Debug, PartialEq)]
 pub struct ReqEvents {
     /// Router's request id.
     pub req: u64,
-    /// The placement these events are of (`SubmitMsg::attempt`): events of
+    /// The placement these events are of (`Submit::attempt`): events of
     /// an earlier placement are not the current one's.
     pub attempt: u32,
-    /// Index of `tokens[0]` in the request's stream: the Router drops the
+    /// Index of `events[0]` in the request's stream: the Router drops the
     /// tokens it already has (a duplicate) and holds a batch that comes
     /// before the one ahead of it (a reorder) until the gap fills.
     pub first: u32,
-    /// Tokens in order.
-    pub tokens: Vec<WireToken>,
-    /// The terminal event, when the request ended in this step.
-    pub end: Option<WireEnd>,
+    /// Tokens in order, then possibly the end (`Finished` or `Failed`).
+    pub events: Vec<EngineEvent>,
 }
 
-/// How a request ended, on the wire.
-#[derive(Archive, Serialize, Deserialize, Clone, Debug, PartialEq)]
-pub enum WireEnd {
-    /// Finished normally.
-    Finished {
-        /// True for `stop`, false for `length`.
-        stop: bool,
-        /// Prompt tokens.
-        prompt_tokens: u32,
-        /// Generated tokens.
-        completion_tokens: u32,
-        /// Prompt tokens from the prefix cache.
-        cached_tokens: u32,
-    },
-    /// Ended by the engine.
-    Failed(WireFailure),
-}
+impl ReqEvents {
+    /// The tokens, in order (those before the first terminal event: a
+    /// peer's batch that goes on after its end is cut there).
+    pub fn tokens(&self) -> impl Iterator<Item = &Sampled> {
+        self.events.iter().map_while(|e| match e {
+            EngineEvent::Token(s) => Some(s),
+            _ => None,
+        })
+    }
 
-/// [`EngineFailure`] on the wire.
-#[derive(Archive, Serialize, Deserialize, Clone, Debug, PartialEq)]
-pub enum WireFailure {
-    /// See [`EngineFailure::QueueTimeout`].
-    QueueTimeout {
-        /// Waited, ms.
-        waited_ms: u64,
-        /// Limit, ms.
-        limit_ms: u64,
-    },
-    /// See [`EngineFailure::TooLargeForCache`].
-    TooLargeForCache {
-        /// Needed blocks.
-        need_blocks: u32,
-        /// Available blocks.
-        max_blocks: u32,
-    },
-    /// See [`EngineFailure::ShuttingDown`].
-    ShuttingDown,
-    /// See [`EngineFailure::Internal`].
-    Internal(String),
-    /// See [`EngineFailure::KvTransfer`].
-    KvTransfer(String),
-    /// See [`EngineFailure::RouterLost`].
-    RouterLost(String),
-}
+    /// Number of tokens (as [`ReqEvents::tokens`] counts them).
+    pub fn token_count(&self) -> usize {
+        self.tokens().count()
+    }
 
-/// [`Rejection`] on the wire.
-#[derive(Archive, Serialize, Deserialize, Clone, Debug, PartialEq)]
-pub enum WireRejection {
-    /// See [`Rejection::TenantLimit`].
-    TenantLimit {
-        /// Tenant.
-        tenant: String,
-        /// Which limit.
-        reason: String,
-        /// Seconds.
-        retry_after_s: u32,
-    },
-    /// See [`Rejection::QueueFull`].
-    QueueFull {
-        /// Tier.
-        tier: String,
-        /// Cap.
-        queue_len_max: u64,
-        /// Seconds.
-        retry_after_s: u32,
-    },
-    /// See [`Rejection::TooLong`].
-    TooLong {
-        /// Prompt tokens.
-        prompt_tokens: u32,
-        /// Requested tokens.
-        max_tokens: u32,
-        /// Model length.
-        max_model_len: u32,
-    },
-    /// See [`Rejection::Invalid`].
-    Invalid(String),
-    /// See [`Rejection::Unavailable`].
-    Unavailable,
+    /// The terminal event, if the request ended in this batch.
+    pub fn end(&self) -> Option<&EngineEvent> {
+        self.events
+            .iter()
+            .find(|e| !matches!(e, EngineEvent::Token(_)))
+    }
+
+    /// Takes the batch apart: its tokens and its end.
+    pub fn into_parts(self) -> (Vec<Sampled>, Option<EngineEvent>) {
+        let mut tokens = Vec::with_capacity(self.events.len());
+        for e in self.events {
+            match e {
+                EngineEvent::Token(s) => tokens.push(s),
+                end => return (tokens, Some(end)),
+            }
+        }
+        (tokens, None)
+    }
 }
 
 /// Header of one KV block transfer (disaggregated prefill/decode): the raw
@@ -785,198 +556,15 @@ pub struct KvTransferHeader {
     /// Checksum of the raw bytes (CRC-32C).
     pub checksum: u64,
     /// The first token, sampled by the prefill side.
-    pub first: WireToken,
-}
-
-impl From<&Sampled> for WireToken {
-    fn from(s: &Sampled) -> WireToken {
-        WireToken {
-            token: s.token,
-            logprob: s.logprob,
-            top: s
-                .top
-                .iter()
-                .map(|&(token, logprob)| TopLogprob { token, logprob })
-                .collect(),
-        }
-    }
-}
-
-impl From<WireToken> for Sampled {
-    fn from(w: WireToken) -> Sampled {
-        Sampled {
-            token: w.token,
-            logprob: w.logprob,
-            top: w.top.into_iter().map(|t| (t.token, t.logprob)).collect(),
-        }
-    }
-}
-
-impl WireEnd {
-    /// The wire form of a terminal event; `None` for a token.
-    pub fn from_event(e: &EngineEvent) -> Option<WireEnd> {
-        match e {
-            EngineEvent::Token(_) => None,
-            EngineEvent::Finished { reason, usage } => Some(WireEnd::Finished {
-                stop: *reason == FinishReason::Stop,
-                prompt_tokens: usage.prompt_tokens,
-                completion_tokens: usage.completion_tokens,
-                cached_tokens: usage.cached_tokens,
-            }),
-            EngineEvent::Failed(f) => Some(WireEnd::Failed(WireFailure::from(f))),
-        }
-    }
-
-    /// Back to the terminal engine event.
-    pub fn into_event(self) -> EngineEvent {
-        match self {
-            WireEnd::Finished {
-                stop,
-                prompt_tokens,
-                completion_tokens,
-                cached_tokens,
-            } => EngineEvent::Finished {
-                reason: if stop {
-                    FinishReason::Stop
-                } else {
-                    FinishReason::Length
-                },
-                usage: Usage {
-                    prompt_tokens,
-                    completion_tokens,
-                    cached_tokens,
-                },
-            },
-            WireEnd::Failed(f) => EngineEvent::Failed(f.into()),
-        }
-    }
-}
-
-impl From<&EngineFailure> for WireFailure {
-    fn from(f: &EngineFailure) -> WireFailure {
-        match f {
-            EngineFailure::QueueTimeout {
-                waited_ms,
-                limit_ms,
-            } => WireFailure::QueueTimeout {
-                waited_ms: *waited_ms,
-                limit_ms: *limit_ms,
-            },
-            EngineFailure::TooLargeForCache {
-                need_blocks,
-                max_blocks,
-            } => WireFailure::TooLargeForCache {
-                need_blocks: *need_blocks,
-                max_blocks: *max_blocks,
-            },
-            EngineFailure::ShuttingDown => WireFailure::ShuttingDown,
-            EngineFailure::Internal(s) => WireFailure::Internal(s.clone()),
-            EngineFailure::KvTransfer(s) => WireFailure::KvTransfer(s.clone()),
-            EngineFailure::RouterLost(s) => WireFailure::RouterLost(s.clone()),
-        }
-    }
-}
-
-impl From<WireFailure> for EngineFailure {
-    fn from(f: WireFailure) -> EngineFailure {
-        match f {
-            WireFailure::QueueTimeout {
-                waited_ms,
-                limit_ms,
-            } => EngineFailure::QueueTimeout {
-                waited_ms,
-                limit_ms,
-            },
-            WireFailure::TooLargeForCache {
-                need_blocks,
-                max_blocks,
-            } => EngineFailure::TooLargeForCache {
-                need_blocks,
-                max_blocks,
-            },
-            WireFailure::ShuttingDown => EngineFailure::ShuttingDown,
-            WireFailure::Internal(s) => EngineFailure::Internal(s),
-            WireFailure::KvTransfer(s) => EngineFailure::KvTransfer(s),
-            WireFailure::RouterLost(s) => EngineFailure::RouterLost(s),
-        }
-    }
-}
-
-impl From<&Rejection> for WireRejection {
-    fn from(r: &Rejection) -> WireRejection {
-        match r {
-            Rejection::TenantLimit {
-                tenant,
-                reason,
-                retry_after_s,
-            } => WireRejection::TenantLimit {
-                tenant: tenant.clone(),
-                reason: reason.clone(),
-                retry_after_s: *retry_after_s,
-            },
-            Rejection::QueueFull {
-                tier,
-                queue_len_max,
-                retry_after_s,
-            } => WireRejection::QueueFull {
-                tier: tier.clone(),
-                queue_len_max: *queue_len_max as u64,
-                retry_after_s: *retry_after_s,
-            },
-            Rejection::TooLong {
-                prompt_tokens,
-                max_tokens,
-                max_model_len,
-            } => WireRejection::TooLong {
-                prompt_tokens: *prompt_tokens,
-                max_tokens: *max_tokens,
-                max_model_len: *max_model_len,
-            },
-            Rejection::Invalid(s) => WireRejection::Invalid(s.clone()),
-            Rejection::Unavailable => WireRejection::Unavailable,
-        }
-    }
-}
-
-impl From<WireRejection> for Rejection {
-    fn from(r: WireRejection) -> Rejection {
-        match r {
-            WireRejection::TenantLimit {
-                tenant,
-                reason,
-                retry_after_s,
-            } => Rejection::TenantLimit {
-                tenant,
-                reason,
-                retry_after_s,
-            },
-            WireRejection::QueueFull {
-                tier,
-                queue_len_max,
-                retry_after_s,
-            } => Rejection::QueueFull {
-                tier,
-                queue_len_max: queue_len_max.min(usize::MAX as u64) as usize,
-                retry_after_s,
-            },
-            WireRejection::TooLong {
-                prompt_tokens,
-                max_tokens,
-                max_model_len,
-            } => Rejection::TooLong {
-                prompt_tokens,
-                max_tokens,
-                max_model_len,
-            },
-            WireRejection::Invalid(s) => Rejection::Invalid(s),
-            WireRejection::Unavailable => Rejection::Unavailable,
-        }
-    }
+    pub first: Sampled,
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::{
+        EngineFailure, FinishReason, KvUsage, SamplingParams, TenantId, TierStatus, Usage,
+    };
 
     const CAP: u32 = 1 << 20;
 
@@ -997,52 +585,61 @@ mod tests {
             stop_token_ids: vec![2],
         };
         vec![
-            Message::Heartbeat(LoadReport {
+            Message::Heartbeat(EngineStatus {
                 ready: true,
                 steps: 5,
                 running: 2,
-                queued: 1,
-                kv_total: 100,
-                kv_free: 90,
-                kv_used: 8,
-                kv_cached: 2,
-                kv_held: 3,
-                kv_reserved: 1,
-                kv_orphans: 0,
-                preemptions: 1,
-                tiers: vec![TierLoad {
+                tiers: vec![TierStatus {
                     name: "paid".into(),
                     queued: 1,
                     running: 2,
                 }],
+                kv: KvUsage {
+                    total: 100,
+                    free: 90,
+                    used: 8,
+                    cached: 2,
+                    held: 3,
+                    reserved: 1,
+                },
+                preemptions: 1,
+                orphans: 0,
+                nodes: vec![],
             }),
-            Message::Submit(SubmitMsg::from_request(7, &req)),
+            Message::Submit(Submit {
+                req: 7,
+                attempt: 0,
+                prefill: Some(2),
+                request: req.clone(),
+            }),
             Message::Admitted { req: 7 },
             Message::Refused {
                 req: 8,
-                rejection: WireRejection::from(&Rejection::QueueFull {
+                rejection: Rejection::QueueFull {
                     tier: "free".into(),
                     queue_len_max: 32,
                     retry_after_s: 2,
-                }),
+                },
             },
             Message::Events(vec![ReqEvents {
                 req: 7,
                 attempt: 0,
                 first: 3,
-                tokens: vec![WireToken::from(&Sampled {
-                    token: 42,
-                    logprob: -0.5,
-                    top: vec![(42, -0.5), (43, -1.5)],
-                })],
-                end: WireEnd::from_event(&EngineEvent::Finished {
-                    reason: FinishReason::Length,
-                    usage: Usage {
-                        prompt_tokens: 4,
-                        completion_tokens: 1,
-                        cached_tokens: 0,
+                events: vec![
+                    EngineEvent::Token(Sampled {
+                        token: 42,
+                        logprob: -0.5,
+                        top: vec![(42, -0.5), (43, -1.5)],
+                    }),
+                    EngineEvent::Finished {
+                        reason: FinishReason::Length,
+                        usage: Usage {
+                            prompt_tokens: 4,
+                            completion_tokens: 1,
+                            cached_tokens: 0,
+                        },
                     },
-                }),
+                ],
             }]),
             Message::Cancel {
                 req: 7,
@@ -1071,7 +668,7 @@ mod tests {
                 block_count: 2,
                 bytes: 737_280,
                 checksum: 0xdead_beef,
-                first: WireToken {
+                first: Sampled {
                     token: 5,
                     logprob: -0.5,
                     top: vec![],
@@ -1079,21 +676,11 @@ mod tests {
             }),
             Message::Prefill(PrefillMsg {
                 router: 0,
-                submit: SubmitMsg {
+                submit: Submit {
                     req: 9,
-                    tenant: 1,
-                    prompt: vec![1, 2, 3],
-                    max_tokens: 8,
-                    temperature: 0.0,
-                    top_k: 0,
-                    top_p: 1.0,
-                    seed: 4,
-                    logprobs: false,
-                    top_logprobs: 0,
-                    ignore_eos: false,
-                    stop_token_ids: vec![],
-                    prefill: None,
                     attempt: 2,
+                    prefill: None,
+                    request: req.clone(),
                 },
                 priority: 2,
             }),
@@ -1148,11 +735,43 @@ mod tests {
             assert_eq!((h.correlation, h.sender, h.epoch), (i as u64, 2, 77));
         }
         let req = match &samples()[1] {
-            Message::Submit(s) => s.clone().into_request(),
+            Message::Submit(s) => s.request.clone(),
             _ => unreachable!(),
         };
         assert_eq!(req.prompt, vec![1, 2, 3, 49151]);
         assert_eq!(req.sampling.top_k, 40);
+    }
+
+    #[test]
+    fn an_event_batch_splits_into_tokens_and_its_end() {
+        let tok = |t| {
+            EngineEvent::Token(Sampled {
+                token: t,
+                logprob: f32::NAN,
+                top: vec![],
+            })
+        };
+        let end = EngineEvent::Failed(EngineFailure::Internal("x".into()));
+        let b = ReqEvents {
+            req: 1,
+            attempt: 0,
+            first: 0,
+            // A peer that goes on after the end: cut there.
+            events: vec![tok(1), tok(2), end.clone(), tok(3)],
+        };
+        assert_eq!(b.token_count(), 2);
+        assert_eq!(b.end(), Some(&end));
+        let (tokens, e) = b.into_parts();
+        assert_eq!(tokens.iter().map(|s| s.token).collect::<Vec<_>>(), [1, 2]);
+        assert_eq!(e, Some(end));
+        let open = ReqEvents {
+            req: 1,
+            attempt: 0,
+            first: 0,
+            events: vec![tok(1)],
+        };
+        assert_eq!(open.end(), None);
+        assert_eq!(open.into_parts().1, None);
     }
 
     #[test]

@@ -8,8 +8,11 @@ use std::alloc::{GlobalAlloc, Layout, System};
 use std::sync::atomic::{AtomicUsize, Ordering};
 
 use flotilla_proto::wire::{
-    KvTransferHeader, LoadReport, Message, ReqEvents, SubmitMsg, TierLoad, TopLogprob, WireEnd,
-    WireFailure, WireRejection, WireToken, decode_frame, encode_frame,
+    KvTransferHeader, Message, ReqEvents, Submit, decode_frame, encode_frame,
+};
+use flotilla_proto::{
+    EngineEvent, EngineFailure, EngineRequest, EngineStatus, FinishReason, Rejection, Sampled,
+    SamplingParams, TenantId, TierStatus, Usage,
 };
 
 /// Counts live bytes and the peak since the last reset, for this test binary.
@@ -54,36 +57,37 @@ impl Rng {
 fn seeds(r: &mut Rng) -> Vec<Message> {
     let n = r.below(40) as usize;
     vec![
-        Message::Heartbeat(LoadReport {
+        Message::Heartbeat(EngineStatus {
             ready: true,
             tiers: (0..n % 4)
-                .map(|i| TierLoad {
+                .map(|i| TierStatus {
                     name: format!("tier{i}"),
-                    queued: i as u32,
+                    queued: i,
                     running: 1,
                 })
                 .collect(),
-            ..LoadReport::default()
+            ..EngineStatus::default()
         }),
-        Message::Submit(SubmitMsg {
+        Message::Submit(Submit {
             req: r.next(),
-            tenant: 1,
-            prompt: (0..n as u32 * 10).collect(),
-            max_tokens: 5,
-            temperature: 0.5,
-            top_k: 0,
-            top_p: 1.0,
-            seed: 3,
-            logprobs: false,
-            top_logprobs: 0,
-            ignore_eos: false,
-            stop_token_ids: vec![2],
-            prefill: Some(2),
             attempt: 1,
+            prefill: Some(2),
+            request: EngineRequest {
+                tenant: TenantId(1),
+                prompt: (0..n as u32 * 10).collect(),
+                max_tokens: 5,
+                sampling: SamplingParams {
+                    temperature: 0.5,
+                    seed: 3,
+                    ..SamplingParams::default()
+                },
+                ignore_eos: false,
+                stop_token_ids: vec![2],
+            },
         }),
         Message::Refused {
             req: 1,
-            rejection: WireRejection::TenantLimit {
+            rejection: Rejection::TenantLimit {
                 tenant: "t".repeat(n),
                 reason: "r".into(),
                 retry_after_s: 1,
@@ -95,29 +99,27 @@ fn seeds(r: &mut Rng) -> Vec<Message> {
                     req: i as u64,
                     attempt: i as u32 % 2,
                     first: i as u32,
-                    tokens: (0..i % 3)
-                        .map(|t| WireToken {
-                            token: t as u32,
-                            logprob: -1.0,
-                            top: vec![
-                                TopLogprob {
-                                    token: 1,
-                                    logprob: -2.0
-                                };
-                                i % 2
-                            ],
+                    events: (0..i % 3)
+                        .map(|t| {
+                            EngineEvent::Token(Sampled {
+                                token: t as u32,
+                                logprob: -1.0,
+                                top: vec![(1, -2.0); i % 2],
+                            })
+                        })
+                        .chain(match i % 3 {
+                            0 => None,
+                            1 => Some(EngineEvent::Failed(EngineFailure::Internal("x".repeat(i)))),
+                            _ => Some(EngineEvent::Finished {
+                                reason: FinishReason::Stop,
+                                usage: Usage {
+                                    prompt_tokens: 1,
+                                    completion_tokens: 2,
+                                    cached_tokens: 0,
+                                },
+                            }),
                         })
                         .collect(),
-                    end: match i % 3 {
-                        0 => None,
-                        1 => Some(WireEnd::Failed(WireFailure::Internal("x".repeat(i)))),
-                        _ => Some(WireEnd::Finished {
-                            stop: true,
-                            prompt_tokens: 1,
-                            completion_tokens: 2,
-                            cached_tokens: 0,
-                        }),
-                    },
                 })
                 .collect(),
         ),
@@ -144,7 +146,7 @@ fn seeds(r: &mut Rng) -> Vec<Message> {
             block_count: 1,
             bytes: 10,
             checksum: 11,
-            first: WireToken {
+            first: Sampled {
                 token: 1,
                 logprob: 0.0,
                 top: vec![],

@@ -177,6 +177,7 @@ impl Scheduler {
                     .sum(),
             },
             preemptions: self.counters.preemptions,
+            orphans: 0,
             nodes: Vec::new(),
         }
     }

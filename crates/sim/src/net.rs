@@ -13,13 +13,22 @@
 //! Duplication and reordering go beyond QUIC (its streams deliver once, in
 //! order): they test the protocol's own defences (token indices, idempotent
 //! submits and cancels) against a peer that resends after a reconnect.
+//!
+//! What travels is the encoded frame, not the Rust value: a send goes
+//! through the same encoder, frame cap and role policy as QUIC
+//! ([`flotilla_transport::frames`]), and every delivery through the same
+//! validating decoder and sender checks, so a simulation catches a wire
+//! bug (a message over the cap, a kind a role may not send, a payload that
+//! does not round-trip). Refused frames are counted; the run fails on any.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
 use bytes::Bytes;
+use flotilla_proto::Role;
 use flotilla_proto::wire::{KvTransferHeader, Message};
+use flotilla_transport::frames::{accept_frame, encode_checked};
 use flotilla_transport::{
     BoxFuture, BulkError, Inbound, NodeId, SendError, SendFailure, Transport, TransportStats,
     live_peer,
@@ -49,6 +58,9 @@ pub struct LinkConfig {
     /// A link that carries nothing for this long closes, dropping what it
     /// held, ms (QUIC's idle timeout).
     pub idle_timeout_ms: u64,
+    /// Cap on one frame's payload, bytes, as `frame_len_max_bytes` in a
+    /// cluster config: the engine nodes split event batches below it.
+    pub frame_len_max_bytes: u32,
     /// Bytes a migrated token's KV really has (set from the model: the
     /// simulated blocks carry stand-in bytes, transfers take the real time).
     #[serde(skip)]
@@ -65,6 +77,7 @@ impl Default for LinkConfig {
             duplicate: 0.0,
             reorder: 0.0,
             idle_timeout_ms: 10_000,
+            frame_len_max_bytes: 1 << 20,
             kv_bytes_per_token: 0,
         }
     }
@@ -96,10 +109,27 @@ pub struct FaultCounts {
     pub transfers: u64,
     /// Their modelled bytes.
     pub transfer_bytes: u64,
+    /// Frames refused by the codec or the sender checks (not a fault: a
+    /// wire bug; the run fails on any).
+    pub frames_refused: u64,
+    /// Frame bytes carried (envelopes and payloads, copies included).
+    pub frame_bytes: u64,
+}
+
+/// What crosses a link: encoded frames, as on a QUIC stream.
+enum Wire {
+    /// One control frame.
+    Frame { from: NodeId, frame: Bytes },
+    /// A bulk transfer: its header frame, then its bytes.
+    Bulk {
+        from: NodeId,
+        frame: Bytes,
+        data: Bytes,
+    },
 }
 
 /// A message on its way: when it arrives, to which life of its node.
-type Delivery = (Instant, u64, Inbound);
+type Delivery = (Instant, u64, Wire);
 
 struct NodeSlot {
     epoch: u64,
@@ -108,6 +138,10 @@ struct NodeSlot {
 
 struct NetState {
     nodes: Vec<Option<NodeSlot>>,
+    /// Each node's role: the role policy on both ends.
+    roles: Vec<Role>,
+    /// The last refused frame, for the run's error.
+    refused: Option<String>,
     link: LinkConfig,
     rng: Rng,
     /// Directed links that drop everything.
@@ -135,11 +169,14 @@ pub struct SimTransport {
 }
 
 impl SimNet {
-    /// `n` nodes, none joined; random choices from `rng`.
-    pub fn new(n: usize, link: LinkConfig, rng: Rng) -> Arc<SimNet> {
+    /// Nodes of `roles` (node id = index), none joined; random choices
+    /// from `rng`.
+    pub fn new(roles: Vec<Role>, link: LinkConfig, rng: Rng) -> Arc<SimNet> {
         Arc::new(SimNet {
             st: Mutex::new(NetState {
-                nodes: (0..n).map(|_| None).collect(),
+                nodes: roles.iter().map(|_| None).collect(),
+                roles,
+                refused: None,
                 link,
                 rng,
                 cut: BTreeSet::new(),
@@ -230,6 +267,11 @@ impl SimNet {
         self.lock().faults
     }
 
+    /// The last frame the codec or the sender checks refused, if any.
+    pub fn refused_frame(&self) -> Option<String> {
+        self.lock().refused.clone()
+    }
+
     /// Queues `inbound` on `link` for `at`; `at` never goes backwards on a
     /// link (FIFO), so one task per link sleeps to each in turn.
     fn enqueue(self: &Arc<Self>, st: &mut NetState, link: (NodeId, NodeId), d: Delivery) {
@@ -237,14 +279,9 @@ impl SimNet {
             let (tx, mut rx) = mpsc::unbounded_channel::<Delivery>();
             let net = self.clone();
             tokio::spawn(async move {
-                while let Some((at, epoch, inbound)) = rx.recv().await {
+                while let Some((at, epoch, wire)) = rx.recv().await {
                     tokio::time::sleep_until(at).await;
-                    let st = net.lock();
-                    if let Some(slot) = &st.nodes[link.1 as usize]
-                        && slot.epoch == epoch
-                    {
-                        let _ = slot.inbox.try_send(inbound);
-                    }
+                    net.lock().deliver(link.1, epoch, wire);
                 }
             });
             tx
@@ -252,19 +289,60 @@ impl SimNet {
         let _ = tx.send(d);
     }
 
-    /// Delivers `inbound` to `to`'s current life (`epoch`) at `at`.
-    fn deliver_at(self: &Arc<Self>, to: NodeId, epoch: u64, at: Instant, inbound: Inbound) {
+    /// Delivers `wire` to `to`'s current life (`epoch`) at `at`.
+    fn deliver_at(self: &Arc<Self>, to: NodeId, epoch: u64, at: Instant, wire: Wire) {
         let net = self.clone();
         tokio::spawn(async move {
             tokio::time::sleep_until(at).await;
-            let st = net.lock();
-            // Crashed, or restarted since: the message is lost with the old life.
-            if let Some(slot) = &st.nodes[to as usize]
-                && slot.epoch == epoch
-            {
-                let _ = slot.inbox.try_send(inbound);
-            }
+            net.lock().deliver(to, epoch, wire);
         });
+    }
+}
+
+impl NetState {
+    /// Hands `wire` to `to` if its life `epoch` still runs (crashed, or
+    /// restarted since: the message is lost with the old life), decoded
+    /// and checked as QUIC's receiver checks it.
+    fn deliver(&mut self, to: NodeId, epoch: u64, wire: Wire) {
+        if self.nodes[to as usize]
+            .as_ref()
+            .is_none_or(|s| s.epoch != epoch)
+        {
+            return;
+        }
+        let cap = self.link.frame_len_max_bytes;
+        let (from, frame, data) = match wire {
+            Wire::Frame { from, frame } => (from, frame, None),
+            Wire::Bulk { from, frame, data } => (from, frame, Some(data)),
+        };
+        let role = self.roles[from as usize];
+        let inbound = match (accept_frame(&frame, cap, from, role), data) {
+            (Ok((h, Message::KvBlocks(header))), Some(data)) => Inbound::Bulk {
+                from,
+                epoch: h.epoch,
+                header,
+                data: vec![data],
+            },
+            (Ok((h, msg)), None) if !matches!(msg, Message::KvBlocks(_)) => Inbound::Message {
+                from,
+                epoch: h.epoch,
+                correlation: h.correlation,
+                msg,
+            },
+            (Ok((h, _)), _) => {
+                return self.refuse(format!("{:?} frame on the wrong stream", h.kind));
+            }
+            (Err(e), _) => return self.refuse(format!("from node {from} to node {to}: {e}")),
+        };
+        if let Some(slot) = &self.nodes[to as usize] {
+            let _ = slot.inbox.try_send(inbound);
+        }
+    }
+
+    fn refuse(&mut self, why: String) {
+        tracing::error!("frame refused: {why}");
+        self.faults.frames_refused += 1;
+        self.refused = Some(why);
     }
 }
 
@@ -298,6 +376,28 @@ impl Transport for SimTransport {
             Ok(slot) => slot.epoch,
             Err(reason) => return Err(SendError::new(to, reason, msg)),
         };
+        let role = st.roles[self.node as usize];
+        let frame = match encode_checked(
+            &msg,
+            correlation,
+            self.node,
+            self.epoch,
+            role,
+            st.link.frame_len_max_bytes,
+        ) {
+            Ok(f) => Bytes::from(f),
+            Err(reason) => {
+                // A node that builds a frame it may not send, or one over
+                // the cap, has a bug the simulation must report.
+                st.refuse(format!(
+                    "node {} sending {:?}: {reason}",
+                    self.node,
+                    msg.kind()
+                ));
+                return Err(SendError::new(to, reason, msg));
+            }
+        };
+        drop(msg);
         let link = (self.node, to);
         let cfg = st.link.clone();
         let copies = if st.rng.chance(cfg.duplicate) {
@@ -332,11 +432,10 @@ impl Transport for SimTransport {
             } else {
                 st.last_arrival.insert(link, at);
             }
-            let inbound = Inbound::Message {
+            st.faults.frame_bytes += frame.len() as u64;
+            let wire = Wire::Frame {
                 from: self.node,
-                epoch: self.epoch,
-                correlation,
-                msg: msg.clone(),
+                frame: frame.clone(),
             };
             let cut = st.cut.contains(&link);
             if cut || st.clogged.contains(&link) {
@@ -362,12 +461,12 @@ impl Transport for SimTransport {
                         }
                         tokio::time::sleep(CLOG_POLL).await;
                     }
-                    net.deliver_at(to, to_epoch, Instant::now().max(at), inbound);
+                    net.deliver_at(to, to_epoch, Instant::now().max(at), wire);
                 });
             } else if reordered {
-                self.net.deliver_at(to, to_epoch, at, inbound);
+                self.net.deliver_at(to, to_epoch, at, wire);
             } else {
-                self.net.enqueue(&mut st, link, (at, to_epoch, inbound));
+                self.net.enqueue(&mut st, link, (at, to_epoch, wire));
             }
         }
         Ok(())
@@ -380,14 +479,22 @@ impl Transport for SimTransport {
         data: Bytes,
     ) -> BoxFuture<Result<(), BulkError>> {
         let net = self.net.clone();
-        let (from, epoch, alive) = {
-            let st = net.lock();
-            (self.node, self.epoch, self.alive(&st))
+        let (from, alive, frame) = {
+            let mut st = net.lock();
+            let role = st.roles[self.node as usize];
+            let header = Message::KvBlocks(header.clone());
+            let cap = st.link.frame_len_max_bytes;
+            let frame = encode_checked(&header, 0, self.node, self.epoch, role, cap);
+            if let Err(e) = &frame {
+                st.refuse(format!("node {} sending a KV transfer: {e}", self.node));
+            }
+            (self.node, self.alive(&st), frame)
         };
         Box::pin(async move {
             if !alive {
                 return Err(BulkError::Send(SendFailure::Closed));
             }
+            let frame = Bytes::from(frame.map_err(BulkError::Send)?);
             let (to_epoch, secs, lat) = {
                 let mut st = net.lock();
                 let to_epoch = live_peer(true, &st.nodes, to)
@@ -406,15 +513,10 @@ impl Transport for SimTransport {
                 (to_epoch, bytes as f64 / cfg.bandwidth, lat)
             };
             tokio::time::sleep(Duration::from_secs_f64(secs) + Duration::from_micros(lat)).await;
-            let st = net.lock();
+            let mut st = net.lock();
             match &st.nodes[to as usize] {
                 Some(slot) if slot.epoch == to_epoch => {
-                    let _ = slot.inbox.try_send(Inbound::Bulk {
-                        from,
-                        epoch,
-                        header,
-                        data: vec![data],
-                    });
+                    st.deliver(to, to_epoch, Wire::Bulk { from, frame, data });
                     Ok(())
                 }
                 _ => Err(BulkError::Send(SendFailure::PeerGone)),
@@ -424,5 +526,79 @@ impl Transport for SimTransport {
 
     fn stats(&self) -> TransportStats {
         TransportStats::default()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use flotilla_proto::wire::Submit;
+    use flotilla_proto::{EngineRequest, SamplingParams, TenantId};
+
+    fn rt() -> tokio::runtime::Runtime {
+        tokio::runtime::Builder::new_current_thread()
+            .enable_time()
+            .start_paused(true)
+            .build()
+            .unwrap()
+    }
+
+    #[test]
+    fn frames_cross_encoded_and_wire_bugs_are_refused_and_counted() {
+        rt().block_on(async {
+            let link = LinkConfig {
+                frame_len_max_bytes: 4096,
+                ..LinkConfig::default()
+            };
+            let net = SimNet::new(vec![Role::Router, Role::Worker], link, Rng::new(1));
+            let (router, _rrx) = net.join(0, 7);
+            let (worker, mut wrx) = net.join(1, 9);
+            let submit = Message::Submit(Submit {
+                req: 5,
+                attempt: 1,
+                prefill: None,
+                request: EngineRequest {
+                    tenant: TenantId(0),
+                    prompt: vec![1, 2, 3],
+                    max_tokens: 4,
+                    sampling: SamplingParams::greedy(),
+                    ignore_eos: false,
+                    stop_token_ids: vec![],
+                },
+            });
+            router.send(1, 5, submit.clone()).unwrap();
+            match wrx.recv().await.unwrap() {
+                Inbound::Message {
+                    from,
+                    epoch,
+                    correlation,
+                    msg,
+                } => assert_eq!((from, epoch, correlation, msg), (0, 7, 5, submit)),
+                other => panic!("{other:?}"),
+            }
+            let f = net.faults();
+            assert_eq!(f.frames_refused, 0);
+            assert!(
+                f.frame_bytes > 32,
+                "the envelope and payload were not counted"
+            );
+            // A worker may not cancel: refused as QUIC refuses it, and counted.
+            let cancel = Message::Cancel {
+                req: 5,
+                stop_string: false,
+                attempt: 0,
+            };
+            let e = worker.send(0, 5, cancel).unwrap_err();
+            assert_eq!(e.reason, SendFailure::Forbidden(Role::Worker));
+            // Over the frame cap.
+            let big = Message::Ping {
+                seq: 1,
+                pad: vec![0; 8192],
+            };
+            let e = router.send(1, 1, big).unwrap_err();
+            assert!(matches!(e.reason, SendFailure::Encode(_)), "{e}");
+            assert_eq!(net.faults().frames_refused, 2);
+            assert!(net.refused_frame().unwrap().contains("Ping"));
+        });
     }
 }

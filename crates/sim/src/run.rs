@@ -13,7 +13,9 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use flotilla_actors::{Clock, EngineOptions, InvariantHook, LocalEngine, spawn_engine};
-use flotilla_cluster::{ClusterEngine, OrphanHook, RouterOptions, WorkerOptions, run_worker};
+use flotilla_cluster::{
+    CheckHook, ClusterEngine, OrphanHook, RouterOptions, WorkerOptions, run_worker,
+};
 use flotilla_exec::Executor;
 use flotilla_proto::{
     Engine, EngineEvent, EngineFailure, EngineRequest, FinishReason, Rejection, Role,
@@ -344,24 +346,38 @@ async fn simulate(sc: &Scenario, seed: u64) -> Result<Report, SimError> {
     let n = sc.engine_nodes();
     let mut link = sc.network.clone();
     link.kv_bytes_per_token = shape.kv_bytes_per_token() as u64;
-    let net = SimNet::new(n + 1, link, root.split(1));
+    let roles: Vec<Role> = std::iter::once(Role::Router)
+        .chain((1..=n as u32).map(|i| sc.role_of(i)))
+        .collect();
+    let net = SimNet::new(roles, link, root.split(1));
     let hb = Duration::from_millis(sc.cluster.heartbeat_ms);
     let (rt, rx) = net.join(0, 1);
-    let router = ClusterEngine::start(
+    // The Router's bookkeeping checked after every input it handles, with
+    // the schedulers' (`check_every_step`): the first break, with its time.
+    let router_broken: Arc<Mutex<Option<(Duration, String)>>> = Arc::default();
+    let check = sc.run.check_every_step.then(|| {
+        let slot = router_broken.clone();
+        let t0 = Instant::now();
+        CheckHook(Arc::new(move |what: &str| {
+            let at = Instant::now().saturating_duration_since(t0);
+            lock(&slot).get_or_insert((at, what.to_string()));
+        }))
+    });
+    let router = ClusterEngine::start_checked(
         rt,
         rx,
-        RouterOptions {
-            workers: (1..=n as u32)
+        RouterOptions::from_config(
+            &sc.cluster_config(),
+            (1..=n as u32)
                 .map(|i| (i, format!("engine-{i}"), sc.role_of(i)))
                 .collect(),
-            heartbeat_interval: hb,
-            down_after: hb * sc.cluster.down_after_missed,
-            block_size: e.block_size,
-            tenant_salts: vec![0; sc.tenants.len()],
-            reruns_max: 2,
-            prefix_blocks_max: 1 << 20,
-        },
-    );
+            e.block_size,
+            vec![0; sc.tenants.len()],
+        ),
+        check,
+    )
+    .await
+    .map_err(SimError::Start)?;
     let t0 = Instant::now();
     let world = Arc::new(World {
         sc: sc.clone(),
@@ -502,7 +518,24 @@ async fn simulate(sc: &Scenario, seed: u64) -> Result<Report, SimError> {
     if let Some((at_ms, what)) = trace.broken.clone() {
         return Err(SimError::Invariant { seed, at_ms, what });
     }
+    if let Some((at, what)) = lock(&router_broken).clone() {
+        return Err(SimError::Invariant {
+            seed,
+            at_ms: at.as_secs_f64() * 1e3,
+            what,
+        });
+    }
     let faults = world.net.faults();
+    if let Some(why) = world.net.refused_frame() {
+        return Err(SimError::Invariant {
+            seed,
+            at_ms: sim_s * 1e3,
+            what: format!(
+                "{} frames refused by the codec or the role policy (a wire bug); the last: {why}",
+                faults.frames_refused
+            ),
+        });
+    }
     if let Some(what) = unfired(&world.sc, &faults) {
         return Err(SimError::Invariant {
             seed,
@@ -573,8 +606,6 @@ async fn start_engine(w: &Arc<World>, node: u32, life: u64) -> Result<(), SimErr
     let hb = Duration::from_millis(w.sc.cluster.heartbeat_ms);
     let role = w.sc.role_of(node);
     let opts = WorkerOptions {
-        heartbeat_interval: hb,
-        down_after: hb * w.sc.cluster.down_after_missed,
         num_tenants: w.sc.tenants.len() as u32,
         model: w.sc.model_shape()?.name,
         tenant_priority: w
@@ -583,10 +614,8 @@ async fn start_engine(w: &Arc<World>, node: u32, life: u64) -> Result<(), SimErr
             .iter()
             .map(|t| w.sched.tiers[usize::from(t.tier.0)].priority)
             .collect(),
-        transfers_max: w.sc.cluster.kv_transfers_max,
-        reconcile_interval: hb * w.sc.cluster.down_after_missed,
         on_orphan: Some(orphan_hook(w, hb)),
-        ..WorkerOptions::new(vec![0], role)
+        ..WorkerOptions::from_config(&w.sc.cluster_config(), vec![0], role)
     };
     let (t, rx) = w.net.join(node, (u64::from(node) << 32) | life);
     let engine_arc = Arc::new(engine.clone());

@@ -131,14 +131,16 @@ pub struct ClusterSection {
 }
 
 impl Default for ClusterSection {
+    /// One engine; timing and limits as a cluster config's defaults.
     fn default() -> Self {
+        let d = flotilla_config::ClusterSection::defaults();
         ClusterSection {
             engines: 1,
             prefill: 0,
             decode: 0,
-            kv_transfers_max: 2,
-            heartbeat_ms: 250,
-            down_after_missed: 4,
+            kv_transfers_max: d.kv_transfers_max,
+            heartbeat_ms: d.heartbeat_interval_ms,
+            down_after_missed: d.down_after_missed,
         }
     }
 }
@@ -331,6 +333,19 @@ impl Scenario {
         self.cluster.engines + self.cluster.prefill + self.cluster.decode
     }
 
+    /// The cluster settings the simulated nodes run with: a cluster
+    /// config's defaults, with the scenario's timing and limits.
+    pub fn cluster_config(&self) -> flotilla_config::ClusterSection {
+        flotilla_config::ClusterSection {
+            heartbeat_interval_ms: self.cluster.heartbeat_ms,
+            down_after_missed: self.cluster.down_after_missed,
+            kv_transfers_max: self.cluster.kv_transfers_max,
+            frame_len_max_bytes: self.network.frame_len_max_bytes,
+            idle_timeout_ms: self.network.idle_timeout_ms,
+            ..flotilla_config::ClusterSection::defaults()
+        }
+    }
+
     /// The role of engine node `node` (1-based).
     pub fn role_of(&self, node: u32) -> flotilla_proto::Role {
         let n = node as usize;
@@ -477,8 +492,11 @@ impl Scenario {
         if c.prefill > 0 && c.decode == 0 {
             return bad("cluster.prefill nodes need at least one decode node".into());
         }
-        if c.kv_transfers_max == 0 {
-            return bad("cluster.kv_transfers_max must be at least 1".into());
+        if let Err(why) = self.cluster_config().check() {
+            return bad(format!(
+                "{why} (a scenario sets these as cluster.heartbeat_ms, cluster.down_after_missed, \
+                 cluster.kv_transfers_max, network.frame_len_max_bytes and network.idle_timeout_ms)"
+            ));
         }
         if self.engine.max_model_len > m.ctx_len {
             return bad(format!(

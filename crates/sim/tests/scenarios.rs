@@ -195,6 +195,22 @@ fn bad_scenarios_are_refused_with_the_reason() {
             "network.bandwidth",
         ),
         ("at_s = 5.0", "at_s = inf", "outside"),
+        // Timing and limits are checked as a cluster config's are.
+        (
+            "heartbeat_ms = 100",
+            "heartbeat_ms = 5",
+            "cluster.heartbeat_interval_ms = 5 is out of range 10..=60000",
+        ),
+        (
+            "[network]\n",
+            "[network]\nframe_len_max_bytes = 100\n",
+            "cluster.frame_len_max_bytes = 100",
+        ),
+        (
+            "[network]\n",
+            "[network]\nidle_timeout_ms = 150\n",
+            "idle_timeout_ms = 150 must be at least",
+        ),
     ] {
         assert!(base.contains(from), "{from}");
         let e = Scenario::parse(&base.replacen(from, to, 1)).unwrap_err();

@@ -20,6 +20,7 @@ use bytes::Bytes;
 use flotilla_proto::Role;
 use flotilla_proto::wire::{KvTransferHeader, Message};
 
+pub mod frames;
 pub mod quic;
 pub mod tls;
 

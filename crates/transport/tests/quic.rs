@@ -8,7 +8,8 @@ use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use flotilla_proto::Role;
-use flotilla_proto::wire::{KvTransferHeader, LoadReport, Message, SubmitMsg, WireToken};
+use flotilla_proto::wire::{KvTransferHeader, Message, Submit};
+use flotilla_proto::{EngineRequest, EngineStatus, Sampled, SamplingParams, TenantId};
 use flotilla_transport::quic::{LinkFaults, PeerSpec, QuicOptions, QuicTransport};
 use flotilla_transport::tls::{self, TlsMaterial};
 use flotilla_transport::{Inbound, SendFailure, Transport};
@@ -100,21 +101,18 @@ async fn next(rx: &mut mpsc::Receiver<Inbound>) -> Inbound {
 }
 
 fn submit(req: u64) -> Message {
-    Message::Submit(SubmitMsg {
+    Message::Submit(Submit {
         req,
-        tenant: 0,
-        prompt: vec![1, 2, 3],
-        max_tokens: 4,
-        temperature: 0.0,
-        top_k: 0,
-        top_p: 1.0,
-        seed: 0,
-        logprobs: false,
-        top_logprobs: 0,
-        ignore_eos: false,
-        stop_token_ids: vec![],
-        prefill: None,
         attempt: 0,
+        prefill: None,
+        request: EngineRequest {
+            tenant: TenantId(0),
+            prompt: vec![1, 2, 3],
+            max_tokens: 4,
+            sampling: SamplingParams::greedy(),
+            ignore_eos: false,
+            stop_token_ids: vec![],
+        },
     })
 }
 
@@ -160,7 +158,7 @@ async fn a_role_that_may_not_send_a_kind_is_refused() {
     );
     // ...and a peer that skips it is refused by the receiver, which closes
     // the connection and delivers nothing.
-    send_when_up(&w1, 2, 0, Message::Heartbeat(LoadReport::default())).await;
+    send_when_up(&w1, 2, 0, Message::Heartbeat(EngineStatus::default())).await;
     assert!(matches!(
         next(&mut rx2).await,
         Inbound::Message {
@@ -195,7 +193,7 @@ async fn a_restarted_node_is_heard_and_its_old_life_is_dropped() {
     let c = Cluster::new(&[("router", Role::Router), ("worker-1", Role::Worker)]);
     let (_r, mut rrx) = c.start(0, 1);
     let (old, _orx) = c.start(1, 100);
-    send_when_up(&old, 0, 0, Message::Heartbeat(LoadReport::default())).await;
+    send_when_up(&old, 0, 0, Message::Heartbeat(EngineStatus::default())).await;
     assert!(matches!(
         next(&mut rrx).await,
         Inbound::Message { epoch: 100, .. }
@@ -205,17 +203,17 @@ async fn a_restarted_node_is_heard_and_its_old_life_is_dropped() {
     opts.listen = format!("127.0.0.1:{}", free_port()).parse().unwrap();
     let m = TlsMaterial::load(c.certs(), "worker-1").unwrap();
     let (new, _nrx) = QuicTransport::start(opts, &m).unwrap();
-    send_when_up(&new, 0, 0, Message::Heartbeat(LoadReport::default())).await;
+    send_when_up(&new, 0, 0, Message::Heartbeat(EngineStatus::default())).await;
     assert!(matches!(
         next(&mut rrx).await,
         Inbound::Message { epoch: 200, .. }
     ));
-    old.send(0, 0, Message::Heartbeat(LoadReport::default()))
+    old.send(0, 0, Message::Heartbeat(EngineStatus::default()))
         .unwrap();
     new.send(
         0,
         0,
-        Message::Heartbeat(LoadReport {
+        Message::Heartbeat(EngineStatus {
             steps: 7,
             ..Default::default()
         }),
@@ -282,7 +280,7 @@ async fn a_bulk_transfer_arrives_whole_beside_control_messages() {
     let c = Cluster::new(&[("worker-1", Role::Prefill), ("worker-2", Role::Decode)]);
     let (p, _prx) = c.start(0, 1);
     let (_d, mut drx) = c.start(1, 1);
-    send_when_up(&p, 1, 0, Message::Heartbeat(LoadReport::default())).await;
+    send_when_up(&p, 1, 0, Message::Heartbeat(EngineStatus::default())).await;
     assert!(matches!(next(&mut drx).await, Inbound::Message { .. }));
     let data: Vec<u8> = (0..8u32 << 20).map(|i| (i * 7 + i / 251) as u8).collect();
     let header = KvTransferHeader {
@@ -299,7 +297,7 @@ async fn a_bulk_transfer_arrives_whole_beside_control_messages() {
         block_count: 19,
         bytes: data.len() as u64,
         checksum: 0,
-        first: WireToken {
+        first: Sampled {
             token: 0,
             logprob: 0.0,
             top: vec![],
@@ -354,7 +352,7 @@ async fn the_delay_hook_fires_on_outgoing_frames() {
     let m = TlsMaterial::load(c.certs(), "router").unwrap();
     let (r, _rrx) = QuicTransport::start(opts, &m).unwrap();
     let (_w, mut wrx) = c.start(1, 1);
-    send_when_up(&r, 1, 0, Message::Heartbeat(LoadReport::default())).await;
+    send_when_up(&r, 1, 0, Message::Heartbeat(EngineStatus::default())).await;
     next(&mut wrx).await;
     // Frames 2 and 3: one plain delay, one "lost" (four times the delay).
     let mut took = Vec::new();

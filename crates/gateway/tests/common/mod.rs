@@ -182,6 +182,7 @@ impl Engine for Fake {
                     reserved: 2,
                 },
                 preemptions: 2,
+                orphans: 0,
                 nodes: vec![],
             }
         })

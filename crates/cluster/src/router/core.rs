@@ -1,0 +1,1008 @@
+//! `RouterCore`: the Router's decisions as a state machine. Inputs (a
+//! client's request, a client gone, a message from a node, a message the
+//! transport could not take, time passing) go in with `now`; outputs
+//! (messages to send, admissions and events for clients, a reconnect) come
+//! out. It does no I/O, reads no clock and spawns nothing, so a test
+//! drives it with a plain clock and a list of messages; the actor around it
+//! ([`super::ClusterEngine`]) only moves messages.
+//!
+//! - Membership: every engine node sends a heartbeat with its status each
+//!   interval. A node silent for `down_after` is marked down: no new work
+//!   goes to it, and its in-flight requests are re-run elsewhere when no
+//!   token has reached the client yet, or end with a clear error. A node
+//!   heard with a new epoch restarted: the same happens to the old life's
+//!   requests, and it takes work again at once.
+//! - Routing: the cost of a worker is the prompt blocks it would have to
+//!   compute (blocks it is believed to hold already are free, see
+//!   [`crate::prefix`]) plus the KV blocks of the requests it is running
+//!   now, so a cached prefix wins unless its worker is much busier.
+//! - Disaggregated prefill and decode: with `decode` and `prefill` nodes in
+//!   the config, a request goes to a decode node (fewest KV blocks in
+//!   flight, enough free blocks) together with the name of a prefill node
+//!   (fewest prompt blocks to compute, as above). The decode node reserves
+//!   the blocks, the prefill node computes the prompt and its first token
+//!   and sends the KV over; events come from the decode node. If the
+//!   prefill node is lost, or the transfer fails, before any token reached
+//!   the client, the request is run again (colocated on a decode node
+//!   after a failed transfer).
+//! - Event order: each batch names its index in the stream; duplicates are
+//!   dropped, early batches held until the gap fills, and a gap that
+//!   outlasts the down bound ends the request.
+
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+use flotilla_config::ClusterSection;
+use flotilla_proto::wire::{Held, Message, ReqEvents, Submit};
+use flotilla_proto::{
+    EngineEvent, EngineFailure, EngineRequest, EngineStatus, KvUsage, NodeStatus, Rejection, Role,
+    TierStatus,
+};
+use flotilla_transport::NodeId;
+
+use crate::prefix::{PrefixIndex, block_hashes};
+
+/// How the Router routes and watches its engine nodes.
+#[derive(Clone, Debug)]
+pub struct RouterOptions {
+    /// Engine nodes: (node id, name, role).
+    pub workers: Vec<(NodeId, String, Role)>,
+    /// Heartbeat period (the Router sends its own at this rate too).
+    pub heartbeat_interval: Duration,
+    /// A node silent this long is down.
+    pub down_after: Duration,
+    /// Tokens per KV block on the workers.
+    pub block_size: usize,
+    /// Prefix-cache salt per tenant (0 = shared), as the workers salt it.
+    pub tenant_salts: Vec<u64>,
+    /// Times a request that produced no token yet is re-run after its node failed.
+    pub reruns_max: u32,
+    /// Blocks remembered per worker by the prefix index.
+    pub prefix_blocks_max: usize,
+}
+
+/// Times a request that produced no token yet is re-run after its node failed.
+pub const RERUNS_MAX: u32 = 2;
+
+/// Blocks the Router's prefix index remembers per node.
+pub const PREFIX_BLOCKS_MAX: usize = 1 << 20;
+
+impl RouterOptions {
+    /// The Router's settings from the cluster config: the one place they
+    /// are built (`flotilla node`, the simulator and the tests start from
+    /// here). `block_size` and the tenants' prefix salts are the engines'.
+    pub fn from_config(
+        cl: &ClusterSection,
+        workers: Vec<(NodeId, String, Role)>,
+        block_size: usize,
+        tenant_salts: Vec<u64>,
+    ) -> RouterOptions {
+        RouterOptions {
+            workers,
+            heartbeat_interval: Duration::from_millis(cl.heartbeat_interval_ms),
+            down_after: cl.down_after(),
+            block_size,
+            tenant_salts,
+            reruns_max: RERUNS_MAX,
+            prefix_blocks_max: PREFIX_BLOCKS_MAX,
+        }
+    }
+}
+
+/// What happens to the Router.
+#[derive(Debug)]
+pub enum RouterInput {
+    /// A client's request, under an id the caller chose (unique).
+    Submit {
+        /// The client's id.
+        id: u64,
+        /// The validated, tokenized request.
+        req: EngineRequest,
+    },
+    /// The client no longer wants request `id` (disconnect, stop string,
+    /// gave up waiting for admission).
+    ClientGone {
+        /// The client's id.
+        id: u64,
+        /// The Router ended it at a stop string: the node finishes it.
+        stop_string: bool,
+    },
+    /// A message from an engine node.
+    Message {
+        /// Sender.
+        from: NodeId,
+        /// Sender's epoch.
+        epoch: u64,
+        /// The message.
+        msg: Message,
+    },
+    /// A message the transport refused to queue (the peer is gone).
+    Undelivered {
+        /// Where it was going.
+        to: NodeId,
+        /// The message.
+        msg: Message,
+    },
+    /// Time passed: heartbeats, silent nodes, event gaps and admission
+    /// deadlines that are due.
+    Tick,
+}
+
+/// What the Router does.
+#[derive(Debug, PartialEq)]
+pub enum RouterOutput {
+    /// Send a message to a node.
+    Send {
+        /// The node.
+        to: NodeId,
+        /// Correlation id of the envelope (request id, 0 when none).
+        correlation: u64,
+        /// The message.
+        msg: Message,
+    },
+    /// The node restarted: our connection reaches its old life; dial again.
+    Reconnect(NodeId),
+    /// The answer to a client's `Submit`: queued on a node, or refused.
+    /// Comes once per request, before any of its events.
+    Admitted {
+        /// The client's id.
+        id: u64,
+        /// Queued, or why not.
+        result: Result<(), Rejection>,
+    },
+    /// Events for a client, in order: tokens, then possibly the one
+    /// terminal event (after which the client's id is forgotten).
+    Events {
+        /// The client's id.
+        id: u64,
+        /// The events.
+        events: Vec<EngineEvent>,
+    },
+}
+
+struct WorkerView {
+    node: NodeId,
+    name: String,
+    role: Role,
+    /// Prefills sent to this (prefill) node whose first token has not come.
+    prefilling: u32,
+    epoch: u64,
+    heard: Option<Duration>,
+    up: bool,
+    load: EngineStatus,
+    in_flight: u32,
+    in_flight_blocks: u64,
+    routed: u64,
+    downs: u64,
+    prefix: PrefixIndex,
+}
+
+struct Pending {
+    worker: usize,
+    epoch: u64,
+    /// The prefill node computing its prompt, until its first token comes.
+    prefill: Option<usize>,
+    /// The prefill node paired with this placement (kept after the first
+    /// token): told to drop its held KV if the decode node is lost.
+    paired_prefill: Option<usize>,
+    /// Run it whole on one node (a KV transfer for it failed).
+    colocate: bool,
+    /// Whether the client has had its admission answer.
+    admitted: bool,
+    /// When a client still waiting for admission is refused.
+    admit_by: Duration,
+    tokens_sent: u32,
+    /// Event batches that came ahead of a missing one, by first index.
+    early: BTreeMap<u32, ReqEvents>,
+    /// Since when a batch has been missing.
+    gap_since: Option<Duration>,
+    blocks: u64,
+    reruns: u32,
+    /// Submits of this request the transport refused (a node it could
+    /// not reach): past two, it is refused rather than tried again.
+    undelivered: u32,
+    req: EngineRequest,
+}
+
+/// Event batches one request may hold while one before them is missing.
+const EARLY_MAX: usize = 256;
+
+/// How long past its last node's down bound a client may wait for its
+/// admission answer: a node that dies first is noticed by silence and the
+/// request re-run or refused, so this is a last resort.
+const ADMIT_GRACE: Duration = Duration::from_secs(5);
+
+/// The Router's state machine.
+pub struct RouterCore {
+    opts: RouterOptions,
+    workers: Vec<WorkerView>,
+    /// Index into `workers` by node id (every message looks its sender up).
+    by_node: BTreeMap<NodeId, usize>,
+    pending: BTreeMap<u64, Pending>,
+    /// Silence and gaps are checked four times per heartbeat interval, so
+    /// a node is marked down at most a quarter interval after its bound.
+    next_check: Duration,
+    /// Checks until the Router's own heartbeat goes out again.
+    checks_to_heartbeat: u32,
+    out: Vec<RouterOutput>,
+}
+
+impl RouterCore {
+    /// A Router that knows `opts.workers`, none heard yet, at time `now`.
+    pub fn new(opts: RouterOptions, now: Duration) -> RouterCore {
+        let workers: Vec<WorkerView> = opts
+            .workers
+            .iter()
+            .map(|(node, name, role)| WorkerView {
+                node: *node,
+                name: name.clone(),
+                role: *role,
+                prefilling: 0,
+                epoch: 0,
+                heard: None,
+                up: false,
+                load: EngineStatus::default(),
+                in_flight: 0,
+                in_flight_blocks: 0,
+                routed: 0,
+                downs: 0,
+                prefix: PrefixIndex::new(opts.prefix_blocks_max),
+            })
+            .collect();
+        RouterCore {
+            by_node: workers
+                .iter()
+                .enumerate()
+                .map(|(i, w)| (w.node, i))
+                .collect(),
+            workers,
+            pending: BTreeMap::new(),
+            next_check: now,
+            checks_to_heartbeat: 0,
+            out: Vec::new(),
+            opts,
+        }
+    }
+
+    /// Handles one input at `now`; `reachable` says whether the transport
+    /// has a way to a node now (false while its link redials). The outputs
+    /// are appended to `out`, in the order they must be carried out.
+    pub fn handle(
+        &mut self,
+        now: Duration,
+        input: RouterInput,
+        reachable: &dyn Fn(NodeId) -> bool,
+        out: &mut Vec<RouterOutput>,
+    ) {
+        debug_assert!(self.out.is_empty());
+        match input {
+            RouterInput::Submit { id, req } => self.submit(now, id, req, reachable),
+            RouterInput::ClientGone { id, stop_string } => self.abandon(id, stop_string),
+            RouterInput::Message { from, epoch, msg } => {
+                self.on_message(now, from, epoch, msg, reachable)
+            }
+            RouterInput::Undelivered { to, msg } => self.undelivered(to, msg, reachable),
+            RouterInput::Tick => self.tick(now, reachable),
+        }
+        out.append(&mut self.out);
+    }
+
+    /// When the next [`RouterInput::Tick`] is due.
+    pub fn next_deadline(&self) -> Duration {
+        self.pending
+            .values()
+            .filter(|p| !p.admitted)
+            .map(|p| p.admit_by)
+            .fold(self.next_check, Duration::min)
+    }
+
+    /// Names of the nodes up now.
+    pub fn up_nodes(&self) -> Vec<String> {
+        self.workers
+            .iter()
+            .filter(|w| w.up)
+            .map(|w| w.name.clone())
+            .collect()
+    }
+
+    /// Requests in flight (admitted or waiting for their answer).
+    pub fn in_flight(&self) -> usize {
+        self.pending.len()
+    }
+
+    /// The cluster as `/ready` shows it: the sum of the nodes that are up,
+    /// and every node's line.
+    pub fn status(&self) -> EngineStatus {
+        let mut s = EngineStatus::default();
+        let mut tiers: Vec<TierStatus> = Vec::new();
+        for w in &self.workers {
+            s.nodes.push(NodeStatus {
+                name: w.name.clone(),
+                up: w.up,
+                epoch: w.epoch,
+                in_flight: w.in_flight,
+                routed: w.routed,
+                downs: w.downs,
+                kv_orphans: w.load.orphans,
+            });
+            s.orphans += w.load.orphans;
+            if !w.up {
+                continue;
+            }
+            let l = &w.load;
+            s.ready |= l.ready;
+            s.steps += l.steps;
+            s.running += l.running;
+            s.preemptions += l.preemptions;
+            s.kv = KvUsage {
+                total: s.kv.total + l.kv.total,
+                free: s.kv.free + l.kv.free,
+                used: s.kv.used + l.kv.used,
+                cached: s.kv.cached + l.kv.cached,
+                held: s.kv.held + l.kv.held,
+                reserved: s.kv.reserved + l.kv.reserved,
+            };
+            for t in &l.tiers {
+                match tiers.iter_mut().find(|x| x.name == t.name) {
+                    Some(x) => {
+                        x.queued += t.queued;
+                        x.running += t.running;
+                    }
+                    None => tiers.push(t.clone()),
+                }
+            }
+        }
+        s.tiers = tiers;
+        s
+    }
+
+    /// Every node's bookkeeping agrees with the requests placed on it:
+    /// in-flight count and KV blocks, and prefills in progress. Err names
+    /// the first node that disagrees.
+    pub fn check_invariants(&self) -> Result<(), String> {
+        for (i, w) in self.workers.iter().enumerate() {
+            let mine = self.pending.values().filter(|p| p.worker == i);
+            let (n, blocks) = mine.fold((0u32, 0u64), |(n, b), p| (n + 1, b + p.blocks));
+            let prefilling = self
+                .pending
+                .values()
+                .filter(|p| p.prefill == Some(i))
+                .count() as u32;
+            if (n, blocks, prefilling) != (w.in_flight, w.in_flight_blocks, w.prefilling) {
+                return Err(format!(
+                    "node {}: books {} requests, {} blocks, {} prefills; its requests are {n}, \
+                     {blocks} blocks, {prefilling} prefills",
+                    w.name, w.in_flight, w.in_flight_blocks, w.prefilling
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    fn send(&mut self, to: NodeId, correlation: u64, msg: Message) {
+        self.out.push(RouterOutput::Send {
+            to,
+            correlation,
+            msg,
+        });
+    }
+
+    fn submit(
+        &mut self,
+        now: Duration,
+        id: u64,
+        req: EngineRequest,
+        reachable: &dyn Fn(NodeId) -> bool,
+    ) {
+        let hashes = self.hashes(&req);
+        let blocks = (req.prompt.len() as u64 + req.max_tokens as u64)
+            .div_ceil(self.opts.block_size.max(1) as u64);
+        let old = self.pending.insert(
+            id,
+            Pending {
+                worker: 0,
+                epoch: 0,
+                prefill: None,
+                paired_prefill: None,
+                colocate: false,
+                admitted: false,
+                admit_by: now + self.opts.down_after * 3 + ADMIT_GRACE,
+                tokens_sent: 0,
+                early: BTreeMap::new(),
+                gap_since: None,
+                blocks,
+                reruns: 0,
+                undelivered: 0,
+                req,
+            },
+        );
+        assert!(old.is_none(), "request id {id} submitted twice");
+        if !self.route(id, &hashes, None, reachable) {
+            self.pending.remove(&id);
+            self.out.push(RouterOutput::Admitted {
+                id,
+                result: Err(Rejection::Unavailable),
+            });
+        }
+    }
+
+    /// Whether node `i` can take work now.
+    fn usable(
+        w: &WorkerView,
+        i: usize,
+        exclude: Option<usize>,
+        reachable: &dyn Fn(NodeId) -> bool,
+    ) -> bool {
+        w.up && w.load.ready && Some(i) != exclude && reachable(w.node)
+    }
+
+    /// The cheapest up node for a request, skipping `exclude`, and the
+    /// prefill node to pair it with when it is a decode node.
+    fn pick(
+        &self,
+        hashes: &[u64],
+        need_blocks: u64,
+        exclude: Option<usize>,
+        colocate: bool,
+        reachable: &dyn Fn(NodeId) -> bool,
+    ) -> Option<(usize, Option<usize>)> {
+        let prefill = if colocate {
+            None
+        } else {
+            self.workers
+                .iter()
+                .enumerate()
+                .filter(|(i, w)| w.role == Role::Prefill && Self::usable(w, *i, exclude, reachable))
+                .min_by_key(|(_, w)| {
+                    let compute = (hashes.len() - w.prefix.matched(hashes)) as u64;
+                    (compute + w.in_flight_blocks, w.prefilling, w.routed)
+                })
+                .map(|(i, _)| i)
+        };
+        self.workers
+            .iter()
+            .enumerate()
+            .filter(|(i, w)| w.role != Role::Prefill && Self::usable(w, *i, exclude, reachable))
+            .min_by_key(|(_, w)| {
+                // A worker whose whole cache is too small comes last; if it
+                // is the only one, its engine gives the client the reason.
+                let too_small = w.load.kv.total != 0 && need_blocks > u64::from(w.load.kv.total);
+                // A decode node paired with a prefill node computes no
+                // prompt, but needs the blocks free now.
+                let paired = w.role == Role::Decode && prefill.is_some();
+                let short = paired && need_blocks > u64::from(w.load.kv.free);
+                let compute = if paired {
+                    0
+                } else {
+                    (hashes.len() - w.prefix.matched(hashes)) as u64
+                };
+                (
+                    too_small,
+                    short,
+                    compute + w.in_flight_blocks,
+                    w.in_flight,
+                    w.routed,
+                )
+            })
+            .map(|(i, w)| (i, prefill.filter(|_| w.role == Role::Decode)))
+    }
+
+    /// Picks a node (and prefill node) for pending request `id` and sends
+    /// it there.
+    fn route(
+        &mut self,
+        id: u64,
+        hashes: &[u64],
+        exclude: Option<usize>,
+        reachable: &dyn Fn(NodeId) -> bool,
+    ) -> bool {
+        let (need, colocate) = {
+            let p = &self.pending[&id];
+            (p.blocks, p.colocate)
+        };
+        let Some((w, prefill)) = self.pick(hashes, need, exclude, colocate, reachable) else {
+            return false;
+        };
+        self.dispatch(w, prefill, id, hashes);
+        true
+    }
+
+    /// Sends request `id` to worker `w`, naming `prefill` as the node that
+    /// computes its prompt, and books it.
+    fn dispatch(&mut self, w: usize, prefill: Option<usize>, id: u64, hashes: &[u64]) {
+        let p = self
+            .pending
+            .get(&id)
+            .expect("dispatch of an unknown request");
+        let submit = Submit {
+            req: id,
+            attempt: p.reruns,
+            prefill: prefill.map(|i| self.workers[i].node),
+            request: p.req.clone(),
+        };
+        let blocks = p.blocks;
+        let node = self.workers[w].node;
+        self.send(node, id, Message::Submit(submit));
+        let view = &mut self.workers[w];
+        view.in_flight += 1;
+        view.in_flight_blocks += blocks;
+        view.routed += 1;
+        let epoch = view.epoch;
+        match prefill {
+            Some(pi) => {
+                let pv = &mut self.workers[pi];
+                pv.prefilling += 1;
+                pv.routed += 1;
+                pv.prefix.insert(hashes);
+            }
+            None => self.workers[w].prefix.insert(hashes),
+        }
+        let p = self.pending.get_mut(&id).expect("checked above");
+        p.worker = w;
+        p.epoch = epoch;
+        p.prefill = prefill;
+        p.paired_prefill = prefill;
+        // Held batches of an earlier run are not this run's.
+        p.early.clear();
+        p.gap_since = None;
+    }
+
+    /// The first token of `id` came (or it ended): its prefill node is done.
+    fn prefill_done(&mut self, id: u64) {
+        if let Some(p) = self.pending.get_mut(&id)
+            && let Some(pi) = p.prefill.take()
+        {
+            let pv = &mut self.workers[pi];
+            pv.prefilling = pv.prefilling.saturating_sub(1);
+        }
+    }
+
+    /// Removes a request and gives back its share of its worker's load.
+    fn finish(&mut self, id: u64) -> Option<Pending> {
+        self.prefill_done(id);
+        let p = self.pending.remove(&id)?;
+        let w = &mut self.workers[p.worker];
+        w.in_flight = w.in_flight.saturating_sub(1);
+        w.in_flight_blocks = w.in_flight_blocks.saturating_sub(p.blocks);
+        Some(p)
+    }
+
+    /// Stops the current placement of a request on its node.
+    fn cancel_on_node(&mut self, p: &Pending, id: u64, stop_string: bool) {
+        let cancel = Message::Cancel {
+            req: id,
+            stop_string,
+            attempt: p.reruns,
+        };
+        self.send(self.workers[p.worker].node, id, cancel);
+    }
+
+    /// The client no longer wants request `id`: forget it and tell its
+    /// worker, if it still runs.
+    fn abandon(&mut self, id: u64, stop_string: bool) {
+        if let Some(p) = self.finish(id) {
+            self.cancel_on_node(&p, id, stop_string);
+        }
+    }
+
+    /// Ends a request that failed: a refusal if the client is still
+    /// waiting for admission, else a failure event on its stream.
+    fn fail(&mut self, id: u64, p: Pending, r: Rejection, f: EngineFailure) {
+        self.out.push(if p.admitted {
+            RouterOutput::Events {
+                id,
+                events: vec![EngineEvent::Failed(f)],
+            }
+        } else {
+            RouterOutput::Admitted { id, result: Err(r) }
+        });
+    }
+
+    /// The transport would not take a message. A `Submit` of the current
+    /// placement goes to another node; anything else is left to the
+    /// silence and reconcile paths (as a message lost with its peer).
+    fn undelivered(&mut self, to: NodeId, msg: Message, reachable: &dyn Fn(NodeId) -> bool) {
+        let Message::Submit(s) = msg else { return };
+        let Some(&w) = self.by_node.get(&to) else {
+            return;
+        };
+        let current = self
+            .pending
+            .get(&s.req)
+            .is_some_and(|p| p.worker == w && p.reruns == s.attempt && p.tokens_sent == 0);
+        if !current {
+            return;
+        }
+        let why = format!("{} cannot be reached", self.workers[w].name);
+        let Some(mut p) = self.finish(s.req) else {
+            return;
+        };
+        p.undelivered += 1;
+        if p.undelivered <= 2 {
+            let hashes = self.hashes(&p.req);
+            self.pending.insert(s.req, p);
+            if self.route(s.req, &hashes, Some(w), reachable) {
+                return;
+            }
+            p = self.pending.remove(&s.req).expect("inserted above");
+        }
+        self.fail(
+            s.req,
+            p,
+            Rejection::Unavailable,
+            EngineFailure::Internal(format!("worker {why}; no other worker could take it")),
+        );
+    }
+
+    /// Worker `w` is gone (silent, or restarted with a new epoch): re-run
+    /// what produced nothing yet, fail the rest. Requests whose prompt it
+    /// was computing for a decode node are cancelled there and re-run.
+    fn worker_lost(&mut self, w: usize, why: &str, reachable: &dyn Fn(NodeId) -> bool) {
+        let ids: Vec<u64> = self
+            .pending
+            .iter()
+            .filter(|(_, p)| {
+                (p.worker == w && p.epoch <= self.workers[w].epoch)
+                    || (p.prefill == Some(w) && p.tokens_sent == 0)
+            })
+            .map(|(id, _)| *id)
+            .collect();
+        self.workers[w].prefix.clear();
+        let name = self.workers[w].name.clone();
+        for id in ids {
+            let p = &self.pending[&id];
+            let (worker, epoch, reruns) = (p.worker, p.epoch, p.reruns);
+            if worker == w
+                && let Some(pf) = p.paired_prefill.filter(|&pf| pf != w)
+            {
+                // The lost decode node will never ack or cancel the KV its
+                // prefill node holds for it: without this the blocks stay
+                // leased there until the hold deadline.
+                let abandon = Message::PrefillAbandon {
+                    decode: self.workers[w].node,
+                    decode_epoch: epoch,
+                    req: id,
+                };
+                self.send(self.workers[pf].node, id, abandon);
+            }
+            // Stop it where it was placed before it runs again: a decode
+            // node that is fine frees its reservation, and a node that only
+            // seems lost (our direction of the link still works) frees its
+            // blocks now instead of at its own deadline.
+            let cancel = Message::Cancel {
+                req: id,
+                stop_string: false,
+                attempt: reruns,
+            };
+            self.send(self.workers[worker].node, id, cancel);
+            self.rerun_or_fail(id, Some(w), &format!("{name} {why}"), reachable);
+        }
+    }
+
+    /// Runs `id` again elsewhere if no token reached its client yet (and
+    /// it has re-runs left), else ends it with `why`.
+    fn rerun_or_fail(
+        &mut self,
+        id: u64,
+        exclude: Option<usize>,
+        why: &str,
+        reachable: &dyn Fn(NodeId) -> bool,
+    ) {
+        let Some(mut p) = self.finish(id) else {
+            return;
+        };
+        if p.tokens_sent == 0 && p.reruns < self.opts.reruns_max {
+            p.reruns += 1;
+            let hashes = self.hashes(&p.req);
+            self.pending.insert(id, p);
+            if self.route(id, &hashes, exclude, reachable) {
+                let to = &self.workers[self.pending[&id].worker].name;
+                tracing::info!("request {id}: {why}; re-running it on {to}");
+                return;
+            }
+            p = self.pending.remove(&id).expect("inserted above");
+        }
+        let msg = format!(
+            "worker {why} after {} tokens of this request were sent; no other \
+             worker could take it over",
+            p.tokens_sent
+        );
+        self.fail(id, p, Rejection::Unavailable, EngineFailure::Internal(msg));
+    }
+
+    fn hashes(&self, req: &EngineRequest) -> Vec<u64> {
+        let salt = self
+            .opts
+            .tenant_salts
+            .get(req.tenant.0 as usize)
+            .copied()
+            .unwrap_or(0);
+        block_hashes(&req.prompt, self.opts.block_size, salt)
+    }
+
+    fn on_message(
+        &mut self,
+        now: Duration,
+        from: NodeId,
+        epoch: u64,
+        msg: Message,
+        reachable: &dyn Fn(NodeId) -> bool,
+    ) {
+        let Some(&w) = self.by_node.get(&from) else {
+            return;
+        };
+        if epoch > self.workers[w].epoch {
+            if self.workers[w].epoch != 0 {
+                // Our link still reaches its old life: frames sent there
+                // would vanish until the idle timeout.
+                self.out.push(RouterOutput::Reconnect(from));
+                self.worker_lost(w, "restarted", reachable);
+                tracing::info!(node = %self.workers[w].name, "rejoined with a new epoch");
+            }
+            self.workers[w].epoch = epoch;
+        }
+        let view = &mut self.workers[w];
+        view.heard = Some(now);
+        if !view.up {
+            tracing::info!(node = %view.name, "up");
+        }
+        view.up = true;
+        match msg {
+            Message::Heartbeat(load) => self.workers[w].load = load,
+            Message::Holding { held } => {
+                // What it still holds that we no longer run there (we ended
+                // or moved it while it was cut off), or prefill KV kept for
+                // a decode node that no longer has the request.
+                let known = |h: &Held| {
+                    self.pending
+                        .get(&h.req)
+                        .is_some_and(|p| match h.for_decode {
+                            None => p.worker == w,
+                            Some(d) => {
+                                p.paired_prefill == Some(w) && self.workers[p.worker].node == d
+                            }
+                        })
+                };
+                let unknown: Vec<Held> = held.into_iter().filter(|h| !known(h)).collect();
+                if !unknown.is_empty() {
+                    self.send(from, 0, Message::Unknown { held: unknown });
+                }
+            }
+            Message::Admitted { req } => {
+                if let Some(p) = self.pending.get_mut(&req)
+                    && p.worker == w
+                    && !p.admitted
+                {
+                    p.admitted = true;
+                    self.out.push(RouterOutput::Admitted {
+                        id: req,
+                        result: Ok(()),
+                    });
+                }
+            }
+            Message::Refused { req, rejection } => {
+                if self.pending.get(&req).is_none_or(|p| p.worker != w) {
+                    return;
+                }
+                // A decode node without blocks to reserve: another node
+                // (or a colocated run) may have them.
+                let full = matches!(
+                    rejection,
+                    Rejection::QueueFull { .. } | Rejection::Unavailable
+                );
+                if full && self.pending[&req].prefill.is_some() {
+                    let why = format!("{} refused it ({rejection})", self.workers[w].name);
+                    self.rerun_or_fail(req, Some(w), &why, reachable);
+                } else if let Some(p) = self.finish(req) {
+                    let f = EngineFailure::Internal(format!("re-run refused: {rejection}"));
+                    self.fail(req, p, rejection, f);
+                }
+            }
+            Message::Events(batch) => {
+                for ev in batch {
+                    self.on_events(now, w, from, ev, reachable);
+                }
+            }
+            _ => {}
+        }
+    }
+
+    /// One request's batch from node `w`: applied in stream order.
+    fn on_events(
+        &mut self,
+        now: Duration,
+        w: usize,
+        from: NodeId,
+        ev: ReqEvents,
+        reachable: &dyn Fn(NodeId) -> bool,
+    ) {
+        let ours = self
+            .pending
+            .get(&ev.req)
+            .is_some_and(|p| p.worker == w && p.reruns == ev.attempt);
+        if !ours {
+            // Work this Router no longer wants (it was failed or moved
+            // while the node was unreachable): stop it.
+            if ev.end().is_none() {
+                let cancel = Message::Cancel {
+                    req: ev.req,
+                    stop_string: false,
+                    // That placement (a later one there may be the current one).
+                    attempt: ev.attempt,
+                };
+                self.send(from, ev.req, cancel);
+            }
+            return;
+        }
+        let req = ev.req;
+        let p = self.pending.get_mut(&req).expect("checked above");
+        if ev.first > p.tokens_sent {
+            // A batch before it is missing (reordered, or lost): hold this
+            // one until the gap fills.
+            if p.early.len() >= EARLY_MAX {
+                self.lost_in_transit(req);
+                return;
+            }
+            p.gap_since.get_or_insert(now);
+            p.early.insert(ev.first, ev);
+            return;
+        }
+        let mut next = Some(ev);
+        while let Some(ev) = next.take() {
+            self.apply_events(w, ev, reachable);
+            let Some(p) = self.pending.get_mut(&req) else {
+                break;
+            };
+            match p.early.first_key_value() {
+                Some((&k, _)) if k <= p.tokens_sent => {
+                    next = p.early.pop_first().map(|(_, e)| e);
+                }
+                Some(_) => {}
+                None => p.gap_since = None,
+            }
+        }
+    }
+
+    /// Delivers one in-order batch (`first <= tokens_sent`): the tokens
+    /// the client has not had yet, then the end, if any.
+    fn apply_events(&mut self, w: usize, ev: ReqEvents, reachable: &dyn Fn(NodeId) -> bool) {
+        let id = ev.req;
+        let Some(p) = self.pending.get_mut(&id) else {
+            return;
+        };
+        // A duplicate's tokens the client already has.
+        let skip = (p.tokens_sent - ev.first) as usize;
+        match ev.end() {
+            Some(EngineEvent::Failed(EngineFailure::KvTransfer(why))) if p.tokens_sent == 0 => {
+                // Nothing reached the client: run it again, whole on one
+                // node this time.
+                p.colocate = true;
+                let why = format!("{}: KV transfer failed: {why}", self.workers[w].name);
+                self.rerun_or_fail(id, None, &why, reachable);
+                return;
+            }
+            Some(EngineEvent::Failed(EngineFailure::RouterLost(why)))
+                if ev.token_count() <= skip =>
+            {
+                // The node stopped hearing us (our direction of the link
+                // was cut) and dropped it: the client's tokens so far are
+                // all it will get from there.
+                let why = format!("{} dropped it: {why}", self.workers[w].name);
+                self.rerun_or_fail(id, Some(w), &why, reachable);
+                return;
+            }
+            _ => {}
+        }
+        if !p.admitted {
+            p.admitted = true;
+            self.out.push(RouterOutput::Admitted { id, result: Ok(()) });
+        }
+        let (tokens, end) = ev.into_parts();
+        let fresh = tokens.len().saturating_sub(skip);
+        p.tokens_sent += fresh as u32;
+        if fresh > 0 {
+            self.prefill_done(id);
+        }
+        let ended = end.is_some();
+        let events: Vec<EngineEvent> = tokens
+            .into_iter()
+            .skip(skip)
+            .map(EngineEvent::Token)
+            .chain(end)
+            .collect();
+        if !events.is_empty() {
+            self.out.push(RouterOutput::Events { id, events });
+        }
+        if ended {
+            self.finish(id);
+        }
+    }
+
+    /// A request whose event batch never came: stop it on its node and
+    /// end it with a clear error.
+    fn lost_in_transit(&mut self, id: u64) {
+        let Some(p) = self.finish(id) else {
+            return;
+        };
+        self.cancel_on_node(&p, id, false);
+        let msg = format!(
+            "events of this request after token {} were lost between nodes",
+            p.tokens_sent
+        );
+        tracing::warn!(req = id, "{msg}");
+        self.fail(id, p, Rejection::Unavailable, EngineFailure::Internal(msg));
+    }
+
+    fn tick(&mut self, now: Duration, reachable: &dyn Fn(NodeId) -> bool) {
+        // Clients that waited too long for their admission answer.
+        let late: Vec<u64> = self
+            .pending
+            .iter()
+            .filter(|(_, p)| !p.admitted && p.admit_by <= now)
+            .map(|(&id, _)| id)
+            .collect();
+        for id in late {
+            if let Some(p) = self.finish(id) {
+                self.cancel_on_node(&p, id, false);
+                self.out.push(RouterOutput::Admitted {
+                    id,
+                    result: Err(Rejection::Unavailable),
+                });
+            }
+        }
+        if now < self.next_check {
+            return;
+        }
+        let period = self.opts.heartbeat_interval / 4;
+        while self.next_check <= now {
+            self.next_check += period.max(Duration::from_micros(1));
+        }
+        self.check_silence(now, reachable);
+        if self.checks_to_heartbeat == 0 {
+            self.checks_to_heartbeat = 4;
+            // Workers watch the Router the same way: a silent Router's
+            // requests are cancelled on the workers.
+            for i in 0..self.workers.len() {
+                let node = self.workers[i].node;
+                self.send(node, 0, Message::Heartbeat(EngineStatus::default()));
+            }
+        }
+        self.checks_to_heartbeat -= 1;
+    }
+
+    fn check_silence(&mut self, now: Duration, reachable: &dyn Fn(NodeId) -> bool) {
+        let down_after = self.opts.down_after;
+        // A gap in a request's events that outlasts the down bound is a
+        // loss, not a reorder.
+        let lost: Vec<u64> = self
+            .pending
+            .iter()
+            .filter(|(_, p)| {
+                p.gap_since
+                    .is_some_and(|g| now.saturating_sub(g) > down_after)
+            })
+            .map(|(&id, _)| id)
+            .collect();
+        for id in lost {
+            self.lost_in_transit(id);
+        }
+        for w in 0..self.workers.len() {
+            let v = &self.workers[w];
+            let silent = v.heard.is_none_or(|h| now.saturating_sub(h) > down_after);
+            if v.up && silent {
+                let ms = down_after.as_millis();
+                tracing::warn!(node = %v.name, "no heartbeat for {ms} ms: marked down");
+                self.workers[w].up = false;
+                self.workers[w].downs += 1;
+                self.worker_lost(
+                    w,
+                    &format!("stopped responding (no heartbeat for {ms} ms)"),
+                    reachable,
+                );
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests;

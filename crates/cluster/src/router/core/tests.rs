@@ -1,0 +1,428 @@
+//! RouterCore driven by hand: inputs and a clock, no runtime, no sleep.
+
+use std::time::Duration;
+
+use flotilla_proto::wire::{Message, ReqEvents, Submit};
+use flotilla_proto::{
+    EngineEvent, EngineFailure, EngineRequest, EngineStatus, FinishReason, KvUsage, Rejection,
+    Role, Sampled, SamplingParams, TenantId, Usage,
+};
+
+use super::{RouterCore, RouterInput, RouterOptions, RouterOutput};
+
+const HB: Duration = Duration::from_millis(100);
+const DOWN: Duration = Duration::from_millis(400);
+
+struct H {
+    core: RouterCore,
+    now: Duration,
+    /// Nodes the transport cannot reach.
+    unreachable: Vec<u32>,
+}
+
+fn ms(v: u64) -> Duration {
+    Duration::from_millis(v)
+}
+
+impl H {
+    /// A Router with engine nodes 1.. of `roles`, all heard at epoch 1.
+    fn new(roles: &[Role]) -> H {
+        let opts = RouterOptions {
+            workers: roles
+                .iter()
+                .enumerate()
+                .map(|(i, r)| (i as u32 + 1, format!("{r}-{}", i + 1), *r))
+                .collect(),
+            heartbeat_interval: HB,
+            down_after: DOWN,
+            block_size: 4,
+            tenant_salts: vec![0],
+            reruns_max: 2,
+            prefix_blocks_max: 100,
+        };
+        let mut h = H {
+            core: RouterCore::new(opts, Duration::ZERO),
+            now: Duration::ZERO,
+            unreachable: Vec::new(),
+        };
+        for n in 1..=roles.len() as u32 {
+            h.heartbeat(n, 1);
+        }
+        h
+    }
+
+    fn input(&mut self, i: RouterInput) -> Vec<RouterOutput> {
+        let mut out = Vec::new();
+        let unreachable = self.unreachable.clone();
+        self.core
+            .handle(self.now, i, &|n| !unreachable.contains(&n), &mut out);
+        self.core.check_invariants().unwrap();
+        out
+    }
+
+    fn msg(&mut self, from: u32, epoch: u64, msg: Message) -> Vec<RouterOutput> {
+        self.input(RouterInput::Message { from, epoch, msg })
+    }
+
+    fn heartbeat(&mut self, node: u32, epoch: u64) -> Vec<RouterOutput> {
+        let status = EngineStatus {
+            ready: true,
+            kv: KvUsage {
+                total: 1000,
+                free: 1000,
+                ..KvUsage::default()
+            },
+            ..EngineStatus::default()
+        };
+        self.msg(node, epoch, Message::Heartbeat(status))
+    }
+
+    /// Moves the clock to `t`, ticking at every deadline on the way, and
+    /// returns everything the ticks put out.
+    fn run_to(&mut self, t: Duration) -> Vec<RouterOutput> {
+        let mut all = Vec::new();
+        loop {
+            let d = self.core.next_deadline();
+            if d > t {
+                break;
+            }
+            self.now = self.now.max(d);
+            all.extend(self.input(RouterInput::Tick));
+        }
+        self.now = t;
+        all
+    }
+
+    /// Runs the clock to `t` in heartbeat steps, with `alive` nodes
+    /// sending theirs at each.
+    fn live_until(&mut self, t: Duration, alive: &[u32]) -> Vec<RouterOutput> {
+        let mut out = Vec::new();
+        let mut at = self.now;
+        while at < t {
+            at = (at + HB).min(t);
+            out.extend(self.run_to(at));
+            for &n in alive {
+                self.heartbeat(n, 1);
+            }
+        }
+        out
+    }
+
+    fn submit(&mut self, id: u64, prompt_len: u32, max_tokens: u32) -> Vec<RouterOutput> {
+        let req = EngineRequest {
+            tenant: TenantId(0),
+            prompt: (0..prompt_len)
+                .map(|i| 100 + i + 1000 * id as u32)
+                .collect(),
+            max_tokens,
+            sampling: SamplingParams::greedy(),
+            ignore_eos: false,
+            stop_token_ids: vec![],
+        };
+        self.input(RouterInput::Submit { id, req })
+    }
+}
+
+fn tok(t: u32) -> EngineEvent {
+    EngineEvent::Token(Sampled {
+        token: t,
+        logprob: f32::NAN,
+        top: vec![],
+    })
+}
+
+fn finished(n: u32) -> EngineEvent {
+    EngineEvent::Finished {
+        reason: FinishReason::Length,
+        usage: Usage {
+            prompt_tokens: 4,
+            completion_tokens: n,
+            cached_tokens: 0,
+        },
+    }
+}
+
+fn batch(req: u64, attempt: u32, first: u32, events: Vec<EngineEvent>) -> Message {
+    Message::Events(vec![ReqEvents {
+        req,
+        attempt,
+        first,
+        events,
+    }])
+}
+
+/// Every Submit in `out`: (node, message).
+fn submit_msgs(out: &[RouterOutput]) -> Vec<(u32, Submit)> {
+    out.iter()
+        .filter_map(|o| match o {
+            RouterOutput::Send {
+                to,
+                msg: Message::Submit(s),
+                ..
+            } => Some((*to, s.clone())),
+            _ => None,
+        })
+        .collect()
+}
+
+/// Every Submit in `out`: (node, request, attempt).
+fn submits(out: &[RouterOutput]) -> Vec<(u32, u64, u32)> {
+    submit_msgs(out)
+        .into_iter()
+        .map(|(n, s)| (n, s.req, s.attempt))
+        .collect()
+}
+
+/// Every Cancel in `out`: (node, request, attempt).
+fn cancels(out: &[RouterOutput]) -> Vec<(u32, u64, u32)> {
+    out.iter()
+        .filter_map(|o| match o {
+            RouterOutput::Send {
+                to,
+                msg: Message::Cancel { req, attempt, .. },
+                ..
+            } => Some((*to, *req, *attempt)),
+            _ => None,
+        })
+        .collect()
+}
+
+/// The tokens and end delivered to client `id`.
+fn delivered(out: &[RouterOutput], id: u64) -> (Vec<u32>, Option<EngineEvent>) {
+    let mut toks = Vec::new();
+    let mut end = None;
+    for o in out {
+        if let RouterOutput::Events { id: i, events } = o
+            && *i == id
+        {
+            for e in events {
+                match e {
+                    EngineEvent::Token(s) => toks.push(s.token),
+                    e => end = Some(e.clone()),
+                }
+            }
+        }
+    }
+    (toks, end)
+}
+
+fn admitted(out: &[RouterOutput], id: u64) -> Option<Result<(), Rejection>> {
+    out.iter().find_map(|o| match o {
+        RouterOutput::Admitted { id: i, result } if *i == id => Some(result.clone()),
+        _ => None,
+    })
+}
+
+#[test]
+fn a_request_is_placed_admitted_streamed_and_forgotten() {
+    let mut h = H::new(&[Role::Worker]);
+    let out = h.submit(1, 8, 3);
+    assert_eq!(submits(&out), [(1, 1, 0)]);
+    assert_eq!(admitted(&out, 1), None, "answered before the node did");
+    let out = h.msg(1, 1, Message::Admitted { req: 1 });
+    assert_eq!(admitted(&out, 1), Some(Ok(())));
+    let out = h.msg(1, 1, batch(1, 0, 0, vec![tok(5), tok(6)]));
+    assert_eq!(delivered(&out, 1), (vec![5, 6], None));
+    let out = h.msg(1, 1, batch(1, 0, 2, vec![tok(7), finished(3)]));
+    assert_eq!(delivered(&out, 1), (vec![7], Some(finished(3))));
+    assert_eq!(h.core.in_flight(), 0);
+    assert_eq!(h.core.status().nodes[0].in_flight, 0);
+}
+
+#[test]
+fn duplicates_are_dropped_and_early_batches_wait_for_the_gap() {
+    let mut h = H::new(&[Role::Worker]);
+    h.submit(1, 8, 6);
+    h.msg(1, 1, Message::Admitted { req: 1 });
+    // Tokens 2..4 overtake 0..2.
+    let out = h.msg(1, 1, batch(1, 0, 2, vec![tok(12), tok(13)]));
+    assert_eq!(delivered(&out, 1), (vec![], None));
+    let out = h.msg(1, 1, batch(1, 0, 0, vec![tok(10), tok(11)]));
+    assert_eq!(delivered(&out, 1), (vec![10, 11, 12, 13], None));
+    // A resent copy of what the client has, with one new token after it.
+    let out = h.msg(1, 1, batch(1, 0, 3, vec![tok(13), tok(14)]));
+    assert_eq!(delivered(&out, 1), (vec![14], None));
+    // A batch of another placement is not this one's: its node is told
+    // to stop that placement.
+    let out = h.msg(1, 1, batch(1, 7, 5, vec![tok(99)]));
+    assert_eq!(delivered(&out, 1), (vec![], None));
+    assert_eq!(cancels(&out), [(1, 1, 7)]);
+}
+
+#[test]
+fn a_gap_that_outlasts_the_down_bound_ends_the_request() {
+    let mut h = H::new(&[Role::Worker]);
+    h.submit(1, 8, 6);
+    h.msg(1, 1, batch(1, 0, 0, vec![tok(1)]));
+    h.msg(1, 1, batch(1, 0, 3, vec![tok(4)]));
+    // Heartbeats keep the node up while the gap stays open.
+    let out = h.live_until(ms(300), &[1]);
+    assert_eq!(delivered(&out, 1), (vec![], None), "ended within the bound");
+    let out = h.live_until(ms(700), &[1]);
+    let (toks, end) = delivered(&out, 1);
+    assert!(toks.is_empty());
+    assert!(
+        matches!(&end, Some(EngineEvent::Failed(EngineFailure::Internal(m))) if m.contains("lost between nodes")),
+        "{end:?}"
+    );
+    assert_eq!(cancels(&out), [(1, 1, 0)]);
+    assert_eq!(h.core.in_flight(), 0);
+}
+
+#[test]
+fn a_silent_node_is_marked_down_and_its_requests_rerun_or_fail() {
+    let mut h = H::new(&[Role::Worker, Role::Worker]);
+    // Both requests go to node 1 (node 2 cannot be reached for now).
+    h.unreachable = vec![2];
+    assert_eq!(submits(&h.submit(1, 8, 5)), [(1, 1, 0)]);
+    assert_eq!(submits(&h.submit(2, 8, 5)), [(1, 2, 0)]);
+    h.unreachable.clear();
+    // Request 1 streamed a token; request 2 nothing yet.
+    h.msg(1, 1, batch(1, 0, 0, vec![tok(1)]));
+    let out = h.live_until(ms(300), &[1, 2]);
+    assert!(cancels(&out).is_empty());
+    // Node 1 goes silent.
+    let out = h.live_until(ms(800), &[2]);
+    let st = h.core.status();
+    assert!(!st.nodes[0].up && st.nodes[0].downs == 1, "{:?}", st.nodes);
+    assert!(st.nodes[1].up);
+    // Both are stopped on node 1; the one that streamed nothing runs on
+    // node 2 as its second placement, the other fails with a reason.
+    let mut c = cancels(&out);
+    c.sort();
+    assert_eq!(c, [(1, 1, 0), (1, 2, 0)]);
+    assert_eq!(submits(&out), [(2, 2, 1)]);
+    let (toks, end) = delivered(&out, 1);
+    assert!(toks.is_empty());
+    assert!(
+        matches!(&end, Some(EngineEvent::Failed(EngineFailure::Internal(m))) if m.contains("after 1 tokens")),
+        "{end:?}"
+    );
+    // Events of the old placement on node 1, arriving late, are not
+    // applied to the new one.
+    let out = h.msg(1, 1, batch(2, 0, 0, vec![tok(9)]));
+    assert_eq!(delivered(&out, 2), (vec![], None));
+    assert_eq!(cancels(&out), [(1, 2, 0)]);
+}
+
+#[test]
+fn a_node_that_rejoins_with_a_new_epoch_loses_its_old_requests() {
+    let mut h = H::new(&[Role::Worker, Role::Worker]);
+    h.unreachable = vec![2];
+    assert_eq!(submits(&h.submit(1, 8, 5)), [(1, 1, 0)]);
+    h.unreachable.clear();
+    let out = h.heartbeat(1, 2);
+    assert!(out.contains(&RouterOutput::Reconnect(1)));
+    assert_eq!(cancels(&out), [(1, 1, 0)]);
+    // Nothing streamed yet: it runs again, elsewhere.
+    assert_eq!(submits(&out), [(2, 1, 1)]);
+    assert_eq!(h.core.status().nodes[0].epoch, 2);
+}
+
+#[test]
+fn a_send_the_transport_refuses_goes_to_another_node_then_is_refused() {
+    let mut h = H::new(&[Role::Worker, Role::Worker]);
+    let out = h.submit(1, 8, 5);
+    let (to, s) = submit_msgs(&out).remove(0);
+    let msg = Message::Submit(s);
+    let out = h.input(RouterInput::Undelivered {
+        to,
+        msg: msg.clone(),
+    });
+    let (again, s2) = submit_msgs(&out).remove(0);
+    assert_ne!(again, to, "tried the same node again");
+    assert_eq!(admitted(&out, 1), None);
+    // The other node refuses it too, then the first again: the client
+    // hears it rather than waiting.
+    let out = h.input(RouterInput::Undelivered {
+        to: again,
+        msg: Message::Submit(s2),
+    });
+    let (third, s3) = submit_msgs(&out).remove(0);
+    let out = h.input(RouterInput::Undelivered {
+        to: third,
+        msg: Message::Submit(s3),
+    });
+    assert_eq!(admitted(&out, 1), Some(Err(Rejection::Unavailable)));
+    assert_eq!(h.core.in_flight(), 0);
+    // A refused message of a placement that is over changes nothing.
+    let out = h.input(RouterInput::Undelivered { to, msg });
+    assert!(out.is_empty());
+}
+
+#[test]
+fn a_client_never_answered_is_refused_at_its_deadline() {
+    let mut h = H::new(&[Role::Worker]);
+    h.submit(1, 8, 5);
+    // The node stays up but never answers the submit.
+    let out = h.live_until(ms(6000), &[1]);
+    assert_eq!(admitted(&out, 1), None);
+    let out = h.live_until(ms(7000), &[1]);
+    assert_eq!(admitted(&out, 1), Some(Err(Rejection::Unavailable)));
+    assert_eq!(cancels(&out), [(1, 1, 0)]);
+    assert_eq!(h.core.in_flight(), 0);
+}
+
+#[test]
+fn heartbeats_go_out_every_interval_and_no_node_up_is_a_refusal() {
+    let mut h = H::new(&[Role::Worker, Role::Prefill]);
+    let out = h.run_to(ms(1000));
+    let beats = out
+        .iter()
+        .filter(|o| {
+            matches!(
+                o,
+                RouterOutput::Send {
+                    msg: Message::Heartbeat(_),
+                    ..
+                }
+            )
+        })
+        .count();
+    // Two nodes, one at start and one per interval after.
+    assert_eq!(beats, 2 * 11);
+    // Both silent since 0: down, so a request has nowhere to go.
+    assert!(h.core.up_nodes().is_empty());
+    let out = h.submit(1, 4, 1);
+    assert_eq!(admitted(&out, 1), Some(Err(Rejection::Unavailable)));
+    assert_eq!(h.core.in_flight(), 0);
+}
+
+#[test]
+fn a_failed_transfer_reruns_colocated_and_a_lost_decode_node_frees_its_prefill() {
+    let mut h = H::new(&[Role::Prefill, Role::Decode, Role::Decode]);
+    let (decode, s) = submit_msgs(&h.submit(1, 8, 5)).remove(0);
+    assert_eq!(s.prefill, Some(1), "paired with the prefill node");
+    h.msg(decode, 1, Message::Admitted { req: 1 });
+    let fail = EngineEvent::Failed(EngineFailure::KvTransfer("checksum".into()));
+    let out = h.msg(decode, 1, batch(1, 0, 0, vec![fail]));
+    let (_, again) = submit_msgs(&out).remove(0);
+    assert_eq!(
+        again.prefill, None,
+        "a re-run after a failed transfer is colocated"
+    );
+    assert_eq!(again.attempt, 1);
+    assert_eq!(delivered(&out, 1), (vec![], None), "the client saw nothing");
+    // The second request streams from its decode node, which then dies:
+    // its prefill node is told to drop what it holds for it.
+    let (d2, s2) = submit_msgs(&h.submit(2, 8, 5)).remove(0);
+    assert_eq!(s2.prefill, Some(1));
+    h.msg(d2, 1, batch(2, 0, 0, vec![tok(1)]));
+    let alive: Vec<u32> = [1, 2, 3].into_iter().filter(|&n| n != d2).collect();
+    let out = h.live_until(ms(700), &alive);
+    let abandons: Vec<(u32, u32, u64)> = out
+        .iter()
+        .filter_map(|o| match o {
+            RouterOutput::Send {
+                to,
+                msg: Message::PrefillAbandon { decode, req, .. },
+                ..
+            } => Some((*to, *decode, *req)),
+            _ => None,
+        })
+        .collect();
+    assert!(abandons.contains(&(1, d2, 2)), "{abandons:?}");
+    let (toks, end) = delivered(&out, 2);
+    assert!(toks.is_empty());
+    assert!(matches!(end, Some(EngineEvent::Failed(_))), "{end:?}");
+}

@@ -1,0 +1,346 @@
+//! The Router across nodes: [`ClusterEngine`], an [`Engine`] whose
+//! requests run on engine nodes over the transport. The HTTP front
+//! (`flotilla-gateway`) drives it exactly as it drives an engine in its own
+//! process; it cannot tell the difference.
+//!
+//! Every decision is [`RouterCore`]'s (a state machine, see [`core`]); this
+//! is the actor around it (ractor), which only moves messages: the
+//! transport's inbound messages, clients' submits and drops, and its own
+//! timer go into the core with the time; the core's outputs go out to the
+//! transport and to the clients' streams. A message the transport refuses
+//! goes back into the core, which places the request elsewhere.
+
+pub mod core;
+
+use std::collections::{BTreeMap, VecDeque};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+use flotilla_proto::{
+    BoxFuture, Engine, EngineEvent, EngineRequest, EngineStatus, Rejection, RequestId,
+    RequestStream,
+};
+use flotilla_transport::{Inbound, Transport};
+use ractor::{Actor, ActorProcessingErr, ActorRef, RpcReplyPort};
+use tokio::sync::{mpsc, oneshot};
+use tokio::time::Instant;
+
+pub use self::core::{RouterCore, RouterInput, RouterOptions, RouterOutput};
+
+/// Messages of the Router actor.
+pub enum RouterMsg {
+    /// A client's request; the answer comes on `admitted`, the events on
+    /// `events`.
+    Submit {
+        /// The client's id.
+        id: u64,
+        /// The request.
+        req: EngineRequest,
+        /// Where its events go.
+        events: mpsc::UnboundedSender<EngineEvent>,
+        /// Where the admission answer goes.
+        admitted: oneshot::Sender<Result<(), Rejection>>,
+    },
+    /// The client dropped its stream.
+    ClientGone {
+        /// The client's id.
+        id: u64,
+        /// It ended at a stop string.
+        stop_string: bool,
+    },
+    /// A message from the transport.
+    Net(Inbound),
+    /// The core's deadline.
+    Tick,
+    /// Figures for `/ready`.
+    Status(RpcReplyPort<EngineStatus>),
+    /// Names of the nodes up.
+    UpNodes(RpcReplyPort<Vec<String>>),
+}
+
+struct Client {
+    events: mpsc::UnboundedSender<EngineEvent>,
+    admitted: Option<oneshot::Sender<Result<(), Rejection>>>,
+}
+
+/// Told what broke when a checked Router's bookkeeping goes wrong
+/// ([`ClusterEngine::start_checked`]).
+#[derive(Clone)]
+pub struct CheckHook(pub Arc<dyn Fn(&str) + Send + Sync>);
+
+/// The Router actor's state: the core and where its outputs go.
+pub struct RouterState {
+    core: RouterCore,
+    /// Check the core's invariants after every input (tests, simulator).
+    check: Option<CheckHook>,
+    transport: Arc<dyn Transport>,
+    t0: Instant,
+    clients: BTreeMap<u64, Client>,
+    /// The Tick already asked for, if any.
+    tick_at: Option<Duration>,
+    out: Vec<RouterOutput>,
+}
+
+struct RouterActor;
+
+struct RouterArgs {
+    transport: Arc<dyn Transport>,
+    opts: RouterOptions,
+    check: Option<CheckHook>,
+}
+
+impl Actor for RouterActor {
+    type Msg = RouterMsg;
+    type State = RouterState;
+    type Arguments = RouterArgs;
+
+    async fn pre_start(
+        &self,
+        myself: ActorRef<RouterMsg>,
+        a: RouterArgs,
+    ) -> Result<RouterState, ActorProcessingErr> {
+        let mut st = RouterState {
+            core: RouterCore::new(a.opts, Duration::ZERO),
+            check: a.check,
+            transport: a.transport,
+            t0: Instant::now(),
+            clients: BTreeMap::new(),
+            tick_at: None,
+            out: Vec::new(),
+        };
+        st.feed(&myself, RouterInput::Tick);
+        Ok(st)
+    }
+
+    async fn handle(
+        &self,
+        myself: ActorRef<RouterMsg>,
+        msg: RouterMsg,
+        st: &mut RouterState,
+    ) -> Result<(), ActorProcessingErr> {
+        let input = match msg {
+            RouterMsg::Submit {
+                id,
+                req,
+                events,
+                admitted,
+            } => {
+                st.clients.insert(
+                    id,
+                    Client {
+                        events,
+                        admitted: Some(admitted),
+                    },
+                );
+                RouterInput::Submit { id, req }
+            }
+            RouterMsg::ClientGone { id, stop_string } => {
+                st.clients.remove(&id);
+                RouterInput::ClientGone { id, stop_string }
+            }
+            RouterMsg::Net(Inbound::Message {
+                from, epoch, msg, ..
+            }) => RouterInput::Message { from, epoch, msg },
+            // The Router takes no bulk transfers.
+            RouterMsg::Net(Inbound::Bulk { .. }) => return Ok(()),
+            RouterMsg::Tick => {
+                st.tick_at = None;
+                RouterInput::Tick
+            }
+            RouterMsg::Status(reply) => {
+                let _ = reply.send(st.core.status());
+                return Ok(());
+            }
+            RouterMsg::UpNodes(reply) => {
+                let _ = reply.send(st.core.up_nodes());
+                return Ok(());
+            }
+        };
+        st.feed(&myself, input);
+        Ok(())
+    }
+}
+
+impl RouterState {
+    fn now(&self) -> Duration {
+        Instant::now().saturating_duration_since(self.t0)
+    }
+
+    /// Runs one input through the core and carries out what it says,
+    /// feeding back what the transport refused and clients that are gone.
+    fn feed(&mut self, myself: &ActorRef<RouterMsg>, input: RouterInput) {
+        let now = self.now();
+        let mut inputs = VecDeque::from([input]);
+        while let Some(input) = inputs.pop_front() {
+            let transport = self.transport.clone();
+            let reachable = |n| transport.is_reachable(n);
+            self.core.handle(now, input, &reachable, &mut self.out);
+            if let Some(hook) = &self.check
+                && let Err(what) = self.core.check_invariants()
+            {
+                (hook.0)(&format!("router invariant broken: {what}"));
+                // Reported once; the state is suspect from here on.
+                self.check = None;
+            }
+            for o in std::mem::take(&mut self.out) {
+                match o {
+                    RouterOutput::Send {
+                        to,
+                        correlation,
+                        msg,
+                    } => {
+                        if let Err(e) = self.transport.send(to, correlation, msg) {
+                            tracing::warn!("{e}");
+                            inputs.push_back(RouterInput::Undelivered { to, msg: *e.msg });
+                        }
+                    }
+                    RouterOutput::Reconnect(n) => self.transport.reconnect(n),
+                    RouterOutput::Admitted { id, result } => {
+                        let refused = result.is_err();
+                        let answered = self
+                            .clients
+                            .get_mut(&id)
+                            .and_then(|c| c.admitted.take())
+                            .is_some_and(|a| a.send(result).is_ok());
+                        if refused {
+                            self.clients.remove(&id);
+                        } else if !answered {
+                            // The client stopped waiting.
+                            self.clients.remove(&id);
+                            inputs.push_back(RouterInput::ClientGone {
+                                id,
+                                stop_string: false,
+                            });
+                        }
+                    }
+                    RouterOutput::Events { id, events } => {
+                        let ended = events
+                            .last()
+                            .is_some_and(|e| !matches!(e, EngineEvent::Token(_)));
+                        if let Some(c) = self.clients.get(&id) {
+                            for e in events {
+                                let _ = c.events.send(e);
+                            }
+                        }
+                        if ended {
+                            self.clients.remove(&id);
+                        }
+                    }
+                }
+            }
+        }
+        let next = self.core.next_deadline();
+        if self.tick_at.is_none_or(|t| next < t) {
+            self.tick_at = Some(next);
+            myself.send_after(next.saturating_sub(now), || RouterMsg::Tick);
+        }
+    }
+}
+
+/// Stops the Router actor when the last handle goes.
+struct Handle(ActorRef<RouterMsg>);
+
+impl Drop for Handle {
+    fn drop(&mut self) {
+        self.0.stop(None);
+    }
+}
+
+/// The Router's engine: requests go to engine nodes over the transport.
+#[derive(Clone)]
+pub struct ClusterEngine {
+    actor: Arc<Handle>,
+    next_id: Arc<AtomicU64>,
+}
+
+impl ClusterEngine {
+    /// Starts the Router actor, and a task that moves the transport's
+    /// inbound messages to it, on the current tokio runtime.
+    pub async fn start(
+        transport: Arc<dyn Transport>,
+        inbound: mpsc::Receiver<Inbound>,
+        opts: RouterOptions,
+    ) -> Result<ClusterEngine, String> {
+        Self::start_checked(transport, inbound, opts, None).await
+    }
+
+    /// [`ClusterEngine::start`], checking the core's invariants after
+    /// every input and telling `check` the first that breaks.
+    pub async fn start_checked(
+        transport: Arc<dyn Transport>,
+        mut inbound: mpsc::Receiver<Inbound>,
+        opts: RouterOptions,
+        check: Option<CheckHook>,
+    ) -> Result<ClusterEngine, String> {
+        let args = RouterArgs {
+            transport,
+            opts,
+            check,
+        };
+        let (actor, _) = Actor::spawn(None, RouterActor, args)
+            .await
+            .map_err(|e| format!("starting the Router actor: {e}"))?;
+        let to = actor.clone();
+        tokio::spawn(async move {
+            while let Some(m) = inbound.recv().await {
+                if to.cast(RouterMsg::Net(m)).is_err() {
+                    return;
+                }
+            }
+        });
+        Ok(ClusterEngine {
+            actor: Arc::new(Handle(actor)),
+            next_id: Arc::new(AtomicU64::new(1)),
+        })
+    }
+
+    /// Names of the nodes currently up.
+    pub async fn up_nodes(&self) -> Vec<String> {
+        match self.actor.0.call(RouterMsg::UpNodes, None).await {
+            Ok(ractor::rpc::CallResult::Success(n)) => n,
+            _ => Vec::new(),
+        }
+    }
+}
+
+impl Engine for ClusterEngine {
+    fn submit(&self, req: EngineRequest) -> BoxFuture<Result<RequestStream, Rejection>> {
+        let actor = self.actor.0.clone();
+        let id = self.next_id.fetch_add(1, Ordering::Relaxed);
+        Box::pin(async move {
+            let (events, rx) = mpsc::unbounded_channel();
+            let (admitted, answer) = oneshot::channel();
+            let submit = RouterMsg::Submit {
+                id,
+                req,
+                events,
+                admitted,
+            };
+            if actor.cast(submit).is_err() {
+                return Err(Rejection::Unavailable);
+            }
+            // The core answers within one round trip, or at its admission
+            // deadline; a stopped Router drops the sender.
+            match answer.await {
+                Ok(Ok(())) => {}
+                Ok(Err(r)) => return Err(r),
+                Err(_) => return Err(Rejection::Unavailable),
+            }
+            let on_drop = Box::new(move |stop_string: bool| {
+                let _ = actor.cast(RouterMsg::ClientGone { id, stop_string });
+            });
+            Ok(RequestStream::new(RequestId(id), rx, on_drop))
+        })
+    }
+
+    fn status(&self) -> BoxFuture<EngineStatus> {
+        let actor = self.actor.0.clone();
+        Box::pin(async move {
+            match actor.call(RouterMsg::Status, None).await {
+                Ok(ractor::rpc::CallResult::Success(s)) => s,
+                _ => EngineStatus::default(),
+            }
+        })
+    }
+}
