@@ -29,7 +29,7 @@
 //!   dropped, early batches held until the gap fills, and a gap that
 //!   outlasts the down bound ends the request.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::time::Duration;
 
 use flotilla_config::ClusterSection;
@@ -219,6 +219,9 @@ pub struct RouterCore {
     /// Index into `workers` by node id (every message looks its sender up).
     by_node: BTreeMap<NodeId, usize>,
     pending: BTreeMap<u64, Pending>,
+    /// (deadline, id) of every request whose client waits for its
+    /// admission answer: the next deadline without a pass over `pending`.
+    admit_by: BTreeSet<(Duration, u64)>,
     /// Silence and gaps are checked four times per heartbeat interval, so
     /// a node is marked down at most a quarter interval after its bound.
     next_check: Duration,
@@ -257,6 +260,7 @@ impl RouterCore {
                 .collect(),
             workers,
             pending: BTreeMap::new(),
+            admit_by: BTreeSet::new(),
             next_check: now,
             checks_to_heartbeat: 0,
             out: Vec::new(),
@@ -289,11 +293,9 @@ impl RouterCore {
 
     /// When the next [`RouterInput::Tick`] is due.
     pub fn next_deadline(&self) -> Duration {
-        self.pending
-            .values()
-            .filter(|p| !p.admitted)
-            .map(|p| p.admit_by)
-            .fold(self.next_check, Duration::min)
+        self.admit_by
+            .first()
+            .map_or(self.next_check, |&(d, _)| d.min(self.next_check))
     }
 
     /// Names of the nodes up now.
@@ -356,10 +358,24 @@ impl RouterCore {
         s
     }
 
-    /// Every node's bookkeeping agrees with the requests placed on it:
-    /// in-flight count and KV blocks, and prefills in progress. Err names
-    /// the first node that disagrees.
+    /// The bookkeeping agrees with the requests: every client waiting for
+    /// admission has its deadline armed, and every node's in-flight count,
+    /// KV blocks and prefills in progress are those of the requests placed
+    /// on it. Err names the first that disagrees.
     pub fn check_invariants(&self) -> Result<(), String> {
+        let waiting: BTreeSet<(Duration, u64)> = self
+            .pending
+            .iter()
+            .filter(|(_, p)| !p.admitted)
+            .map(|(&id, p)| (p.admit_by, id))
+            .collect();
+        if waiting != self.admit_by {
+            return Err(format!(
+                "{} requests wait for admission, {} admission deadlines are armed",
+                waiting.len(),
+                self.admit_by.len()
+            ));
+        }
         for (i, w) in self.workers.iter().enumerate() {
             let mine = self.pending.values().filter(|p| p.worker == i);
             let (n, blocks) = mine.fold((0u32, 0u64), |(n, b), p| (n + 1, b + p.blocks));
@@ -397,6 +413,8 @@ impl RouterCore {
         let hashes = self.hashes(&req);
         let blocks = (req.prompt.len() as u64 + req.max_tokens as u64)
             .div_ceil(self.opts.block_size.max(1) as u64);
+        let admit_by = now + self.opts.down_after * 3 + ADMIT_GRACE;
+        self.admit_by.insert((admit_by, id));
         let old = self.pending.insert(
             id,
             Pending {
@@ -406,7 +424,7 @@ impl RouterCore {
                 paired_prefill: None,
                 colocate: false,
                 admitted: false,
-                admit_by: now + self.opts.down_after * 3 + ADMIT_GRACE,
+                admit_by,
                 tokens_sent: 0,
                 early: BTreeMap::new(),
                 gap_since: None,
@@ -418,7 +436,7 @@ impl RouterCore {
         );
         assert!(old.is_none(), "request id {id} submitted twice");
         if !self.route(id, &hashes, None, reachable) {
-            self.pending.remove(&id);
+            self.unplace(id);
             self.out.push(RouterOutput::Admitted {
                 id,
                 result: Err(Rejection::Unavailable),
@@ -557,10 +575,42 @@ impl RouterCore {
         }
     }
 
+    /// Puts back a request taken out by [`Self::finish`] to be placed
+    /// again (its admission deadline too, while its client waits).
+    fn replace(&mut self, id: u64, p: Pending) {
+        if !p.admitted {
+            self.admit_by.insert((p.admit_by, id));
+        }
+        self.pending.insert(id, p);
+    }
+
+    /// Takes out a request that no node took (nothing booked for it).
+    fn unplace(&mut self, id: u64) -> Pending {
+        let p = self.pending.remove(&id).expect("a pending request");
+        if !p.admitted {
+            self.admit_by.remove(&(p.admit_by, id));
+        }
+        p
+    }
+
+    /// The client of `id` gets its admission answer: queued.
+    fn admit(&mut self, id: u64) {
+        let p = self
+            .pending
+            .get_mut(&id)
+            .expect("admit of an unknown request");
+        p.admitted = true;
+        self.admit_by.remove(&(p.admit_by, id));
+        self.out.push(RouterOutput::Admitted { id, result: Ok(()) });
+    }
+
     /// Removes a request and gives back its share of its worker's load.
     fn finish(&mut self, id: u64) -> Option<Pending> {
         self.prefill_done(id);
         let p = self.pending.remove(&id)?;
+        if !p.admitted {
+            self.admit_by.remove(&(p.admit_by, id));
+        }
         let w = &mut self.workers[p.worker];
         w.in_flight = w.in_flight.saturating_sub(1);
         w.in_flight_blocks = w.in_flight_blocks.saturating_sub(p.blocks);
@@ -620,11 +670,11 @@ impl RouterCore {
         p.undelivered += 1;
         if p.undelivered <= 2 {
             let hashes = self.hashes(&p.req);
-            self.pending.insert(s.req, p);
+            self.replace(s.req, p);
             if self.route(s.req, &hashes, Some(w), reachable) {
                 return;
             }
-            p = self.pending.remove(&s.req).expect("inserted above");
+            p = self.unplace(s.req);
         }
         self.fail(
             s.req,
@@ -694,13 +744,13 @@ impl RouterCore {
         if p.tokens_sent == 0 && p.reruns < self.opts.reruns_max {
             p.reruns += 1;
             let hashes = self.hashes(&p.req);
-            self.pending.insert(id, p);
+            self.replace(id, p);
             if self.route(id, &hashes, exclude, reachable) {
                 let to = &self.workers[self.pending[&id].worker].name;
                 tracing::info!("request {id}: {why}; re-running it on {to}");
                 return;
             }
-            p = self.pending.remove(&id).expect("inserted above");
+            p = self.unplace(id);
         }
         let msg = format!(
             "worker {why} after {} tokens of this request were sent; no other \
@@ -768,17 +818,13 @@ impl RouterCore {
                     self.send(from, 0, Message::Unknown { held: unknown });
                 }
             }
-            Message::Admitted { req } => {
-                if let Some(p) = self.pending.get_mut(&req)
-                    && p.worker == w
-                    && !p.admitted
-                {
-                    p.admitted = true;
-                    self.out.push(RouterOutput::Admitted {
-                        id: req,
-                        result: Ok(()),
-                    });
-                }
+            Message::Admitted { req }
+                if self
+                    .pending
+                    .get(&req)
+                    .is_some_and(|p| p.worker == w && !p.admitted) =>
+            {
+                self.admit(req);
             }
             Message::Refused { req, rejection } => {
                 if self.pending.get(&req).is_none_or(|p| p.worker != w) {
@@ -894,9 +940,9 @@ impl RouterCore {
             _ => {}
         }
         if !p.admitted {
-            p.admitted = true;
-            self.out.push(RouterOutput::Admitted { id, result: Ok(()) });
+            self.admit(id);
         }
+        let p = self.pending.get_mut(&id).expect("looked up above");
         let (tokens, end) = ev.into_parts();
         let fresh = tokens.len().saturating_sub(skip);
         p.tokens_sent += fresh as u32;
@@ -936,10 +982,10 @@ impl RouterCore {
     fn tick(&mut self, now: Duration, reachable: &dyn Fn(NodeId) -> bool) {
         // Clients that waited too long for their admission answer.
         let late: Vec<u64> = self
-            .pending
+            .admit_by
             .iter()
-            .filter(|(_, p)| !p.admitted && p.admit_by <= now)
-            .map(|(&id, _)| id)
+            .take_while(|&&(d, _)| d <= now)
+            .map(|&(_, id)| id)
             .collect();
         for id in late {
             if let Some(p) = self.finish(id) {

@@ -171,9 +171,11 @@ impl RouterState {
     /// feeding back what the transport refused and clients that are gone.
     fn feed(&mut self, myself: &ActorRef<RouterMsg>, input: RouterInput) {
         let now = self.now();
-        let mut inputs = VecDeque::from([input]);
-        while let Some(input) = inputs.pop_front() {
-            let transport = self.transport.clone();
+        let mut next = Some(input);
+        // What the outputs send back (refused sends, clients gone): rare.
+        let mut later: VecDeque<RouterInput> = VecDeque::new();
+        while let Some(input) = next.take().or_else(|| later.pop_front()) {
+            let transport = &self.transport;
             let reachable = |n| transport.is_reachable(n);
             self.core.handle(now, input, &reachable, &mut self.out);
             if let Some(hook) = &self.check
@@ -183,7 +185,8 @@ impl RouterState {
                 // Reported once; the state is suspect from here on.
                 self.check = None;
             }
-            for o in std::mem::take(&mut self.out) {
+            let mut outs = std::mem::take(&mut self.out);
+            for o in outs.drain(..) {
                 match o {
                     RouterOutput::Send {
                         to,
@@ -192,7 +195,7 @@ impl RouterState {
                     } => {
                         if let Err(e) = self.transport.send(to, correlation, msg) {
                             tracing::warn!("{e}");
-                            inputs.push_back(RouterInput::Undelivered { to, msg: *e.msg });
+                            later.push_back(RouterInput::Undelivered { to, msg: *e.msg });
                         }
                     }
                     RouterOutput::Reconnect(n) => self.transport.reconnect(n),
@@ -208,7 +211,7 @@ impl RouterState {
                         } else if !answered {
                             // The client stopped waiting.
                             self.clients.remove(&id);
-                            inputs.push_back(RouterInput::ClientGone {
+                            later.push_back(RouterInput::ClientGone {
                                 id,
                                 stop_string: false,
                             });
@@ -229,6 +232,8 @@ impl RouterState {
                     }
                 }
             }
+            // The buffer's capacity is kept for the next input.
+            self.out = outs;
         }
         let next = self.core.next_deadline();
         if self.tick_at.is_none_or(|t| next < t) {
