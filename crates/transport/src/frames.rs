@@ -8,7 +8,7 @@
 //! payload validates (bytecheck) and is of the kind the envelope says.
 
 use flotilla_proto::Role;
-use flotilla_proto::wire::{Header, Message, decode_frame, encode_frame};
+use flotilla_proto::wire::{HEADER_LEN, Header, Message, decode_payload, encode_frame};
 
 use crate::{NodeId, SendFailure};
 
@@ -59,7 +59,11 @@ pub fn accept_frame(
             head.kind
         )));
     }
-    decode_frame(frame, cap).map_err(|e| FrameRefusal::Invalid(e.to_string()))
+    // The envelope is read once: the payload after it must be exactly as
+    // long as it says (checked by `decode_payload`).
+    let msg = decode_payload(&head, &frame[HEADER_LEN..])
+        .map_err(|e| FrameRefusal::Invalid(e.to_string()))?;
+    Ok((head, msg))
 }
 
 #[cfg(test)]
@@ -107,6 +111,16 @@ mod tests {
             accept_frame(&f, 4096, 0, Role::Router),
             Err(FrameRefusal::Invalid(_))
         ));
+        // One byte short or one too many: the envelope's length decides.
+        let whole = encode_checked(&hb, 0, 3, 9, Role::Worker, 4096).unwrap();
+        let mut long = whole.clone();
+        long.push(0);
+        for bad in [&whole[..whole.len() - 1], &long[..]] {
+            assert!(matches!(
+                accept_frame(bad, 4096, 3, Role::Worker),
+                Err(FrameRefusal::Invalid(m)) if m.contains("truncated")
+            ));
+        }
         // Another protocol version.
         let mut old = encode_checked(&hb, 0, 3, 9, Role::Worker, 4096).unwrap();
         old[4] ^= 0xff;

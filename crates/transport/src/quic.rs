@@ -17,11 +17,12 @@ use std::time::Duration;
 use bytes::Bytes;
 use flotilla_proto::Role;
 use flotilla_proto::wire::{
-    self, HEADER_LEN, Header, Kind, KvTransferHeader, Message, decode_payload, encode_frame,
+    self, HEADER_LEN, Header, KvTransferHeader, Message, decode_payload, encode_frame,
 };
 use quinn::{Connection, Endpoint, RecvStream, VarInt};
 use tokio::sync::mpsc;
 
+use crate::frames::encode_checked;
 use crate::tls::{self, TlsMaterial};
 use crate::{
     BoxFuture, BulkError, Counters, EpochFilter, Inbound, NodeId, SendError, SendFailure,
@@ -419,16 +420,14 @@ impl QuicTransport {
         correlation: u64,
         msg: Message,
     ) -> Result<(), SendError> {
-        let frame = match encode_frame(&msg, correlation, self.node, self.epoch, self.frame_cap) {
-            Ok(f) => f,
-            Err(e) => {
-                return Err(SendError {
-                    to,
-                    reason: SendFailure::Encode(e.to_string()),
-                    msg: Box::new(msg),
-                });
-            }
-        };
+        match encode_frame(&msg, correlation, self.node, self.epoch, self.frame_cap) {
+            Ok(frame) => self.queue(to, frame, msg),
+            Err(e) => Err(SendError::new(to, SendFailure::Encode(e.to_string()), msg)),
+        }
+    }
+
+    /// Queues an encoded frame of `msg` on the control stream to `to`.
+    fn queue(&self, to: NodeId, frame: Vec<u8>, msg: Message) -> Result<(), SendError> {
         let Some(link) = self.link(to) else {
             return Err(SendError {
                 to,
@@ -475,14 +474,11 @@ impl Transport for QuicTransport {
     }
 
     fn send(&self, to: NodeId, correlation: u64, msg: Message) -> Result<(), SendError> {
-        if !msg.kind().may_send(self.role) {
-            return Err(SendError {
-                to,
-                reason: SendFailure::Forbidden(self.role),
-                msg: Box::new(msg),
-            });
+        let cap = self.frame_cap;
+        match encode_checked(&msg, correlation, self.node, self.epoch, self.role, cap) {
+            Ok(frame) => self.queue(to, frame, msg),
+            Err(reason) => Err(SendError::new(to, reason, msg)),
         }
-        self.send_unchecked(to, correlation, msg)
     }
 
     fn send_bulk(
@@ -499,18 +495,17 @@ impl Transport for QuicTransport {
         let endpoint = self.endpoint.clone();
         let connect_timeout = self.connect_timeout;
         let (bulk_large, bulk_gso) = (self.bulk_large.clone(), self.bulk_gso.clone());
-        let frame = encode_frame(
+        let frame = encode_checked(
             &Message::KvBlocks(header.clone()),
             header.req,
             self.node,
             self.epoch,
+            self.role,
             self.frame_cap,
         );
-        let role = self.role;
         Box::pin(async move {
-            if !Kind::KvBlocks.may_send(role) {
-                return Err(BulkError::Send(SendFailure::Forbidden(role)));
-            }
+            // The role policy first, as for a control message.
+            let frame = frame.map_err(BulkError::Send)?;
             if header.bytes != data.len() as u64 {
                 return Err(BulkError::Io(format!(
                     "header says {} bytes, {} given",
@@ -519,7 +514,6 @@ impl Transport for QuicTransport {
                 )));
             }
             let link = link.map_err(BulkError::Send)?;
-            let frame = frame.map_err(|e| BulkError::Send(SendFailure::Encode(e.to_string())))?;
             let io = |e: &dyn std::fmt::Display| BulkError::Io(e.to_string());
             let conn = {
                 let mut bulk = link.bulk.lock().await;

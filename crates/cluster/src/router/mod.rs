@@ -29,7 +29,7 @@ use tokio::time::Instant;
 pub use self::core::{RouterCore, RouterInput, RouterOptions, RouterOutput};
 
 /// Messages of the Router actor.
-pub enum RouterMsg {
+enum RouterMsg {
     /// A client's request; the answer comes on `admitted`, the events on
     /// `events`.
     Submit {
@@ -70,7 +70,7 @@ struct Client {
 pub struct CheckHook(pub Arc<dyn Fn(&str) + Send + Sync>);
 
 /// The Router actor's state: the core and where its outputs go.
-pub struct RouterState {
+struct RouterState {
     core: RouterCore,
     /// Check the core's invariants after every input (tests, simulator).
     check: Option<CheckHook>,
