@@ -1,9 +1,11 @@
 //! Engines across nodes. The Router's side is [`ClusterEngine`], an
 //! [`flotilla_proto::Engine`] whose requests run on engine nodes: an actor
 //! around [`RouterCore`], the Router's state machine; the engine node's
-//! side is [`run_worker`], which feeds what arrives to the node's own
-//! engine. Both speak only through a [`flotilla_transport::Transport`], so
-//! the same code runs over QUIC and over the simulated network.
+//! side is [`run_worker`], an actor around [`NodeCore`], the node's state
+//! machine, which feeds what arrives to the node's own engine. Both speak
+//! only through a [`flotilla_transport::Transport`], so the same code runs
+//! over QUIC and over the simulated network. The cores read no clock and
+//! spawn nothing (`clippy.toml`); the actors around them do both.
 
 pub mod memnet;
 pub mod prefix;
@@ -11,7 +13,10 @@ pub mod router;
 pub mod worker;
 
 pub use router::{CheckHook, ClusterEngine, RouterCore, RouterInput, RouterOptions, RouterOutput};
-pub use worker::{OrphanHook, WorkerOptions, run_worker};
+pub use worker::{
+    EngineAnswer, EngineCall, NodeCore, NodeInput, NodeOutput, OrphanHook, WorkerOptions,
+    run_worker,
+};
 
 #[cfg(test)]
 mod pd_tests;

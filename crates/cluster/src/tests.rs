@@ -1,6 +1,9 @@
 //! Router and worker bridge over the in-process network, with a fake
 //! engine: routing, membership, re-runs, epochs and cleanup.
 
+// Tests run nodes on a real runtime and clock.
+#![allow(clippy::disallowed_methods)]
+
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;

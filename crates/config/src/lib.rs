@@ -22,6 +22,7 @@
 //! A multi-node deployment adds `[cluster]` and `[[nodes]]` (see [`cluster`]).
 
 pub mod cluster;
+pub mod engine;
 
 pub use cluster::{ClusterSection, NODES_MAX, Node, Role};
 
@@ -215,6 +216,51 @@ pub fn check_kv_cache_fraction(f: f64) -> Result<(), String> {
     }
 }
 
+impl Tier {
+    /// What a file's tier must be; `before` are the tiers ahead of it.
+    fn check(&self, before: &[Tier]) -> Result<(), String> {
+        if self.name.is_empty() {
+            return Err("tier name is empty".into());
+        }
+        if before.iter().any(|o| o.name == self.name) {
+            return Err(format!("tier '{}' is defined twice", self.name));
+        }
+        if self.weight == 0 {
+            return Err(format!("tier '{}': weight must be > 0", self.name));
+        }
+        if self.queue_len_max == 0 || self.queue_len_max > QUEUE_LEN_MAX_LIMIT {
+            return Err(format!(
+                "tier '{}': queue_len_max must be in 1..={QUEUE_LEN_MAX_LIMIT}",
+                self.name
+            ));
+        }
+        Ok(())
+    }
+}
+
+impl Tenant {
+    /// What a tenant must be (its keys are checked with the file's);
+    /// `before` are the tenants ahead of it.
+    fn check(&self, before: &[Tenant]) -> Result<(), String> {
+        if self.name.is_empty() {
+            return Err("tenant name is empty".into());
+        }
+        if before.iter().any(|o| o.name == self.name) {
+            return Err(format!("tenant '{}' is defined twice", self.name));
+        }
+        if self.weight == 0 {
+            return Err(format!("tenant '{}': weight must be > 0", self.name));
+        }
+        if self.requests_per_minute == Some(0) {
+            return Err(format!(
+                "tenant '{}': requests_per_minute must be > 0 (omit it for no limit)",
+                self.name
+            ));
+        }
+        Ok(())
+    }
+}
+
 fn line_of(text: &str, offset: usize) -> usize {
     text[..offset.min(text.len())].matches('\n').count() + 1
 }
@@ -262,46 +308,21 @@ impl ClusterConfig {
         for t in &raw.tiers {
             let at = t.span().start;
             let t = t.get_ref();
-            if t.name.is_empty() {
-                return Err(invalid(at, "tier name is empty".into()));
-            }
-            if tiers.iter().any(|o| o.name == t.name) {
-                return Err(invalid(at, format!("tier '{}' is defined twice", t.name)));
-            }
-            if t.weight == 0 {
-                return Err(invalid(
-                    at,
-                    format!("tier '{}': weight must be > 0", t.name),
-                ));
-            }
-            if t.queue_len_max == 0 || t.queue_len_max > QUEUE_LEN_MAX_LIMIT {
-                return Err(invalid(
-                    at,
-                    format!(
-                        "tier '{}': queue_len_max must be in 1..={QUEUE_LEN_MAX_LIMIT}",
-                        t.name
-                    ),
-                ));
-            }
-            tiers.push(Tier {
+            let tier = Tier {
                 name: t.name.clone(),
                 weight: t.weight,
                 priority: t.priority,
                 queue_len_max: t.queue_len_max,
                 kv_reserved_blocks: t.kv_reserved_blocks,
-            });
+            };
+            tier.check(&tiers).map_err(|m| invalid(at, m))?;
+            tiers.push(tier);
         }
         let mut tenants: Vec<Tenant> = Vec::new();
         let mut keys = HashMap::new();
         for t in &raw.tenants {
             let at = t.span().start;
             let t = t.get_ref();
-            if t.name.is_empty() {
-                return Err(invalid(at, "tenant name is empty".into()));
-            }
-            if tenants.iter().any(|o| o.name == t.name) {
-                return Err(invalid(at, format!("tenant '{}' is defined twice", t.name)));
-            }
             let Some(tier) = tiers.iter().position(|x| x.name == t.tier) else {
                 let names: Vec<&str> = tiers.iter().map(|x| x.name.as_str()).collect();
                 return Err(invalid(
@@ -314,21 +335,17 @@ impl ClusterConfig {
                     ),
                 ));
             };
-            if t.weight == 0 {
-                return Err(invalid(
-                    at,
-                    format!("tenant '{}': weight must be > 0", t.name),
-                ));
-            }
-            if t.requests_per_minute == Some(0) {
-                return Err(invalid(
-                    at,
-                    format!(
-                        "tenant '{}': requests_per_minute must be > 0 (omit it for no limit)",
-                        t.name
-                    ),
-                ));
-            }
+            let tenant = Tenant {
+                name: t.name.clone(),
+                tier,
+                api_keys: t.api_keys.clone(),
+                weight: t.weight,
+                max_concurrent: t.max_concurrent,
+                requests_per_minute: t.requests_per_minute,
+                kv_blocks_max: t.kv_blocks_max,
+                isolate_prefix_cache: t.isolate_prefix_cache,
+            };
+            tenant.check(&tenants).map_err(|m| invalid(at, m))?;
             for k in &t.api_keys {
                 if k.len() < 8 || k.chars().any(|c| c.is_whitespace() || c.is_control()) {
                     return Err(invalid(
@@ -346,16 +363,7 @@ impl ClusterConfig {
                     ));
                 }
             }
-            tenants.push(Tenant {
-                name: t.name.clone(),
-                tier,
-                api_keys: t.api_keys.clone(),
-                weight: t.weight,
-                max_concurrent: t.max_concurrent,
-                requests_per_minute: t.requests_per_minute,
-                kv_blocks_max: t.kv_blocks_max,
-                isolate_prefix_cache: t.isolate_prefix_cache,
-            });
+            tenants.push(tenant);
         }
         if tenants.is_empty() {
             // No tenants: the deployment runs open as one default tenant of
@@ -386,6 +394,45 @@ impl ClusterConfig {
             tenants,
             cluster,
             keys,
+        })
+    }
+
+    /// A config built in code (the simulator's scenario), checked as a
+    /// file's tiers and tenants are; no API keys: it runs open.
+    pub fn from_parts(
+        engine: EngineSection,
+        tiers: Vec<Tier>,
+        tenants: Vec<Tenant>,
+    ) -> Result<ClusterConfig, String> {
+        if tiers.is_empty() || tiers.len() > u8::MAX as usize {
+            return Err(format!("{} tiers: 1..=255 are needed", tiers.len()));
+        }
+        for (i, t) in tiers.iter().enumerate() {
+            t.check(&tiers[..i])?;
+        }
+        for (i, t) in tenants.iter().enumerate() {
+            if t.tier >= tiers.len() {
+                return Err(format!("tenant '{}': no tier {}", t.name, t.tier));
+            }
+            if !t.api_keys.is_empty() {
+                return Err(format!(
+                    "tenant '{}': a config built in code has no keys",
+                    t.name
+                ));
+            }
+            t.check(&tenants[..i])?;
+        }
+        let tenants = if tenants.is_empty() {
+            vec![Tenant::open_default(0)]
+        } else {
+            tenants
+        };
+        Ok(ClusterConfig {
+            engine,
+            tiers,
+            tenants,
+            cluster: None,
+            keys: HashMap::new(),
         })
     }
 

@@ -18,7 +18,7 @@ use flotilla_transport::quic::{LinkFaults, PeerSpec, QuicOptions, QuicTransport}
 use flotilla_transport::tls::{self, TlsMaterial};
 use flotilla_transport::{Transport, new_epoch};
 
-use crate::serve::{self, MonotonicClock, ServeArgs, serve_http, tenant_salt};
+use crate::serve::{self, MonotonicClock, ServeArgs, serve_http};
 
 /// `flotilla node` flags: the node's name plus every `serve` flag (engine
 /// and model flags apply to engine nodes; the Router listens on its
@@ -194,7 +194,7 @@ pub fn run(args: NodeArgs) -> Result<()> {
                         .map(|(i, n)| (i, n.name.clone(), n.role))
                         .collect(),
                     block_size,
-                    cfg.tenants.iter().map(tenant_salt).collect(),
+                    cfg.tenants.iter().map(|t| t.prefix_salt()).collect(),
                 ),
             )
             .await

@@ -9,14 +9,14 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
 use flotilla_actors::{Clock, EngineOptions, spawn_engine};
-use flotilla_config::{ClusterConfig, check_kv_cache_fraction, check_queue_timeout_s};
+use flotilla_config::engine::EngineDefaults;
+use flotilla_config::{ClusterConfig, EngineSection, check_kv_cache_fraction};
 use flotilla_cuda::{CudaConfig, CudaExecutor, Device};
 use flotilla_gateway::GatewayConfig;
 use flotilla_gguf::GgufFile;
 use flotilla_model::arch::ModelConfig;
 use flotilla_model::{CpuExecutor, Executor};
-use flotilla_proto::TierId;
-use flotilla_sched::{Batching, SchedConfig, TenantConfig, TierConfig};
+use flotilla_sched::SchedConfig;
 use flotilla_telemetry::Metrics;
 use flotilla_text::TextSide;
 
@@ -90,26 +90,6 @@ fn mem_available_bytes() -> Option<u64> {
     Some(kb * 1024)
 }
 
-fn salt_of(name: &str) -> u64 {
-    // FNV-1a: stable across runs and builds, never 0 for a real name.
-    let mut h: u64 = 0xcbf29ce484222325;
-    for b in name.bytes() {
-        h ^= b as u64;
-        h = h.wrapping_mul(0x100000001b3);
-    }
-    h.max(1)
-}
-
-/// The prefix-cache salt of a tenant: 0 shares its cached prefixes with
-/// other tenants, anything else keeps them apart.
-pub fn tenant_salt(t: &flotilla_config::Tenant) -> u64 {
-    if t.isolate_prefix_cache {
-        salt_of(&t.name)
-    } else {
-        0
-    }
-}
-
 fn load_config(args: &ServeArgs) -> Result<(ClusterConfig, String)> {
     let (mut cfg, origin) = match &args.config {
         Some(p) => (ClusterConfig::load(p)?, p.display().to_string()),
@@ -141,12 +121,6 @@ pub struct Resolved {
     pub max_model_len: usize,
     pub kv_bytes: u64,
     pub config_origin: String,
-}
-
-/// `--queue-timeout` (or `engine.queue_timeout_s`) checked and converted.
-fn queue_timeout(s: f64) -> Result<Duration> {
-    check_queue_timeout_s(s).map_err(|why| anyhow::anyhow!("--queue-timeout {s} {why}"))?;
-    Ok(Duration::from_secs_f64(s))
 }
 
 /// What the Router needs of the model: its text side and its length, not
@@ -210,21 +184,26 @@ pub fn resolve(args: &ServeArgs) -> Result<Resolved> {
     } = front(args)?;
     let g = GgufFile::open(&path)?;
     let e = &cluster.engine;
-    let max_num_seqs = args.max_num_seqs.or(e.max_num_seqs).unwrap_or(32);
-    let max_num_batched_tokens = args
-        .max_num_batched_tokens
-        .or(e.max_num_batched_tokens)
-        .unwrap_or(512);
-    if !(1..=4096).contains(&max_num_seqs) {
-        bail!("--max-num-seqs {max_num_seqs} must be in 1..=4096");
-    }
-    if !(1..=16384).contains(&max_num_batched_tokens) {
-        bail!("--max-num-batched-tokens {max_num_batched_tokens} must be in 1..=16384");
-    }
-    let block_size = e.block_size.unwrap_or(args.model.block_size);
-    if !(1..=1024).contains(&block_size) {
-        bail!("--block-size {block_size} must be in 1..=1024");
-    }
+    // The file's block size wins over the flag's default.
+    let flags = EngineSection {
+        max_num_seqs: args.max_num_seqs,
+        max_num_batched_tokens: args.max_num_batched_tokens,
+        block_size: e.block_size.is_none().then_some(args.model.block_size),
+        queue_timeout_s: args.queue_timeout,
+        ..EngineSection::default()
+    };
+    let settings = e
+        .resolve(
+            &flags,
+            &args.batching,
+            &EngineDefaults::serve(args.model.block_size),
+        )
+        .map_err(|m| anyhow::anyhow!(m))?;
+    let (max_num_seqs, max_num_batched_tokens, block_size) = (
+        settings.max_num_seqs,
+        settings.max_num_batched_tokens,
+        settings.block_size,
+    );
     let mut model_args = args.model.clone();
     model_args.block_size = block_size;
     let probe = model_args.cpu_config(1, 1)?;
@@ -253,12 +232,6 @@ pub fn resolve(args: &ServeArgs) -> Result<Resolved> {
         );
     }
     let num_blocks = num_blocks.min(u32::MAX as u64 / 2) as u32;
-    let batching = match args.batching.as_str() {
-        "continuous" => Batching::Continuous,
-        "static" => Batching::Static,
-        b => bail!("unknown --batching '{b}' (expected continuous or static)"),
-    };
-    let queue_timeout = queue_timeout(args.queue_timeout.or(e.queue_timeout_s).unwrap_or(60.0))?;
     let (exec, num_blocks, bytes_per_block): (Box<dyn Executor>, u32, u64) = match args.model.device
     {
         Device::Cpu => {
@@ -295,40 +268,14 @@ pub fn resolve(args: &ServeArgs) -> Result<Resolved> {
             (Box::new(exec), n, kv.bytes_per_block as u64)
         }
     };
-    let sched = SchedConfig {
-        num_blocks,
-        block_size: block_size as u32,
-        max_num_seqs,
-        max_num_batched_tokens,
-        max_model_len,
-        batching,
-        queue_timeout,
-        stop_tokens: text.stop_tokens.clone(),
-        tiers: cluster
-            .tiers
-            .iter()
-            .map(|t| TierConfig {
-                name: t.name.clone(),
-                weight: t.weight,
-                priority: t.priority,
-                queue_len_max: t.queue_len_max,
-                kv_reserved_blocks: t.kv_reserved_blocks,
-            })
-            .collect(),
-        tenants: cluster
-            .tenants
-            .iter()
-            .map(|t| TenantConfig {
-                name: t.name.clone(),
-                tier: TierId(t.tier as u8),
-                weight: t.weight,
-                max_concurrent: t.max_concurrent,
-                requests_per_minute: t.requests_per_minute,
-                kv_blocks_max: t.kv_blocks_max,
-                prefix_salt: tenant_salt(t),
-            })
-            .collect(),
-    };
+    let sched = cluster
+        .sched_config(
+            &settings,
+            max_model_len,
+            num_blocks,
+            text.stop_tokens.clone(),
+        )
+        .map_err(|m| anyhow::anyhow!("the engine's settings: {m}"))?;
     Ok(Resolved {
         cluster: Arc::new(cluster),
         sched,
@@ -438,20 +385,5 @@ mod tests {
         let c = ClusterConfig::parse(BUILTIN_CONFIG, "builtin").unwrap();
         assert!(!c.is_open());
         assert_eq!(c.tiers.len(), 2);
-        assert_ne!(salt_of("a"), salt_of("b"));
-        assert_ne!(salt_of(""), 0);
-    }
-
-    #[test]
-    fn queue_timeout_is_positive_and_at_most_a_day() {
-        assert_eq!(queue_timeout(1.5).unwrap(), Duration::from_millis(1500));
-        assert_eq!(
-            queue_timeout(86_400.0).unwrap(),
-            Duration::from_secs(86_400)
-        );
-        for bad in [0.0, -1.0, 86_400.5, 1e300, f64::INFINITY, f64::NAN] {
-            let e = queue_timeout(bad).unwrap_err().to_string();
-            assert!(e.contains("(0, 86400]"), "{bad}: {e}");
-        }
     }
 }

@@ -19,9 +19,9 @@ use flotilla_cluster::{
 use flotilla_exec::Executor;
 use flotilla_proto::{
     Engine, EngineEvent, EngineFailure, EngineRequest, FinishReason, Rejection, Role,
-    SamplingParams, TenantId, TierId,
+    SamplingParams, TenantId,
 };
-use flotilla_sched::{Batching, SchedConfig, TenantConfig, TierConfig};
+use flotilla_sched::SchedConfig;
 use flotilla_telemetry::Metrics;
 use tokio::task::JoinSet;
 use tokio::time::Instant;
@@ -302,47 +302,26 @@ async fn simulate(sc: &Scenario, seed: u64) -> Result<Report, SimError> {
         root.split(0),
     )
     .map_err(|m| SimError::Scenario(ScenarioError::Invalid(m)))?;
-    let sched = SchedConfig {
-        num_blocks: probe.kv_spec().num_blocks as u32,
-        block_size: e.block_size as u32,
-        max_num_seqs: e.max_num_seqs,
-        max_num_batched_tokens: e.max_num_batched_tokens,
-        max_model_len: e.max_model_len,
-        batching: if e.batching == "static" {
-            Batching::Static
-        } else {
-            Batching::Continuous
-        },
-        queue_timeout: Duration::from_secs_f64(e.queue_timeout_s),
-        stop_tokens: Vec::new(),
-        tiers: sc
-            .tiers
-            .iter()
-            .map(|t| TierConfig {
-                name: t.name.clone(),
-                weight: t.weight,
-                priority: t.priority,
-                queue_len_max: t.queue_len_max,
-                kv_reserved_blocks: 0,
-            })
-            .collect(),
-        tenants: sc
-            .tenants
-            .iter()
-            .map(|t| TenantConfig {
-                name: t.name.clone(),
-                tier: TierId(sc.tiers.iter().position(|x| x.name == t.tier).unwrap_or(0) as u8),
-                weight: 1,
-                max_concurrent: t.max_concurrent,
-                requests_per_minute: None,
-                kv_blocks_max: None,
-                prefix_salt: 0,
-            })
-            .collect(),
-    };
-    sched
-        .validate()
-        .map_err(|e| SimError::Scenario(ScenarioError::Invalid(e.to_string())))?;
+    // The Scheduler's settings from the scenario, built and checked by
+    // the same code as `flotilla serve`'s.
+    let cfg = sc.engine_config().map_err(SimError::Scenario)?;
+    let invalid = |m: String| SimError::Scenario(ScenarioError::Invalid(m));
+    let settings = cfg
+        .engine
+        .resolve(
+            &flotilla_config::EngineSection::default(),
+            &e.batching,
+            &flotilla_config::engine::EngineDefaults::serve(e.block_size),
+        )
+        .map_err(invalid)?;
+    let sched = cfg
+        .sched_config(
+            &settings,
+            e.max_model_len,
+            probe.kv_spec().num_blocks as u32,
+            Vec::new(),
+        )
+        .map_err(invalid)?;
     let n = sc.engine_nodes();
     let mut link = sc.network.clone();
     link.kv_bytes_per_token = shape.kv_bytes_per_token() as u64;
@@ -372,7 +351,7 @@ async fn simulate(sc: &Scenario, seed: u64) -> Result<Report, SimError> {
                 .map(|i| (i, format!("engine-{i}"), sc.role_of(i)))
                 .collect(),
             e.block_size,
-            vec![0; sc.tenants.len()],
+            cfg.tenants.iter().map(|t| t.prefix_salt()).collect(),
         ),
         check,
     )
@@ -596,7 +575,7 @@ async fn start_engine(w: &Arc<World>, node: u32, life: u64) -> Result<(), SimErr
         Box::new(exec),
         EngineOptions {
             sched: w.sched.clone(),
-            check_invariants: w.sc.run.check_every_step.then_some(hook),
+            check_invariants: w.sc.run.check_every_step.then_some(hook.clone()),
         },
         Arc::new(SimClock(w.t0)),
         metrics,
@@ -615,6 +594,12 @@ async fn start_engine(w: &Arc<World>, node: u32, life: u64) -> Result<(), SimErr
             .map(|t| w.sched.tiers[usize::from(t.tier.0)].priority)
             .collect(),
         on_orphan: Some(orphan_hook(w, hb)),
+        // The node's protocol bookkeeping, checked with its scheduler's.
+        check: w
+            .sc
+            .run
+            .check_every_step
+            .then(|| CheckHook(Arc::new(move |what: &str| hook(what.to_string())))),
         ..WorkerOptions::from_config(&w.sc.cluster_config(), vec![0], role)
     };
     let (t, rx) = w.net.join(node, (u64::from(node) << 32) | life);

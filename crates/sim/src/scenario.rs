@@ -346,6 +346,54 @@ impl Scenario {
         }
     }
 
+    /// The engine's side of the scenario as a cluster config (its
+    /// `[engine]` numbers, tiers and tenants, no keys), checked as a
+    /// file's is: the Scheduler's config is built from it by the same
+    /// code as `flotilla serve`'s ([`flotilla_config::ClusterConfig::sched_config`]).
+    pub fn engine_config(&self) -> Result<flotilla_config::ClusterConfig, ScenarioError> {
+        use flotilla_config::{ClusterConfig, EngineSection, Tenant, Tier};
+        let e = &self.engine;
+        let engine = EngineSection {
+            max_model_len: Some(e.max_model_len),
+            max_num_seqs: Some(e.max_num_seqs),
+            max_num_batched_tokens: Some(e.max_num_batched_tokens),
+            block_size: Some(e.block_size),
+            queue_timeout_s: Some(e.queue_timeout_s),
+            ..EngineSection::default()
+        };
+        let tiers = self
+            .tiers
+            .iter()
+            .map(|t| Tier {
+                name: t.name.clone(),
+                weight: t.weight,
+                priority: t.priority,
+                queue_len_max: t.queue_len_max,
+                kv_reserved_blocks: 0,
+            })
+            .collect();
+        let mut tenants = Vec::new();
+        for t in &self.tenants {
+            let Some(tier) = self.tiers.iter().position(|x| x.name == t.tier) else {
+                return Err(ScenarioError::Invalid(format!(
+                    "tenant '{}': unknown tier '{}'",
+                    t.name, t.tier
+                )));
+            };
+            tenants.push(Tenant {
+                name: t.name.clone(),
+                tier,
+                api_keys: Vec::new(),
+                weight: 1,
+                max_concurrent: t.max_concurrent,
+                requests_per_minute: None,
+                kv_blocks_max: None,
+                isolate_prefix_cache: false,
+            });
+        }
+        ClusterConfig::from_parts(engine, tiers, tenants).map_err(ScenarioError::Invalid)
+    }
+
     /// The role of engine node `node` (1-based).
     pub fn role_of(&self, node: u32) -> flotilla_proto::Role {
         let n = node as usize;

@@ -1,0 +1,806 @@
+//! NodeCore driven by hand: inputs and a clock, a fake engine that
+//! answers at once, no runtime, no sleep.
+
+use std::time::Duration;
+
+use bytes::Bytes;
+use flotilla_proto::wire::{Held, KvTransferHeader, Message, PrefillMsg, Submit};
+use flotilla_proto::{
+    EngineEvent, EngineFailure, EngineRequest, EngineStatus, FinishReason, KvExport, KvLayout,
+    Rejection, RequestId, Role, Sampled, SamplingParams, TenantId, Usage,
+};
+
+use super::{EngineAnswer, EngineCall, NodeCore, NodeInput, NodeOutput};
+use crate::WorkerOptions;
+use crate::testrig;
+
+const HB: Duration = Duration::from_millis(100);
+const DOWN: Duration = Duration::from_millis(400);
+const TTL: Duration = Duration::from_millis(1000);
+const ROUTER: u32 = 0;
+const ME: u32 = 1;
+const PREFILL: u32 = 2;
+const DECODE: u32 = 3;
+
+fn ms(v: u64) -> Duration {
+    Duration::from_millis(v)
+}
+
+fn layout() -> KvLayout {
+    KvLayout {
+        block_size: 4,
+        dtype: 0,
+        layout: 1,
+        layers: 2,
+        bytes_per_block: 64,
+    }
+}
+
+/// A node and a fake engine that answers every call at once.
+struct H {
+    core: NodeCore,
+    now: Duration,
+    next_id: u64,
+    /// What the engine refuses with, if anything.
+    refuse: Option<Rejection>,
+    /// Leases the engine reports.
+    holders: Vec<RequestId>,
+    sent: Vec<(u32, Message)>,
+    /// Engine handles dropped: (id, at a stop string).
+    ended: Vec<(RequestId, bool)>,
+    /// Calls that take time, not answered yet.
+    later: Vec<EngineCall>,
+    /// Calls with no answer (cancel a reservation, release a prefill).
+    given_back: Vec<EngineCall>,
+    bulks: Vec<(RequestId, u32, KvTransferHeader)>,
+    orphans: Vec<String>,
+    reconnects: Vec<u32>,
+}
+
+impl H {
+    fn new(role: Role, kv: bool, f: impl Fn(WorkerOptions) -> WorkerOptions) -> H {
+        let opts = f(WorkerOptions {
+            model: "m".into(),
+            reservation_ttl: TTL,
+            hold_ttl: TTL,
+            tenant_priority: vec![0, 2, 1],
+            num_tenants: 3,
+            transfers_max: 1,
+            reconcile_interval: DOWN,
+            ..testrig::node_opts(HB, DOWN, role)
+        });
+        let mut h = H {
+            core: NodeCore::new(opts, ME, 7, kv.then(layout), Duration::ZERO),
+            now: Duration::ZERO,
+            next_id: 100,
+            refuse: None,
+            holders: Vec::new(),
+            sent: Vec::new(),
+            ended: Vec::new(),
+            later: Vec::new(),
+            given_back: Vec::new(),
+            bulks: Vec::new(),
+            orphans: Vec::new(),
+            reconnects: Vec::new(),
+        };
+        h.input(NodeInput::Tick);
+        h.sent.clear();
+        h
+    }
+
+    fn id(&mut self) -> RequestId {
+        self.next_id += 1;
+        RequestId(self.next_id)
+    }
+
+    /// One input, and the fake engine's answers to what it asked.
+    fn input(&mut self, i: NodeInput) {
+        let mut queue = vec![i];
+        while let Some(i) = queue.pop() {
+            let mut out = Vec::new();
+            self.core.handle(self.now, i, &mut out);
+            self.core.check_invariants().unwrap();
+            let mut answers = Vec::new();
+            for o in out {
+                match o {
+                    NodeOutput::Send { to, msg, .. } => self.sent.push((to, msg)),
+                    NodeOutput::SendBulk { id, to, header, .. } => {
+                        self.bulks.push((id, to, header))
+                    }
+                    NodeOutput::Reconnect(n) => self.reconnects.push(n),
+                    NodeOutput::EndStream { id, stop_string } => self.ended.push((id, stop_string)),
+                    NodeOutput::Orphan(what) => self.orphans.push(what),
+                    NodeOutput::Call(c) if c.answer_now() => answers.push(self.answer(c)),
+                    NodeOutput::Call(
+                        c @ (EngineCall::CancelReservation(_) | EngineCall::Release(_)),
+                    ) => self.given_back.push(c),
+                    NodeOutput::Call(c) => self.later.push(c),
+                }
+            }
+            // In order: the queue pops from the back.
+            queue.extend(answers.into_iter().rev().map(NodeInput::Answer));
+        }
+    }
+
+    fn answer(&mut self, c: EngineCall) -> EngineAnswer {
+        let result = match self.refuse.clone() {
+            Some(r) => Err(r),
+            None => Ok(self.id()),
+        };
+        match c {
+            EngineCall::Submit { ticket, .. } => EngineAnswer::Submitted { ticket, result },
+            EngineCall::Reserve { ticket, .. } => EngineAnswer::Reserved { ticket, result },
+            EngineCall::SubmitForExport { ticket, .. } => {
+                EngineAnswer::ExportSubmitted { ticket, result }
+            }
+            EngineCall::Status => EngineAnswer::Status(EngineStatus::default()),
+            EngineCall::KvHolders => EngineAnswer::Holders(self.holders.clone()),
+            EngineCall::DropOrphan(id) => {
+                let dropped = self.holders.contains(&id);
+                self.holders.retain(|h| *h != id);
+                EngineAnswer::OrphanDropped { id, dropped }
+            }
+            c => unreachable!("{c:?} is answered later"),
+        }
+    }
+
+    fn msg(&mut self, from: u32, epoch: u64, msg: Message) {
+        self.input(NodeInput::Message { from, epoch, msg });
+    }
+
+    fn step(&mut self, events: Vec<(RequestId, EngineEvent)>) {
+        self.input(NodeInput::Step(events));
+    }
+
+    /// Moves the clock to `t`, ticking at every deadline on the way.
+    fn run_to(&mut self, t: Duration) {
+        loop {
+            let d = self.core.next_deadline();
+            if d > t {
+                break;
+            }
+            self.now = self.now.max(d);
+            self.input(NodeInput::Tick);
+        }
+        self.now = t;
+    }
+
+    /// Runs the clock to `t` with the Router sending a heartbeat's worth
+    /// of traffic at every interval.
+    fn live_until(&mut self, t: Duration, epoch: u64) {
+        while self.now < t {
+            let at = (self.now + HB).min(t);
+            self.run_to(at);
+            self.msg(
+                ROUTER,
+                epoch,
+                Message::Ping {
+                    seq: 0,
+                    pad: vec![],
+                },
+            );
+        }
+    }
+
+    fn take_sent(&mut self) -> Vec<(u32, Message)> {
+        std::mem::take(&mut self.sent)
+            .into_iter()
+            .filter(|(_, m)| !matches!(m, Message::Heartbeat(_) | Message::Pong { .. }))
+            .collect()
+    }
+
+    /// The events sent to the Router since the last look, per request:
+    /// (req, attempt, first index, events).
+    fn events(&mut self) -> Vec<(u64, u32, u32, Vec<EngineEvent>)> {
+        let mut all = Vec::new();
+        self.sent.retain(|(to, m)| match m {
+            Message::Events(batch) => {
+                assert_eq!(*to, ROUTER);
+                for r in batch {
+                    all.push((r.req, r.attempt, r.first, r.events.clone()));
+                }
+                false
+            }
+            _ => true,
+        });
+        all
+    }
+
+    fn last_id(&self) -> RequestId {
+        RequestId(self.next_id)
+    }
+}
+
+fn request(tenant: u32, prompt_len: u32) -> EngineRequest {
+    EngineRequest {
+        tenant: TenantId(tenant),
+        prompt: (0..prompt_len).collect(),
+        max_tokens: 8,
+        sampling: SamplingParams::greedy(),
+        ignore_eos: false,
+        stop_token_ids: vec![],
+    }
+}
+
+fn submit(req: u64, attempt: u32, prefill: Option<u32>) -> Message {
+    Message::Submit(Submit {
+        req,
+        attempt,
+        prefill,
+        request: request(0, 6),
+    })
+}
+
+fn sampled(t: u32) -> Sampled {
+    Sampled {
+        token: t,
+        logprob: -0.5,
+        top: vec![],
+    }
+}
+
+fn tok(t: u32) -> EngineEvent {
+    EngineEvent::Token(sampled(t))
+}
+
+fn finished() -> EngineEvent {
+    EngineEvent::Finished {
+        reason: FinishReason::Length,
+        usage: Usage {
+            prompt_tokens: 6,
+            completion_tokens: 1,
+            cached_tokens: 0,
+        },
+    }
+}
+
+fn header(req: u64, model: &str) -> KvTransferHeader {
+    KvTransferHeader {
+        router: ROUTER,
+        req,
+        epoch: 1,
+        model: model.into(),
+        block_size: 4,
+        dtype: 0,
+        layout: 1,
+        layer_start: 0,
+        layer_end: 2,
+        token_count: 6,
+        block_count: 2,
+        bytes: 128,
+        checksum: 0,
+        first: sampled(9),
+    }
+}
+
+#[test]
+fn a_whole_request_is_admitted_streamed_per_step_and_forgotten() {
+    let mut h = H::new(Role::Worker, false, |o| o);
+    h.msg(ROUTER, 1, submit(7, 0, None));
+    assert!(matches!(
+        h.take_sent()[..],
+        [(ROUTER, Message::Admitted { req: 7 })]
+    ));
+    let id = h.last_id();
+    h.step(vec![(id, tok(1)), (id, tok(2))]);
+    // One step, one frame, one run of events.
+    assert_eq!(h.sent.len(), 1);
+    assert_eq!(h.events(), vec![(7, 0, 0, vec![tok(1), tok(2)])]);
+    h.step(vec![(id, tok(3)), (id, finished())]);
+    assert_eq!(h.events(), vec![(7, 0, 2, vec![tok(3), finished()])]);
+    assert_eq!(h.ended, vec![(id, false)]);
+    // Forgotten: a late event goes nowhere, a Cancel ends nothing.
+    h.step(vec![(id, tok(4))]);
+    h.msg(
+        ROUTER,
+        1,
+        Message::Cancel {
+            req: 7,
+            stop_string: false,
+            attempt: 0,
+        },
+    );
+    assert!(h.events().is_empty());
+    assert_eq!(h.ended.len(), 1);
+}
+
+#[test]
+fn duplicates_are_dropped_and_a_rerun_replaces_the_earlier_placement() {
+    let mut h = H::new(Role::Worker, false, |o| o);
+    h.msg(ROUTER, 1, submit(7, 0, None));
+    let first = h.last_id();
+    // A resend after a reconnect: nothing new runs.
+    h.msg(ROUTER, 1, submit(7, 0, None));
+    assert_eq!(h.last_id(), first);
+    assert_eq!(h.take_sent().len(), 1);
+    // A re-run that overtook the Cancel of the first placement.
+    h.msg(ROUTER, 1, submit(7, 1, None));
+    let second = h.last_id();
+    assert_ne!(first, second);
+    assert_eq!(h.ended, vec![(first, false)]);
+    // The late Cancel of placement 0 leaves placement 1 running.
+    h.msg(
+        ROUTER,
+        1,
+        Message::Cancel {
+            req: 7,
+            stop_string: false,
+            attempt: 0,
+        },
+    );
+    assert_eq!(h.ended.len(), 1);
+    h.step(vec![(first, tok(5)), (second, tok(6))]);
+    assert_eq!(h.events(), vec![(7, 1, 0, vec![tok(6)])]);
+    // Ended at a stop string: the engine finishes it.
+    h.msg(
+        ROUTER,
+        1,
+        Message::Cancel {
+            req: 7,
+            stop_string: true,
+            attempt: 1,
+        },
+    );
+    assert_eq!(h.ended, vec![(first, false), (second, true)]);
+}
+
+#[test]
+fn an_unknown_tenant_and_an_engine_refusal_are_refused_and_nothing_runs() {
+    let mut h = H::new(Role::Worker, false, |o| o);
+    let mut s = Submit {
+        req: 1,
+        attempt: 0,
+        prefill: None,
+        request: request(9, 4),
+    };
+    h.msg(ROUTER, 1, Message::Submit(s.clone()));
+    match &h.take_sent()[..] {
+        [
+            (
+                ROUTER,
+                Message::Refused {
+                    req: 1,
+                    rejection: Rejection::Invalid(why),
+                },
+            ),
+        ] => {
+            assert!(why.contains("unknown tenant 9"), "{why}")
+        }
+        other => panic!("{other:?}"),
+    }
+    h.refuse = Some(Rejection::Unavailable);
+    s.request.tenant = TenantId(0);
+    h.msg(ROUTER, 1, Message::Submit(s));
+    assert!(matches!(
+        h.take_sent()[..],
+        [(
+            ROUTER,
+            Message::Refused {
+                req: 1,
+                rejection: Rejection::Unavailable
+            }
+        )]
+    ));
+    // Nothing of it is held here: the next look asks about nothing.
+    h.live_until(DOWN * 3, 1);
+    assert!(
+        h.take_sent()
+            .iter()
+            .all(|(_, m)| !matches!(m, Message::Holding { .. }))
+    );
+}
+
+#[test]
+fn a_silent_router_loses_its_requests_and_a_restarted_one_its_old_life() {
+    let mut h = H::new(Role::Worker, false, |o| o);
+    h.msg(ROUTER, 1, submit(1, 0, None));
+    let old = h.last_id();
+    h.take_sent();
+    // The Router restarted: its old life's requests end, and the
+    // connection to that life is dropped.
+    h.msg(ROUTER, 2, submit(1, 0, None));
+    let new = h.last_id();
+    assert_eq!(h.reconnects, vec![ROUTER]);
+    assert_eq!(h.ended, vec![(old, false)]);
+    h.step(vec![(new, tok(1))]);
+    h.take_sent();
+    // Heartbeats go out every interval whether or not the Router talks.
+    let before = h.sent.len();
+    h.run_to(DOWN);
+    let beats = h.sent[before..]
+        .iter()
+        .filter(|(_, m)| matches!(m, Message::Heartbeat(_)))
+        .count();
+    assert_eq!(beats, (DOWN.as_millis() / HB.as_millis()) as usize);
+    assert_eq!(h.ended.len(), 1, "not silent for over the bound yet");
+    h.run_to(DOWN + HB);
+    assert_eq!(h.ended, vec![(old, false), (new, false)]);
+    match &h.events()[..] {
+        [(1, 0, 1, ev)] => assert!(matches!(
+            ev[..],
+            [EngineEvent::Failed(EngineFailure::RouterLost(_))]
+        )),
+        other => panic!("{other:?}"),
+    }
+}
+
+#[test]
+fn a_decode_node_reserves_asks_the_prefill_and_checks_what_comes() {
+    let mut h = H::new(Role::Decode, true, |o| o);
+    h.msg(ROUTER, 1, submit(4, 0, Some(PREFILL)));
+    let reservation = h.last_id();
+    match &h.take_sent()[..] {
+        [
+            (ROUTER, Message::Admitted { req: 4 }),
+            (PREFILL, Message::Prefill(pm)),
+        ] => {
+            assert_eq!(
+                (pm.router, pm.submit.req, pm.submit.prefill),
+                (ROUTER, 4, None)
+            );
+        }
+        other => panic!("{other:?}"),
+    }
+    // KV of another model: refused, the reservation given back, the
+    // prefill node told, the Router told.
+    let data = vec![Bytes::from(vec![0u8; 128])];
+    h.input(NodeInput::Bulk {
+        from: PREFILL,
+        header: header(4, "other"),
+        data: data.clone(),
+    });
+    let sent = h.take_sent();
+    assert!(
+        matches!(
+            sent[0],
+            (
+                PREFILL,
+                Message::KvAck {
+                    req: 4,
+                    ok: false,
+                    ..
+                }
+            )
+        ),
+        "{sent:?}"
+    );
+    assert!(matches!(
+        sent[1],
+        (
+            PREFILL,
+            Message::PrefillCancel {
+                req: 4,
+                attempt: 0,
+                ..
+            }
+        )
+    ));
+    assert!(matches!(h.given_back[..], [EngineCall::CancelReservation(r)] if r == reservation));
+    match &sent[2] {
+        (ROUTER, Message::Events(b)) => match &b[0].events[..] {
+            [EngineEvent::Failed(EngineFailure::KvTransfer(why))] => {
+                assert!(why.contains("model 'other'"), "{why}")
+            }
+            other => panic!("{other:?}"),
+        },
+        other => panic!("{other:?}"),
+    }
+    // The re-run: KV that fits is written; the engine's first events
+    // come before its answer and wait for it.
+    h.msg(ROUTER, 1, submit(4, 1, Some(PREFILL)));
+    let reservation = h.last_id();
+    h.take_sent();
+    // From the wrong node: not ours.
+    h.input(NodeInput::Bulk {
+        from: 9,
+        header: header(4, "m"),
+        data: data.clone(),
+    });
+    assert!(matches!(
+        h.take_sent()[..],
+        [(9, Message::KvAck { ok: false, .. })]
+    ));
+    h.input(NodeInput::Bulk {
+        from: PREFILL,
+        header: header(4, "m"),
+        data,
+    });
+    assert!(
+        matches!(&h.later[..], [EngineCall::Import { reservation: r, .. }] if *r == reservation)
+    );
+    h.step(vec![(reservation, tok(9)), (reservation, tok(10))]);
+    assert!(h.events().is_empty());
+    h.later.clear();
+    h.input(NodeInput::Answer(EngineAnswer::Imported {
+        reservation,
+        result: Ok(reservation),
+    }));
+    assert_eq!(h.events(), vec![(4, 1, 0, vec![tok(9), tok(10)])]);
+    assert!(matches!(
+        h.take_sent()[..],
+        [(
+            PREFILL,
+            Message::KvAck {
+                req: 4,
+                ok: true,
+                ..
+            }
+        )]
+    ));
+    h.step(vec![(reservation, finished())]);
+    assert_eq!(h.events(), vec![(4, 1, 2, vec![finished()])]);
+    assert_eq!(h.ended, vec![(reservation, false)]);
+}
+
+#[test]
+fn a_reservation_whose_kv_never_comes_is_given_back_and_the_router_told() {
+    let mut h = H::new(Role::Decode, true, |o| o);
+    h.msg(ROUTER, 1, submit(4, 0, Some(PREFILL)));
+    let reservation = h.last_id();
+    h.take_sent();
+    h.live_until(TTL - HB, 1);
+    assert!(h.given_back.is_empty());
+    h.live_until(TTL + HB, 1);
+    assert!(matches!(h.given_back[..], [EngineCall::CancelReservation(r)] if r == reservation));
+    let events = h.events();
+    let sent = h.take_sent();
+    assert!(
+        sent.iter()
+            .any(|m| matches!(m, (PREFILL, Message::PrefillCancel { req: 4, .. })))
+    );
+    match &events[..] {
+        [(4, 0, 0, ev)] => match &ev[..] {
+            [EngineEvent::Failed(EngineFailure::KvTransfer(why))] => {
+                assert!(why.contains("no KV from prefill node 2"), "{why}")
+            }
+            other => panic!("{other:?}"),
+        },
+        other => panic!("{other:?}"),
+    }
+    // Its KV arriving now is refused: the sender may free its blocks.
+    h.input(NodeInput::Bulk {
+        from: PREFILL,
+        header: header(4, "m"),
+        data: vec![],
+    });
+    assert!(matches!(
+        h.take_sent()[..],
+        [(PREFILL, Message::KvAck { ok: false, .. })]
+    ));
+}
+
+fn ask(req: u64, tenant: u32, priority: u8) -> Message {
+    Message::Prefill(PrefillMsg {
+        router: ROUTER,
+        submit: Submit {
+            req,
+            attempt: 0,
+            prefill: None,
+            request: request(tenant, 6),
+        },
+        priority,
+    })
+}
+
+fn export() -> KvExport {
+    KvExport {
+        tokens: 6,
+        blocks: 2,
+        data: vec![7u8; 128],
+    }
+}
+
+#[test]
+fn prefills_leave_by_tier_one_slot_at_a_time_and_are_released_on_ack_or_at_the_deadline() {
+    let mut h = H::new(Role::Prefill, true, |o| o);
+    let mut ids = Vec::new();
+    for (req, prio) in [(1, 0), (2, 2), (3, 1)] {
+        h.msg(DECODE, 1, ask(req, 0, prio));
+        ids.push(h.last_id());
+    }
+    let (a, b, c) = (ids[0], ids[1], ids[2]);
+    // a finishes first and takes the slot; c then b wait for it.
+    h.step(vec![
+        (a, tok(11)),
+        (a, finished()),
+        (c, tok(13)),
+        (c, finished()),
+        (b, tok(12)),
+        (b, finished()),
+    ]);
+    let exports = |h: &mut H| -> Vec<RequestId> {
+        let e = h
+            .later
+            .iter()
+            .filter_map(|c| match c {
+                EngineCall::Export(id) => Some(*id),
+                _ => None,
+            })
+            .collect();
+        h.later.clear();
+        e
+    };
+    assert_eq!(exports(&mut h), vec![a]);
+    h.input(NodeInput::Answer(EngineAnswer::Exported {
+        id: a,
+        result: Ok(export()),
+    }));
+    let (id, to, hd) = h.bulks.pop().unwrap();
+    assert_eq!(
+        (id, to, hd.req, hd.token_count, hd.first.token),
+        (a, DECODE, 1, 6, 11)
+    );
+    assert_eq!(hd.checksum, u64::from(crc32fast::hash(&[7u8; 128])));
+    assert_eq!((hd.epoch, hd.model.as_str()), (7, "m"));
+    // Sent: the slot goes to the higher tier, b.
+    h.input(NodeInput::Answer(EngineAnswer::BulkSent {
+        id: a,
+        result: Ok(()),
+    }));
+    assert_eq!(exports(&mut h), vec![b]);
+    h.msg(
+        DECODE,
+        1,
+        Message::KvAck {
+            router: ROUTER,
+            req: 1,
+            ok: true,
+        },
+    );
+    assert!(matches!(h.given_back[..], [EngineCall::Release(r)] if r == a));
+    // b's send fails: the decode node is told, the slot goes to c.
+    h.input(NodeInput::Answer(EngineAnswer::Exported {
+        id: b,
+        result: Ok(export()),
+    }));
+    h.input(NodeInput::Answer(EngineAnswer::BulkSent {
+        id: b,
+        result: Err("reset".into()),
+    }));
+    assert!(h.take_sent().iter().any(|m| matches!(m, (DECODE, Message::PrefillFailed { req: 2, reason, .. }) if reason.contains("reset"))));
+    assert_eq!(exports(&mut h), vec![c]);
+    h.input(NodeInput::Answer(EngineAnswer::Exported {
+        id: c,
+        result: Ok(export()),
+    }));
+    h.input(NodeInput::Answer(EngineAnswer::BulkSent {
+        id: c,
+        result: Ok(()),
+    }));
+    // No ack for c: its blocks go back at the hold deadline.
+    let released = |h: &H| {
+        h.given_back
+            .iter()
+            .filter(|g| matches!(g, EngineCall::Release(_)))
+            .count()
+    };
+    assert_eq!(released(&h), 2);
+    h.run_to(h.now + TTL - ms(1));
+    assert_eq!(released(&h), 2);
+    h.run_to(h.now + ms(1));
+    assert!(matches!(h.given_back.last(), Some(EngineCall::Release(r)) if *r == c));
+    assert_eq!(h.ended.len(), 3);
+}
+
+#[test]
+fn an_abandoned_prefill_is_refused_and_a_failed_one_reported() {
+    let mut h = H::new(Role::Prefill, true, |o| o);
+    h.msg(
+        ROUTER,
+        1,
+        Message::PrefillAbandon {
+            decode: DECODE,
+            decode_epoch: 1,
+            req: 9,
+        },
+    );
+    // The ask was in flight when the Router gave the decode node up.
+    let before = h.next_id;
+    h.msg(DECODE, 1, ask(9, 0, 0));
+    assert_eq!(h.next_id, before, "nothing ran");
+    assert!(matches!(
+        &h.take_sent()[..],
+        [(DECODE, Message::PrefillFailed { req: 9, .. })]
+    ));
+    // The decode node's next life is another key.
+    h.msg(DECODE, 2, ask(9, 0, 0));
+    let id = h.last_id();
+    h.step(vec![(
+        id,
+        EngineEvent::Failed(EngineFailure::Internal("oom".into())),
+    )]);
+    assert!(
+        matches!(&h.take_sent()[..], [(DECODE, Message::PrefillFailed { req: 9, reason, .. })] if reason.contains("oom"))
+    );
+    assert!(matches!(h.given_back[..], [EngineCall::Release(r)] if r == id));
+    // A node that is not a prefill node says so.
+    let mut w = H::new(Role::Decode, true, |o| o);
+    w.msg(DECODE, 1, ask(1, 0, 0));
+    assert!(
+        matches!(&w.take_sent()[..], [(DECODE, Message::PrefillFailed { reason, .. })] if reason.contains("not a prefill node"))
+    );
+}
+
+#[test]
+fn orphans_are_given_back_only_when_found_at_two_looks_in_a_row() {
+    let mut h = H::new(Role::Decode, true, |o| o);
+    h.msg(ROUTER, 1, submit(5, 0, None));
+    let id = h.last_id();
+    // A lease no request here owns, and one that is a running request.
+    h.holders = vec![RequestId(5000), id];
+    h.live_until(DOWN, 1);
+    assert!(h.orphans.is_empty(), "one look");
+    h.live_until(DOWN * 2, 1);
+    assert_eq!(h.orphans.len(), 1, "{:?}", h.orphans);
+    assert!(h.orphans[0].contains("engine lease"), "{}", h.orphans[0]);
+    assert_eq!(h.holders, vec![id]);
+    // The Router is asked about request 5 (held at both looks); it does
+    // not know it: named twice, it is given back.
+    let asked = h.take_sent().into_iter().any(|(to, m)| {
+        to == ROUTER && matches!(&m, Message::Holding { held } if held == &[Held { req: 5, for_decode: None }])
+    });
+    assert!(asked);
+    let unknown = || Message::Unknown {
+        held: vec![Held {
+            req: 5,
+            for_decode: None,
+        }],
+    };
+    h.msg(ROUTER, 1, unknown());
+    assert!(h.ended.is_empty());
+    h.msg(ROUTER, 1, unknown());
+    assert_eq!(h.ended, vec![(id, false)]);
+    assert_eq!(h.orphans.len(), 2);
+    // The heartbeat carries the count.
+    h.sent.clear();
+    h.run_to(h.now + HB);
+    assert!(
+        h.sent
+            .iter()
+            .any(|(_, m)| matches!(m, Message::Heartbeat(s) if s.orphans == 2))
+    );
+}
+
+#[test]
+fn an_admission_the_router_cannot_hear_of_ends_the_request() {
+    let mut h = H::new(Role::Worker, false, |o| o);
+    h.msg(ROUTER, 1, submit(3, 0, None));
+    let id = h.last_id();
+    let why = "unreachable".to_string();
+    h.input(NodeInput::Undelivered {
+        to: ROUTER,
+        msg: Message::Admitted { req: 3 },
+        reason: why,
+    });
+    assert_eq!(h.ended, vec![(id, false)]);
+    // A prefill node that cannot be reached fails the import at once.
+    let mut d = H::new(Role::Decode, true, |o| o);
+    d.msg(ROUTER, 1, submit(4, 0, Some(PREFILL)));
+    let res = d.last_id();
+    let ask = d.take_sent().pop().unwrap().1;
+    d.input(NodeInput::Undelivered {
+        to: PREFILL,
+        msg: ask,
+        reason: "no route".into(),
+    });
+    assert!(matches!(d.given_back[..], [EngineCall::CancelReservation(r)] if r == res));
+    match &d.events()[..] {
+        [(4, 0, 0, ev)] => assert!(
+            matches!(&ev[..], [EngineEvent::Failed(EngineFailure::KvTransfer(w))] if w.contains("no route"))
+        ),
+        other => panic!("{other:?}"),
+    }
+}
+
+#[test]
+fn an_input_while_an_engine_answer_is_due_breaks_the_contract() {
+    let opts = testrig::node_opts(HB, DOWN, Role::Worker);
+    let mut core = NodeCore::new(opts, ME, 1, None, Duration::ZERO);
+    let mut out = Vec::new();
+    core.handle(Duration::ZERO, NodeInput::Tick, &mut out);
+    assert!(matches!(out[..], [NodeOutput::Call(EngineCall::Status)]));
+    core.check_invariants().unwrap();
+    core.handle(ms(1), NodeInput::Step(vec![]), &mut out);
+    let e = core.check_invariants().unwrap_err();
+    assert!(e.contains("answers due"), "{e}");
+}

@@ -1,0 +1,547 @@
+//! The engine node's side: requests that arrive over the transport are
+//! submitted to the node's own engine (the same Scheduler, KvBlockPool and
+//! GpuWorker actors `flotilla serve` runs), and their events go back to
+//! the Router per step: the engine sends every event of one step for this
+//! node's requests in one message to the node's sink
+//! ([`Engine::submit_to`]), and it leaves as one frame per Router (split
+//! only near the frame cap). No task and no channel per request.
+//!
+//! Every decision is [`NodeCore`]'s (a state machine, see [`core`]); this
+//! is the actor around it (ractor), which only moves messages: what the
+//! transport delivers, the engine's step events and answers, and its own
+//! timer go into the core with the time; the core's outputs go out to the
+//! transport and the engine. It holds the engine's request handles, by
+//! id, and drops one when the core says so.
+//!
+//! Every request is tied to the Router that sent it and that Router's
+//! epoch. When the Router goes silent past the down-after bound, or comes
+//! back with a new epoch, its requests are cancelled here, which gives
+//! their KV blocks back: a dead Router never strands work on a worker.
+
+// The shell owns the clock and spawns the engine calls that take time;
+// the core does neither.
+#![allow(clippy::disallowed_methods)]
+
+pub mod core;
+
+use std::collections::{HashMap, VecDeque};
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use flotilla_config::ClusterSection;
+use flotilla_proto::wire::KvTransferHeader;
+use flotilla_proto::{
+    Engine, EventSink, KvMigration, Rejection, RequestId, RequestStream, Role, StepEvents,
+};
+use flotilla_transport::{Inbound, NodeId, Transport};
+use ractor::{Actor, ActorProcessingErr, ActorRef};
+use tokio::sync::mpsc;
+use tokio::time::Instant;
+
+pub use self::core::{EngineAnswer, EngineCall, NodeCore, NodeInput, NodeOutput};
+use crate::CheckHook;
+
+/// How an engine node serves remote Routers.
+#[derive(Clone, Debug)]
+pub struct WorkerOptions {
+    /// Router nodes to report load to.
+    pub routers: Vec<NodeId>,
+    /// Heartbeat period.
+    pub heartbeat_interval: Duration,
+    /// A Router silent this long is gone: its requests are cancelled.
+    pub down_after: Duration,
+    /// Tenants in the config; a Submit naming another is refused.
+    pub num_tenants: u32,
+    /// Cap on one frame's payload; event batches are split below it.
+    pub frame_len_max_bytes: u32,
+    /// `Worker` runs whole requests; `Prefill` computes prompts for decode
+    /// nodes; `Decode` continues them (and runs whole requests sent
+    /// without a prefill node).
+    pub role: Role,
+    /// Served model name; KV from another model is refused.
+    pub model: String,
+    /// Decode side: how long reserved blocks wait for their KV.
+    pub reservation_ttl: Duration,
+    /// Prefill side: how long a finished prefill's blocks wait for the
+    /// decode side's ack.
+    pub hold_ttl: Duration,
+    /// Priority of each tenant's tier (higher goes first): the order of
+    /// waiting KV transfers.
+    pub tenant_priority: Vec<u8>,
+    /// KV transfers a prefill node sends at once.
+    pub transfers_max: usize,
+    /// How often the node looks for orphaned leases: engine leases that
+    /// none of its requests own, and requests the Router no longer has
+    /// here (asked with `Holding`). A lease is given back as an orphan
+    /// only when found twice in a row, so it is at least this old.
+    pub reconcile_interval: Duration,
+    /// Told of every orphan given back (the simulator's leak check).
+    pub on_orphan: Option<OrphanHook>,
+    /// Checks the core's bookkeeping after every input and is told the
+    /// first thing that breaks (tests, the simulator).
+    pub check: Option<CheckHook>,
+}
+
+/// Called with a description of each orphaned lease a node gives back.
+#[derive(Clone)]
+pub struct OrphanHook(pub Arc<dyn Fn(&str) + Send + Sync>);
+
+impl std::fmt::Debug for OrphanHook {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("OrphanHook")
+    }
+}
+
+impl WorkerOptions {
+    /// An engine node's settings from the cluster config: the one place
+    /// they are built (`flotilla node`, the simulator and the tests start
+    /// from here). The served model, tenants and their priorities come
+    /// from the engine's own settings.
+    pub fn from_config(cl: &ClusterSection, routers: Vec<NodeId>, role: Role) -> WorkerOptions {
+        WorkerOptions {
+            routers,
+            heartbeat_interval: Duration::from_millis(cl.heartbeat_interval_ms),
+            down_after: cl.down_after(),
+            num_tenants: 1,
+            frame_len_max_bytes: cl.frame_len_max_bytes,
+            role,
+            model: String::new(),
+            reservation_ttl: Duration::from_millis(cl.kv_reservation_ttl_ms),
+            hold_ttl: Duration::from_millis(cl.kv_hold_ttl_ms),
+            tenant_priority: Vec::new(),
+            transfers_max: cl.kv_transfers_max,
+            // Orphans are looked for once per down bound.
+            reconcile_interval: cl.down_after(),
+            on_orphan: None,
+            check: None,
+        }
+    }
+
+    fn priority(&self, tenant: u32) -> u8 {
+        self.tenant_priority
+            .get(tenant as usize)
+            .copied()
+            .unwrap_or(0)
+    }
+}
+
+/// Messages of the node actor.
+enum NodeMsg {
+    /// From the transport.
+    Net(Inbound),
+    /// One engine step's events.
+    Step(StepEvents),
+    /// An engine call that took time has its answer.
+    Answer(EngineAnswer),
+    /// An import finished: the request's handle, or why not.
+    Imported {
+        reservation: RequestId,
+        result: Result<RequestStream, String>,
+    },
+    /// The core's deadline.
+    Tick,
+}
+
+struct NodeArgs {
+    transport: Arc<dyn Transport>,
+    engine: Arc<dyn Engine>,
+    kv: Option<Arc<dyn KvMigration>>,
+    opts: WorkerOptions,
+    sink: EventSink,
+}
+
+/// The node actor's state: the core, and where its outputs go.
+struct NodeState {
+    core: NodeCore,
+    transport: Arc<dyn Transport>,
+    engine: Arc<dyn Engine>,
+    kv: Option<Arc<dyn KvMigration>>,
+    /// Where the engine sends this node's requests' events.
+    sink: EventSink,
+    /// The engine's handles of this node's requests and prefills:
+    /// dropping one ends it.
+    streams: HashMap<RequestId, RequestStream>,
+    on_orphan: Option<OrphanHook>,
+    check: Option<CheckHook>,
+    t0: Instant,
+    /// The Tick already asked for, if any.
+    tick_at: Option<Duration>,
+    out: Vec<NodeOutput>,
+}
+
+struct NodeActor;
+
+impl Actor for NodeActor {
+    type Msg = NodeMsg;
+    type State = NodeState;
+    type Arguments = NodeArgs;
+
+    async fn pre_start(
+        &self,
+        myself: ActorRef<NodeMsg>,
+        a: NodeArgs,
+    ) -> Result<NodeState, ActorProcessingErr> {
+        let layout = a.kv.as_ref().map(|k| k.kv_layout());
+        let (me, epoch) = (a.transport.node(), a.transport.epoch());
+        let mut st = NodeState {
+            on_orphan: a.opts.on_orphan.clone(),
+            check: a.opts.check.clone(),
+            core: NodeCore::new(a.opts, me, epoch, layout, Duration::ZERO),
+            transport: a.transport,
+            engine: a.engine,
+            kv: a.kv,
+            sink: a.sink,
+            streams: HashMap::new(),
+            t0: Instant::now(),
+            tick_at: None,
+            out: Vec::new(),
+        };
+        st.feed(&myself, NodeInput::Tick).await;
+        Ok(st)
+    }
+
+    async fn handle(
+        &self,
+        myself: ActorRef<NodeMsg>,
+        msg: NodeMsg,
+        st: &mut NodeState,
+    ) -> Result<(), ActorProcessingErr> {
+        let input = match msg {
+            NodeMsg::Net(Inbound::Message {
+                from, epoch, msg, ..
+            }) => NodeInput::Message { from, epoch, msg },
+            NodeMsg::Net(Inbound::Bulk {
+                from, header, data, ..
+            }) => NodeInput::Bulk { from, header, data },
+            NodeMsg::Step(events) => NodeInput::Step(events),
+            NodeMsg::Answer(a) => NodeInput::Answer(a),
+            NodeMsg::Imported {
+                reservation,
+                result,
+            } => {
+                let result = result.map(|stream| {
+                    let id = stream.id;
+                    st.streams.insert(id, stream);
+                    id
+                });
+                NodeInput::Answer(EngineAnswer::Imported {
+                    reservation,
+                    result,
+                })
+            }
+            NodeMsg::Tick => {
+                st.tick_at = None;
+                NodeInput::Tick
+            }
+        };
+        st.feed(&myself, input).await;
+        Ok(())
+    }
+}
+
+impl NodeState {
+    fn now(&self) -> Duration {
+        Instant::now().saturating_duration_since(self.t0)
+    }
+
+    /// Runs one input through the core and carries out what it says. The
+    /// engine calls answered at once are awaited here and their answers
+    /// go in before anything else; calls that take time run as tasks that
+    /// answer with a message.
+    async fn feed(&mut self, myself: &ActorRef<NodeMsg>, input: NodeInput) {
+        let mut answers: VecDeque<NodeInput> = VecDeque::new();
+        let mut later: VecDeque<NodeInput> = VecDeque::new();
+        let mut next = Some(input);
+        while let Some(input) = next
+            .take()
+            .or_else(|| answers.pop_front())
+            .or_else(|| later.pop_front())
+        {
+            let now = self.now();
+            self.core.handle(now, input, &mut self.out);
+            if let Some(hook) = &self.check
+                && let Err(what) = self.core.check_invariants()
+            {
+                (hook.0)(&format!(
+                    "node {} invariant broken: {what}",
+                    self.transport.node()
+                ));
+                // Reported once; the state is suspect from here on.
+                self.check = None;
+            }
+            let mut outs = std::mem::take(&mut self.out);
+            for o in outs.drain(..) {
+                match o {
+                    NodeOutput::Send {
+                        to,
+                        correlation,
+                        msg,
+                    } => {
+                        if let Err(e) = self.transport.send(to, correlation, msg) {
+                            tracing::warn!("{e}");
+                            later.push_back(NodeInput::Undelivered {
+                                to,
+                                reason: e.reason.to_string(),
+                                msg: *e.msg,
+                            });
+                        }
+                    }
+                    NodeOutput::SendBulk {
+                        id,
+                        to,
+                        header,
+                        data,
+                    } => self.send_bulk(myself, id, to, header, data),
+                    NodeOutput::Reconnect(n) => self.transport.reconnect(n),
+                    NodeOutput::Call(call) => {
+                        if let Some(a) = self.call(myself, call).await {
+                            answers.push_back(NodeInput::Answer(a));
+                        }
+                    }
+                    NodeOutput::EndStream { id, stop_string } => {
+                        if let Some(mut s) = self.streams.remove(&id) {
+                            if stop_string {
+                                s.ended_by_stop_string();
+                            }
+                            // Dropping the handle ends it in the engine.
+                            drop(s);
+                        }
+                    }
+                    NodeOutput::Orphan(what) => {
+                        tracing::warn!("orphaned lease given back: {what}");
+                        if let Some(h) = &self.on_orphan {
+                            (h.0)(&what);
+                        }
+                    }
+                }
+            }
+            // The buffer's capacity is kept for the next input.
+            self.out = outs;
+        }
+        let now = self.now();
+        let next = self.core.next_deadline();
+        if self.tick_at.is_none_or(|t| next < t) {
+            self.tick_at = Some(next);
+            myself.send_after(next.saturating_sub(now), || NodeMsg::Tick);
+        }
+    }
+
+    /// Makes an engine call: one answered at once returns its answer;
+    /// one that takes time runs as a task that sends its answer to the
+    /// actor.
+    async fn call(&mut self, myself: &ActorRef<NodeMsg>, call: EngineCall) -> Option<EngineAnswer> {
+        // The core asks for KV calls only when it has a layout, which
+        // comes from `kv`.
+        let kv = self.kv.clone();
+        let no_kv = || Rejection::Invalid("this node migrates no KV".into());
+        match call {
+            EngineCall::Submit { ticket, request } => {
+                let result = match self.engine.submit_to(request, self.sink.clone()).await {
+                    Ok(stream) => Ok(self.hold(stream)),
+                    Err(r) => Err(r),
+                };
+                Some(EngineAnswer::Submitted { ticket, result })
+            }
+            EngineCall::Reserve {
+                ticket,
+                tenant,
+                tokens,
+                ttl,
+            } => {
+                let result = match &kv {
+                    Some(kv) => kv.reserve_kv(tenant, tokens, ttl).await,
+                    None => Err(no_kv()),
+                };
+                Some(EngineAnswer::Reserved { ticket, result })
+            }
+            EngineCall::SubmitForExport {
+                ticket,
+                request,
+                hold,
+            } => {
+                let result = match &kv {
+                    Some(kv) => match kv.submit_for_export(request, hold).await {
+                        // A prefill's events come through the sink too.
+                        Ok(stream) => Ok(self.hold(stream.forward_to(self.sink.clone()))),
+                        Err(r) => Err(r),
+                    },
+                    None => Err(no_kv()),
+                };
+                Some(EngineAnswer::ExportSubmitted { ticket, result })
+            }
+            EngineCall::Status => Some(EngineAnswer::Status(self.engine.status().await)),
+            EngineCall::KvHolders => {
+                let holders = match &kv {
+                    Some(kv) => kv.kv_holders().await,
+                    None => Vec::new(),
+                };
+                Some(EngineAnswer::Holders(holders))
+            }
+            EngineCall::DropOrphan(id) => {
+                let dropped = match &kv {
+                    Some(kv) => kv.drop_orphan(id).await,
+                    None => false,
+                };
+                Some(EngineAnswer::OrphanDropped { id, dropped })
+            }
+            EngineCall::Import {
+                reservation,
+                header,
+                data,
+                request,
+            } => {
+                let (to, sink) = (myself.clone(), self.sink.clone());
+                tokio::spawn(async move {
+                    let result = match kv {
+                        Some(kv) => import(&*kv, reservation, header, data, request, sink).await,
+                        None => Err("this node imports no KV".into()),
+                    };
+                    let _ = to.cast(NodeMsg::Imported {
+                        reservation,
+                        result,
+                    });
+                });
+                None
+            }
+            EngineCall::Export(id) => {
+                let to = myself.clone();
+                tokio::spawn(async move {
+                    let result = match kv {
+                        Some(kv) => kv.export_kv(id).await,
+                        None => Err("this node exports no KV".into()),
+                    };
+                    let _ = to.cast(NodeMsg::Answer(EngineAnswer::Exported { id, result }));
+                });
+                None
+            }
+            EngineCall::CancelReservation(id) => {
+                if let Some(kv) = kv {
+                    tokio::spawn(async move { kv.cancel_reservation(id).await });
+                }
+                None
+            }
+            EngineCall::Release(id) => {
+                if let Some(kv) = kv {
+                    tokio::spawn(async move {
+                        let released = kv.release_kv(id).await;
+                        tracing::debug!(%id, released, "prefill blocks given back");
+                    });
+                }
+                None
+            }
+        }
+    }
+
+    /// Keeps a request's handle; its id for the core.
+    fn hold(&mut self, stream: RequestStream) -> RequestId {
+        let id = stream.id;
+        self.streams.insert(id, stream);
+        id
+    }
+
+    fn send_bulk(
+        &self,
+        myself: &ActorRef<NodeMsg>,
+        id: RequestId,
+        to: NodeId,
+        header: KvTransferHeader,
+        data: Bytes,
+    ) {
+        let (transport, me) = (self.transport.clone(), myself.clone());
+        tokio::spawn(async move {
+            let (bytes, req, t0) = (data.len(), header.req, Instant::now());
+            let r = transport.send_bulk(to, header, data).await;
+            let us = t0.elapsed().as_micros().max(1);
+            tracing::debug!(
+                req,
+                bytes,
+                us,
+                "KV sent to node {to}: {:.3} GB/s",
+                bytes as f64 / us as f64 / 1e3
+            );
+            let result = r.map_err(|e| e.to_string());
+            let _ = me.cast(NodeMsg::Answer(EngineAnswer::BulkSent { id, result }));
+        });
+    }
+}
+
+/// Serves remote Routers (and, on prefill and decode nodes, each other)
+/// until `inbound` closes: starts the node actor and moves the
+/// transport's messages and the engine's step events to it. `kv` is the
+/// engine's migration side; without it the node serves whole requests
+/// only. When it returns the actor has stopped and every request it held
+/// is ended.
+pub async fn run_worker(
+    transport: Arc<dyn Transport>,
+    mut inbound: mpsc::Receiver<Inbound>,
+    engine: Arc<dyn Engine>,
+    kv: Option<Arc<dyn KvMigration>>,
+    opts: WorkerOptions,
+) {
+    // Every request's events come through one sink, a message per engine
+    // step, and leave as one frame per Router.
+    let (sink, mut sink_rx) = mpsc::unbounded_channel::<StepEvents>();
+    let args = NodeArgs {
+        transport,
+        engine,
+        kv,
+        opts,
+        sink,
+    };
+    let (actor, done) = match Actor::spawn(None, NodeActor, args).await {
+        Ok(a) => a,
+        Err(e) => {
+            tracing::error!("starting the node actor: {e}");
+            return;
+        }
+    };
+    let to = actor.clone();
+    let steps = tokio::spawn(async move {
+        while let Some(s) = sink_rx.recv().await {
+            if to.cast(NodeMsg::Step(s)).is_err() {
+                return;
+            }
+        }
+    });
+    while let Some(m) = inbound.recv().await {
+        if actor.cast(NodeMsg::Net(m)).is_err() {
+            break;
+        }
+    }
+    actor.stop(None);
+    let _ = done.await;
+    steps.abort();
+}
+
+/// Verifies a transfer's checksum, then writes it into its reservation
+/// and continues the request from the prefill node's first token.
+async fn import(
+    kv: &dyn KvMigration,
+    reservation: RequestId,
+    h: KvTransferHeader,
+    data: Vec<Bytes>,
+    req: flotilla_proto::EngineRequest,
+    sink: flotilla_proto::EventSink,
+) -> Result<RequestStream, String> {
+    let mut bytes = Vec::with_capacity(h.bytes as usize);
+    let mut crc = crc32fast::Hasher::new();
+    for c in &data {
+        crc.update(c);
+        bytes.extend_from_slice(c);
+    }
+    drop(data);
+    let sum = u64::from(crc.finalize());
+    if bytes.len() as u64 != h.bytes || sum != h.checksum {
+        kv.cancel_reservation(reservation).await;
+        return Err(format!(
+            "KV transfer corrupt: {} of {} bytes, checksum {sum:#x}, expected {:#x}",
+            bytes.len(),
+            h.bytes,
+            h.checksum
+        ));
+    }
+    kv.import_kv(reservation, h.token_count, bytes, req, h.first, Some(sink))
+        .await
+        .map_err(|r| format!("decode node refused the KV: {r}"))
+}

@@ -1,0 +1,330 @@
+//! The engine's settings, built in one place for `flotilla serve`,
+//! `flotilla node` and the simulator: a flag over the file's `[engine]`
+//! over the caller's default, every number checked here with the flag or
+//! key that gave it named, and the tiers and tenants turned into the
+//! Scheduler's config ([`ClusterConfig::sched_config`]).
+
+use std::time::Duration;
+
+use flotilla_proto::TierId;
+use flotilla_sched::{Batching, SchedConfig, TenantConfig, TierConfig};
+
+use crate::{ClusterConfig, EngineSection, Tenant, check_queue_timeout_s};
+
+/// Ranges of the engine's numbers.
+pub const MAX_NUM_SEQS: std::ops::RangeInclusive<usize> = 1..=4096;
+/// Tokens one step may compute.
+pub const MAX_NUM_BATCHED_TOKENS: std::ops::RangeInclusive<usize> = 1..=16384;
+/// Tokens per KV block.
+pub const BLOCK_SIZE: std::ops::RangeInclusive<usize> = 1..=1024;
+
+/// What applies where neither a flag nor the file says: a CPU server and
+/// a simulated GPU cluster want different batches.
+#[derive(Clone, Debug)]
+pub struct EngineDefaults {
+    /// Sequences in a batch.
+    pub max_num_seqs: usize,
+    /// Tokens a step computes.
+    pub max_num_batched_tokens: usize,
+    /// Tokens per KV block.
+    pub block_size: usize,
+    /// Seconds a request may wait in its queue.
+    pub queue_timeout_s: f64,
+}
+
+impl EngineDefaults {
+    /// `flotilla serve` and `flotilla node` on this machine's CPU.
+    pub fn serve(block_size: usize) -> EngineDefaults {
+        EngineDefaults {
+            max_num_seqs: 32,
+            max_num_batched_tokens: 512,
+            block_size,
+            queue_timeout_s: 60.0,
+        }
+    }
+}
+
+/// The engine's numbers once resolved and checked.
+#[derive(Clone, Debug, PartialEq)]
+pub struct EngineSettings {
+    /// Sequences in a batch.
+    pub max_num_seqs: usize,
+    /// Tokens a step computes.
+    pub max_num_batched_tokens: usize,
+    /// Tokens per KV block.
+    pub block_size: usize,
+    /// How long a request may wait in its queue.
+    pub queue_timeout: Duration,
+    /// Continuous or static batching.
+    pub batching: Batching,
+}
+
+/// One number: the flag's, else the file's, else the default; with the
+/// name of where it came from for errors.
+fn pick<T: Copy>(flag: Option<T>, file: Option<T>, default: T, key: &str) -> (T, String) {
+    match (flag, file) {
+        (Some(v), _) => (v, format!("--{}", key.replace('_', "-"))),
+        (None, Some(v)) => (v, format!("engine.{key}")),
+        (None, None) => (default, format!("the default {key}")),
+    }
+}
+
+fn in_range(
+    (v, from): (usize, String),
+    range: std::ops::RangeInclusive<usize>,
+) -> Result<usize, String> {
+    if range.contains(&v) {
+        Ok(v)
+    } else {
+        Err(format!(
+            "{from} {v} must be in {}..={}",
+            range.start(),
+            range.end()
+        ))
+    }
+}
+
+impl EngineSection {
+    /// The settings: each of `flags` (the command line's, as a section)
+    /// over this file's over `d`, checked; `batching` is `continuous` or
+    /// `static`. An error names the flag or key.
+    pub fn resolve(
+        &self,
+        flags: &EngineSection,
+        batching: &str,
+        d: &EngineDefaults,
+    ) -> Result<EngineSettings, String> {
+        let max_num_seqs = in_range(
+            pick(
+                flags.max_num_seqs,
+                self.max_num_seqs,
+                d.max_num_seqs,
+                "max_num_seqs",
+            ),
+            MAX_NUM_SEQS,
+        )?;
+        let max_num_batched_tokens = in_range(
+            pick(
+                flags.max_num_batched_tokens,
+                self.max_num_batched_tokens,
+                d.max_num_batched_tokens,
+                "max_num_batched_tokens",
+            ),
+            MAX_NUM_BATCHED_TOKENS,
+        )?;
+        let block_size = in_range(
+            pick(
+                flags.block_size,
+                self.block_size,
+                d.block_size,
+                "block_size",
+            ),
+            BLOCK_SIZE,
+        )?;
+        let (q, from) = pick(
+            flags.queue_timeout_s,
+            self.queue_timeout_s,
+            d.queue_timeout_s,
+            "queue_timeout_s",
+        );
+        // The flag is `--queue-timeout`.
+        let from = from.replace("--queue-timeout-s", "--queue-timeout");
+        check_queue_timeout_s(q).map_err(|why| format!("{from} {q} {why}"))?;
+        let batching = match batching {
+            "continuous" => Batching::Continuous,
+            "static" => Batching::Static,
+            b => {
+                return Err(format!(
+                    "unknown batching '{b}' (expected continuous or static)"
+                ));
+            }
+        };
+        Ok(EngineSettings {
+            max_num_seqs,
+            max_num_batched_tokens,
+            block_size,
+            queue_timeout: Duration::from_secs_f64(q),
+            batching,
+        })
+    }
+}
+
+impl Tenant {
+    /// Its prefix-cache salt: 0 shares cached prefixes with other
+    /// tenants, anything else keeps them apart.
+    pub fn prefix_salt(&self) -> u64 {
+        if !self.isolate_prefix_cache {
+            return 0;
+        }
+        // FNV-1a: stable across runs and builds, never 0 for a real name.
+        let mut h: u64 = 0xcbf29ce484222325;
+        for b in self.name.bytes() {
+            h ^= b as u64;
+            h = h.wrapping_mul(0x100000001b3);
+        }
+        h.max(1)
+    }
+}
+
+impl ClusterConfig {
+    /// The Scheduler's config: the engine's settings, this config's tiers
+    /// and tenants, and what the model and memory decided (its length, the
+    /// blocks the cache holds, its stop tokens). The one place a
+    /// `SchedConfig` is built outside tests; checked as a whole.
+    pub fn sched_config(
+        &self,
+        s: &EngineSettings,
+        max_model_len: usize,
+        num_blocks: u32,
+        stop_tokens: Vec<u32>,
+    ) -> Result<SchedConfig, String> {
+        let sched = SchedConfig {
+            num_blocks,
+            block_size: s.block_size as u32,
+            max_num_seqs: s.max_num_seqs,
+            max_num_batched_tokens: s.max_num_batched_tokens,
+            max_model_len,
+            batching: s.batching,
+            queue_timeout: s.queue_timeout,
+            stop_tokens,
+            tiers: self
+                .tiers
+                .iter()
+                .map(|t| TierConfig {
+                    name: t.name.clone(),
+                    weight: t.weight,
+                    priority: t.priority,
+                    queue_len_max: t.queue_len_max,
+                    kv_reserved_blocks: t.kv_reserved_blocks,
+                })
+                .collect(),
+            tenants: self
+                .tenants
+                .iter()
+                .map(|t| TenantConfig {
+                    name: t.name.clone(),
+                    tier: TierId(t.tier as u8),
+                    weight: t.weight,
+                    max_concurrent: t.max_concurrent,
+                    requests_per_minute: t.requests_per_minute,
+                    kv_blocks_max: t.kv_blocks_max,
+                    prefix_salt: t.prefix_salt(),
+                })
+                .collect(),
+        };
+        sched.validate().map_err(|e| e.to_string())?;
+        Ok(sched)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_flag_wins_over_the_file_over_the_default_and_errors_name_their_source() {
+        let file = EngineSection {
+            max_num_seqs: Some(64),
+            max_num_batched_tokens: Some(1024),
+            ..EngineSection::default()
+        };
+        let flags = EngineSection {
+            max_num_seqs: Some(8),
+            ..EngineSection::default()
+        };
+        let d = EngineDefaults::serve(16);
+        let s = file.resolve(&flags, "continuous", &d).unwrap();
+        assert_eq!(
+            (s.max_num_seqs, s.max_num_batched_tokens, s.block_size),
+            (8, 1024, 16)
+        );
+        assert_eq!(s.queue_timeout, Duration::from_secs(60));
+        let bad = |flags: EngineSection, file: EngineSection, batching: &str| {
+            file.resolve(&flags, batching, &d).unwrap_err()
+        };
+        let none = EngineSection::default;
+        let e = bad(
+            EngineSection {
+                max_num_seqs: Some(0),
+                ..none()
+            },
+            none(),
+            "continuous",
+        );
+        assert_eq!(e, "--max-num-seqs 0 must be in 1..=4096");
+        let e = bad(
+            none(),
+            EngineSection {
+                block_size: Some(4096),
+                ..none()
+            },
+            "continuous",
+        );
+        assert_eq!(e, "engine.block_size 4096 must be in 1..=1024");
+        let e = bad(
+            EngineSection {
+                queue_timeout_s: Some(-1.0),
+                ..none()
+            },
+            none(),
+            "continuous",
+        );
+        assert!(e.starts_with("--queue-timeout -1 must be"), "{e}");
+        for q in [0.0, 86_400.5, 1e300, f64::INFINITY, f64::NAN] {
+            let flags = EngineSection {
+                queue_timeout_s: Some(q),
+                ..none()
+            };
+            let e = bad(flags, none(), "continuous");
+            assert!(e.contains("(0, 86400]"), "{q}: {e}");
+        }
+        let e = bad(none(), none(), "eager");
+        assert!(e.contains("unknown batching 'eager'"), "{e}");
+    }
+
+    #[test]
+    fn the_sched_config_carries_tiers_tenants_and_isolated_salts() {
+        let cfg = ClusterConfig::parse(
+            r#"
+            [[tiers]]
+            name = "paid"
+            priority = 2
+            [[tiers]]
+            name = "free"
+            [[tenants]]
+            name = "acme"
+            tier = "paid"
+            api_keys = ["acme-key-1"]
+            isolate_prefix_cache = true
+            [[tenants]]
+            name = "anon"
+            tier = "free"
+            api_keys = ["anon-key-1"]
+            "#,
+            "test",
+        )
+        .unwrap();
+        let s = EngineSection::default()
+            .resolve(
+                &EngineSection::default(),
+                "static",
+                &EngineDefaults::serve(16),
+            )
+            .unwrap();
+        let sc = cfg.sched_config(&s, 2048, 100, vec![2]).unwrap();
+        assert_eq!(sc.batching, Batching::Static);
+        assert_eq!(sc.tiers[0].priority, 2);
+        assert_eq!(sc.tenants[1].tier, TierId(1));
+        assert_ne!(sc.tenants[0].prefix_salt, 0);
+        assert_eq!(sc.tenants[1].prefix_salt, 0);
+        let isolated = |name: &str| Tenant {
+            name: name.into(),
+            isolate_prefix_cache: true,
+            ..Tenant::open_default(0)
+        };
+        assert_ne!(isolated("a").prefix_salt(), isolated("b").prefix_salt());
+        assert_ne!(isolated("").prefix_salt(), 0);
+        // The Scheduler's own check runs: no blocks is refused.
+        assert!(cfg.sched_config(&s, 2048, 0, vec![]).is_err());
+    }
+}
