@@ -39,6 +39,7 @@ use flotilla_proto::{
     TierStatus,
 };
 use flotilla_transport::NodeId;
+use rustc_hash::FxHashMap;
 
 use crate::prefix::{PrefixIndex, block_hashes};
 
@@ -218,7 +219,9 @@ pub struct RouterCore {
     workers: Vec<WorkerView>,
     /// Index into `workers` by node id (every message looks its sender up).
     by_node: BTreeMap<NodeId, usize>,
-    pending: BTreeMap<u64, Pending>,
+    /// By request id: hashed (a lookup per batch of events), with a
+    /// fixed hash, so the same inputs give the same order.
+    pending: FxHashMap<u64, Pending>,
     /// (deadline, id) of every request whose client waits for its
     /// admission answer: the next deadline without a pass over `pending`.
     admit_by: BTreeSet<(Duration, u64)>,
@@ -259,7 +262,7 @@ impl RouterCore {
                 .map(|(i, w)| (w.node, i))
                 .collect(),
             workers,
-            pending: BTreeMap::new(),
+            pending: FxHashMap::default(),
             admit_by: BTreeSet::new(),
             next_check: now,
             checks_to_heartbeat: 0,
@@ -688,7 +691,7 @@ impl RouterCore {
     /// what produced nothing yet, fail the rest. Requests whose prompt it
     /// was computing for a decode node are cancelled there and re-run.
     fn worker_lost(&mut self, w: usize, why: &str, reachable: &dyn Fn(NodeId) -> bool) {
-        let ids: Vec<u64> = self
+        let mut ids: Vec<u64> = self
             .pending
             .iter()
             .filter(|(_, p)| {
@@ -697,6 +700,8 @@ impl RouterCore {
             })
             .map(|(id, _)| *id)
             .collect();
+        // In request order, as a sorted map would give them.
+        ids.sort_unstable();
         self.workers[w].prefix.clear();
         let name = self.workers[w].name.clone();
         for id in ids {
@@ -864,9 +869,9 @@ impl RouterCore {
     ) {
         let ours = self
             .pending
-            .get(&ev.req)
-            .is_some_and(|p| p.worker == w && p.reruns == ev.attempt);
-        if !ours {
+            .get_mut(&ev.req)
+            .filter(|p| p.worker == w && p.reruns == ev.attempt);
+        let Some(p) = ours else {
             // Work this Router no longer wants (it was failed or moved
             // while the node was unreachable): stop it.
             if ev.end().is_none() {
@@ -879,9 +884,8 @@ impl RouterCore {
                 self.send(from, ev.req, cancel);
             }
             return;
-        }
+        };
         let req = ev.req;
-        let p = self.pending.get_mut(&req).expect("checked above");
         if ev.first > p.tokens_sent {
             // A batch before it is missing (reordered, or lost): hold this
             // one until the gap fills.
@@ -1020,7 +1024,7 @@ impl RouterCore {
         let down_after = self.opts.down_after;
         // A gap in a request's events that outlasts the down bound is a
         // loss, not a reorder.
-        let lost: Vec<u64> = self
+        let mut lost: Vec<u64> = self
             .pending
             .iter()
             .filter(|(_, p)| {
@@ -1029,6 +1033,8 @@ impl RouterCore {
             })
             .map(|(&id, _)| id)
             .collect();
+        // In request order, as a sorted map would give them.
+        lost.sort_unstable();
         for id in lost {
             self.lost_in_transit(id);
         }

@@ -16,7 +16,7 @@
 
 pub mod core;
 
-use std::collections::{BTreeMap, VecDeque};
+use std::collections::VecDeque;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
@@ -27,6 +27,7 @@ use flotilla_proto::{
 };
 use flotilla_transport::{Inbound, Transport};
 use ractor::{Actor, ActorProcessingErr, ActorRef, RpcReplyPort};
+use rustc_hash::FxHashMap;
 use tokio::sync::{mpsc, oneshot};
 use tokio::time::Instant;
 
@@ -86,7 +87,7 @@ struct RouterState {
     check: Option<CheckHook>,
     transport: Arc<dyn Transport>,
     t0: Instant,
-    clients: BTreeMap<u64, Client>,
+    clients: FxHashMap<u64, Client>,
     /// The Tick already asked for, if any.
     tick_at: Option<Duration>,
     out: Vec<RouterOutput>,
@@ -115,7 +116,7 @@ impl Actor for RouterActor {
             check: a.check,
             transport: a.transport,
             t0: Instant::now(),
-            clients: BTreeMap::new(),
+            clients: FxHashMap::default(),
             tick_at: None,
             out: Vec::new(),
         };
