@@ -227,7 +227,7 @@ async fn a_cached_prefix_wins_unless_its_worker_is_much_busier() {
 }
 
 #[tokio::test]
-async fn a_dead_worker_is_marked_down_its_requests_rerun_or_fail() {
+async fn a_dead_worker_is_marked_down_and_its_requests_move_or_rerun() {
     // The second worker starts later, so the first takes both requests.
     let r = rig_with(2, 1).await;
     let streaming = r.router.submit(req(0, 8, 400, 1)).await.unwrap();
@@ -244,23 +244,16 @@ async fn a_dead_worker_is_marked_down_its_requests_rerun_or_fail() {
     };
     let _e2 = start_engine(&net2, 2, 1, eager);
     r.net.kill(1);
-    let t0 = tokio::time::Instant::now();
-    let (_, end) = drain(streaming).await;
-    let failed_after = t0.elapsed();
+    // The streaming one moves to worker-2 with the tokens it had sent:
+    // the client sees a pause, then the rest, every token once.
+    let (n, end) = drain(streaming).await;
     match end {
-        EngineEvent::Failed(f) => {
-            let m = f.to_string();
-            assert!(
-                m.contains("worker-1") && m.contains("stopped responding"),
-                "{m}"
-            );
+        EngineEvent::Finished { usage, .. } => {
+            assert_eq!((usage.prompt_tokens, usage.completion_tokens), (8, 400));
         }
-        e => panic!("a request whose tokens were sent should fail, got {e:?}"),
+        e => panic!("a request whose node died should move and finish, got {e:?}"),
     }
-    assert!(
-        failed_after < DOWN + 4 * HB,
-        "marked down after {failed_after:?}"
-    );
+    assert_eq!(n + 1, 400, "a token lost or sent twice");
     // The one with no token yet moved to worker-2 and completes there.
     let (n, end) = drain(waiting).await;
     assert!(matches!(end, EngineEvent::Finished { .. }), "{end:?}");

@@ -289,7 +289,8 @@ async fn ready(State(gw): Shared) -> Response {
         "preemptions": s.preemptions,
         "nodes": s.nodes.iter().map(|n| json!({
             "name": n.name, "up": n.up, "epoch": n.epoch, "in_flight": n.in_flight,
-            "routed": n.routed, "downs": n.downs, "kv_orphans": n.kv_orphans,
+            "routed": n.routed, "downs": n.downs, "moved_away": n.moved_away,
+            "kv_orphans": n.kv_orphans,
         })).collect::<Vec<_>>(),
     });
     let status = if s.ready {

@@ -257,6 +257,9 @@ pub struct NodeStatus {
     pub routed: u64,
     /// Times it was marked down.
     pub downs: u64,
+    /// Streaming requests moved from it to another node (it was lost
+    /// while they ran; they continued from the tokens their clients had).
+    pub moved_away: u64,
     /// Requests whose leases it gave back as orphans (held for requests
     /// no longer alive anywhere); should stay 0.
     pub kv_orphans: u64,

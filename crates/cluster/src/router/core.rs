@@ -58,12 +58,18 @@ pub struct RouterOptions {
     pub tenant_salts: Vec<u64>,
     /// Times a request that produced no token yet is re-run after its node failed.
     pub reruns_max: u32,
+    /// Times a request that streamed tokens is moved to another node when
+    /// its node is lost (it resumes from the tokens the client has).
+    pub moves_max: u32,
     /// Blocks remembered per worker by the prefix index.
     pub prefix_blocks_max: usize,
 }
 
 /// Times a request that produced no token yet is re-run after its node failed.
 pub const RERUNS_MAX: u32 = 2;
+
+/// Times a streaming request moves to another node when its node is lost.
+pub const MOVES_MAX: u32 = 3;
 
 /// Blocks the Router's prefix index remembers per node.
 pub const PREFIX_BLOCKS_MAX: usize = 1 << 20;
@@ -85,6 +91,7 @@ impl RouterOptions {
             block_size,
             tenant_salts,
             reruns_max: RERUNS_MAX,
+            moves_max: MOVES_MAX,
             prefix_blocks_max: PREFIX_BLOCKS_MAX,
         }
     }
@@ -175,6 +182,7 @@ struct WorkerView {
     in_flight_blocks: u64,
     routed: u64,
     downs: u64,
+    moved_away: u64,
     prefix: PrefixIndex,
 }
 
@@ -192,7 +200,19 @@ struct Pending {
     admitted: bool,
     /// When a client still waiting for admission is refused.
     admit_by: Duration,
+    /// Tokens of the current placement the client has had (its events'
+    /// indices count from 0).
     tokens_sent: u32,
+    /// Those tokens: a move continues from them.
+    streamed: Vec<u32>,
+    /// Tokens the client had from earlier placements (moves): `req` is
+    /// the original prompt followed by them, with that many fewer
+    /// `max_tokens`.
+    base: u32,
+    /// The original prompt's length (for the usage the client sees).
+    prompt_len: u32,
+    /// Times it moved.
+    moves: u32,
     /// Event batches that came ahead of a missing one, by first index.
     early: BTreeMap<u32, ReqEvents>,
     /// Since when a batch has been missing.
@@ -252,6 +272,7 @@ impl RouterCore {
                 in_flight_blocks: 0,
                 routed: 0,
                 downs: 0,
+                moved_away: 0,
                 prefix: PrefixIndex::new(opts.prefix_blocks_max),
             })
             .collect();
@@ -328,6 +349,7 @@ impl RouterCore {
                 in_flight: w.in_flight,
                 routed: w.routed,
                 downs: w.downs,
+                moved_away: w.moved_away,
                 kv_orphans: w.load.orphans,
             });
             s.orphans += w.load.orphans;
@@ -429,6 +451,10 @@ impl RouterCore {
                 admitted: false,
                 admit_by,
                 tokens_sent: 0,
+                streamed: Vec::new(),
+                base: 0,
+                prompt_len: req.prompt.len() as u32,
+                moves: 0,
                 early: BTreeMap::new(),
                 gap_since: None,
                 blocks,
@@ -746,22 +772,60 @@ impl RouterCore {
         let Some(mut p) = self.finish(id) else {
             return;
         };
-        if p.tokens_sent == 0 && p.reruns < self.opts.reruns_max {
+        let lost = p.worker;
+        let movable =
+            p.tokens_sent > 0 && p.moves < self.opts.moves_max && p.req.max_tokens > p.tokens_sent;
+        if movable {
+            // The client has tokens: the next node continues from them,
+            // with the prompt and every token sent so far (sampling is a
+            // function of seed and position, so it continues as it would
+            // have). Its events count from 0 again.
+            let sent = std::mem::take(&mut p.streamed);
+            p.req.prompt.extend_from_slice(&sent);
+            p.req.max_tokens -= p.tokens_sent;
+            p.base += p.tokens_sent;
+            p.tokens_sent = 0;
+            p.moves += 1;
+            p.early.clear();
+            p.gap_since = None;
+            // Blocks this placement takes where it lands: the whole
+            // sequence, as at the first placement.
+            p.blocks = (p.req.prompt.len() as u64 + u64::from(p.req.max_tokens))
+                .div_ceil(self.opts.block_size.max(1) as u64);
+        }
+        if p.tokens_sent == 0 && p.reruns < self.opts.reruns_max + p.moves {
             p.reruns += 1;
             let hashes = self.hashes(&p.req);
             self.replace(id, p);
             if self.route(id, &hashes, exclude, reachable) {
-                let to = &self.workers[self.pending[&id].worker].name;
-                tracing::info!("request {id}: {why}; re-running it on {to}");
+                if movable {
+                    self.workers[lost].moved_away += 1;
+                }
+                let p = &self.pending[&id];
+                let to = &self.workers[p.worker].name;
+                if movable {
+                    let n = p.base;
+                    tracing::info!("request {id}: {why}; moved to {to} after {n} tokens");
+                } else {
+                    tracing::info!("request {id}: {why}; re-running it on {to}");
+                }
                 return;
             }
             p = self.unplace(id);
         }
-        let msg = format!(
-            "worker {why} after {} tokens of this request were sent; no other \
-             worker could take it over",
-            p.tokens_sent
-        );
+        let sent = p.base + p.tokens_sent;
+        let msg = if p.moves >= self.opts.moves_max && p.tokens_sent > 0 {
+            format!(
+                "worker {why} after {sent} tokens of this request were sent; it had \
+                 moved {} times already, the most allowed",
+                p.moves
+            )
+        } else {
+            format!(
+                "worker {why} after {sent} tokens of this request were sent; no other \
+                 worker could take it over"
+            )
+        };
         self.fail(id, p, Rejection::Unavailable, EngineFailure::Internal(msg));
     }
 
@@ -947,9 +1011,18 @@ impl RouterCore {
             self.admit(id);
         }
         let p = self.pending.get_mut(&id).expect("looked up above");
-        let (tokens, end) = ev.into_parts();
+        let (tokens, mut end) = ev.into_parts();
         let fresh = tokens.len().saturating_sub(skip);
         p.tokens_sent += fresh as u32;
+        p.streamed.extend(tokens.iter().skip(skip).map(|s| s.token));
+        if let Some(EngineEvent::Finished { usage, .. }) = &mut end
+            && p.base > 0
+        {
+            // Moved: the client's usage counts its own prompt and every
+            // token it was sent, from every placement.
+            usage.prompt_tokens = p.prompt_len;
+            usage.completion_tokens += p.base;
+        }
         if fresh > 0 {
             self.prefill_done(id);
         }

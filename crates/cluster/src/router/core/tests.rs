@@ -27,7 +27,11 @@ fn ms(v: u64) -> Duration {
 impl H {
     /// A Router with engine nodes 1.. of `roles`, all heard at epoch 1.
     fn new(roles: &[Role]) -> H {
-        let opts = RouterOptions {
+        H::with(roles, |_| {})
+    }
+
+    fn with(roles: &[Role], f: impl Fn(&mut RouterOptions)) -> H {
+        let mut opts = RouterOptions {
             workers: roles
                 .iter()
                 .enumerate()
@@ -38,8 +42,10 @@ impl H {
             block_size: 4,
             tenant_salts: vec![0],
             reruns_max: 2,
+            moves_max: 3,
             prefix_blocks_max: 100,
         };
+        f(&mut opts);
         let mut h = H {
             core: RouterCore::new(opts, Duration::ZERO),
             now: Duration::ZERO,
@@ -286,23 +292,72 @@ fn a_silent_node_is_marked_down_and_its_requests_rerun_or_fail() {
     let st = h.core.status();
     assert!(!st.nodes[0].up && st.nodes[0].downs == 1, "{:?}", st.nodes);
     assert!(st.nodes[1].up);
-    // Both are stopped on node 1; the one that streamed nothing runs on
-    // node 2 as its second placement, the other fails with a reason.
+    // Both are stopped on node 1 and run on node 2 as their second
+    // placement: the one that streamed nothing from its prompt, the other
+    // from its prompt and the token the client has, for one token less.
     let mut c = cancels(&out);
     c.sort();
     assert_eq!(c, [(1, 1, 0), (1, 2, 0)]);
-    assert_eq!(submits(&out), [(2, 2, 1)]);
-    let (toks, end) = delivered(&out, 1);
-    assert!(toks.is_empty());
-    assert!(
-        matches!(&end, Some(EngineEvent::Failed(EngineFailure::Internal(m))) if m.contains("after 1 tokens")),
-        "{end:?}"
-    );
+    assert_eq!(submits(&out), [(2, 1, 1), (2, 2, 1)]);
+    let moved = &submit_msgs(&out)[0].1;
+    let prompt: Vec<u32> = (0..8).map(|i| 100 + i + 1000).chain([1]).collect();
+    assert_eq!(moved.request.prompt, prompt);
+    assert_eq!(moved.request.max_tokens, 4);
+    assert_eq!(delivered(&out, 1), (vec![], None), "a pause, not an error");
+    assert_eq!(h.core.status().nodes[0].moved_away, 1);
     // Events of the old placement on node 1, arriving late, are not
     // applied to the new one.
     let out = h.msg(1, 1, batch(2, 0, 0, vec![tok(9)]));
     assert_eq!(delivered(&out, 2), (vec![], None));
     assert_eq!(cancels(&out), [(1, 2, 0)]);
+    // The moved request's events count from 0 on its new node; the
+    // client's stream goes on from token 2, and its usage counts every
+    // token it was sent, against its own prompt.
+    let out = h.msg(2, 1, batch(1, 1, 0, vec![tok(2), tok(3)]));
+    assert_eq!(delivered(&out, 1), (vec![2, 3], None));
+    let out = h.msg(
+        2,
+        1,
+        batch(1, 1, 1, vec![tok(3), tok(4), tok(5), finished(4)]),
+    );
+    let (toks, end) = delivered(&out, 1);
+    assert_eq!(toks, [4, 5], "the duplicate token 3 is dropped");
+    match end {
+        Some(EngineEvent::Finished { usage, .. }) => {
+            assert_eq!((usage.prompt_tokens, usage.completion_tokens), (8, 5));
+        }
+        other => panic!("{other:?}"),
+    }
+}
+
+#[test]
+fn a_request_moves_at_most_moves_max_times_then_fails_with_a_reason() {
+    let mut h = H::with(&[Role::Worker, Role::Worker, Role::Worker], |o| {
+        o.moves_max = 1
+    });
+    h.unreachable = vec![2, 3];
+    assert_eq!(submits(&h.submit(1, 8, 5)), [(1, 1, 0)]);
+    h.unreachable.clear();
+    h.msg(1, 1, batch(1, 0, 0, vec![tok(1)]));
+    // Node 1 goes silent: the request moves, to node 2 or 3.
+    let out = h.live_until(ms(800), &[2, 3]);
+    let (to, s) = submit_msgs(&out).remove(0);
+    assert_eq!((s.attempt, s.request.max_tokens), (1, 4));
+    h.msg(to, 1, batch(1, 1, 0, vec![tok(2)]));
+    // Its new node goes silent too: the one move allowed is spent.
+    let alive: Vec<u32> = [2, 3].into_iter().filter(|&n| n != to).collect();
+    let out = h.live_until(ms(1600), &alive);
+    assert!(submit_msgs(&out).is_empty());
+    match delivered(&out, 1) {
+        (t, Some(EngineEvent::Failed(EngineFailure::Internal(m)))) => {
+            assert!(t.is_empty());
+            assert!(
+                m.contains("after 2 tokens") && m.contains("moved 1 times"),
+                "{m}"
+            );
+        }
+        other => panic!("{other:?}"),
+    }
 }
 
 #[test]
@@ -422,7 +477,17 @@ fn a_failed_transfer_reruns_colocated_and_a_lost_decode_node_frees_its_prefill()
         })
         .collect();
     assert!(abandons.contains(&(1, d2, 2)), "{abandons:?}");
-    let (toks, end) = delivered(&out, 2);
-    assert!(toks.is_empty());
-    assert!(matches!(end, Some(EngineEvent::Failed(_))), "{end:?}");
+    // The request itself moves on, paired with the prefill node again,
+    // which computes the prompt and the token the client has.
+    assert_eq!(delivered(&out, 2), (vec![], None));
+    let (to, moved) = submit_msgs(&out).remove(0);
+    assert!(to != d2 && moved.prefill == Some(1), "{to} {moved:?}");
+    assert_eq!(
+        (
+            moved.attempt,
+            moved.request.prompt.len(),
+            moved.request.max_tokens
+        ),
+        (1, 9, 4)
+    );
 }
