@@ -95,6 +95,12 @@ pub struct Report {
     /// Orphaned leases the nodes found and gave back, all while a link
     /// was cut or soon after (any other breaks the run).
     pub orphans: u64,
+    /// Streaming requests the Router moved to another node when theirs
+    /// was lost.
+    pub moved: u64,
+    /// Streams whose longest pause between two tokens outlasted the down
+    /// bound (a lost node, a cut link), and those pauses, ms.
+    pub pauses_ms: Vec<f64>,
     /// Events in the trace.
     pub events: u64,
     /// FNV-1a hash of the trace.
@@ -172,6 +178,18 @@ impl std::fmt::Display for Report {
                 self.orphans
             )?;
         }
+        if self.moved > 0 || !self.pauses_ms.is_empty() {
+            let mut p = self.pauses_ms.clone();
+            writeln!(
+                f,
+                "moves: {} streams continued on another node after theirs was lost; {} streams \
+                 paused past the down bound, longest pause p50 {:.0} ms, p99 {:.0} ms",
+                self.moved,
+                p.len(),
+                percentile(&mut p, 50.0),
+                percentile(&mut p, 99.0)
+            )?;
+        }
         if x.transfers > 0 {
             writeln!(
                 f,
@@ -246,6 +264,8 @@ struct Outcome {
     ttft: Option<Duration>,
     tpot: Option<Duration>,
     tokens: u64,
+    /// The longest wait between two of its tokens.
+    gap_max: Duration,
 }
 
 #[derive(Clone, Debug, PartialEq)]
@@ -487,6 +507,14 @@ async fn simulate(sc: &Scenario, seed: u64) -> Result<Report, SimError> {
     // Every block and seat back once the load is gone (load reports lag a
     // heartbeat, the engines answer at once).
     tokio::time::sleep(hb * 2).await;
+    let moved: u64 = world
+        .router
+        .status()
+        .await
+        .nodes
+        .iter()
+        .map(|n| n.moved_away)
+        .sum();
     let preemptions = check_engines(&world, true).await;
     check_single_dispatch(&world);
     let engines: Vec<LocalEngine> = lock(&world.engines).iter().flatten().cloned().collect();
@@ -522,6 +550,7 @@ async fn simulate(sc: &Scenario, seed: u64) -> Result<Report, SimError> {
             what,
         });
     }
+    let down_after = hb * sc.cluster.down_after_missed;
     let (kv_sum, kv_n) = *lock(&world.kv_samples);
     let outcomes = lock(&world.outcomes).clone();
     Ok(Report {
@@ -537,6 +566,12 @@ async fn simulate(sc: &Scenario, seed: u64) -> Result<Report, SimError> {
         preemptions,
         faults,
         orphans: *lock(&world.orphans),
+        moved,
+        pauses_ms: outcomes
+            .iter()
+            .filter(|o| o.gap_max > down_after)
+            .map(|o| o.gap_max.as_secs_f64() * 1e3)
+            .collect(),
         events: trace.events,
         trace_hash: trace.hash,
     })
@@ -857,6 +892,7 @@ async fn one_request(w: &Arc<World>, tenant: usize, rng: &mut Rng) {
         ttft: None,
         tpot: None,
         tokens: 0,
+        gap_max: Duration::ZERO,
     };
     let mut stream = match w.router.submit(req).await {
         Ok(s) => s,
@@ -879,6 +915,9 @@ async fn one_request(w: &Arc<World>, tenant: usize, rng: &mut Rng) {
             Some(EngineEvent::Token(s)) => {
                 out.tokens += 1;
                 first.get_or_insert(now);
+                if let Some(l) = last {
+                    out.gap_max = out.gap_max.max(now - l);
+                }
                 last = Some(now);
                 lock(&w.trace).record(id, TOKEN, u64::from(s.token));
                 if out.tokens > u64::from(max_tokens) {
