@@ -38,11 +38,26 @@ impl DecodeLog {
     /// A pause longer than this starts a new span (a preempted request
     /// that resumes; a request run again after its engine came back).
     pub const GAP: Duration = Duration::from_secs(1);
+    /// Shorter than any move: the Router moves a request only after its
+    /// node was silent past the down bound (400 ms or more in every
+    /// scenario).
+    pub const MOVE_GAP: Duration = Duration::from_millis(200);
 
     fn note(&self, req: u64, node: u32, at: Duration) {
         let mut spans = self.spans.lock().unwrap_or_else(|e| e.into_inner());
         let v = spans.entry(req).or_default();
-        match v.iter_mut().rev().find(|s| s.node == node) {
+        // A request that moved away and came back (another engine
+        // decoded it since, and this one paused for longer than a move
+        // takes) starts a new span here; two engines decoding it in turns,
+        // step by step, stay one span each and overlap.
+        let moved_back = |s: &DecodeSpan| {
+            at > s.last + Self::MOVE_GAP && v.iter().any(|o| o.node != node && o.last > s.last)
+        };
+        let resume = v
+            .iter()
+            .rposition(|s| s.node == node)
+            .filter(|&i| !moved_back(&v[i]));
+        match resume.map(|i| &mut v[i]) {
             Some(s) if at <= s.last + Self::GAP => s.last = at,
             _ => v.push(DecodeSpan {
                 node,
@@ -265,6 +280,17 @@ mod tests {
         // but never makes an overlap.
         log.note(3, 1, ms(0));
         log.note(3, 1, ms(5000));
+        // Request 4: moved from engine 1 to 2, then back to 1 (within
+        // GAP): three spans in turn, no overlap.
+        for t in [0, 10, 20] {
+            log.note(4, 1, ms(t));
+        }
+        for t in [450, 460] {
+            log.note(4, 2, ms(t));
+        }
+        for t in [900, 910] {
+            log.note(4, 1, ms(t));
+        }
         let o = log.overlaps();
         assert_eq!(o.len(), 1, "{o:?}");
         let (req, a, b) = o[0];
