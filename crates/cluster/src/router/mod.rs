@@ -74,6 +74,24 @@ struct Client {
 #[derive(Clone)]
 pub struct CheckHook(pub Arc<dyn Fn(&str) + Send + Sync>);
 
+impl CheckHook {
+    /// Runs `check` if `slot` holds a hook, and tells it the first thing
+    /// that broke (named `what`); the hook is dropped then: the state is
+    /// suspect from there on.
+    pub(crate) fn run(
+        slot: &mut Option<CheckHook>,
+        what: impl FnOnce() -> String,
+        check: impl FnOnce() -> Result<(), String>,
+    ) {
+        if let Some(hook) = slot
+            && let Err(broken) = check()
+        {
+            (hook.0)(&format!("{} invariant broken: {broken}", what()));
+            *slot = None;
+        }
+    }
+}
+
 impl std::fmt::Debug for CheckHook {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.write_str("CheckHook")
@@ -189,13 +207,12 @@ impl RouterState {
             let transport = &self.transport;
             let reachable = |n| transport.is_reachable(n);
             self.core.handle(now, input, &reachable, &mut self.out);
-            if let Some(hook) = &self.check
-                && let Err(what) = self.core.check_invariants()
-            {
-                (hook.0)(&format!("router invariant broken: {what}"));
-                // Reported once; the state is suspect from here on.
-                self.check = None;
-            }
+            let core = &self.core;
+            CheckHook::run(
+                &mut self.check,
+                || "router".into(),
+                || core.check_invariants(),
+            );
             let mut outs = std::mem::take(&mut self.out);
             for o in outs.drain(..) {
                 match o {

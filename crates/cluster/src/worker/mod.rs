@@ -260,16 +260,12 @@ impl NodeState {
         {
             let now = self.now();
             self.core.handle(now, input, &mut self.out);
-            if let Some(hook) = &self.check
-                && let Err(what) = self.core.check_invariants()
-            {
-                (hook.0)(&format!(
-                    "node {} invariant broken: {what}",
-                    self.transport.node()
-                ));
-                // Reported once; the state is suspect from here on.
-                self.check = None;
-            }
+            let (core, transport) = (&self.core, &self.transport);
+            CheckHook::run(
+                &mut self.check,
+                || format!("node {}", transport.node()),
+                || core.check_invariants(),
+            );
             let mut outs = std::mem::take(&mut self.out);
             for o in outs.drain(..) {
                 match o {
