@@ -276,7 +276,7 @@ fn a_gap_that_outlasts_the_down_bound_ends_the_request() {
 }
 
 #[test]
-fn a_silent_node_is_marked_down_and_its_requests_rerun_or_fail() {
+fn a_silent_node_is_marked_down_and_its_requests_rerun_or_move() {
     let mut h = H::new(&[Role::Worker, Role::Worker]);
     // Both requests go to node 1 (node 2 cannot be reached for now).
     h.unreachable = vec![2];
