@@ -59,11 +59,16 @@ pub struct EngineSettings {
     pub batching: Batching,
 }
 
-/// One number: the flag's, else the file's, else the default; with the
-/// name of where it came from for errors.
-fn pick<T: Copy>(flag: Option<T>, file: Option<T>, default: T, key: &str) -> (T, String) {
+/// One number: the flag's (`--{name}`), else the file's (`engine.{key}`),
+/// else the default; with the name of where it came from for errors.
+fn pick<T: Copy>(
+    flag: Option<T>,
+    file: Option<T>,
+    default: T,
+    (name, key): (&str, &str),
+) -> (T, String) {
     match (flag, file) {
-        (Some(v), _) => (v, format!("--{}", key.replace('_', "-"))),
+        (Some(v), _) => (v, format!("--{name}")),
         (None, Some(v)) => (v, format!("engine.{key}")),
         (None, None) => (default, format!("the default {key}")),
     }
@@ -99,7 +104,7 @@ impl EngineSection {
                 flags.max_num_seqs,
                 self.max_num_seqs,
                 d.max_num_seqs,
-                "max_num_seqs",
+                ("max-num-seqs", "max_num_seqs"),
             ),
             MAX_NUM_SEQS,
         )?;
@@ -108,7 +113,7 @@ impl EngineSection {
                 flags.max_num_batched_tokens,
                 self.max_num_batched_tokens,
                 d.max_num_batched_tokens,
-                "max_num_batched_tokens",
+                ("max-num-batched-tokens", "max_num_batched_tokens"),
             ),
             MAX_NUM_BATCHED_TOKENS,
         )?;
@@ -117,7 +122,7 @@ impl EngineSection {
                 flags.block_size,
                 self.block_size,
                 d.block_size,
-                "block_size",
+                ("block-size", "block_size"),
             ),
             BLOCK_SIZE,
         )?;
@@ -125,10 +130,8 @@ impl EngineSection {
             flags.queue_timeout_s,
             self.queue_timeout_s,
             d.queue_timeout_s,
-            "queue_timeout_s",
+            ("queue-timeout", "queue_timeout_s"),
         );
-        // The flag is `--queue-timeout`.
-        let from = from.replace("--queue-timeout-s", "--queue-timeout");
         check_queue_timeout_s(q).map_err(|why| format!("{from} {q} {why}"))?;
         let batching = match batching {
             "continuous" => Batching::Continuous,

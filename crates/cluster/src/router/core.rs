@@ -786,15 +786,15 @@ impl RouterCore {
             p.base += p.tokens_sent;
             p.tokens_sent = 0;
             p.moves += 1;
-            p.early.clear();
-            p.gap_since = None;
-            // Blocks this placement takes where it lands: the whole
-            // sequence, as at the first placement.
-            p.blocks = (p.req.prompt.len() as u64 + u64::from(p.req.max_tokens))
-                .div_ceil(self.opts.block_size.max(1) as u64);
+            // Its blocks stay as booked: the prompt grew by what
+            // `max_tokens` lost.
         }
         if p.tokens_sent == 0 && p.reruns < self.opts.reruns_max + p.moves {
             p.reruns += 1;
+            // Batches held for a gap were the last placement's: the next
+            // one's indices start again at 0.
+            p.early.clear();
+            p.gap_since = None;
             let hashes = self.hashes(&p.req);
             self.replace(id, p);
             if self.route(id, &hashes, exclude, reachable) {
