@@ -78,6 +78,10 @@ pub struct Node {
     pub addr: String,
     /// The UDP socket its QUIC endpoint binds.
     pub listen: SocketAddr,
+    /// UDP port of its bulk (KV transfer) endpoint, on `listen`'s address;
+    /// 0 = any free port. Peers learn it when they connect; set it where a
+    /// firewall must name the port.
+    pub bulk_port: u16,
     /// Where the OpenAI API listens (TCP); set on the router and only there.
     pub http: Option<SocketAddr>,
 }
@@ -148,6 +152,7 @@ pub(crate) struct RawNode {
     role: String,
     addr: String,
     listen: Option<String>,
+    bulk_port: Option<i64>,
     http: Option<String>,
 }
 
@@ -435,6 +440,18 @@ fn node(raw: &RawNode, fail: &dyn Fn(String) -> ConfigError) -> Result<Node, Con
             ))
         })?,
     };
+    let bulk_port = match raw.bulk_port {
+        None => 0,
+        Some(p) => match u16::try_from(p) {
+            Ok(p) if p != 0 && p != listen.port() => p,
+            _ => {
+                return Err(fail(format!(
+                    "node '{name}': bulk_port {p} must be in 1..=65535 and differ from listen's port {}                      (leave it out for any free port)",
+                    listen.port()
+                )));
+            }
+        },
+    };
     let http = match (&raw.http, role) {
         (None, Role::Router) => {
             return Err(fail(format!(
@@ -458,6 +475,7 @@ fn node(raw: &RawNode, fail: &dyn Fn(String) -> ConfigError) -> Result<Node, Con
         role,
         addr: raw.addr.clone(),
         listen,
+        bulk_port,
         http,
     })
 }
@@ -799,6 +817,24 @@ addr = "[::1]:7402"
                 "addr = \"W:7400\"\nlisten = \"0.0.0.0:7402\"",
             );
         refused_at_node(&text, 2, &["addr 'W:7400' is also node 'worker-1''s"]);
+    }
+
+    #[test]
+    fn bulk_port_is_any_free_port_unless_set_and_refused_out_of_range() {
+        let c = parse(&format!("{TIERS}{NODES}"));
+        assert!(c.nodes.iter().all(|n| n.bulk_port == 0));
+        let set = format!("{TIERS}{NODES}").replace(
+            "addr = \"127.0.0.1:7402\"",
+            "addr = \"127.0.0.1:7402\"\nbulk_port = 7502",
+        );
+        assert_eq!(parse(&set).nodes[2].bulk_port, 7502);
+        for bad in ["0", "70000", "-1", "7402"] {
+            let text = format!("{TIERS}{NODES}").replace(
+                "addr = \"127.0.0.1:7402\"",
+                &format!("addr = \"127.0.0.1:7402\"\nbulk_port = {bad}"),
+            );
+            refused_at_node(&text, 2, &["node 'worker-2'", &format!("bulk_port {bad}")]);
+        }
     }
 
     #[test]

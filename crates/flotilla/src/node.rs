@@ -126,6 +126,7 @@ fn quic_options(cl: &ClusterSection, node: u32, faults: LinkFaults) -> QuicOptio
             })
             .collect(),
         listen: cl.nodes[node as usize].listen,
+        bulk_port: cl.nodes[node as usize].bulk_port,
         epoch: new_epoch(),
         frame_len_max_bytes: cl.frame_len_max_bytes,
         send_queue_len_max: cl.send_queue_len_max,

@@ -54,6 +54,7 @@ impl Cluster {
                 .addr
                 .parse::<SocketAddr>()
                 .unwrap(),
+            bulk_port: 0,
             epoch,
             frame_len_max_bytes: 1 << 20,
             send_queue_len_max: 1024,
@@ -339,6 +340,93 @@ async fn a_bulk_transfer_arrives_whole_beside_control_messages() {
     let (h, d) = bulk.unwrap();
     assert_eq!(h, header);
     assert!(d.concat() == data, "bulk bytes differ");
+}
+
+fn kv_header(req: u64, bytes: usize) -> KvTransferHeader {
+    KvTransferHeader {
+        router: 0,
+        req,
+        epoch: 1,
+        model: "m".into(),
+        block_size: 16,
+        dtype: 0,
+        layout: 1,
+        layer_start: 0,
+        layer_end: 30,
+        token_count: 16,
+        block_count: 1,
+        bytes: bytes as u64,
+        checksum: 0,
+        first: Sampled {
+            token: 0,
+            logprob: 0.0,
+            top: vec![],
+        },
+    }
+}
+
+/// Waits for the next bulk transfer, skipping control messages.
+async fn next_bulk(rx: &mut mpsc::Receiver<Inbound>) -> (KvTransferHeader, Vec<u8>) {
+    loop {
+        if let Inbound::Bulk { header, data, .. } = next(rx).await {
+            return (header, data.concat());
+        }
+    }
+}
+
+#[tokio::test]
+async fn transfers_go_to_the_peer_s_bulk_endpoint_which_the_link_learns_again_after_a_restart() {
+    let c = Cluster::new(&[("worker-1", Role::Prefill), ("worker-2", Role::Decode)]);
+    let (p, _prx) = c.start(0, 1);
+    // The decode node's bulk endpoint on a port of its config's choosing.
+    let mut opts = c.opts(1, 1);
+    opts.bulk_port = free_port();
+    let m = TlsMaterial::load(c.certs(), "worker-2").unwrap();
+    let (d, mut drx) = QuicTransport::start(opts.clone(), &m).unwrap();
+    assert_eq!(d.bulk_addr().unwrap().port(), opts.bulk_port);
+    assert_ne!(d.bulk_addr().unwrap(), d.local_addr().unwrap());
+    send_when_up(&p, 1, 0, Message::Heartbeat(EngineStatus::default())).await;
+    let data = Bytes::from(vec![5u8; 1 << 20]);
+    p.send_bulk(1, kv_header(1, data.len()), data.clone())
+        .await
+        .unwrap();
+    let (h, got) = next_bulk(&mut drx).await;
+    assert_eq!((h.req, got.len()), (1, data.len()));
+
+    // The node restarts on the same control port; its bulk endpoint now
+    // has any free port, which the prefill node learns when it redials.
+    drop(d);
+    drop(drx);
+    let mut opts2 = c.opts(1, 2);
+    opts2.bulk_port = 0;
+    let mut restarted = None;
+    for _ in 0..200 {
+        match QuicTransport::start(opts2.clone(), &m) {
+            Ok(t) => {
+                restarted = Some(t);
+                break;
+            }
+            // The old socket closes once its driver has finished.
+            Err(_) => tokio::time::sleep(Duration::from_millis(10)).await,
+        }
+    }
+    let (d2, mut d2rx) = restarted.expect("the restarted node binds its port");
+    assert_ne!(d2.bulk_addr().unwrap().port(), opts.bulk_port);
+    let mut sent = false;
+    for _ in 0..300 {
+        if p.is_connected(1)
+            && p.send_bulk(1, kv_header(2, data.len()), data.clone())
+                .await
+                .is_ok()
+        {
+            sent = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert!(sent, "no transfer reached the restarted node");
+    let (h, got) = next_bulk(&mut d2rx).await;
+    assert_eq!((h.req, got), (2, data.to_vec()));
 }
 
 #[tokio::test]
