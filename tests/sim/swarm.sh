@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The long seed swarm of every fault scenario: thousands of seeds each, on
 # every core, every failing seed listed with the first invariant it broke.
-# CI runs 64 seeds of each (crates/sim/tests/swarms.rs); run this before a
+# CI runs 128 seeds of each (crates/sim/tests/swarms.rs); run this before a
 # change to the cluster protocol lands, and keep any seed it finds as a
 # regression test there.
 #
@@ -13,7 +13,7 @@ SEEDS=${SEEDS:-2000}
 FIRST=${FIRST:-1}
 scenarios=("$@")
 if [ ${#scenarios[@]} -eq 0 ]; then
-  scenarios=(fault-storm pd-fault-storm chaos-storm pd-chaos-storm)
+  scenarios=(fault-storm pd-fault-storm chaos-storm pd-chaos-storm rolling-drain pd-rolling-drain)
 fi
 cargo build --release -p flotilla --quiet
 status=0

@@ -14,8 +14,8 @@ pub mod worker;
 
 pub use router::{CheckHook, ClusterEngine, RouterCore, RouterInput, RouterOptions, RouterOutput};
 pub use worker::{
-    EngineAnswer, EngineCall, NodeCore, NodeInput, NodeOutput, OrphanHook, WorkerOptions,
-    run_worker,
+    EngineAnswer, EngineCall, NodeCore, NodeInput, NodeOutput, OrphanHook, WorkerEnd,
+    WorkerOptions, run_worker,
 };
 
 #[cfg(test)]

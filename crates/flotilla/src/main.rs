@@ -324,6 +324,25 @@ fn simulate(
         swarm.sim_s(),
         swarm.sim_s() / wall.max(1e-9)
     );
+    let t = swarm.totals();
+    println!(
+        "requests over the passing seeds: {} sent, {} finished, {} refused, {} failed, {} cancelled; \
+         {} streams moved",
+        t.sent, t.finished, t.refused, t.failed, t.cancelled, t.moved
+    );
+    if !t.move_pauses_ms.is_empty() {
+        let mut p = t.move_pauses_ms;
+        p.sort_by(f64::total_cmp);
+        let at = |q: f64| p[((p.len() - 1) as f64 * q).round() as usize];
+        println!(
+            "move pauses (last token on one engine to the first on the next): {} moves, \
+             p50 {:.0} ms, p99 {:.0} ms, max {:.0} ms",
+            p.len(),
+            at(0.5),
+            at(0.99),
+            at(1.0)
+        );
+    }
     if !failed.is_empty() {
         bail!(
             "{} of {seeds} seeds broke an invariant; replay one with --seed N (FLOTILLA_LOG=debug shows the actors)",

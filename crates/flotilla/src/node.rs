@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
 use flotilla_actors::{Clock, EngineOptions, spawn_engine};
-use flotilla_cluster::{ClusterEngine, RouterOptions, WorkerOptions, run_worker};
+use flotilla_cluster::{ClusterEngine, RouterOptions, WorkerEnd, WorkerOptions, run_worker};
 use flotilla_config::{ClusterConfig, ClusterSection, Role};
 use flotilla_gateway::GatewayConfig;
 use flotilla_model::Executor;
@@ -30,6 +30,12 @@ pub struct NodeArgs {
     pub name: String,
     #[command(flatten)]
     pub serve: ServeArgs,
+    /// On SIGTERM an engine node drains: it takes no new requests, lets
+    /// those it runs finish for up to this many seconds, then leaves (the
+    /// Router moves what still runs to other nodes). A second SIGTERM or
+    /// Ctrl-C stops it at once.
+    #[arg(long, default_value_t = 30)]
+    pub drain_grace_s: u64,
     /// Test hook: delay every frame this node sends by this many ms (this
     /// kernel has no netem).
     #[arg(long, hide = true, default_value_t = 0)]
@@ -257,9 +263,45 @@ pub fn run(args: NodeArgs) -> Result<()> {
             let engine = Arc::new(engine);
             let kv: Option<Arc<dyn KvMigration>> =
                 matches!(node.role, Role::Prefill | Role::Decode).then(|| engine.clone() as _);
-            tokio::select! {
-                _ = run_worker(transport, inbound, engine.clone(), kv, opts) => {}
-                _ = tokio::signal::ctrl_c() => {}
+            let (drain_tx, drain_rx) = tokio::sync::watch::channel(None);
+            let opts = WorkerOptions {
+                drain: Some(drain_rx),
+                ..opts
+            };
+            let mut term =
+                tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
+                    .context("installing the SIGTERM handler")?;
+            let grace = Duration::from_secs(args.drain_grace_s);
+            let worker = run_worker(transport, inbound, engine.clone(), kv, opts);
+            tokio::pin!(worker);
+            let mut draining = false;
+            loop {
+                tokio::select! {
+                    end = &mut worker => {
+                        if end == WorkerEnd::Left {
+                            // The Leaving frame is queued: give it a moment
+                            // to go out (if it is lost, the Router notices
+                            // the silence within its down bound).
+                            tokio::time::sleep(Duration::from_millis(200)).await;
+                            eprintln!("flotilla: node {} drained; exiting", node.name);
+                        }
+                        break;
+                    }
+                    _ = term.recv() => {
+                        if draining {
+                            break;
+                        }
+                        draining = true;
+                        eprintln!(
+                            "flotilla: node {} draining (SIGTERM): no new requests; leaving when \
+                             idle or in {} s (SIGTERM again to stop now)",
+                            node.name,
+                            grace.as_secs()
+                        );
+                        let _ = drain_tx.send(Some(grace));
+                    }
+                    _ = tokio::signal::ctrl_c() => break,
+                }
             }
             t.close();
             engine.stop();

@@ -215,6 +215,11 @@ fn start_cluster_with(roles: [&str; 2]) -> Cluster {
 
 /// As [`start_cluster_with`], every node on the model file at `model`.
 fn start_cluster_on(roles: [&str; 2], model: &Path) -> Cluster {
+    start_cluster_full(roles, model, &[])
+}
+
+/// As [`start_cluster_on`], worker-1 with `w1_extra` flags too.
+fn start_cluster_full(roles: [&str; 2], model: &Path, w1_extra: &[&str]) -> Cluster {
     let (dir, certs) = certs_dir(roles);
     let config = dir.0.join("cluster.toml");
     let addrs = [0, 1, 2].map(|_| format!("127.0.0.1:{}", free_port()));
@@ -222,7 +227,8 @@ fn start_cluster_on(roles: [&str; 2], model: &Path) -> Cluster {
     std::fs::write(&config, config_text(&certs, addrs, http, roles)).unwrap();
     let model = model.to_str().unwrap();
     let on = ["--model", model];
-    let (w1, _) = start_node_with(flotilla(), &config, "worker-1", &on);
+    let w1_on: Vec<&str> = on.iter().chain(w1_extra).copied().collect();
+    let (w1, _) = start_node_with(flotilla(), &config, "worker-1", &w1_on);
     let (w2, _) = start_node_with(flotilla(), &config, "worker-2", &on);
     let (r, url) = start_node_with(flotilla(), &config, "router", &on);
     Cluster {
@@ -484,6 +490,101 @@ async fn a_killed_worker_is_marked_down_its_streams_move_and_it_rejoins() {
     }
     assert!(took, "the restarted worker took no work");
     // Nothing is left holding KV blocks anywhere.
+    wait_for(&c.base, "all blocks back", |r| {
+        r["kv_blocks"]["used"] == 0 && r["running"] == 0
+    })
+    .await;
+    drop(c.dir);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sigterm_drains_a_worker_its_streams_finish_or_move_and_it_exits() {
+    // A short grace, so that streams still run when it ends and move.
+    let mut c = start_cluster_full(
+        ["worker", "mixed"],
+        &flotilla_hub::test_model_path(),
+        &["--drain-grace-s", "1"],
+    );
+    wait_for(&c.base, "both workers up", |r| {
+        node(r, "worker-1")["up"] == true && node(r, "worker-2")["up"] == true
+    })
+    .await;
+    let prompts = [
+        "Tell me about the sea",
+        "A recipe for bread",
+        "The history of Rome",
+        "Why is the sky blue",
+    ];
+    let mut streams = Vec::new();
+    for p in prompts {
+        let resp = post(&c.base, &completion(p, 400, true)).await;
+        assert_eq!(resp.status(), 200);
+        streams.push(tokio::spawn(read_sse_text(resp)));
+    }
+    let r = wait_for(&c.base, "work on both workers", |r| {
+        node(r, "worker-1")["in_flight"].as_u64().unwrap() >= 1
+            && node(r, "worker-2")["in_flight"].as_u64().unwrap() >= 1
+            && r["running"].as_u64().unwrap() >= 4
+    })
+    .await;
+    let on_w1 = node(&r, "worker-1")["in_flight"].as_u64().unwrap();
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let w1 = c.nodes.iter_mut().find(|n| n.name == "worker-1").unwrap();
+    let term = Command::new("kill")
+        .args(["-TERM", &w1.child.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(term.success());
+    let t0 = Instant::now();
+    // New work goes to worker-2 meanwhile: none is refused.
+    for i in 0..3 {
+        let resp = post(
+            &c.base,
+            &completion(&format!("During the drain {i}"), 4, false),
+        )
+        .await;
+        assert_eq!(resp.status(), 200, "{:?}", resp.text().await);
+    }
+    // It exits on its own, cleanly, within its grace and a little more.
+    let status = loop {
+        if let Some(s) = w1.child.try_wait().unwrap() {
+            break s;
+        }
+        assert!(
+            t0.elapsed() < Duration::from_secs(15),
+            "the drained worker did not exit"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    assert!(status.success(), "{status:?}");
+    eprintln!("worker-1 exited {:?} after SIGTERM", t0.elapsed());
+    // Every stream ends whole, none with an error, each with the text of
+    // an undisturbed greedy run.
+    let mut texts = Vec::new();
+    for s in streams {
+        let (chunks, err, done, text) = tokio::time::timeout(Duration::from_secs(120), s)
+            .await
+            .expect("a stream hung after its worker drained")
+            .unwrap();
+        assert!(done, "stream without [DONE]");
+        assert_eq!(err, None, "a stream ended with an error");
+        assert_eq!(chunks, 400);
+        texts.push(text);
+    }
+    // It left rather than dying: no down counted, and what ran there past
+    // the grace moved (the streams are long: all of them had).
+    let r = ready(&c.base).await;
+    let w = node(&r, "worker-1");
+    assert_eq!(
+        (w["up"].as_bool(), w["downs"].as_u64()),
+        (Some(false), Some(0)),
+        "{r}"
+    );
+    assert_eq!(w["moved_away"].as_u64(), Some(on_w1), "{r}");
+    for (p, moved) in prompts.iter().zip(&texts) {
+        let (undisturbed, _) = complete_text(&c.base, &completion(p, 400, false)).await;
+        assert_eq!(moved, &undisturbed, "prompt {p:?}");
+    }
     wait_for(&c.base, "all blocks back", |r| {
         r["kv_blocks"]["used"] == 0 && r["running"] == 0
     })

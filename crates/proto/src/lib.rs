@@ -238,6 +238,9 @@ pub struct EngineStatus {
     /// (held for requests no longer alive anywhere; a leak it found and
     /// healed, so it should stay 0). 0 for an engine with no node.
     pub orphans: u64,
+    /// The engine (or its node) is draining: it takes no new requests and
+    /// stops once those it runs have finished.
+    pub draining: bool,
     /// Engine nodes behind a cluster Router (empty for an engine in this process).
     pub nodes: Vec<NodeStatus>,
 }

@@ -117,11 +117,15 @@ pub enum Kind {
     Holding = 15,
     /// [`Message::Unknown`].
     Unknown = 16,
+    /// [`Message::Drain`].
+    Drain = 17,
+    /// [`Message::Leaving`].
+    Leaving = 18,
 }
 
 impl Kind {
     /// Every kind, in number order.
-    pub const ALL: [Kind; 16] = [
+    pub const ALL: [Kind; 18] = [
         Kind::Heartbeat,
         Kind::Submit,
         Kind::Admitted,
@@ -138,6 +142,8 @@ impl Kind {
         Kind::PrefillAbandon,
         Kind::Holding,
         Kind::Unknown,
+        Kind::Drain,
+        Kind::Leaving,
     ];
 
     /// The kind numbered `n`, if any.
@@ -152,10 +158,10 @@ impl Kind {
     pub fn may_send(self, role: Role) -> bool {
         match self {
             Kind::Heartbeat | Kind::Ping | Kind::Pong => true,
-            Kind::Submit | Kind::Cancel | Kind::PrefillAbandon | Kind::Unknown => {
+            Kind::Submit | Kind::Cancel | Kind::PrefillAbandon | Kind::Unknown | Kind::Drain => {
                 role == Role::Router
             }
-            Kind::Holding => role.runs_engine(),
+            Kind::Holding | Kind::Leaving => role.runs_engine(),
             Kind::Admitted | Kind::Refused | Kind::Events => role.runs_engine(),
             Kind::KvBlocks => matches!(role, Role::Prefill | Role::Decode | Role::Worker),
             Kind::Prefill | Kind::KvAck | Kind::PrefillCancel => role == Role::Decode,
@@ -408,6 +414,17 @@ pub enum Message {
         /// Entries of the `Holding` list the Router does not run there.
         held: Vec<Held>,
     },
+    /// Router -> engine node: drain (as on SIGTERM): take no new work,
+    /// finish what runs within `grace_ms`, then leave.
+    Drain {
+        /// How long running requests may take to finish here, ms; what
+        /// still runs then moves to other nodes.
+        grace_ms: u64,
+    },
+    /// Engine node -> its Routers: this life ends now (drained, or its
+    /// drain deadline passed). Whatever of yours still runs here, move it;
+    /// place nothing here until a new life is heard.
+    Leaving,
 }
 
 /// One lease an engine node holds for a Router's request.
@@ -440,6 +457,8 @@ impl Message {
             Message::PrefillAbandon { .. } => Kind::PrefillAbandon,
             Message::Holding { .. } => Kind::Holding,
             Message::Unknown { .. } => Kind::Unknown,
+            Message::Drain { .. } => Kind::Drain,
+            Message::Leaving => Kind::Leaving,
         }
     }
 }
@@ -604,6 +623,7 @@ mod tests {
                 },
                 preemptions: 1,
                 orphans: 0,
+                draining: true,
                 nodes: vec![],
             }),
             Message::Submit(Submit {
@@ -722,6 +742,8 @@ mod tests {
                     for_decode: Some(3),
                 }],
             },
+            Message::Drain { grace_ms: 30_000 },
+            Message::Leaving,
         ]
     }
 

@@ -178,6 +178,7 @@ impl Scheduler {
             },
             preemptions: self.counters.preemptions,
             orphans: 0,
+            draining: false,
             nodes: Vec::new(),
         }
     }

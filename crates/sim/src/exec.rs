@@ -67,6 +67,24 @@ impl DecodeLog {
         }
     }
 
+    /// For each time a request's decoding went from one engine to another
+    /// (a move), the pause between the last step on the one and the first
+    /// on the other: what its client waited, less the network.
+    pub fn move_pauses(&self) -> Vec<Duration> {
+        let spans = self.spans.lock().unwrap_or_else(|e| e.into_inner());
+        let mut out = Vec::new();
+        for v in spans.values() {
+            let mut by_time: Vec<&DecodeSpan> = v.iter().collect();
+            by_time.sort_by_key(|s| s.first);
+            for w in by_time.windows(2) {
+                if w[0].node != w[1].node && w[1].first > w[0].last {
+                    out.push(w[1].first - w[0].last);
+                }
+            }
+        }
+        out
+    }
+
     /// Pairs of spans in which two engines decoded one request at the same
     /// time: (request, span, span).
     pub fn overlaps(&self) -> Vec<(u64, DecodeSpan, DecodeSpan)> {

@@ -16,4 +16,4 @@ pub mod swarm;
 
 pub use run::{Report, SimError, TierReport, run};
 pub use scenario::Scenario;
-pub use swarm::{SeedResult, SwarmReport, swarm};
+pub use swarm::{SeedResult, SwarmReport, SwarmTotals, swarm};

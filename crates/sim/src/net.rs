@@ -102,6 +102,10 @@ pub struct FaultCounts {
     pub crashes: u64,
     /// Nodes restarted.
     pub restarts: u64,
+    /// Drains started (a running node was told to drain).
+    pub drains: u64,
+    /// Nodes that drained and left.
+    pub drained: u64,
     /// Control messages sent (copies included): how many chances the
     /// per-message faults had.
     pub messages: u64,
@@ -220,6 +224,24 @@ impl SimNet {
         if st.nodes[node as usize].take().is_some() {
             st.faults.crashes += 1;
         }
+    }
+
+    /// Node `node`'s life `epoch` drained and leaves: like a crash for
+    /// what comes later, but what it sent before arrives.
+    pub fn leave(&self, node: NodeId, epoch: u64) {
+        let mut st = self.lock();
+        if st.nodes[node as usize]
+            .as_ref()
+            .is_some_and(|s| s.epoch == epoch)
+        {
+            st.nodes[node as usize] = None;
+            st.faults.drained += 1;
+        }
+    }
+
+    /// Counts a drain started.
+    pub fn note_drain(&self) {
+        self.lock().faults.drains += 1;
     }
 
     /// Counts a restart (the caller joins the node again with a new epoch).

@@ -14,7 +14,7 @@ use std::time::Duration;
 
 use flotilla_actors::{Clock, EngineOptions, InvariantHook, LocalEngine, spawn_engine};
 use flotilla_cluster::{
-    CheckHook, ClusterEngine, OrphanHook, RouterOptions, WorkerOptions, run_worker,
+    CheckHook, ClusterEngine, OrphanHook, RouterOptions, WorkerEnd, WorkerOptions, run_worker,
 };
 use flotilla_exec::Executor;
 use flotilla_proto::{
@@ -101,6 +101,9 @@ pub struct Report {
     /// Streams whose longest pause between two tokens outlasted the down
     /// bound (a lost node, a cut link), and those pauses, ms.
     pub pauses_ms: Vec<f64>,
+    /// Each move's pause from the last token on one engine to the first on
+    /// the next, ms (runs with `check_every_step`, which logs decodes).
+    pub move_pauses_ms: Vec<f64>,
     /// Events in the trace.
     pub events: u64,
     /// FNV-1a hash of the trace.
@@ -161,7 +164,8 @@ impl std::fmt::Display for Report {
         writeln!(
             f,
             "faults fired: lost+resent {}, duplicated {}, reordered {}, held by a partition {}, \
-             held by a clog {}, dropped at idle timeout {}, crashes {}, restarts {}",
+             held by a clog {}, dropped at idle timeout {}, crashes {}, restarts {}, \
+             drains {} (left {})",
             x.lost,
             x.duplicated,
             x.reordered,
@@ -169,7 +173,9 @@ impl std::fmt::Display for Report {
             x.clogged,
             x.dropped,
             x.crashes,
-            x.restarts
+            x.restarts,
+            x.drains,
+            x.drained
         )?;
         if self.orphans > 0 {
             writeln!(
@@ -182,9 +188,20 @@ impl std::fmt::Display for Report {
             let mut p = self.pauses_ms.clone();
             writeln!(
                 f,
-                "moves: {} streams continued on another node after theirs was lost; {} streams \
+                "moves: {} streams continued on another node after theirs was lost or left; {} streams \
                  paused past the down bound, longest pause p50 {:.0} ms, p99 {:.0} ms",
                 self.moved,
+                p.len(),
+                percentile(&mut p, 50.0),
+                percentile(&mut p, 99.0)
+            )?;
+        }
+        if !self.move_pauses_ms.is_empty() {
+            let mut p = self.move_pauses_ms.clone();
+            writeln!(
+                f,
+                "move pauses (last token on one engine to the first on the next): {} moves, \
+                 p50 {:.0} ms, p99 {:.0} ms",
                 p.len(),
                 percentile(&mut p, 50.0),
                 percentile(&mut p, 99.0)
@@ -289,6 +306,8 @@ struct World {
     net: Arc<SimNet>,
     router: ClusterEngine,
     engines: Mutex<Vec<Option<LocalEngine>>>,
+    /// Each running engine node's drain switch.
+    drains: Mutex<Vec<Option<tokio::sync::watch::Sender<Option<Duration>>>>>,
     trace: Mutex<Trace>,
     outcomes: Mutex<Vec<Outcome>>,
     next_req: Mutex<u64>,
@@ -383,6 +402,7 @@ async fn simulate(sc: &Scenario, seed: u64) -> Result<Report, SimError> {
         net,
         router,
         engines: Mutex::new((0..=n).map(|_| None).collect()),
+        drains: Mutex::new((0..=n).map(|_| None).collect()),
         trace: Mutex::new(Trace {
             t0,
             hash: 0xcbf2_9ce4_8422_2325,
@@ -572,6 +592,12 @@ async fn simulate(sc: &Scenario, seed: u64) -> Result<Report, SimError> {
             .filter(|o| o.gap_max > down_after)
             .map(|o| o.gap_max.as_secs_f64() * 1e3)
             .collect(),
+        move_pauses_ms: world
+            .decodes
+            .move_pauses()
+            .iter()
+            .map(|d| d.as_secs_f64() * 1e3)
+            .collect(),
         events: trace.events,
         trace_hash: trace.hash,
     })
@@ -637,17 +663,34 @@ async fn start_engine(w: &Arc<World>, node: u32, life: u64) -> Result<(), SimErr
             .then(|| CheckHook(Arc::new(move |what: &str| hook(what.to_string())))),
         ..WorkerOptions::from_config(&w.sc.cluster_config(), vec![0], role)
     };
-    let (t, rx) = w.net.join(node, (u64::from(node) << 32) | life);
+    let epoch = (u64::from(node) << 32) | life;
+    let (t, rx) = w.net.join(node, epoch);
     let engine_arc = Arc::new(engine.clone());
     let kv: Option<Arc<dyn flotilla_proto::KvMigration>> =
         matches!(role, Role::Prefill | Role::Decode).then(|| engine_arc.clone() as _);
+    let (drain_tx, drain_rx) = tokio::sync::watch::channel(None);
+    let opts = WorkerOptions {
+        drain: Some(drain_rx),
+        ..opts
+    };
     // Log lines of a replay (FLOTILLA_LOG) name the node.
     let span = tracing::info_span!("node", n = node, life);
-    tokio::spawn(tracing::Instrument::instrument(
-        run_worker(t, rx, engine_arc, kv, opts),
-        span,
-    ));
+    let weak = Arc::downgrade(w);
+    let worker = async move {
+        if run_worker(t, rx, engine_arc, kv, opts).await == WorkerEnd::Left
+            && let Some(w) = weak.upgrade()
+        {
+            // Drained: this life ends as a process would exit.
+            w.net.leave(node, epoch);
+            lock(&w.drains)[node as usize] = None;
+            if let Some(e) = lock(&w.engines)[node as usize].take() {
+                e.stop();
+            }
+        }
+    };
+    tokio::spawn(tracing::Instrument::instrument(worker, span));
     lock(&w.engines)[node as usize] = Some(engine);
+    lock(&w.drains)[node as usize] = Some(drain_tx);
     Ok(())
 }
 
@@ -681,8 +724,15 @@ async fn apply_fault(w: &Arc<World>, f: &FaultKind) {
     match *f {
         FaultKind::Crash { node } => {
             w.net.crash(node);
+            lock(&w.drains)[node as usize] = None;
             if let Some(e) = lock(&w.engines)[node as usize].take() {
                 e.stop();
+            }
+        }
+        FaultKind::Drain { node, grace_ms } => {
+            if let Some(d) = &lock(&w.drains)[node as usize] {
+                let _ = d.send(Some(Duration::from_millis(grace_ms)));
+                w.net.note_drain();
             }
         }
         FaultKind::Restart { node } => {
@@ -819,6 +869,8 @@ fn unfired(sc: &Scenario, f: &FaultCounts) -> Option<String> {
         let (fired, name) = match x.kind {
             FaultKind::Crash { .. } => (f.crashes, "crash"),
             FaultKind::Restart { .. } => (f.restarts, "restart"),
+            // Started, and ended with the node leaving.
+            FaultKind::Drain { .. } => (f.drains.min(f.drained), "drain"),
             FaultKind::Partition { .. } => (f.partitioned, "partition"),
             FaultKind::Clog { .. } => (f.clogged, "clog"),
             FaultKind::Heal | FaultKind::Unclog => continue,

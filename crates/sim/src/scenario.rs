@@ -275,7 +275,17 @@ pub enum FaultKind {
         /// Node id (1.. are engines).
         node: u32,
     },
-    /// A crashed engine node starts again, empty, with a new epoch.
+    /// Engine node `node` drains (as on SIGTERM): no new work, what runs
+    /// may finish for `grace_ms`, then it leaves and the Router moves what
+    /// still runs there. A `restart` brings it back.
+    Drain {
+        /// Node id.
+        node: u32,
+        /// How long its running requests may take, simulated ms.
+        grace_ms: u64,
+    },
+    /// A crashed (or drained) engine node starts again, empty, with a new
+    /// epoch.
     Restart {
         /// Node id.
         node: u32,
@@ -618,7 +628,9 @@ impl Scenario {
         for f in &self.faults {
             let node_ok = |n: u32| (1..=engines).contains(&n);
             let ok = match f.kind {
-                FaultKind::Crash { node } | FaultKind::Restart { node } => node_ok(node),
+                FaultKind::Crash { node }
+                | FaultKind::Restart { node }
+                | FaultKind::Drain { node, .. } => node_ok(node),
                 FaultKind::Partition { a, b, .. } | FaultKind::Clog { a, b } => {
                     a <= engines && b <= engines && a != b
                 }

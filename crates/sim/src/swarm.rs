@@ -34,6 +34,24 @@ impl SwarmReport {
         self.seeds.iter().filter(|s| s.result.is_err())
     }
 
+    /// Over all passing seeds: requests sent, finished, refused, failed
+    /// and cancelled; streams moved; and every move's pause, ms.
+    pub fn totals(&self) -> SwarmTotals {
+        let mut t = SwarmTotals::default();
+        for r in self.seeds.iter().filter_map(|s| s.result.as_ref().ok()) {
+            for tier in &r.tiers {
+                t.sent += tier.sent;
+                t.finished += tier.finished;
+                t.refused += tier.refused;
+                t.failed += tier.failed;
+                t.cancelled += tier.cancelled;
+            }
+            t.moved += r.moved;
+            t.move_pauses_ms.extend_from_slice(&r.move_pauses_ms);
+        }
+        t
+    }
+
     /// Simulated seconds over all passing seeds.
     pub fn sim_s(&self) -> f64 {
         self.seeds
@@ -42,6 +60,25 @@ impl SwarmReport {
             .map(|r| r.sim_s)
             .sum()
     }
+}
+
+/// Sums over a swarm's passing seeds ([`SwarmReport::totals`]).
+#[derive(Debug, Default)]
+pub struct SwarmTotals {
+    /// Requests sent.
+    pub sent: u64,
+    /// Finished normally.
+    pub finished: u64,
+    /// Refused at admission.
+    pub refused: u64,
+    /// Ended with an error after admission.
+    pub failed: u64,
+    /// Dropped by their clients.
+    pub cancelled: u64,
+    /// Streams the Router moved.
+    pub moved: u64,
+    /// Each move's pause, ms.
+    pub move_pauses_ms: Vec<f64>,
 }
 
 /// Runs `sc` under `count` seeds from `first` on `jobs` threads (each

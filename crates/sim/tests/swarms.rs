@@ -55,6 +55,34 @@ fn a_swarm_of_the_disaggregated_fault_storm_holds() {
     }
 }
 
+/// A rolling restart (each engine node drained, then restarted) costs no
+/// request in any seed: none fails or is refused, every drain ends with
+/// the node leaving, and what ran past a grace period moved.
+fn assert_rolling_drain(name: &str) {
+    let s = swarm_of(name, 1);
+    for r in &s.seeds {
+        let f = r.result.as_ref().unwrap().faults;
+        assert!(
+            f.drains == 4 && f.drained == 4 && f.restarts == 4,
+            "seed {}: {f:?}",
+            r.seed
+        );
+    }
+    let t = s.totals();
+    assert_eq!((t.failed, t.refused), (0, 0), "{name}: {t:?}");
+    assert!(t.finished > 0 && t.moved > 0, "{name}: {t:?}");
+}
+
+#[test]
+fn a_swarm_of_rolling_drains_loses_no_request() {
+    assert_rolling_drain("rolling-drain.toml");
+}
+
+#[test]
+fn a_swarm_of_disaggregated_rolling_drains_loses_no_request() {
+    assert_rolling_drain("pd-rolling-drain.toml");
+}
+
 /// Faults drawn by the seed fire: crashes, restarts, partitions and
 /// clogs all happened across the swarm, in different places per seed.
 fn assert_chaos_fired(s: &SwarmReport) {

@@ -183,6 +183,9 @@ struct WorkerView {
     routed: u64,
     downs: u64,
     moved_away: u64,
+    /// The life (epoch) that said it is leaving: its later messages are
+    /// a drained node's last words, not a sign of life.
+    left_epoch: u64,
     prefix: PrefixIndex,
 }
 
@@ -273,6 +276,7 @@ impl RouterCore {
                 routed: 0,
                 downs: 0,
                 moved_away: 0,
+                left_epoch: 0,
                 prefix: PrefixIndex::new(opts.prefix_blocks_max),
             })
             .collect();
@@ -480,7 +484,7 @@ impl RouterCore {
         exclude: Option<usize>,
         reachable: &dyn Fn(NodeId) -> bool,
     ) -> bool {
-        w.up && w.load.ready && Some(i) != exclude && reachable(w.node)
+        w.up && w.load.ready && !w.load.draining && Some(i) != exclude && reachable(w.node)
     }
 
     /// The cheapest up node for a request, skipping `exclude`, and the
@@ -850,6 +854,9 @@ impl RouterCore {
         let Some(&w) = self.by_node.get(&from) else {
             return;
         };
+        if epoch <= self.workers[w].left_epoch {
+            return;
+        }
         if epoch > self.workers[w].epoch {
             if self.workers[w].epoch != 0 {
                 // Our link still reaches its old life: frames sent there
@@ -867,7 +874,19 @@ impl RouterCore {
         }
         view.up = true;
         match msg {
-            Message::Heartbeat(load) => self.workers[w].load = load,
+            Message::Heartbeat(load) => {
+                if load.draining && !self.workers[w].load.draining {
+                    tracing::info!(node = %self.workers[w].name, "draining: no new work goes there");
+                }
+                self.workers[w].load = load;
+            }
+            Message::Leaving => {
+                let v = &mut self.workers[w];
+                v.left_epoch = epoch;
+                v.up = false;
+                tracing::info!(node = %v.name, "left (drained)");
+                self.worker_lost(w, "left (drained)", reachable);
+            }
             Message::Holding { held } => {
                 // What it still holds that we no longer run there (we ended
                 // or moved it while it was cut off), or prefill KV kept for
@@ -905,7 +924,10 @@ impl RouterCore {
                     rejection,
                     Rejection::QueueFull { .. } | Rejection::Unavailable
                 );
-                if full && self.pending[&req].prefill.is_some() {
+                // A node that takes no work now (draining, stopping): any
+                // other node may.
+                let closed = rejection == Rejection::Unavailable;
+                if (full && self.pending[&req].prefill.is_some()) || closed {
                     let why = format!("{} refused it ({rejection})", self.workers[w].name);
                     self.rerun_or_fail(req, Some(w), &why, reachable);
                 } else if let Some(p) = self.finish(req) {

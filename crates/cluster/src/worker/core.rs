@@ -80,6 +80,13 @@ pub enum NodeInput {
     },
     /// Time passed (at [`NodeCore::next_deadline`] or later).
     Tick,
+    /// Drain (SIGTERM, or a Router's `Drain`): take no new work, let what
+    /// runs finish within `grace`, then leave ([`NodeOutput::Left`]).
+    Drain {
+        /// How long running work may take; what runs then is moved by the
+        /// Routers.
+        grace: Duration,
+    },
 }
 
 /// What the core asks of the engine.
@@ -254,6 +261,9 @@ pub enum NodeOutput {
     },
     /// An orphaned lease was given back (what it was).
     Orphan(String),
+    /// The node drained (or its drain deadline passed) and told its
+    /// Routers it is leaving: stop this life once the messages are out.
+    Left,
 }
 
 /// Decode side: a request whose blocks are reserved and whose KV has not
@@ -355,6 +365,10 @@ pub struct NodeCore {
     /// Answer-now calls not answered yet.
     answers_due: usize,
     next_heartbeat: Duration,
+    /// Draining until then: no new work; leave when empty or then.
+    drain_until: Option<Duration>,
+    /// `Leaving` was sent.
+    left: bool,
     /// A broken calling contract, for `check_invariants`.
     broken: Option<String>,
 }
@@ -388,16 +402,32 @@ impl NodeCore {
             next_ticket: 1,
             answers_due: 0,
             next_heartbeat: now,
+            drain_until: None,
+            left: false,
             broken: None,
         }
     }
 
     /// When the core wants a [`NodeInput::Tick`] next.
     pub fn next_deadline(&self) -> Duration {
-        match self.holds.first() {
+        let next = match self.holds.first() {
             Some(&(until, _)) => until.min(self.next_heartbeat),
             None => self.next_heartbeat,
+        };
+        match self.drain_until {
+            Some(d) if !self.left => next.min(d),
+            _ => next,
         }
+    }
+
+    /// Whether the node drains (takes no new work).
+    pub fn draining(&self) -> bool {
+        self.drain_until.is_some()
+    }
+
+    /// Whether the node told its Routers it is leaving.
+    pub fn left(&self) -> bool {
+        self.left
     }
 
     /// Requests given back as orphans since start.
@@ -425,8 +455,59 @@ impl NodeCore {
                 self.on_undelivered(to, msg, &reason, out)
             }
             NodeInput::Tick => self.on_tick(now, out),
+            NodeInput::Drain { grace } => self.on_drain(now, grace, out),
         }
         self.active.outbox.flush(out);
+        // After the last events, so that they reach the Routers first.
+        self.leave_if_drained(now, out);
+    }
+
+    fn on_drain(&mut self, now: Duration, grace: Duration, out: &mut Vec<NodeOutput>) {
+        let until = now + grace;
+        if self.drain_until.is_none_or(|d| until < d) {
+            if self.drain_until.is_none() {
+                tracing::info!(
+                    "draining: no new work; leaving when idle or in {} ms",
+                    grace.as_millis()
+                );
+            }
+            self.drain_until = Some(until);
+        }
+        // A heartbeat now, so the Routers stop placing work here at once.
+        if !self.left {
+            self.call_now(EngineCall::Status, out);
+        }
+    }
+
+    /// Nothing of a Router's runs or waits here: no request, reservation,
+    /// import, prefill, or engine answer it waits for.
+    fn idle(&self) -> bool {
+        self.active.map.is_empty()
+            && self.importing.is_empty()
+            && self.import_tasks.is_empty()
+            && self.prefills.is_empty()
+            && self.pending.is_empty()
+    }
+
+    fn leave_if_drained(&mut self, now: Duration, out: &mut Vec<NodeOutput>) {
+        let Some(until) = self.drain_until else {
+            return;
+        };
+        if self.left || self.answers_due > 0 || !(self.idle() || now >= until) {
+            return;
+        }
+        self.left = true;
+        if !self.idle() {
+            tracing::warn!(
+                running = self.active.map.len(),
+                prefills = self.prefills.len(),
+                "drain deadline passed: leaving; the Routers move what still runs"
+            );
+        }
+        for &r in &self.opts.routers {
+            Self::send(out, r, 0, Message::Leaving);
+        }
+        out.push(NodeOutput::Left);
     }
 
     /// Checks the core's bookkeeping: every index agrees with what it
@@ -644,6 +725,9 @@ impl NodeCore {
                 }
             }
             Message::Unknown { held } if is_router => self.on_unknown(from, epoch, held, out),
+            Message::Drain { grace_ms } if is_router => {
+                self.on_drain(now, Duration::from_millis(grace_ms), out)
+            }
             Message::Ping { seq, pad } => Self::send(out, from, seq, Message::Pong { seq, pad }),
             _ => {}
         }
@@ -652,6 +736,12 @@ impl NodeCore {
     fn on_submit(&mut self, from: NodeId, epoch: u64, s: Submit, out: &mut Vec<NodeOutput>) {
         let req = s.req;
         let tenant = s.request.tenant;
+        if self.drain_until.is_some() {
+            // The Router places it elsewhere.
+            let rejection = Rejection::Unavailable;
+            Self::send(out, from, req, Message::Refused { req, rejection });
+            return;
+        }
         if tenant.0 >= self.opts.num_tenants {
             let rejection = Rejection::Invalid(format!(
                 "unknown tenant {} (the config has {})",
@@ -748,6 +838,10 @@ impl NodeCore {
         }
         if self.layout.is_none() || self.opts.role != Role::Prefill {
             refuse(out, format!("node {} is not a prefill node", self.me));
+            return;
+        }
+        if self.drain_until.is_some() {
+            refuse(out, format!("prefill node {} is draining", self.me));
             return;
         }
         if pm.submit.request.tenant.0 >= self.opts.num_tenants {
@@ -1072,6 +1166,7 @@ impl NodeCore {
             EngineAnswer::Status(mut report) => {
                 self.answered();
                 report.orphans = self.orphans.found;
+                report.draining = self.drain_until.is_some();
                 for &r in &self.opts.routers {
                     // Unreachable Routers are noticed by their silence.
                     Self::send(out, r, 0, Message::Heartbeat(report.clone()));

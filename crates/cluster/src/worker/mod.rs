@@ -26,6 +26,7 @@ pub mod core;
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use bytes::Bytes;
@@ -81,6 +82,20 @@ pub struct WorkerOptions {
     /// Checks the core's bookkeeping after every input and is told the
     /// first thing that breaks (tests, the simulator).
     pub check: Option<CheckHook>,
+    /// Set to `Some(grace)` to drain the node (SIGTERM in `flotilla node`,
+    /// a fault in the simulator): it takes no new work, lets what runs
+    /// finish within the grace, tells its Routers it is leaving, and
+    /// [`run_worker`] returns [`WorkerEnd::Left`].
+    pub drain: Option<tokio::sync::watch::Receiver<Option<Duration>>>,
+}
+
+/// Why [`run_worker`] returned.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum WorkerEnd {
+    /// The transport closed (or the node actor failed).
+    Closed,
+    /// The node drained and told its Routers it is leaving.
+    Left,
 }
 
 /// Called with a description of each orphaned lease a node gives back.
@@ -115,6 +130,7 @@ impl WorkerOptions {
             reconcile_interval: cl.down_after(),
             on_orphan: None,
             check: None,
+            drain: None,
         }
     }
 
@@ -141,6 +157,8 @@ enum NodeMsg {
     },
     /// The core's deadline.
     Tick,
+    /// Drain, with this grace.
+    Drain(Duration),
 }
 
 struct NodeArgs {
@@ -149,6 +167,8 @@ struct NodeArgs {
     kv: Option<Arc<dyn KvMigration>>,
     opts: WorkerOptions,
     sink: EventSink,
+    /// Set when the node has drained.
+    left: Arc<AtomicBool>,
 }
 
 /// The node actor's state: the core, and where its outputs go.
@@ -167,6 +187,7 @@ struct NodeState {
     t0: Instant,
     /// The Tick already asked for, if any.
     tick_at: Option<Duration>,
+    left: Arc<AtomicBool>,
     out: Vec<NodeOutput>,
 }
 
@@ -195,6 +216,7 @@ impl Actor for NodeActor {
             streams: HashMap::new(),
             t0: Instant::now(),
             tick_at: None,
+            left: a.left,
             out: Vec::new(),
         };
         st.feed(&myself, NodeInput::Tick).await;
@@ -234,8 +256,15 @@ impl Actor for NodeActor {
                 st.tick_at = None;
                 NodeInput::Tick
             }
+            NodeMsg::Drain(grace) => NodeInput::Drain { grace },
         };
         st.feed(&myself, input).await;
+        if st.core.left() {
+            // Its Leaving is queued on the transport; every handle it
+            // holds ends with the actor.
+            st.left.store(true, Ordering::Release);
+            myself.stop(Some("left".into()));
+        }
         Ok(())
     }
 }
@@ -310,6 +339,8 @@ impl NodeState {
                             (h.0)(&what);
                         }
                     }
+                    // The actor stops after this input (see `handle`).
+                    NodeOutput::Left => tracing::info!("drained: leaving"),
                 }
             }
             // The buffer's capacity is kept for the next input.
@@ -463,33 +494,36 @@ impl NodeState {
 }
 
 /// Serves remote Routers (and, on prefill and decode nodes, each other)
-/// until `inbound` closes: starts the node actor and moves the
-/// transport's messages and the engine's step events to it. `kv` is the
-/// engine's migration side; without it the node serves whole requests
-/// only. When it returns the actor has stopped and every request it held
-/// is ended.
+/// until `inbound` closes or the node has drained (`opts.drain`): starts
+/// the node actor and moves the transport's messages and the engine's step
+/// events to it. `kv` is the engine's migration side; without it the node
+/// serves whole requests only. When it returns the actor has stopped and
+/// every request it held is ended.
 pub async fn run_worker(
     transport: Arc<dyn Transport>,
     mut inbound: mpsc::Receiver<Inbound>,
     engine: Arc<dyn Engine>,
     kv: Option<Arc<dyn KvMigration>>,
-    opts: WorkerOptions,
-) {
+    mut opts: WorkerOptions,
+) -> WorkerEnd {
     // Every request's events come through one sink, a message per engine
     // step, and leave as one frame per Router.
     let (sink, mut sink_rx) = mpsc::unbounded_channel::<StepEvents>();
+    let drain = opts.drain.take();
+    let left = Arc::new(AtomicBool::new(false));
     let args = NodeArgs {
         transport,
         engine,
         kv,
         opts,
         sink,
+        left: left.clone(),
     };
-    let (actor, done) = match Actor::spawn(None, NodeActor, args).await {
+    let (actor, mut done) = match Actor::spawn(None, NodeActor, args).await {
         Ok(a) => a,
         Err(e) => {
             tracing::error!("starting the node actor: {e}");
-            return;
+            return WorkerEnd::Closed;
         }
     };
     let to = actor.clone();
@@ -500,14 +534,47 @@ pub async fn run_worker(
             }
         }
     });
-    while let Some(m) = inbound.recv().await {
-        if actor.cast(NodeMsg::Net(m)).is_err() {
-            break;
+    let drains = drain.map(|mut rx| {
+        let to = actor.clone();
+        tokio::spawn(async move {
+            loop {
+                if let Some(grace) = *rx.borrow_and_update()
+                    && to.cast(NodeMsg::Drain(grace)).is_err()
+                {
+                    return;
+                }
+                if rx.changed().await.is_err() {
+                    return;
+                }
+            }
+        })
+    });
+    let end = loop {
+        tokio::select! {
+            m = inbound.recv() => match m {
+                Some(m) => {
+                    if actor.cast(NodeMsg::Net(m)).is_err() {
+                        break WorkerEnd::Closed;
+                    }
+                }
+                None => break WorkerEnd::Closed,
+            },
+            _ = &mut done => break if left.load(Ordering::Acquire) {
+                WorkerEnd::Left
+            } else {
+                WorkerEnd::Closed
+            },
         }
+    };
+    if end == WorkerEnd::Closed {
+        actor.stop(None);
+        let _ = done.await;
     }
-    actor.stop(None);
-    let _ = done.await;
     steps.abort();
+    if let Some(d) = drains {
+        d.abort();
+    }
+    end
 }
 
 /// Verifies a transfer's checksum, then writes it into its reservation

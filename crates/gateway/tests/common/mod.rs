@@ -183,6 +183,7 @@ impl Engine for Fake {
                 },
                 preemptions: 2,
                 orphans: 0,
+                draining: false,
                 nodes: vec![],
             }
         })

@@ -491,3 +491,69 @@ fn a_failed_transfer_reruns_colocated_and_a_lost_decode_node_frees_its_prefill()
         (1, 9, 4)
     );
 }
+
+#[test]
+fn a_draining_node_gets_no_new_work_and_what_it_runs_moves_when_it_leaves() {
+    let mut h = H::new(&[Role::Worker, Role::Worker]);
+    h.unreachable = vec![2];
+    assert_eq!(submits(&h.submit(1, 8, 5)), [(1, 1, 0)]);
+    h.unreachable.clear();
+    h.msg(1, 1, batch(1, 0, 0, vec![tok(1)]));
+    // Node 1 drains: a request that comes now goes to node 2 even though
+    // node 1 would be the cheaper pick by load.
+    let draining = EngineStatus {
+        ready: true,
+        draining: true,
+        kv: KvUsage {
+            total: 1000,
+            free: 1000,
+            ..KvUsage::default()
+        },
+        ..EngineStatus::default()
+    };
+    h.msg(1, 1, Message::Heartbeat(draining.clone()));
+    h.heartbeat(2, 1);
+    assert_eq!(submits(&h.submit(2, 8, 5)), [(2, 2, 0)]);
+    // With the other node out of reach nothing is placed on the draining
+    // one: the client is told at once.
+    h.unreachable = vec![2];
+    let out = h.submit(3, 8, 5);
+    h.unreachable.clear();
+    assert!(submits(&out).is_empty(), "placed on a draining node");
+    assert_eq!(admitted(&out, 3), Some(Err(Rejection::Unavailable)));
+    h.heartbeat(2, 1);
+    // Node 1 leaves with request 1 still running: it moves at once, from
+    // the token its client has; no down bound waited for, no down counted.
+    let out = h.msg(1, 1, Message::Leaving);
+    assert_eq!(submits(&out), [(2, 1, 1)]);
+    assert_eq!(delivered(&out, 1), (vec![], None), "a pause, not an error");
+    let st = h.core.status();
+    assert!(!st.nodes[0].up, "{:?}", st.nodes);
+    assert_eq!((st.nodes[0].downs, st.nodes[0].moved_away), (0, 1));
+    // Its last words (same life) do not bring it back.
+    h.msg(1, 1, Message::Heartbeat(draining));
+    assert!(!h.core.status().nodes[0].up);
+    let out = h.submit(4, 8, 5);
+    assert_eq!(submits(&out), [(2, 4, 0)]);
+    // A new life is a node again.
+    h.heartbeat(1, 2);
+    assert!(h.core.status().nodes[0].up);
+}
+
+#[test]
+fn a_refusal_as_unavailable_is_placed_elsewhere() {
+    let mut h = H::new(&[Role::Worker, Role::Worker]);
+    h.unreachable = vec![2];
+    assert_eq!(submits(&h.submit(1, 8, 5)), [(1, 1, 0)]);
+    h.unreachable.clear();
+    let out = h.msg(
+        1,
+        1,
+        Message::Refused {
+            req: 1,
+            rejection: Rejection::Unavailable,
+        },
+    );
+    assert_eq!(submits(&out), [(2, 1, 1)]);
+    assert_eq!(admitted(&out, 1), None, "the client waits, not refused");
+}

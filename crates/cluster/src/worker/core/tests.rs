@@ -55,6 +55,8 @@ struct H {
     bulks: Vec<(RequestId, u32, KvTransferHeader)>,
     orphans: Vec<String>,
     reconnects: Vec<u32>,
+    /// `NodeOutput::Left` came.
+    left: bool,
 }
 
 impl H {
@@ -82,6 +84,7 @@ impl H {
             bulks: Vec::new(),
             orphans: Vec::new(),
             reconnects: Vec::new(),
+            left: false,
         };
         h.input(NodeInput::Tick);
         h.sent.clear();
@@ -110,6 +113,10 @@ impl H {
                     NodeOutput::Reconnect(n) => self.reconnects.push(n),
                     NodeOutput::EndStream { id, stop_string } => self.ended.push((id, stop_string)),
                     NodeOutput::Orphan(what) => self.orphans.push(what),
+                    NodeOutput::Left => {
+                        assert!(!self.left, "left twice");
+                        self.left = true;
+                    }
                     NodeOutput::Call(c) if c.answer_now() => answers.push(self.answer(c)),
                     NodeOutput::Call(
                         c @ (EngineCall::CancelReservation(_) | EngineCall::Release(_)),
@@ -803,4 +810,82 @@ fn an_input_while_an_engine_answer_is_due_breaks_the_contract() {
     core.handle(ms(1), NodeInput::Step(vec![]), &mut out);
     let e = core.check_invariants().unwrap_err();
     assert!(e.contains("answers due"), "{e}");
+}
+
+#[test]
+fn a_draining_node_takes_no_new_work_finishes_what_runs_then_leaves() {
+    let mut h = H::new(Role::Worker, false, |o| o);
+    h.msg(ROUTER, 1, submit(7, 0, None));
+    let id = h.last_id();
+    h.take_sent();
+    h.input(NodeInput::Drain { grace: ms(10_000) });
+    // A heartbeat at once says so.
+    assert!(
+        h.sent
+            .iter()
+            .any(|(to, m)| *to == ROUTER && matches!(m, Message::Heartbeat(s) if s.draining)),
+        "{:?}",
+        h.sent
+    );
+    h.sent.clear();
+    h.msg(ROUTER, 1, submit(8, 0, None));
+    assert!(matches!(
+        h.take_sent()[..],
+        [(
+            ROUTER,
+            Message::Refused {
+                req: 8,
+                rejection: Rejection::Unavailable
+            }
+        )]
+    ));
+    h.live_until(ms(1_000), 1);
+    assert!(!h.left, "left with a request running");
+    h.sent.clear();
+    h.step(vec![(id, tok(1)), (id, finished())]);
+    assert!(h.left);
+    // Its last events first, then the word that it leaves.
+    let kinds: Vec<_> = h
+        .sent
+        .iter()
+        .filter(|(_, m)| !matches!(m, Message::Heartbeat(_) | Message::Pong { .. }))
+        .map(|(to, m)| (*to, m.kind()))
+        .collect();
+    use flotilla_proto::wire::Kind;
+    assert_eq!(kinds, vec![(ROUTER, Kind::Events), (ROUTER, Kind::Leaving)]);
+    // Heartbeats after the drain said it drains.
+    assert!(h.sent.iter().all(|(_, m)| match m {
+        Message::Heartbeat(s) => s.draining,
+        _ => true,
+    }));
+}
+
+#[test]
+fn a_router_s_drain_ends_at_its_deadline_with_work_still_running() {
+    let mut h = H::new(Role::Worker, false, |o| o);
+    h.msg(ROUTER, 1, submit(7, 0, None));
+    // Another node may not ask for a drain.
+    h.msg(DECODE, 1, Message::Drain { grace_ms: 100 });
+    assert!(!h.core.draining());
+    h.msg(ROUTER, 1, Message::Drain { grace_ms: 500 });
+    assert!(h.core.draining());
+    // A second, longer drain does not push the deadline out.
+    h.msg(ROUTER, 1, Message::Drain { grace_ms: 5_000 });
+    h.live_until(ms(499), 1);
+    assert!(!h.left);
+    h.sent.clear();
+    h.live_until(ms(600), 1);
+    assert!(h.left, "still here after the deadline");
+    assert!(
+        h.sent
+            .iter()
+            .any(|(to, m)| *to == ROUTER && matches!(m, Message::Leaving))
+    );
+    assert_eq!(
+        h.sent
+            .iter()
+            .filter(|(_, m)| matches!(m, Message::Leaving))
+            .count(),
+        1
+    );
 }
