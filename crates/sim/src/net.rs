@@ -111,6 +111,8 @@ pub struct FaultCounts {
     pub messages: u64,
     /// KV transfers started (not a fault: counted with them for the report).
     pub transfers: u64,
+    /// Transfers to a crashed node that hung until the idle timeout.
+    pub transfers_hung: u64,
     /// Their modelled bytes.
     pub transfer_bytes: u64,
     /// Frames refused by the codec or the sender checks (not a fault: a
@@ -157,6 +159,9 @@ struct NetState {
     /// Each directed link's in-order deliveries: one task per link, not
     /// one per message.
     queues: BTreeMap<(NodeId, NodeId), mpsc::UnboundedSender<Delivery>>,
+    /// When each node last crashed, until it joins again: a QUIC sender
+    /// learns of that only when its connection idles out.
+    crashed_at: BTreeMap<NodeId, Instant>,
     faults: FaultCounts,
 }
 
@@ -187,6 +192,7 @@ impl SimNet {
                 clogged: BTreeSet::new(),
                 last_arrival: BTreeMap::new(),
                 queues: BTreeMap::new(),
+                crashed_at: BTreeMap::new(),
                 faults: FaultCounts::default(),
             }),
         })
@@ -207,6 +213,7 @@ impl SimNet {
         let (tx, rx) = mpsc::channel(INBOX);
         let mut st = self.lock();
         st.nodes[node as usize] = Some(NodeSlot { epoch, inbox: tx });
+        st.crashed_at.remove(&node);
         (
             Arc::new(SimTransport {
                 net: self.clone(),
@@ -223,6 +230,7 @@ impl SimNet {
         let mut st = self.lock();
         if st.nodes[node as usize].take().is_some() {
             st.faults.crashes += 1;
+            st.crashed_at.insert(node, Instant::now());
         }
     }
 
@@ -366,6 +374,29 @@ impl NetState {
         self.faults.frames_refused += 1;
         self.refused = Some(why);
     }
+}
+
+impl NetState {
+    /// Until when a transfer to `to` waits before it fails: a node that
+    /// crashed (and has not come back: a new life answers at once) is
+    /// noticed by QUIC only when the connection idles out, so the transfer
+    /// hangs until then, holding what it holds on the sender.
+    fn hang_until(&mut self, to: NodeId) -> Option<Instant> {
+        let at = *self.crashed_at.get(&to)?;
+        let until = at + Duration::from_millis(self.link.idle_timeout_ms);
+        (until > Instant::now()).then(|| {
+            self.faults.transfers_hung += 1;
+            until
+        })
+    }
+}
+
+/// `why`, once `hang` (if any) has passed.
+async fn fail_after(hang: Option<Instant>, why: SendFailure) -> BulkError {
+    if let Some(t) = hang {
+        tokio::time::sleep_until(t).await;
+    }
+    BulkError::Send(why)
 }
 
 impl SimTransport {
@@ -517,31 +548,43 @@ impl Transport for SimTransport {
                 return Err(BulkError::Send(SendFailure::Closed));
             }
             let frame = Bytes::from(frame.map_err(BulkError::Send)?);
-            let (to_epoch, secs, lat) = {
+            let start = {
                 let mut st = net.lock();
-                let to_epoch = live_peer(true, &st.nodes, to)
-                    .map_err(BulkError::Send)?
-                    .epoch;
-                if st.cut.contains(&(from, to)) {
-                    st.faults.partitioned += 1;
-                    return Err(BulkError::Send(SendFailure::PeerGone));
+                match live_peer(true, &st.nodes, to).map(|slot| slot.epoch) {
+                    Err(e) => Err((st.hang_until(to), e)),
+                    Ok(_) if st.cut.contains(&(from, to)) => {
+                        st.faults.partitioned += 1;
+                        Err((None, SendFailure::PeerGone))
+                    }
+                    Ok(to_epoch) => {
+                        let cfg = st.link.clone();
+                        let lat = cfg.latency_us + st.rng.range(0, cfg.jitter_us);
+                        let bytes = (u64::from(header.token_count) * cfg.kv_bytes_per_token)
+                            .max(data.len() as u64);
+                        st.faults.transfers += 1;
+                        st.faults.transfer_bytes += bytes;
+                        Ok((to_epoch, bytes as f64 / cfg.bandwidth, lat))
+                    }
                 }
-                let cfg = st.link.clone();
-                let lat = cfg.latency_us + st.rng.range(0, cfg.jitter_us);
-                let bytes =
-                    (u64::from(header.token_count) * cfg.kv_bytes_per_token).max(data.len() as u64);
-                st.faults.transfers += 1;
-                st.faults.transfer_bytes += bytes;
-                (to_epoch, bytes as f64 / cfg.bandwidth, lat)
+            };
+            let (to_epoch, secs, lat) = match start {
+                Ok(s) => s,
+                Err((hang, why)) => return Err(fail_after(hang, why).await),
             };
             tokio::time::sleep(Duration::from_secs_f64(secs) + Duration::from_micros(lat)).await;
-            let mut st = net.lock();
-            match &st.nodes[to as usize] {
-                Some(slot) if slot.epoch == to_epoch => {
-                    st.deliver(to, to_epoch, Wire::Bulk { from, frame, data });
-                    Ok(())
+            let end = {
+                let mut st = net.lock();
+                match &st.nodes[to as usize] {
+                    Some(slot) if slot.epoch == to_epoch => {
+                        st.deliver(to, to_epoch, Wire::Bulk { from, frame, data });
+                        Ok(())
+                    }
+                    _ => Err(st.hang_until(to)),
                 }
-                _ => Err(BulkError::Send(SendFailure::PeerGone)),
+            };
+            match end {
+                Ok(()) => Ok(()),
+                Err(hang) => Err(fail_after(hang, SendFailure::PeerGone).await),
             }
         })
     }

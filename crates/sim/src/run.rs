@@ -210,9 +210,10 @@ impl std::fmt::Display for Report {
         if x.transfers > 0 {
             writeln!(
                 f,
-                "KV transfers: {}, {:.2} GB modelled",
+                "KV transfers: {}, {:.2} GB modelled; {} to a crashed node hung until the idle timeout",
                 x.transfers,
-                x.transfer_bytes as f64 / 1e9
+                x.transfer_bytes as f64 / 1e9,
+                x.transfers_hung
             )?;
         }
         write!(
