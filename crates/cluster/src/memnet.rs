@@ -95,7 +95,9 @@ impl Transport for MemTransport {
         tx.try_send(inbound).map_err(|e| {
             let msg = match e.into_inner() {
                 Inbound::Message { msg, .. } => msg,
-                Inbound::Bulk { .. } => unreachable!("sent a message"),
+                Inbound::Bulk { .. } | Inbound::Undelivered { .. } => {
+                    unreachable!("sent a message")
+                }
             };
             SendError::new(to, SendFailure::QueueFull(4096), msg)
         })

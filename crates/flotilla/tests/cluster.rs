@@ -379,6 +379,56 @@ async fn openai_client_through_router_and_two_workers() {
     assert!(routed >= 5, "requests did not go through the workers: {r}");
 }
 
+/// Long streams with distinct prompts for [`four_streams`].
+const STREAM_PROMPTS: [&str; 4] = [
+    "Tell me about the sea",
+    "A recipe for bread",
+    "The history of Rome",
+    "Why is the sky blue",
+];
+
+type StreamTask = tokio::task::JoinHandle<(usize, Option<String>, bool, String)>;
+
+/// Four 400-token streams spread over both workers, once each has work:
+/// their tasks and how many run on worker-1.
+async fn four_streams(base: &str) -> (Vec<StreamTask>, u64) {
+    let mut streams = Vec::new();
+    for p in STREAM_PROMPTS {
+        let resp = post(base, &completion(p, 400, true)).await;
+        assert_eq!(resp.status(), 200);
+        streams.push(tokio::spawn(read_sse_text(resp)));
+    }
+    let r = wait_for(base, "work on both workers", |r| {
+        node(r, "worker-1")["in_flight"].as_u64().unwrap() >= 1
+            && node(r, "worker-2")["in_flight"].as_u64().unwrap() >= 1
+            && r["running"].as_u64().unwrap() >= 4
+    })
+    .await;
+    let on_w1 = node(&r, "worker-1")["in_flight"].as_u64().unwrap();
+    (streams, on_w1)
+}
+
+/// Every stream of [`four_streams`] ends whole (400 chunks and `[DONE]`),
+/// none with an error, each with the text an undisturbed greedy run of its
+/// prompt gives.
+async fn assert_streams_whole_and_undisturbed(base: &str, streams: Vec<StreamTask>) {
+    let mut texts = Vec::new();
+    for s in streams {
+        let (chunks, err, done, text) = tokio::time::timeout(Duration::from_secs(120), s)
+            .await
+            .expect("a stream hung after its worker went away")
+            .unwrap();
+        assert!(done, "stream without [DONE]");
+        assert_eq!(err, None, "a stream ended with an error");
+        assert_eq!(chunks, 400);
+        texts.push(text);
+    }
+    for (p, moved) in STREAM_PROMPTS.iter().zip(&texts) {
+        let (undisturbed, _) = complete_text(base, &completion(p, 400, false)).await;
+        assert_eq!(moved, &undisturbed, "prompt {p:?}");
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_killed_worker_is_marked_down_its_streams_move_and_it_rejoins() {
     let mut c = start_cluster();
@@ -388,26 +438,7 @@ async fn a_killed_worker_is_marked_down_its_streams_move_and_it_rejoins() {
     .await;
     let epoch_before = node(&r0, "worker-1")["epoch"].as_u64().unwrap();
 
-    // Long streams with distinct prompts spread over both workers.
-    let prompts = [
-        "Tell me about the sea",
-        "A recipe for bread",
-        "The history of Rome",
-        "Why is the sky blue",
-    ];
-    let mut streams = Vec::new();
-    for p in prompts {
-        let resp = post(&c.base, &completion(p, 400, true)).await;
-        assert_eq!(resp.status(), 200);
-        streams.push(tokio::spawn(read_sse_text(resp)));
-    }
-    let r = wait_for(&c.base, "work on both workers", |r| {
-        node(r, "worker-1")["in_flight"].as_u64().unwrap() >= 1
-            && node(r, "worker-2")["in_flight"].as_u64().unwrap() >= 1
-            && r["running"].as_u64().unwrap() >= 4
-    })
-    .await;
-    let on_w1 = node(&r, "worker-1")["in_flight"].as_u64().unwrap() as usize;
+    let (streams, on_w1) = four_streams(&c.base).await;
     // Let tokens flow, then kill worker-1 outright.
     tokio::time::sleep(Duration::from_millis(500)).await;
     let w1 = c.nodes.iter_mut().find(|n| n.name == "worker-1").unwrap();
@@ -431,29 +462,15 @@ async fn a_killed_worker_is_marked_down_its_streams_move_and_it_rejoins() {
 
     // Its streams move to worker-2 with the tokens they had sent and
     // finish there: every stream ends whole, none with an error, and its
-    // greedy text is the one an undisturbed run gives.
-    let mut texts = Vec::new();
-    for s in streams {
-        let (chunks, err, done, text) = tokio::time::timeout(Duration::from_secs(120), s)
-            .await
-            .expect("a stream hung after its worker died")
-            .unwrap();
-        assert!(done, "stream without [DONE]");
-        assert_eq!(err, None, "a stream ended with an error");
-        assert_eq!(chunks, 400);
-        texts.push(text);
-    }
-    // The move fired: the Router counts the streams it moved off worker-1.
+    // greedy text is the one an undisturbed run gives; the move fired
+    // (the Router counts the streams it moved off worker-1).
+    assert_streams_whole_and_undisturbed(&c.base, streams).await;
     let r = ready(&c.base).await;
     assert_eq!(
         node(&r, "worker-1")["moved_away"].as_u64(),
-        Some(on_w1 as u64),
+        Some(on_w1),
         "{r}"
     );
-    for (p, moved) in prompts.iter().zip(&texts) {
-        let (undisturbed, _) = complete_text(&c.base, &completion(p, 400, false)).await;
-        assert_eq!(moved, &undisturbed, "prompt {p:?}");
-    }
     // New requests succeed on worker-2.
     for i in 0..3 {
         let resp = post(&c.base, &completion(&format!("Count to {i}"), 8, false)).await;
@@ -509,25 +526,7 @@ async fn a_sigterm_drains_a_worker_its_streams_finish_or_move_and_it_exits() {
         node(r, "worker-1")["up"] == true && node(r, "worker-2")["up"] == true
     })
     .await;
-    let prompts = [
-        "Tell me about the sea",
-        "A recipe for bread",
-        "The history of Rome",
-        "Why is the sky blue",
-    ];
-    let mut streams = Vec::new();
-    for p in prompts {
-        let resp = post(&c.base, &completion(p, 400, true)).await;
-        assert_eq!(resp.status(), 200);
-        streams.push(tokio::spawn(read_sse_text(resp)));
-    }
-    let r = wait_for(&c.base, "work on both workers", |r| {
-        node(r, "worker-1")["in_flight"].as_u64().unwrap() >= 1
-            && node(r, "worker-2")["in_flight"].as_u64().unwrap() >= 1
-            && r["running"].as_u64().unwrap() >= 4
-    })
-    .await;
-    let on_w1 = node(&r, "worker-1")["in_flight"].as_u64().unwrap();
+    let (streams, on_w1) = four_streams(&c.base).await;
     tokio::time::sleep(Duration::from_millis(300)).await;
     let w1 = c.nodes.iter_mut().find(|n| n.name == "worker-1").unwrap();
     let term = Command::new("kill")
@@ -558,19 +557,6 @@ async fn a_sigterm_drains_a_worker_its_streams_finish_or_move_and_it_exits() {
     };
     assert!(status.success(), "{status:?}");
     eprintln!("worker-1 exited {:?} after SIGTERM", t0.elapsed());
-    // Every stream ends whole, none with an error, each with the text of
-    // an undisturbed greedy run.
-    let mut texts = Vec::new();
-    for s in streams {
-        let (chunks, err, done, text) = tokio::time::timeout(Duration::from_secs(120), s)
-            .await
-            .expect("a stream hung after its worker drained")
-            .unwrap();
-        assert!(done, "stream without [DONE]");
-        assert_eq!(err, None, "a stream ended with an error");
-        assert_eq!(chunks, 400);
-        texts.push(text);
-    }
     // It left rather than dying: no down counted, and what ran there past
     // the grace moved (the streams are long: all of them had).
     let r = ready(&c.base).await;
@@ -581,10 +567,7 @@ async fn a_sigterm_drains_a_worker_its_streams_finish_or_move_and_it_exits() {
         "{r}"
     );
     assert_eq!(w["moved_away"].as_u64(), Some(on_w1), "{r}");
-    for (p, moved) in prompts.iter().zip(&texts) {
-        let (undisturbed, _) = complete_text(&c.base, &completion(p, 400, false)).await;
-        assert_eq!(moved, &undisturbed, "prompt {p:?}");
-    }
+    assert_streams_whole_and_undisturbed(&c.base, streams).await;
     wait_for(&c.base, "all blocks back", |r| {
         r["kv_blocks"]["used"] == 0 && r["running"] == 0
     })

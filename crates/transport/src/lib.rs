@@ -56,6 +56,19 @@ pub enum Inbound {
         /// arrived in.
         data: Vec<Bytes>,
     },
+    /// A control message this node's `send` accepted that never left: the
+    /// link could not reach the peer (its dial failed, or its connection
+    /// was lost) and dropped what was queued for it. The node learns of it
+    /// as it learns of a send refused at once, instead of waiting for an
+    /// answer that cannot come.
+    Undelivered {
+        /// The intended peer.
+        to: NodeId,
+        /// The message.
+        msg: Message,
+        /// Why.
+        reason: SendFailure,
+    },
 }
 
 /// Why a control message was not queued; the message comes back so the
@@ -185,6 +198,8 @@ pub struct TransportStats {
     pub connections_refused: u64,
     /// Connections established (outbound).
     pub connects: u64,
+    /// Queued control messages handed back as undelivered.
+    pub undelivered: u64,
 }
 
 /// Counters shared by a transport's tasks.
@@ -195,6 +210,7 @@ pub(crate) struct Counters {
     pub frames_stale_epoch: AtomicU64,
     pub connections_refused: AtomicU64,
     pub connects: AtomicU64,
+    pub undelivered: AtomicU64,
 }
 
 impl Counters {
@@ -206,6 +222,7 @@ impl Counters {
             frames_stale_epoch: l(&self.frames_stale_epoch),
             connections_refused: l(&self.connections_refused),
             connects: l(&self.connects),
+            undelivered: l(&self.undelivered),
         }
     }
 }

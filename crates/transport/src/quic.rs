@@ -516,12 +516,13 @@ impl QuicTransport {
             });
             tokio::spawn(run_link(
                 endpoint.clone(),
-                peer.clone(),
+                i as NodeId,
                 rx,
                 state.clone(),
                 opts.clone(),
                 counters.clone(),
                 closed.clone(),
+                in_tx.clone(),
             ));
             links.push(Some(Link { tx, state }));
         }
@@ -830,17 +831,45 @@ fn transport_config(opts: &QuicOptions, gso: bool) -> Result<quinn::TransportCon
     Ok(tc)
 }
 
+/// Hands every frame queued for peer `to` back to the node as
+/// [`Inbound::Undelivered`]: the link dropped them, so the node's protocol
+/// acts on each as on a send refused at once.
+fn give_back(
+    rx: &mut mpsc::Receiver<Vec<u8>>,
+    to: NodeId,
+    cap: u32,
+    in_tx: &mpsc::Sender<Inbound>,
+    counters: &Counters,
+) {
+    while let Ok(frame) = rx.try_recv() {
+        // Our own encoding: it decodes.
+        let Ok((_, msg)) = wire::decode_frame(&frame, cap) else {
+            continue;
+        };
+        counters.undelivered.fetch_add(1, Ordering::Relaxed);
+        let _ = in_tx.try_send(Inbound::Undelivered {
+            to,
+            msg,
+            reason: SendFailure::PeerGone,
+        });
+    }
+}
+
 /// Dials one peer, keeps the connection, and writes its queued frames in
 /// order on one control stream; reconnects with capped exponential backoff.
+#[allow(clippy::too_many_arguments)]
 async fn run_link(
     endpoint: Endpoint,
-    peer: PeerSpec,
+    to: NodeId,
     mut rx: mpsc::Receiver<Vec<u8>>,
     state: Arc<LinkState>,
     opts: Arc<QuicOptions>,
     counters: Arc<Counters>,
     closed: Arc<AtomicBool>,
+    in_tx: mpsc::Sender<Inbound>,
 ) {
+    let peer = state.peer.clone();
+    let cap = opts.frame_len_max_bytes;
     let mut backoff = Duration::from_millis(20);
     let mut batch: Vec<u8> = Vec::new();
     let mut n: u64 = 0;
@@ -856,10 +885,10 @@ async fn run_link(
                 }
                 tracing::debug!(peer = %peer.name, "connect failed: {e}");
                 state.phase.store(DOWN, Ordering::Release);
-                // Frames queued for a peer that cannot be reached are for
-                // a conversation that is over; the node learns of it from
-                // heartbeats and fails or re-runs the work.
-                while rx.try_recv().is_ok() {}
+                // Frames queued for a peer that cannot be reached (sent
+                // while the link was still dialing) go back to the node,
+                // which fails or re-runs what each was for.
+                give_back(&mut rx, to, cap, &in_tx, &counters);
                 tokio::select! {
                     _ = tokio::time::sleep(backoff) => {}
                     _ = state.wake.notified() => {}
@@ -926,7 +955,7 @@ async fn run_link(
         }
         state.phase.store(DOWN, Ordering::Release);
         *state.conn.lock().expect("link state poisoned") = None;
-        while rx.try_recv().is_ok() {}
+        give_back(&mut rx, to, cap, &in_tx, &counters);
         tracing::info!(peer = %peer.name, "connection lost; reconnecting");
     }
 }

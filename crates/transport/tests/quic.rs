@@ -277,6 +277,34 @@ async fn an_unreachable_peer_is_a_clear_error_and_the_message_comes_back() {
 }
 
 #[tokio::test]
+async fn what_was_queued_while_a_dial_failed_comes_back_undelivered() {
+    let c = Cluster::new(&[("router", Role::Router), ("worker-1", Role::Worker)]);
+    let (r, mut rx) = c.start(0, 1);
+    // worker-1 never starts. The first sends are queued while the link
+    // still dials; when the dial fails they are handed back, not lost.
+    let mut queued = Vec::new();
+    for req in 1..=3 {
+        if r.send(1, req, submit(req)).is_ok() {
+            queued.push(req);
+        }
+    }
+    assert_eq!(queued, [1, 2, 3], "the link was not dialing yet");
+    let mut back = Vec::new();
+    while back.len() < queued.len() {
+        match next(&mut rx).await {
+            Inbound::Undelivered {
+                to: 1,
+                msg: Message::Submit(s),
+                reason: SendFailure::PeerGone,
+            } => back.push(s.req),
+            other => panic!("unexpected {other:?}"),
+        }
+    }
+    assert_eq!(back, queued);
+    assert_eq!(r.stats().undelivered, 3);
+}
+
+#[tokio::test]
 async fn a_bulk_transfer_arrives_whole_beside_control_messages() {
     let c = Cluster::new(&[("worker-1", Role::Prefill), ("worker-2", Role::Decode)]);
     let (p, _prx) = c.start(0, 1);
@@ -284,26 +312,7 @@ async fn a_bulk_transfer_arrives_whole_beside_control_messages() {
     send_when_up(&p, 1, 0, Message::Heartbeat(EngineStatus::default())).await;
     assert!(matches!(next(&mut drx).await, Inbound::Message { .. }));
     let data: Vec<u8> = (0..8u32 << 20).map(|i| (i * 7 + i / 251) as u8).collect();
-    let header = KvTransferHeader {
-        router: 0,
-        req: 42,
-        epoch: 1,
-        model: "m".into(),
-        block_size: 16,
-        dtype: 0,
-        layout: 1,
-        layer_start: 0,
-        layer_end: 30,
-        token_count: 300,
-        block_count: 19,
-        bytes: data.len() as u64,
-        checksum: 0,
-        first: Sampled {
-            token: 0,
-            logprob: 0.0,
-            top: vec![],
-        },
-    };
+    let header = kv_header(42, data.len());
     let send = p.send_bulk(1, header.clone(), Bytes::from(data.clone()));
     let pings = async {
         for i in 0..20 {

@@ -173,6 +173,15 @@ impl Actor for RouterActor {
             }) => RouterInput::Message { from, epoch, msg },
             // The Router takes no bulk transfers.
             RouterMsg::Net(Inbound::Bulk { .. }) => return Ok(()),
+            RouterMsg::Net(Inbound::Undelivered { to, msg, reason }) => {
+                // Heartbeats to a peer that is not up yet are routine.
+                if matches!(msg, flotilla_proto::wire::Message::Heartbeat(_)) {
+                    tracing::debug!("heartbeat to node {to} was not delivered: {reason}");
+                } else {
+                    tracing::warn!("{:?} to node {to} was not delivered: {reason}", msg.kind());
+                }
+                RouterInput::Undelivered { to, msg }
+            }
             RouterMsg::Tick => {
                 st.tick_at = None;
                 RouterInput::Tick

@@ -236,6 +236,19 @@ impl Actor for NodeActor {
             NodeMsg::Net(Inbound::Bulk {
                 from, header, data, ..
             }) => NodeInput::Bulk { from, header, data },
+            NodeMsg::Net(Inbound::Undelivered { to, msg, reason }) => {
+                // Heartbeats to a peer that is not up yet are routine.
+                if matches!(msg, flotilla_proto::wire::Message::Heartbeat(_)) {
+                    tracing::debug!("heartbeat to node {to} was not delivered: {reason}");
+                } else {
+                    tracing::warn!("{:?} to node {to} was not delivered: {reason}", msg.kind());
+                }
+                NodeInput::Undelivered {
+                    to,
+                    msg,
+                    reason: reason.to_string(),
+                }
+            }
             NodeMsg::Step(events) => NodeInput::Step(events),
             NodeMsg::Answer(a) => NodeInput::Answer(a),
             NodeMsg::Imported {
