@@ -43,5 +43,5 @@ curl -s "$URL/ready" | python3 -c '
 import json, sys
 d = json.load(sys.stdin)
 for n in d["nodes"]:
-    print("{name:10} up {up!s:5} downs {downs} moved_away {moved_away} kv_orphans {kv_orphans}".format(**n))
+    print("{name:10} up {up!s:5} downs {downs} moved_away {moved_away} moved_by_kv {moved_by_kv} kv_orphans {kv_orphans}".format(**n))
 print("KV blocks used on the nodes up:", d["kv_blocks"]["used"])'

@@ -58,6 +58,12 @@ pub(crate) enum SchedMsg {
         id: RequestId,
         reply: RpcReplyPort<Result<KvExport, String>>,
     },
+    /// Stop a running request and hold its KV for a move.
+    Detach {
+        id: RequestId,
+        hold: Duration,
+        reply: RpcReplyPort<Result<Vec<u32>, String>>,
+    },
     /// Give back held blocks.
     Release {
         id: RequestId,
@@ -301,6 +307,16 @@ impl Actor for SchedulerActor {
                     let _ = st.worker.cast(read);
                 }
             },
+            SchedMsg::Detach { id, hold, reply } => {
+                let answer = st.sched.detach(now, id, hold);
+                if answer.is_ok()
+                    && let Some(l) = st.live.remove(&id)
+                {
+                    st.metrics
+                        .request_ended(&st.tier_names[l.tier], Terminal::Moved);
+                }
+                let _ = reply.send(answer);
+            }
             SchedMsg::Release { id, reply } => {
                 let _ = reply.send(st.sched.release_held(id));
             }
@@ -882,6 +898,23 @@ impl KvMigration for LocalEngine {
         Box::pin(async move {
             let gone = Err("the engine stopped before the KV was read".to_string());
             ask(&sched, |reply| SchedMsg::Export { id, reply }, gone).await
+        })
+    }
+
+    fn detach_kv(&self, id: RequestId, hold_for: Duration) -> BoxFuture<Result<Vec<u32>, String>> {
+        let sched = self.sched.clone();
+        Box::pin(async move {
+            let gone = Err("the engine has stopped".to_string());
+            ask(
+                &sched,
+                |reply| SchedMsg::Detach {
+                    id,
+                    hold: hold_for,
+                    reply,
+                },
+                gone,
+            )
+            .await
         })
     }
 

@@ -24,3 +24,18 @@ mod pd_tests;
 mod testrig;
 #[cfg(test)]
 mod tests;
+
+/// Logs a control message the transport did not deliver: a heartbeat to a
+/// peer that is not up (routine while nodes start or after one died) at
+/// debug, anything else as a warning.
+pub(crate) fn log_undelivered(
+    to: flotilla_transport::NodeId,
+    msg: &flotilla_proto::wire::Message,
+    reason: &dyn std::fmt::Display,
+) {
+    if matches!(msg, flotilla_proto::wire::Message::Heartbeat(_)) {
+        tracing::debug!("heartbeat to node {to} not delivered: {reason}");
+    } else {
+        tracing::warn!("{:?} to node {to} not delivered: {reason}", msg.kind());
+    }
+}

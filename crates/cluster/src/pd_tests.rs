@@ -259,6 +259,11 @@ impl KvMigration for FakePd {
         })
     }
 
+    fn detach_kv(&self, id: RequestId, _hold_for: Duration) -> BoxFuture<Result<Vec<u32>, String>> {
+        // Its streams are not stepped here: nothing is ever decoding.
+        Box::pin(async move { Err(format!("{id} is not decoding")) })
+    }
+
     fn release_kv(&self, id: RequestId) -> BoxFuture<bool> {
         let r = self.free_if(id.0, |s| matches!(s, Slot::Held(..)));
         Box::pin(async move { r })

@@ -9,8 +9,8 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use flotilla_proto::{
-    BoxFuture, Engine, EngineEvent, EngineRequest, EngineStatus, FinishReason, KvUsage, Rejection,
-    RequestId, RequestStream, Role, Sampled, SamplingParams, TenantId, Usage,
+    BoxFuture, DrainRefusal, Engine, EngineEvent, EngineRequest, EngineStatus, FinishReason,
+    KvUsage, Rejection, RequestId, RequestStream, Role, Sampled, SamplingParams, TenantId, Usage,
 };
 use tokio::sync::mpsc;
 
@@ -331,4 +331,35 @@ async fn no_worker_up_is_a_refusal_not_a_hang() {
         Err(Rejection::Unavailable)
     ));
     assert!(!router.status().await.ready);
+}
+
+#[tokio::test]
+async fn an_operator_s_drain_reaches_the_node_which_leaves_and_its_stream_moves() {
+    let r = rig(2).await;
+    let refused = r.router.drain_node("worker-9", Duration::ZERO).await;
+    assert!(
+        matches!(&refused, Err(DrainRefusal::UnknownNode { nodes, .. }) if nodes.len() == 2),
+        "{refused:?}"
+    );
+    let mut s = r.router.submit(req(0, 8, 400, 1)).await.unwrap();
+    assert!(matches!(s.recv().await, Some(EngineEvent::Token(_))));
+    let st = r.router.status().await;
+    let on = st.nodes.iter().position(|n| n.in_flight == 1).unwrap();
+    let name = st.nodes[on].name.clone();
+    // No grace: what runs there moves at once.
+    r.router.drain_node(&name, Duration::ZERO).await.unwrap();
+    let (n, end) = drain(s).await;
+    assert!(matches!(end, EngineEvent::Finished { .. }), "{end:?}");
+    assert_eq!(n + 1, 400, "a token lost or sent twice");
+    let st = r.router.status().await;
+    let node = &st.nodes[on];
+    assert_eq!(
+        (node.up, node.downs, node.moved_away),
+        (false, 0, 1),
+        "{node:?}"
+    );
+    assert_eq!(
+        r.router.drain_node(&name, Duration::ZERO).await,
+        Err(DrainRefusal::NotUp(name))
+    );
 }

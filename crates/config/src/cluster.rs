@@ -63,6 +63,9 @@ pub struct ClusterSection {
     pub kv_hold_ttl_ms: u64,
     /// Prefill node: KV transfers sent at once (1..=64).
     pub kv_transfers_max: usize,
+    /// Keys for the router's admin endpoints (`POST /admin/drain`), sent
+    /// as `Authorization: Bearer KEY`; none: those endpoints are off.
+    pub admin_keys: Vec<String>,
     /// Nodes in file order; a node's index is its node id.
     pub nodes: Vec<Node>,
 }
@@ -142,6 +145,8 @@ pub(crate) struct RawCluster {
     kv_reservation_ttl_ms: Option<i64>,
     kv_hold_ttl_ms: Option<i64>,
     kv_transfers_max: Option<i64>,
+    #[serde(default)]
+    admin_keys: Vec<String>,
 }
 
 /// One `[[nodes]]` table as written.
@@ -369,6 +374,7 @@ fn settings(
         kv_reservation_ttl_ms: None,
         kv_hold_ttl_ms: None,
         kv_transfers_max: None,
+        admin_keys: Vec::new(),
     };
     let c = cluster.map_or(&empty, |c| c.get_ref());
     let range = |field: &str, v: Option<i64>| number(field, v).map_err(|why| invalid(at, why));
@@ -387,6 +393,15 @@ fn settings(
     let kv_reservation_ttl_ms = range("kv_reservation_ttl_ms", c.kv_reservation_ttl_ms)?;
     let kv_hold_ttl_ms = range("kv_hold_ttl_ms", c.kv_hold_ttl_ms)?;
     let kv_transfers_max = range("kv_transfers_max", c.kv_transfers_max)?;
+    if c.admin_keys
+        .iter()
+        .any(|k| k.len() < 16 || k.chars().any(|c| c.is_whitespace() || c.is_control()))
+    {
+        return Err(invalid(
+            at,
+            "[cluster] admin_keys need at least 16 characters and no whitespace".into(),
+        ));
+    }
     // The ranges above fit every target type: the casts cannot truncate.
     Ok(ClusterSection {
         certs_dir: PathBuf::from(certs_dir),
@@ -399,6 +414,7 @@ fn settings(
         kv_reservation_ttl_ms: kv_reservation_ttl_ms as u64,
         kv_hold_ttl_ms: kv_hold_ttl_ms as u64,
         kv_transfers_max: kv_transfers_max as usize,
+        admin_keys: c.admin_keys.clone(),
         nodes: Vec::new(),
     })
 }
@@ -616,6 +632,28 @@ addr = "127.0.0.1:7402"
         for w in what {
             assert!(message.contains(w), "{message:?} lacks {w:?}");
         }
+    }
+
+    #[test]
+    fn admin_keys_are_read_and_must_be_long_and_no_tenant_s() {
+        let c = parse(&with_cluster(r#"admin_keys = ["admin-key-0123456789"]"#));
+        assert_eq!(c.admin_keys, ["admin-key-0123456789"]);
+        assert!(parse(&with_cluster("")).admin_keys.is_empty());
+        refused_at_cluster(
+            &with_cluster(r#"admin_keys = ["short"]"#),
+            &["admin_keys", "16"],
+        );
+        refused_at_cluster(
+            &with_cluster(r#"admin_keys = ["admin key 0123456789"]"#),
+            &["whitespace"],
+        );
+        let tenant =
+            "[[tenants]]\nname = \"a\"\ntier = \"t\"\napi_keys = [\"admin-key-0123456789\"]\n\n";
+        let text = format!(
+            "{tenant}{}",
+            with_cluster(r#"admin_keys = ["admin-key-0123456789"]"#)
+        );
+        refused_at_cluster(&text, &["also a tenant's API key"]);
     }
 
     #[test]

@@ -388,6 +388,16 @@ impl ClusterConfig {
             return Err(invalid(0, format!("engine.queue_timeout_s {q} {why}")));
         }
         let cluster = cluster::validate(raw.cluster.as_ref(), &raw.nodes, &invalid)?;
+        if let Some(c) = &cluster
+            && c.admin_keys.iter().any(|k| keys.contains_key(k))
+        {
+            let at = raw.cluster.as_ref().map_or(0, |c| c.span().start);
+            return Err(invalid(
+                at,
+                "[cluster] an admin key is also a tenant's API key: give admins their own keys"
+                    .into(),
+            ));
+        }
         Ok(ClusterConfig {
             engine: raw.engine,
             tiers,

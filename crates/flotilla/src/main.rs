@@ -327,8 +327,8 @@ fn simulate(
     let t = swarm.totals();
     println!(
         "requests over the passing seeds: {} sent, {} finished, {} refused, {} failed, {} cancelled; \
-         {} streams moved",
-        t.sent, t.finished, t.refused, t.failed, t.cancelled, t.moved
+         {} streams moved ({} with their KV, the rest recomputed)",
+        t.sent, t.finished, t.refused, t.failed, t.cancelled, t.moved, t.moved_by_kv
     );
     if !t.move_pauses_ms.is_empty() {
         let mut p = t.move_pauses_ms;

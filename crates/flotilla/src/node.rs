@@ -261,8 +261,9 @@ pub fn run(args: NodeArgs) -> Result<()> {
             };
             let transport: Arc<dyn Transport> = t.clone();
             let engine = Arc::new(engine);
-            let kv: Option<Arc<dyn KvMigration>> =
-                matches!(node.role, Role::Prefill | Role::Decode).then(|| engine.clone() as _);
+            // Every role moves KV: prefill and decode nodes for P/D, and
+            // any node a drained one's requests move to (or from).
+            let kv: Option<Arc<dyn KvMigration>> = Some(engine.clone() as _);
             let (drain_tx, drain_rx) = tokio::sync::watch::channel(None);
             let opts = WorkerOptions {
                 drain: Some(drain_rx),

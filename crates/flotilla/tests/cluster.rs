@@ -515,7 +515,7 @@ async fn a_killed_worker_is_marked_down_its_streams_move_and_it_rejoins() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_sigterm_drains_a_worker_its_streams_finish_or_move_and_it_exits() {
+async fn a_sigterm_drains_a_worker_its_streams_move_with_their_kv_and_it_exits() {
     // A short grace, so that streams still run when it ends and move.
     let mut c = start_cluster_full(
         ["worker", "mixed"],
@@ -567,7 +567,15 @@ async fn a_sigterm_drains_a_worker_its_streams_finish_or_move_and_it_exits() {
         "{r}"
     );
     assert_eq!(w["moved_away"].as_u64(), Some(on_w1), "{r}");
+    // Each continued on worker-2 from worker-1's KV blocks (all were
+    // decoding), and its text is the undisturbed one.
     assert_streams_whole_and_undisturbed(&c.base, streams).await;
+    let r = ready(&c.base).await;
+    assert_eq!(
+        node(&r, "worker-1")["moved_by_kv"].as_u64(),
+        Some(on_w1),
+        "{r}"
+    );
     wait_for(&c.base, "all blocks back", |r| {
         r["kv_blocks"]["used"] == 0 && r["running"] == 0
     })

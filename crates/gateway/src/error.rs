@@ -8,7 +8,7 @@
 
 use axum::http::{HeaderValue, StatusCode, header};
 use axum::response::{IntoResponse, Response};
-use flotilla_proto::{EngineFailure, Rejection};
+use flotilla_proto::{DrainRefusal, EngineFailure, Rejection};
 use serde_json::{Value, json};
 
 /// A request the gateway answers with an error, in OpenAI's error shape.
@@ -59,6 +59,18 @@ pub enum ApiError {
         /// The request path.
         path: String,
     },
+    /// An admin endpoint while the config names no admin keys (403).
+    #[error(
+        "admin endpoints are off: list keys in admin_keys of the [cluster] section of the router's config"
+    )]
+    AdminOff,
+    /// An admin endpoint without a valid admin key (401).
+    #[error("invalid or missing admin key: send 'Authorization: Bearer <admin key>'")]
+    AdminUnauthorized,
+    /// A drain the Router would not ask for (404 no such node or no
+    /// nodes at all, 409 a node not up).
+    #[error(transparent)]
+    Drain(DrainRefusal),
     /// The body is larger than the configured limit (413).
     #[error("request body is larger than the limit of {limit_bytes} bytes")]
     BodyTooLarge {
@@ -159,6 +171,24 @@ impl ApiError {
                 "method_not_allowed",
                 Some("invalid"),
             ),
+            ApiError::AdminOff => c(
+                S::FORBIDDEN,
+                INVALID,
+                "admin_disabled",
+                Some("unauthorized"),
+            ),
+            ApiError::AdminUnauthorized => c(
+                S::UNAUTHORIZED,
+                INVALID,
+                "invalid_admin_key",
+                Some("unauthorized"),
+            ),
+            ApiError::Drain(DrainRefusal::NotUp(_)) => {
+                c(S::CONFLICT, INVALID, "node_not_up", Some("invalid"))
+            }
+            ApiError::Drain(DrainRefusal::UnknownNode { .. } | DrainRefusal::NoNodes) => {
+                c(S::NOT_FOUND, INVALID, "node_not_found", Some("invalid"))
+            }
             ApiError::BodyTooLarge { .. } => c(
                 S::PAYLOAD_TOO_LARGE,
                 INVALID,
@@ -269,6 +299,10 @@ mod tests {
         let client = [
             ApiError::invalid("x", "bad"),
             ApiError::Unauthorized,
+            ApiError::AdminOff,
+            ApiError::AdminUnauthorized,
+            ApiError::Drain(DrainRefusal::NoNodes),
+            ApiError::Drain(DrainRefusal::NotUp("w".into())),
             ApiError::BodyTooLarge { limit_bytes: 1 },
             ApiError::ModelNotFound {
                 requested: "a".into(),

@@ -101,6 +101,7 @@ pub fn router(
         .route("/health", get(health))
         .route("/ready", get(ready))
         .route("/metrics", get(prometheus_text))
+        .route("/admin/drain", post(drain))
         .fallback(not_found)
         .method_not_allowed_fallback(method_not_allowed)
         .layer(DefaultBodyLimit::max(limit))
@@ -124,16 +125,31 @@ impl Gateway {
         if cluster.is_open() {
             return Ok(TenantId(0));
         }
-        let key = headers
-            .get(header::AUTHORIZATION)
-            .and_then(|v| v.to_str().ok())
-            .and_then(|v| {
-                let (scheme, key) = v.trim().split_once(' ')?;
-                scheme.eq_ignore_ascii_case("bearer").then(|| key.trim())
-            })
-            .ok_or(ApiError::Unauthorized)?;
+        let key = bearer(headers).ok_or(ApiError::Unauthorized)?;
         let t = cluster.tenant_for_key(key).ok_or(ApiError::Unauthorized)?;
         Ok(TenantId(t as u32))
+    }
+
+    /// Checks an admin endpoint's key against `[cluster] admin_keys`.
+    fn authenticate_admin(&self, headers: &HeaderMap) -> Result<(), ApiError> {
+        let keys = self
+            .cfg
+            .cluster
+            .cluster
+            .as_ref()
+            .map_or(&[][..], |c| &c.admin_keys[..]);
+        if keys.is_empty() {
+            return Err(ApiError::AdminOff);
+        }
+        let key = bearer(headers).ok_or(ApiError::AdminUnauthorized)?;
+        // Every key compared in full, so the time taken says nothing of
+        // how much of one matched.
+        let hit = keys.iter().fold(false, |hit, k| hit | same_bytes(k, key));
+        if hit {
+            Ok(())
+        } else {
+            Err(ApiError::AdminUnauthorized)
+        }
     }
 
     fn tier_name(&self, tenant: TenantId) -> &str {
@@ -245,6 +261,82 @@ async fn completions(
     gw.generate(Endpoint::Completions, headers, body).await
 }
 
+/// The key of an `Authorization: Bearer KEY` header.
+fn bearer(headers: &HeaderMap) -> Option<&str> {
+    headers
+        .get(header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| {
+            let (scheme, key) = v.trim().split_once(' ')?;
+            scheme.eq_ignore_ascii_case("bearer").then(|| key.trim())
+        })
+}
+
+/// Equal strings, compared in time that depends on their lengths only.
+fn same_bytes(a: &str, b: &str) -> bool {
+    a.len() == b.len()
+        && a.bytes()
+            .zip(b.bytes())
+            .fold(0u8, |acc, (x, y)| acc | (x ^ y))
+            == 0
+}
+
+/// Longest grace a drain may ask for, seconds.
+const DRAIN_GRACE_MAX_S: f64 = 3600.0;
+
+/// `POST /admin/drain` `{"node": NAME, "grace_s": S}` (admin key): asks
+/// an engine node to drain, as SIGTERM to it would (`grace_s` 30 unless
+/// given: how long what runs there may finish before it moves).
+async fn drain(
+    State(gw): Shared,
+    headers: HeaderMap,
+    body: Result<Bytes, BytesRejection>,
+) -> Response {
+    if let Err(e) = gw.authenticate_admin(&headers) {
+        return gw.refuse(TIER_UNKNOWN, e);
+    }
+    let body = match body {
+        Ok(b) => b,
+        Err(e) => return gw.refuse(TIER_UNKNOWN, ApiError::invalid_body(e.body_text())),
+    };
+    let v: serde_json::Value = match serde_json::from_slice(&body) {
+        Ok(v) => v,
+        Err(e) => {
+            let e = ApiError::invalid_body(format!("the body is not JSON: {e}"));
+            return gw.refuse(TIER_UNKNOWN, e);
+        }
+    };
+    let Some(node) = v.get("node").and_then(|n| n.as_str()) else {
+        let e = ApiError::invalid(
+            "node",
+            "'node' (the engine node's name, a string) is required",
+        );
+        return gw.refuse(TIER_UNKNOWN, e);
+    };
+    let grace_s = match v.get("grace_s") {
+        None | Some(serde_json::Value::Null) => 30.0,
+        Some(g) => match g.as_f64() {
+            Some(s) if (0.0..=DRAIN_GRACE_MAX_S).contains(&s) => s,
+            _ => {
+                let e = ApiError::invalid(
+                    "grace_s",
+                    format!("'grace_s' must be a number of seconds from 0 to {DRAIN_GRACE_MAX_S}"),
+                );
+                return gw.refuse(TIER_UNKNOWN, e);
+            }
+        },
+    };
+    let grace = std::time::Duration::from_secs_f64(grace_s);
+    match gw.engine.drain_node(node, grace).await {
+        Ok(()) => (
+            StatusCode::ACCEPTED,
+            Json(json!({ "node": node, "draining": true, "grace_s": grace_s })),
+        )
+            .into_response(),
+        Err(r) => gw.refuse(TIER_UNKNOWN, ApiError::Drain(r)),
+    }
+}
+
 async fn models(State(gw): Shared, headers: HeaderMap) -> Response {
     if let Err(e) = gw.authenticate(&headers) {
         return gw.refuse(TIER_UNKNOWN, e);
@@ -290,6 +382,7 @@ async fn ready(State(gw): Shared) -> Response {
         "nodes": s.nodes.iter().map(|n| json!({
             "name": n.name, "up": n.up, "epoch": n.epoch, "in_flight": n.in_flight,
             "routed": n.routed, "downs": n.downs, "moved_away": n.moved_away,
+            "moved_by_kv": n.moved_by_kv,
             "kv_orphans": n.kv_orphans,
         })).collect::<Vec<_>>(),
     });

@@ -362,3 +362,87 @@ async fn health_ready_metrics_models() {
         .unwrap();
     assert_eq!(r.status().as_u16(), 200);
 }
+
+const ADMIN: &str = "admin-key-0123456789";
+
+/// A Router's config with an admin key.
+fn with_admin(keys: &str) -> ClusterConfig {
+    let toml = format!(
+        r#"
+[[tiers]]
+name = "paid"
+
+[cluster]
+admin_keys = [{keys}]
+
+[[nodes]]
+name = "router"
+role = "router"
+addr = "127.0.0.1:7400"
+http = "127.0.0.1:8000"
+
+[[nodes]]
+name = "worker-1"
+role = "worker"
+addr = "127.0.0.1:7401"
+"#
+    );
+    ClusterConfig::parse(&toml, "t").unwrap()
+}
+
+#[tokio::test]
+async fn the_drain_endpoint_wants_an_admin_key_and_a_node() {
+    let post = |s: &Server, key: Option<&str>, body: Value| {
+        let mut r = s.http.post(format!("{}/admin/drain", s.base)).json(&body);
+        if let Some(k) = key {
+            r = r.bearer_auth(k);
+        }
+        async move {
+            let r = r.send().await.unwrap();
+            let status = r.status().as_u16();
+            (status, r.json::<Value>().await.unwrap())
+        }
+    };
+    let body = json!({"node": "worker-1", "grace_s": 5});
+    // No admin keys: the endpoint is off, even with a tenant's key.
+    let open = serve(ClusterConfig::parse(KEYED, "t").unwrap()).await;
+    let (st, v) = post(&open, Some("sk-acme-0001"), body.clone()).await;
+    assert_eq!(
+        (st, v["error"]["code"].as_str()),
+        (403, Some("admin_disabled")),
+        "{v}"
+    );
+    let s = serve(with_admin(&format!("{ADMIN:?}"))).await;
+    for key in [None, Some("admin-key-0123456788"), Some("admin-key")] {
+        let (st, v) = post(&s, key, body.clone()).await;
+        assert_eq!(
+            (st, v["error"]["code"].as_str()),
+            (401, Some("invalid_admin_key")),
+            "{v}"
+        );
+    }
+    for (bad, param) in [
+        (json!({"grace_s": 5}), "node"),
+        (json!({"node": "worker-1", "grace_s": -1}), "grace_s"),
+        (json!({"node": "worker-1", "grace_s": "soon"}), "grace_s"),
+    ] {
+        let (st, v) = post(&s, Some(ADMIN), bad).await;
+        assert_eq!(
+            (st, v["error"]["param"].as_str()),
+            (400, Some(param)),
+            "{v}"
+        );
+    }
+    // Authorized and well-formed, but this engine has no nodes.
+    let (st, v) = post(&s, Some(ADMIN), body).await;
+    assert_eq!(
+        (st, v["error"]["code"].as_str()),
+        (404, Some("node_not_found")),
+        "{v}"
+    );
+    assert!(
+        v["error"]["message"].as_str().unwrap().contains("SIGTERM"),
+        "{v}"
+    );
+    assert_eq!(s.fake.count(), 0);
+}

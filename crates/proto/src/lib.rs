@@ -263,6 +263,9 @@ pub struct NodeStatus {
     /// Streaming requests moved from it to another node (it was lost
     /// while they ran; they continued from the tokens their clients had).
     pub moved_away: u64,
+    /// Of those, the ones that continued from its KV (it drained), not
+    /// by recomputing their tokens.
+    pub moved_by_kv: u64,
     /// Requests whose leases it gave back as orphans (held for requests
     /// no longer alive anywhere); should stay 0.
     pub kv_orphans: u64,
@@ -397,8 +400,27 @@ impl fmt::Debug for RequestStream {
 /// A boxed future, so `dyn Engine` works.
 pub type BoxFuture<T> = Pin<Box<dyn Future<Output = T> + Send + 'static>>;
 
+/// Why a Router did not ask a node to drain ([`Engine::drain_node`]).
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum DrainRefusal {
+    /// This engine runs in one process: it has no nodes to drain.
+    #[error("this server runs no engine nodes (drain one with SIGTERM to its process)")]
+    NoNodes,
+    /// No engine node has this name.
+    #[error("no engine node is named '{name}'; the engine nodes are: {}", nodes.join(", "))]
+    UnknownNode {
+        /// The name asked for.
+        name: String,
+        /// The engine nodes' names.
+        nodes: Vec<String>,
+    },
+    /// The node is not up (down, not heard yet, or left).
+    #[error("engine node '{0}' is not up (down, not heard from yet, or it left)")]
+    NotUp(String),
+}
+
 /// An engine as the Router sees it: one Scheduler + KvBlockPool + GpuWorker
-/// in this process today, a remote worker node later.
+/// in this process, or engine nodes behind a Router.
 pub trait Engine: Send + Sync + 'static {
     /// Admits a request or refuses it at once; never waits for capacity.
     fn submit(&self, req: EngineRequest) -> BoxFuture<Result<RequestStream, Rejection>>;
@@ -415,6 +437,17 @@ pub trait Engine: Send + Sync + 'static {
     ) -> BoxFuture<Result<RequestStream, Rejection>> {
         let submitted = self.submit(req);
         Box::pin(async move { Ok(submitted.await?.forward_to(sink)) })
+    }
+    /// Asks engine node `node` to drain (as on SIGTERM: no new work, what
+    /// runs may finish within `grace`, then it leaves and what still runs
+    /// moves). Engines without nodes refuse.
+    fn drain_node(
+        &self,
+        node: &str,
+        grace: std::time::Duration,
+    ) -> BoxFuture<Result<(), DrainRefusal>> {
+        let _ = (node, grace);
+        Box::pin(async { Err(DrainRefusal::NoNodes) })
     }
 }
 
@@ -470,6 +503,16 @@ pub trait KvMigration: Send + Sync + 'static {
     ) -> BoxFuture<Result<RequestStream, Rejection>>;
     /// The held KV of a finished request (`RequestStream::id`).
     fn export_kv(&self, id: RequestId) -> BoxFuture<Result<KvExport, String>>;
+    /// Stops running request `id` (its stream gets nothing more) and
+    /// holds its KV for [`KvMigration::export_kv`] as a finished
+    /// prefill's, for `hold_for` at most: the request moves to another
+    /// node. Returns its tokens (prompt, then generated; the held KV is
+    /// that of all but the last). Refused unless it is decoding.
+    fn detach_kv(
+        &self,
+        id: RequestId,
+        hold_for: std::time::Duration,
+    ) -> BoxFuture<Result<Vec<u32>, String>>;
     /// Gives back the blocks held for `id`; false if none were held.
     fn release_kv(&self, id: RequestId) -> BoxFuture<bool>;
     /// Reserves blocks for `tokens` tokens of `tenant`'s KV.

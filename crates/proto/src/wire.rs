@@ -29,7 +29,7 @@ use crate::{EngineEvent, EngineRequest, EngineStatus, Rejection, Role, Sampled};
 /// First four bytes of every frame.
 pub const MAGIC: [u8; 4] = *b"FLTL";
 /// The protocol this build speaks; a peer with another one is refused.
-pub const PROTOCOL_VERSION: u16 = 7;
+pub const PROTOCOL_VERSION: u16 = 8;
 /// Bytes of the envelope before the payload.
 pub const HEADER_LEN: usize = 32;
 /// Smallest frame cap a config may set (a load report must fit).
@@ -164,8 +164,12 @@ impl Kind {
             Kind::Holding | Kind::Leaving => role.runs_engine(),
             Kind::Admitted | Kind::Refused | Kind::Events => role.runs_engine(),
             Kind::KvBlocks => matches!(role, Role::Prefill | Role::Decode | Role::Worker),
-            Kind::Prefill | Kind::KvAck | Kind::PrefillCancel => role == Role::Decode,
-            Kind::PrefillFailed => role == Role::Prefill,
+            // A decode node asks a prefill node; a node a request moves to
+            // (worker or decode) asks the node it leaves.
+            Kind::Prefill | Kind::KvAck | Kind::PrefillCancel => {
+                matches!(role, Role::Decode | Role::Worker)
+            }
+            Kind::PrefillFailed => role.runs_engine(),
         }
     }
 }
@@ -476,6 +480,13 @@ pub struct Submit {
     /// Node that computes the prompt (disaggregated serving); `None`: the
     /// receiving node runs the whole request.
     pub prefill: Option<u32>,
+    /// A move by KV migration: `prefill` is the node the request runs on
+    /// now (it is leaving), which holds the KV of every token of
+    /// `request.prompt` but the last. The receiving node reserves blocks
+    /// for them, asks that node for them, and continues from the last
+    /// prompt token, which its client already has; if the KV does not
+    /// come, the Router runs the request again whole.
+    pub kv_move: bool,
     /// The request. The engine's admission validates it as it validates
     /// any request (a tenant outside the config is refused by the node).
     pub request: EngineRequest,
@@ -630,6 +641,7 @@ mod tests {
                 req: 7,
                 attempt: 0,
                 prefill: Some(2),
+                kv_move: true,
                 request: req.clone(),
             }),
             Message::Admitted { req: 7 },
@@ -700,6 +712,7 @@ mod tests {
                     req: 9,
                     attempt: 2,
                     prefill: None,
+                    kv_move: false,
                     request: req.clone(),
                 },
                 priority: 2,
@@ -860,6 +873,12 @@ mod tests {
         assert!(!Kind::Events.may_send(Role::Router));
         assert!(Kind::Events.may_send(Role::Decode));
         assert!(!Kind::KvBlocks.may_send(Role::Router));
+        // A node a drained one's request moves to asks it for the KV; a
+        // prefill node never asks anyone, a Router never answers a move.
+        assert!(Kind::Prefill.may_send(Role::Worker));
+        assert!(!Kind::Prefill.may_send(Role::Prefill));
+        assert!(Kind::PrefillFailed.may_send(Role::Worker));
+        assert!(!Kind::PrefillFailed.may_send(Role::Router));
         for r in Role::ALL {
             assert!(Kind::Heartbeat.may_send(r));
         }

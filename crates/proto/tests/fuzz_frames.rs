@@ -72,6 +72,7 @@ fn seeds(r: &mut Rng) -> Vec<Message> {
             req: r.next(),
             attempt: 1,
             prefill: Some(2),
+            kv_move: false,
             request: EngineRequest {
                 tenant: TenantId(1),
                 prompt: (0..n as u32 * 10).collect(),

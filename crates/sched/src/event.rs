@@ -108,4 +108,7 @@ pub struct Counters {
     /// Held blocks and reservations given back by their deadline (an
     /// export never acked, an import that never came).
     pub kv_expired: u64,
+    /// Running requests stopped here with their KV held for a move to
+    /// another node ([`crate::Scheduler::detach`]).
+    pub detached: u64,
 }

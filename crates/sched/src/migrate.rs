@@ -138,6 +138,37 @@ impl Scheduler {
         true
     }
 
+    /// Stops running request `id` here without ending its stream and
+    /// keeps its blocks for export until `now + hold`, as a finished
+    /// prefill's ([`Scheduler::held_kv`], [`Scheduler::release_held`]):
+    /// the request moves to another node with its KV. Returns every token
+    /// it has (prompt, then generated); the blocks hold the KV of all but
+    /// the last. Refused (and nothing changes) unless it is decoding: a
+    /// request that waits or still computes its prompt has no KV worth
+    /// moving. A step in flight may still write the blocks; its sample of
+    /// this request is dropped, as a cancelled one's.
+    pub fn detach(
+        &mut self,
+        now: Duration,
+        id: RequestId,
+        hold: Duration,
+    ) -> Result<Vec<u32>, String> {
+        let Some(seq) = self.seqs.get(&id) else {
+            return Err(format!("{id} does not run here"));
+        };
+        if !seq.is_running() {
+            return Err(format!("{id} waits for a seat: it has no KV here"));
+        }
+        if seq.generated() == 0 || seq.num_computed + 1 != seq.tokens.len() {
+            return Err(format!("{id} is still computing its prompt"));
+        }
+        let (seq, lease) = self.take_seq(id);
+        let lease = lease.expect("a running request holds a lease");
+        self.hold(now, id, lease, seq.num_computed, hold);
+        self.counters.detached += 1;
+        Ok(seq.tokens)
+    }
+
     /// Reserves fresh blocks for `tokens` tokens of `tenant`'s KV until
     /// `now + ttl`. Never preempts: a node without the blocks free now
     /// refuses (`Unavailable`), and the Router goes elsewhere.

@@ -622,6 +622,7 @@ mod tests {
                 req: 5,
                 attempt: 1,
                 prefill: None,
+                kv_move: false,
                 request: EngineRequest {
                     tenant: TenantId(0),
                     prompt: vec![1, 2, 3],

@@ -98,6 +98,9 @@ pub struct Report {
     /// Streaming requests the Router moved to another node when theirs
     /// was lost.
     pub moved: u64,
+    /// Of those, the ones that continued from their KV (their node left
+    /// in order), not by recomputing their tokens.
+    pub moved_by_kv: u64,
     /// Streams whose longest pause between two tokens outlasted the down
     /// bound (a lost node, a cut link), and those pauses, ms.
     pub pauses_ms: Vec<f64>,
@@ -188,9 +191,11 @@ impl std::fmt::Display for Report {
             let mut p = self.pauses_ms.clone();
             writeln!(
                 f,
-                "moves: {} streams continued on another node after theirs was lost or left; {} streams \
-                 paused past the down bound, longest pause p50 {:.0} ms, p99 {:.0} ms",
+                "moves: {} streams continued on another node after theirs was lost or left ({} with \
+                 their KV); {} streams paused past the down bound, longest pause p50 {:.0} ms, \
+                 p99 {:.0} ms",
                 self.moved,
+                self.moved_by_kv,
                 p.len(),
                 percentile(&mut p, 50.0),
                 percentile(&mut p, 99.0)
@@ -528,14 +533,9 @@ async fn simulate(sc: &Scenario, seed: u64) -> Result<Report, SimError> {
     // Every block and seat back once the load is gone (load reports lag a
     // heartbeat, the engines answer at once).
     tokio::time::sleep(hb * 2).await;
-    let moved: u64 = world
-        .router
-        .status()
-        .await
-        .nodes
-        .iter()
-        .map(|n| n.moved_away)
-        .sum();
+    let nodes = world.router.status().await.nodes;
+    let moved: u64 = nodes.iter().map(|n| n.moved_away).sum();
+    let moved_by_kv: u64 = nodes.iter().map(|n| n.moved_by_kv).sum();
     let preemptions = check_engines(&world, true).await;
     check_single_dispatch(&world);
     let engines: Vec<LocalEngine> = lock(&world.engines).iter().flatten().cloned().collect();
@@ -588,6 +588,7 @@ async fn simulate(sc: &Scenario, seed: u64) -> Result<Report, SimError> {
         faults,
         orphans: *lock(&world.orphans),
         moved,
+        moved_by_kv,
         pauses_ms: outcomes
             .iter()
             .filter(|o| o.gap_max > down_after)
@@ -667,8 +668,7 @@ async fn start_engine(w: &Arc<World>, node: u32, life: u64) -> Result<(), SimErr
     let epoch = (u64::from(node) << 32) | life;
     let (t, rx) = w.net.join(node, epoch);
     let engine_arc = Arc::new(engine.clone());
-    let kv: Option<Arc<dyn flotilla_proto::KvMigration>> =
-        matches!(role, Role::Prefill | Role::Decode).then(|| engine_arc.clone() as _);
+    let kv: Option<Arc<dyn flotilla_proto::KvMigration>> = Some(engine_arc.clone() as _);
     let (drain_tx, drain_rx) = tokio::sync::watch::channel(None);
     let opts = WorkerOptions {
         drain: Some(drain_rx),

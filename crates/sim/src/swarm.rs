@@ -47,6 +47,7 @@ impl SwarmReport {
                 t.cancelled += tier.cancelled;
             }
             t.moved += r.moved;
+            t.moved_by_kv += r.moved_by_kv;
             t.move_pauses_ms.extend_from_slice(&r.move_pauses_ms);
         }
         t
@@ -77,6 +78,8 @@ pub struct SwarmTotals {
     pub cancelled: u64,
     /// Streams the Router moved.
     pub moved: u64,
+    /// Of those, moved with their KV.
+    pub moved_by_kv: u64,
     /// Each move's pause, ms.
     pub move_pauses_ms: Vec<f64>,
 }

@@ -22,6 +22,8 @@ pub enum Terminal {
     TimedOut,
     /// Failed inside the engine.
     Error,
+    /// Stopped here and moved to another node with its KV (a drain).
+    Moved,
 }
 
 impl Terminal {
@@ -32,6 +34,7 @@ impl Terminal {
             Terminal::Rejected => "rejected",
             Terminal::TimedOut => "timed_out",
             Terminal::Error => "error",
+            Terminal::Moved => "moved",
         }
     }
 }

@@ -904,6 +904,7 @@ async fn run_link(
                 tracing::warn!(peer = %peer.name, "no hello: {e}");
                 conn.close(VarInt::from_u32(close::PROTOCOL), b"no hello");
                 state.phase.store(DOWN, Ordering::Release);
+                give_back(&mut rx, to, cap, &in_tx, &counters);
                 tokio::time::sleep(backoff).await;
                 continue;
             }

@@ -106,6 +106,7 @@ fn submit(req: u64) -> Message {
         req,
         attempt: 0,
         prefill: None,
+        kv_move: false,
         request: EngineRequest {
             tenant: TenantId(0),
             prompt: vec![1, 2, 3],

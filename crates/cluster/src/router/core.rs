@@ -35,8 +35,8 @@ use std::time::Duration;
 use flotilla_config::ClusterSection;
 use flotilla_proto::wire::{Held, Message, ReqEvents, Submit};
 use flotilla_proto::{
-    EngineEvent, EngineFailure, EngineRequest, EngineStatus, KvUsage, NodeStatus, Rejection, Role,
-    TierStatus,
+    DrainRefusal, EngineEvent, EngineFailure, EngineRequest, EngineStatus, KvUsage, NodeStatus,
+    Rejection, Role, TierStatus,
 };
 use flotilla_transport::NodeId;
 use rustc_hash::FxHashMap;
@@ -134,6 +134,14 @@ pub enum RouterInput {
     /// Time passed: heartbeats, silent nodes, event gaps and admission
     /// deadlines that are due.
     Tick,
+    /// An operator asks engine node `node` to drain (checked first with
+    /// [`RouterCore::drain_target`]; ignored if it no longer holds).
+    Drain {
+        /// The node's name.
+        node: String,
+        /// How long what runs there may take to finish.
+        grace: Duration,
+    },
 }
 
 /// What the Router does.
@@ -183,6 +191,7 @@ struct WorkerView {
     routed: u64,
     downs: u64,
     moved_away: u64,
+    moved_by_kv: u64,
     /// The life (epoch) that said it is leaving: its later messages are
     /// a drained node's last words, not a sign of life.
     left_epoch: u64,
@@ -199,6 +208,9 @@ struct Pending {
     paired_prefill: Option<usize>,
     /// Run it whole on one node (a KV transfer for it failed).
     colocate: bool,
+    /// This placement continues it with the KV of the node it ran on
+    /// (`paired_prefill`), until its first new token comes.
+    kv_move: bool,
     /// Whether the client has had its admission answer.
     admitted: bool,
     /// When a client still waiting for admission is refused.
@@ -276,6 +288,7 @@ impl RouterCore {
                 routed: 0,
                 downs: 0,
                 moved_away: 0,
+                moved_by_kv: 0,
                 left_epoch: 0,
                 prefix: PrefixIndex::new(opts.prefix_blocks_max),
             })
@@ -315,8 +328,29 @@ impl RouterCore {
             }
             RouterInput::Undelivered { to, msg } => self.undelivered(to, msg, reachable),
             RouterInput::Tick => self.tick(now, reachable),
+            RouterInput::Drain { node, grace } => {
+                if let Ok(w) = self.drain_target(&node) {
+                    let grace_ms = grace.as_millis().min(u128::from(u64::MAX)) as u64;
+                    tracing::info!(node = %node, grace_ms, "asked to drain");
+                    self.send(self.workers[w].node, 0, Message::Drain { grace_ms });
+                }
+            }
         }
         out.append(&mut self.out);
+    }
+
+    /// The engine node named `name`, if a drain can be asked of it now.
+    pub fn drain_target(&self, name: &str) -> Result<usize, DrainRefusal> {
+        let Some(w) = self.workers.iter().position(|w| w.name == name) else {
+            return Err(DrainRefusal::UnknownNode {
+                name: name.to_owned(),
+                nodes: self.workers.iter().map(|w| w.name.clone()).collect(),
+            });
+        };
+        if !self.workers[w].up {
+            return Err(DrainRefusal::NotUp(name.to_owned()));
+        }
+        Ok(w)
     }
 
     /// When the next [`RouterInput::Tick`] is due.
@@ -354,6 +388,7 @@ impl RouterCore {
                 routed: w.routed,
                 downs: w.downs,
                 moved_away: w.moved_away,
+                moved_by_kv: w.moved_by_kv,
                 kv_orphans: w.load.orphans,
             });
             s.orphans += w.load.orphans;
@@ -452,6 +487,7 @@ impl RouterCore {
                 prefill: None,
                 paired_prefill: None,
                 colocate: false,
+                kv_move: false,
                 admitted: false,
                 admit_by,
                 tokens_sent: 0,
@@ -554,13 +590,39 @@ impl RouterCore {
         let Some((w, prefill)) = self.pick(hashes, need, exclude, colocate, reachable) else {
             return false;
         };
-        self.dispatch(w, prefill, id, hashes);
+        self.dispatch(w, prefill, id, hashes, false);
+        true
+    }
+
+    /// Moves pending request `id` (its prompt holds every token its client
+    /// has) to another node that continues it with the KV of node `from`,
+    /// which it leaves. False if no node can take it.
+    fn route_with_kv(
+        &mut self,
+        id: u64,
+        hashes: &[u64],
+        from: usize,
+        reachable: &dyn Fn(NodeId) -> bool,
+    ) -> bool {
+        let need = self.pending[&id].blocks;
+        let Some((w, _)) = self.pick(hashes, need, Some(from), true, reachable) else {
+            return false;
+        };
+        self.dispatch(w, Some(from), id, hashes, true);
         true
     }
 
     /// Sends request `id` to worker `w`, naming `prefill` as the node that
-    /// computes its prompt, and books it.
-    fn dispatch(&mut self, w: usize, prefill: Option<usize>, id: u64, hashes: &[u64]) {
+    /// computes its prompt (with `kv_move`: the node whose KV it continues
+    /// from), and books it.
+    fn dispatch(
+        &mut self,
+        w: usize,
+        prefill: Option<usize>,
+        id: u64,
+        hashes: &[u64],
+        kv_move: bool,
+    ) {
         let p = self
             .pending
             .get(&id)
@@ -569,6 +631,7 @@ impl RouterCore {
             req: id,
             attempt: p.reruns,
             prefill: prefill.map(|i| self.workers[i].node),
+            kv_move,
             request: p.req.clone(),
         };
         let blocks = p.blocks;
@@ -580,6 +643,8 @@ impl RouterCore {
         view.routed += 1;
         let epoch = view.epoch;
         match prefill {
+            // The node it leaves computes nothing for it.
+            Some(_) if kv_move => self.workers[w].prefix.insert(hashes),
             Some(pi) => {
                 let pv = &mut self.workers[pi];
                 pv.prefilling += 1;
@@ -591,8 +656,9 @@ impl RouterCore {
         let p = self.pending.get_mut(&id).expect("checked above");
         p.worker = w;
         p.epoch = epoch;
-        p.prefill = prefill;
+        p.prefill = prefill.filter(|_| !kv_move);
         p.paired_prefill = prefill;
+        p.kv_move = kv_move;
         // Held batches of an earlier run are not this run's.
         p.early.clear();
         p.gap_since = None;
@@ -647,6 +713,18 @@ impl RouterCore {
         let w = &mut self.workers[p.worker];
         w.in_flight = w.in_flight.saturating_sub(1);
         w.in_flight_blocks = w.in_flight_blocks.saturating_sub(p.blocks);
+        if p.kv_move
+            && let Some(from) = p.paired_prefill
+        {
+            // Its move with its KV ends before it took: the node it left
+            // may still run it (it stops it when asked for the KV).
+            let cancel = Message::Cancel {
+                req: id,
+                stop_string: false,
+                attempt: p.reruns,
+            };
+            self.send(self.workers[from].node, id, cancel);
+        }
         Some(p)
     }
 
@@ -720,7 +798,9 @@ impl RouterCore {
     /// Worker `w` is gone (silent, or restarted with a new epoch): re-run
     /// what produced nothing yet, fail the rest. Requests whose prompt it
     /// was computing for a decode node are cancelled there and re-run.
-    fn worker_lost(&mut self, w: usize, why: &str, reachable: &dyn Fn(NodeId) -> bool) {
+    /// With `kv`, the node left in order (drained) and still serves its
+    /// KV for a while: what ran there moves with it.
+    fn worker_lost(&mut self, w: usize, why: &str, kv: bool, reachable: &dyn Fn(NodeId) -> bool) {
         let mut ids: Vec<u64> = self
             .pending
             .iter()
@@ -750,27 +830,39 @@ impl RouterCore {
                 };
                 self.send(self.workers[pf].node, id, abandon);
             }
-            // Stop it where it was placed before it runs again: a decode
-            // node that is fine frees its reservation, and a node that only
-            // seems lost (our direction of the link still works) frees its
-            // blocks now instead of at its own deadline.
-            let cancel = Message::Cancel {
-                req: id,
-                stop_string: false,
-                attempt: reruns,
-            };
-            self.send(self.workers[worker].node, id, cancel);
-            self.rerun_or_fail(id, Some(w), &format!("{name} {why}"), reachable);
+            let kv_from = (kv && worker == w).then_some(w);
+            self.rerun_or_fail(id, Some(w), &format!("{name} {why}"), kv_from, reachable);
+            let kv_moved = self
+                .pending
+                .get(&id)
+                .is_some_and(|p| p.kv_move && p.paired_prefill == Some(w));
+            if !kv_moved {
+                // Stop it where it was placed: a decode node that is fine
+                // frees its reservation, and a node that only seems lost
+                // (our direction of the link still works) frees its blocks
+                // now instead of at its own deadline. (One it moves from
+                // with its KV stops it when asked for the KV.)
+                let cancel = Message::Cancel {
+                    req: id,
+                    stop_string: false,
+                    attempt: reruns,
+                };
+                self.send(self.workers[worker].node, id, cancel);
+            }
         }
     }
 
     /// Runs `id` again elsewhere if no token reached its client yet (and
     /// it has re-runs left), else ends it with `why`.
+    ///
+    /// With `kv_from`, a request that moves continues on its new node
+    /// from the KV of that node (which still serves it).
     fn rerun_or_fail(
         &mut self,
         id: u64,
         exclude: Option<usize>,
         why: &str,
+        kv_from: Option<usize>,
         reachable: &dyn Fn(NodeId) -> bool,
     ) {
         let Some(mut p) = self.finish(id) else {
@@ -801,7 +893,14 @@ impl RouterCore {
             p.gap_since = None;
             let hashes = self.hashes(&p.req);
             self.replace(id, p);
-            if self.route(id, &hashes, exclude, reachable) {
+            let routed = match kv_from.filter(|_| movable) {
+                Some(from) => {
+                    self.route_with_kv(id, &hashes, from, reachable)
+                        || self.route(id, &hashes, exclude, reachable)
+                }
+                None => self.route(id, &hashes, exclude, reachable),
+            };
+            if routed {
                 if movable {
                     self.workers[lost].moved_away += 1;
                 }
@@ -809,7 +908,8 @@ impl RouterCore {
                 let to = &self.workers[p.worker].name;
                 if movable {
                     let n = p.base;
-                    tracing::info!("request {id}: {why}; moved to {to} after {n} tokens");
+                    let with = if p.kv_move { " with its KV" } else { "" };
+                    tracing::info!("request {id}: {why}; moved to {to}{with} after {n} tokens");
                 } else {
                     tracing::info!("request {id}: {why}; re-running it on {to}");
                 }
@@ -862,7 +962,7 @@ impl RouterCore {
                 // Our link still reaches its old life: frames sent there
                 // would vanish until the idle timeout.
                 self.out.push(RouterOutput::Reconnect(from));
-                self.worker_lost(w, "restarted", reachable);
+                self.worker_lost(w, "restarted", false, reachable);
                 tracing::info!(node = %self.workers[w].name, "rejoined with a new epoch");
             }
             self.workers[w].epoch = epoch;
@@ -885,7 +985,7 @@ impl RouterCore {
                 v.left_epoch = epoch;
                 v.up = false;
                 tracing::info!(node = %v.name, "left (drained)");
-                self.worker_lost(w, "left (drained)", reachable);
+                self.worker_lost(w, "left (drained)", true, reachable);
             }
             Message::Holding { held } => {
                 // What it still holds that we no longer run there (we ended
@@ -929,7 +1029,7 @@ impl RouterCore {
                 let closed = rejection == Rejection::Unavailable;
                 if (full && self.pending[&req].prefill.is_some()) || closed {
                     let why = format!("{} refused it ({rejection})", self.workers[w].name);
-                    self.rerun_or_fail(req, Some(w), &why, reachable);
+                    self.rerun_or_fail(req, Some(w), &why, None, reachable);
                 } else if let Some(p) = self.finish(req) {
                     let f = EngineFailure::Internal(format!("re-run refused: {rejection}"));
                     self.fail(req, p, rejection, f);
@@ -1014,7 +1114,7 @@ impl RouterCore {
                 // node this time.
                 p.colocate = true;
                 let why = format!("{}: KV transfer failed: {why}", self.workers[w].name);
-                self.rerun_or_fail(id, None, &why, reachable);
+                self.rerun_or_fail(id, None, &why, None, reachable);
                 return;
             }
             Some(EngineEvent::Failed(EngineFailure::RouterLost(why)))
@@ -1024,7 +1124,7 @@ impl RouterCore {
                 // was cut) and dropped it: the client's tokens so far are
                 // all it will get from there.
                 let why = format!("{} dropped it: {why}", self.workers[w].name);
-                self.rerun_or_fail(id, Some(w), &why, reachable);
+                self.rerun_or_fail(id, Some(w), &why, None, reachable);
                 return;
             }
             _ => {}
@@ -1046,7 +1146,16 @@ impl RouterCore {
             usage.completion_tokens += p.base;
         }
         if fresh > 0 {
+            // Moved with its KV: it took.
+            let kv_from = if std::mem::take(&mut p.kv_move) {
+                p.paired_prefill
+            } else {
+                None
+            };
             self.prefill_done(id);
+            if let Some(from) = kv_from {
+                self.workers[from].moved_by_kv += 1;
+            }
         }
         let ended = end.is_some();
         let events: Vec<EngineEvent> = tokens
@@ -1144,6 +1253,7 @@ impl RouterCore {
                 self.worker_lost(
                     w,
                     &format!("stopped responding (no heartbeat for {ms} ms)"),
+                    false,
                     reachable,
                 );
             }

@@ -22,8 +22,8 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use flotilla_proto::{
-    BoxFuture, Engine, EngineEvent, EngineRequest, EngineStatus, Rejection, RequestId,
-    RequestStream,
+    BoxFuture, DrainRefusal, Engine, EngineEvent, EngineRequest, EngineStatus, Rejection,
+    RequestId, RequestStream,
 };
 use flotilla_transport::{Inbound, Transport};
 use ractor::{Actor, ActorProcessingErr, ActorRef, RpcReplyPort};
@@ -62,6 +62,12 @@ enum RouterMsg {
     Status(RpcReplyPort<EngineStatus>),
     /// Names of the nodes up.
     UpNodes(RpcReplyPort<Vec<String>>),
+    /// An operator's drain of an engine node.
+    Drain {
+        node: String,
+        grace: Duration,
+        reply: RpcReplyPort<Result<(), DrainRefusal>>,
+    },
 }
 
 struct Client {
@@ -174,12 +180,7 @@ impl Actor for RouterActor {
             // The Router takes no bulk transfers.
             RouterMsg::Net(Inbound::Bulk { .. }) => return Ok(()),
             RouterMsg::Net(Inbound::Undelivered { to, msg, reason }) => {
-                // Heartbeats to a peer that is not up yet are routine.
-                if matches!(msg, flotilla_proto::wire::Message::Heartbeat(_)) {
-                    tracing::debug!("heartbeat to node {to} was not delivered: {reason}");
-                } else {
-                    tracing::warn!("{:?} to node {to} was not delivered: {reason}", msg.kind());
-                }
+                crate::log_undelivered(to, &msg, &reason);
                 RouterInput::Undelivered { to, msg }
             }
             RouterMsg::Tick => {
@@ -193,6 +194,15 @@ impl Actor for RouterActor {
             RouterMsg::UpNodes(reply) => {
                 let _ = reply.send(st.core.up_nodes());
                 return Ok(());
+            }
+            RouterMsg::Drain { node, grace, reply } => {
+                let checked = st.core.drain_target(&node).map(|_| ());
+                let ok = checked.is_ok();
+                let _ = reply.send(checked);
+                if !ok {
+                    return Ok(());
+                }
+                RouterInput::Drain { node, grace }
             }
         };
         st.feed(&myself, input);
@@ -231,7 +241,7 @@ impl RouterState {
                         msg,
                     } => {
                         if let Err(e) = self.transport.send(to, correlation, msg) {
-                            tracing::warn!("{e}");
+                            crate::log_undelivered(to, &e.msg, &e.reason);
                             later.push_back(RouterInput::Undelivered { to, msg: *e.msg });
                         }
                     }
@@ -382,6 +392,20 @@ impl Engine for ClusterEngine {
             match actor.call(RouterMsg::Status, None).await {
                 Ok(ractor::rpc::CallResult::Success(s)) => s,
                 _ => EngineStatus::default(),
+            }
+        })
+    }
+
+    fn drain_node(&self, node: &str, grace: Duration) -> BoxFuture<Result<(), DrainRefusal>> {
+        let actor = self.actor.0.clone();
+        let node = node.to_owned();
+        Box::pin(async move {
+            let name = node.clone();
+            let ask = |reply| RouterMsg::Drain { node, grace, reply };
+            match actor.call(ask, None).await {
+                Ok(ractor::rpc::CallResult::Success(r)) => r,
+                // The Router has stopped: no node can be reached.
+                _ => Err(DrainRefusal::NotUp(name)),
             }
         })
     }

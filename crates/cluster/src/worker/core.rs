@@ -121,6 +121,16 @@ pub enum EngineCall {
         /// How long the engine holds the blocks at most.
         hold: Duration,
     },
+    /// Stop a running request and hold its KV for a move to another
+    /// node. Answer now: [`EngineAnswer::Detached`].
+    Detach {
+        /// Names the answer.
+        ticket: Ticket,
+        /// The running request.
+        id: RequestId,
+        /// How long the engine holds the blocks at most.
+        hold: Duration,
+    },
     /// Figures for the heartbeat. Answer now: [`EngineAnswer::Status`].
     Status,
     /// Every id that holds KV. Answer now: [`EngineAnswer::Holders`].
@@ -158,6 +168,7 @@ impl EngineCall {
             EngineCall::Submit { .. }
                 | EngineCall::Reserve { .. }
                 | EngineCall::SubmitForExport { .. }
+                | EngineCall::Detach { .. }
                 | EngineCall::Status
                 | EngineCall::KvHolders
                 | EngineCall::DropOrphan(_)
@@ -188,6 +199,14 @@ pub enum EngineAnswer {
         ticket: Ticket,
         /// The prefill's id, or why it was refused.
         result: Result<RequestId, Rejection>,
+    },
+    /// To [`EngineCall::Detach`]: the request's tokens (prompt, then
+    /// generated; its held KV is that of all but the last), or why not.
+    Detached {
+        /// The call's ticket.
+        ticket: Ticket,
+        /// Its tokens, or why it was not detached.
+        result: Result<Vec<u32>, String>,
     },
     /// To [`EngineCall::Status`].
     Status(EngineStatus),
@@ -278,6 +297,9 @@ struct Importing {
     /// Its bytes arrived and are being written: the import owns the
     /// reservation now and acks the prefill node when it is done.
     writing: bool,
+    /// A move by KV migration: `submit` is in its resumed form (the last
+    /// prompt token is the import's first token, which the client has).
+    resumed: bool,
 }
 
 /// Where a prefill for a decode node stands.
@@ -303,6 +325,9 @@ struct Prefill {
     priority: u8,
     first: Option<Sampled>,
     state: PfState,
+    /// A running request detached for a move: only this many tokens'
+    /// KV are sent (the mover asked for that many).
+    kv_tokens: Option<u32>,
 }
 
 /// Answers the core waits for, by ticket.
@@ -321,6 +346,14 @@ enum Pending {
         key: PfKey,
         attempt: u32,
         priority: u8,
+    },
+    Detach {
+        key: PfKey,
+        attempt: u32,
+        priority: u8,
+        id: RequestId,
+        /// The mover's prompt: the request's tokens here must start with it.
+        prompt: Vec<u32>,
     },
 }
 
@@ -369,6 +402,11 @@ pub struct NodeCore {
     drain_until: Option<Duration>,
     /// `Leaving` was sent.
     left: bool,
+    /// After `Leaving`, until then at most, what ran here may still be
+    /// asked for by the nodes it moves to (its KV, once).
+    leave_by: Option<Duration>,
+    /// [`NodeOutput::Left`] was given: this life is over.
+    gone: bool,
     /// A broken calling contract, for `check_invariants`.
     broken: Option<String>,
 }
@@ -404,6 +442,8 @@ impl NodeCore {
             next_heartbeat: now,
             drain_until: None,
             left: false,
+            leave_by: None,
+            gone: false,
             broken: None,
         }
     }
@@ -414,8 +454,9 @@ impl NodeCore {
             Some(&(until, _)) => until.min(self.next_heartbeat),
             None => self.next_heartbeat,
         };
-        match self.drain_until {
-            Some(d) if !self.left => next.min(d),
+        match (self.drain_until, self.leave_by) {
+            (Some(d), _) if !self.left => next.min(d),
+            (_, Some(d)) if !self.gone => next.min(d),
             _ => next,
         }
     }
@@ -425,9 +466,10 @@ impl NodeCore {
         self.drain_until.is_some()
     }
 
-    /// Whether the node told its Routers it is leaving.
-    pub fn left(&self) -> bool {
-        self.left
+    /// Whether this life is over: the node told its Routers it is leaving
+    /// and nothing of theirs waits here any more (or its time is up).
+    pub fn life_over(&self) -> bool {
+        self.gone
     }
 
     /// Requests given back as orphans since start.
@@ -493,21 +535,41 @@ impl NodeCore {
         let Some(until) = self.drain_until else {
             return;
         };
-        if self.left || self.answers_due > 0 || !(self.idle() || now >= until) {
+        if self.gone || self.answers_due > 0 {
             return;
         }
-        self.left = true;
-        if !self.idle() {
-            tracing::warn!(
-                running = self.active.map.len(),
-                prefills = self.prefills.len(),
-                "drain deadline passed: leaving; the Routers move what still runs"
-            );
+        if !self.left {
+            if !(self.idle() || now >= until) {
+                return;
+            }
+            self.left = true;
+            if !self.idle() {
+                tracing::warn!(
+                    running = self.active.map.len(),
+                    prefills = self.prefills.len(),
+                    "drain deadline passed: leaving; the Routers move what still runs"
+                );
+                // The nodes the Routers move it to ask for its KV within
+                // a round trip or two; a reservation waits this long.
+                if self.layout.is_some() {
+                    self.leave_by = Some(now + self.opts.reservation_ttl);
+                }
+            }
+            for &r in &self.opts.routers {
+                Self::send(out, r, 0, Message::Leaving);
+            }
         }
-        for &r in &self.opts.routers {
-            Self::send(out, r, 0, Message::Leaving);
+        if self.idle() || self.leave_by.is_none_or(|t| now >= t) {
+            if !self.idle() {
+                tracing::warn!(
+                    running = self.active.map.len(),
+                    prefills = self.prefills.len(),
+                    "left: stopping what nobody took over"
+                );
+            }
+            self.gone = true;
+            out.push(NodeOutput::Left);
         }
-        out.push(NodeOutput::Left);
     }
 
     /// Checks the core's bookkeeping: every index agrees with what it
@@ -764,13 +826,25 @@ impl NodeCore {
             // earlier placement: end that one.
             self.end_placement((from, epoch, req), s.attempt - 1, Stop::Cancel, out);
         }
-        if let (Some(prefill), true, Role::Decode) =
-            (s.prefill, self.layout.is_some(), self.opts.role)
-        {
-            // Disaggregated: blocks first, then ask for the prefill.
+        let mut s = s;
+        let kv_move = s.kv_move
+            && self.layout.is_some()
+            && self.opts.role != Role::Prefill
+            && s.request.prompt.len() >= 2;
+        if s.kv_move && !kv_move {
+            // Not by its KV: the whole request (prompt and the tokens its
+            // client has) is computed here, as after a node loss.
+            s.kv_move = false;
+            s.prefill = None;
+        }
+        let disaggregated = self.layout.is_some() && self.opts.role == Role::Decode;
+        if let Some(prefill) = s.prefill.filter(|_| kv_move || disaggregated) {
+            // Disaggregated (or moved with its KV): blocks first, then ask
+            // for the prefill (or the KV).
             let ticket = self.ticket();
             let ttl = self.opts.reservation_ttl + self.opts.heartbeat_interval * 4;
-            let tokens = s.request.prompt.len() as u32;
+            // A move's last prompt token is fed, not imported.
+            let tokens = (s.request.prompt.len() - usize::from(kv_move)) as u32;
             self.pending.insert(
                 ticket,
                 Pending::Reserve {
@@ -812,6 +886,9 @@ impl NodeCore {
         let (router, req) = (pm.router, pm.submit.req);
         let key = (from, epoch, router, req);
         let attempt = pm.submit.attempt;
+        if pm.submit.kv_move && !self.prefills.contains_key(&key) {
+            return self.on_move_ask(key, pm, out);
+        }
         if let Some(p) = self.prefills.get(&key) {
             if p.attempt >= attempt {
                 // A duplicate, or a late ask of an earlier placement.
@@ -870,6 +947,132 @@ impl NodeCore {
             hold: self.opts.hold_ttl,
         };
         self.call_now(call, out);
+    }
+
+    /// A node a Router moves one of our running requests to (we drain)
+    /// asks for its KV: the request stops here, its blocks are held, and
+    /// they leave as a finished prefill's do (slot, transfer, ack).
+    fn on_move_ask(&mut self, key: PfKey, pm: PrefillMsg, out: &mut Vec<NodeOutput>) {
+        let (decode, _, router, req) = key;
+        let attempt = pm.submit.attempt;
+        let running = self
+            .active
+            .map
+            .iter()
+            .find(|(k, r)| k.0 == router && k.2 == req && r.attempt < attempt)
+            .map(|(k, r)| (*k, r.id));
+        let found = match running {
+            Some(r) if self.layout.is_some() => Ok(r),
+            Some(_) => Err(format!("node {} exports no KV", self.me)),
+            None => Err(format!("request {req} does not run on node {}", self.me)),
+        };
+        let (akey, id) = match found {
+            Ok(r) => r,
+            Err(reason) => {
+                tracing::debug!(req, "KV move to node {decode} refused: {reason}");
+                let m = Message::PrefillFailed {
+                    router,
+                    req,
+                    reason,
+                };
+                Self::send(out, decode, req, m);
+                return;
+            }
+        };
+        // Its Router has moved it: nothing more of it goes there.
+        self.active.forget(&akey);
+        let ticket = self.ticket();
+        self.pending.insert(
+            ticket,
+            Pending::Detach {
+                key,
+                attempt,
+                priority: pm.priority,
+                id,
+                prompt: pm.submit.request.prompt,
+            },
+        );
+        let call = EngineCall::Detach {
+            ticket,
+            id,
+            hold: self.opts.hold_ttl,
+        };
+        self.call_now(call, out);
+    }
+
+    /// The engine stopped a request for a move (or could not): its KV
+    /// waits for a transfer slot, or the mover hears why not (and the
+    /// request ends here either way).
+    fn on_detached(
+        &mut self,
+        ticket: Ticket,
+        result: Result<Vec<u32>, String>,
+        out: &mut Vec<NodeOutput>,
+    ) {
+        let Some(Pending::Detach {
+            key,
+            attempt,
+            priority,
+            id,
+            prompt,
+        }) = self.pending.remove(&ticket)
+        else {
+            self.broken
+                .get_or_insert_with(|| format!("detach answer {ticket} unasked"));
+            return;
+        };
+        let n = prompt.len();
+        let failure = match result {
+            Ok(tokens) if n >= 2 && tokens.len() >= n && tokens[..n] == prompt[..] => None,
+            Ok(tokens) => Some(format!(
+                "the {} tokens asked for are not the first of the {} it has here",
+                n,
+                tokens.len()
+            )),
+            Err(why) => Some(why),
+        };
+        if let Some(reason) = failure {
+            let (decode, _, router, req) = key;
+            tracing::debug!(req, "KV move to node {decode} failed: {reason}");
+            out.push(NodeOutput::EndStream {
+                id,
+                stop_string: false,
+            });
+            out.push(NodeOutput::Call(EngineCall::Release(id)));
+            let m = Message::PrefillFailed {
+                router,
+                req,
+                reason,
+            };
+            Self::send(out, decode, req, m);
+            return;
+        }
+        let first = Sampled {
+            token: prompt[n - 1],
+            logprob: f32::NAN,
+            top: Vec::new(),
+        };
+        let p = Prefill {
+            id,
+            attempt,
+            priority,
+            first: Some(first),
+            state: PfState::Running,
+            kv_tokens: Some((n - 1) as u32),
+        };
+        self.prefills.insert(key, p);
+        self.pf_by_id.insert(id, key);
+        self.wait_slot(key, out);
+    }
+
+    /// A finished prefill (or detached request) waits for a transfer slot.
+    fn wait_slot(&mut self, key: PfKey, out: &mut Vec<NodeOutput>) {
+        let p = self.prefills.get_mut(&key).expect("a prefill");
+        p.state = PfState::WaitSlot;
+        self.slots.seq += 1;
+        let w = (p.priority, Reverse(self.slots.seq), key);
+        self.slots.waiting.push(w);
+        self.grant_slots(out);
     }
 
     /// A Router named leases it does not know: those it named twice in a
@@ -997,14 +1200,8 @@ impl NodeCore {
             EngineEvent::Finished { .. } if p.first.is_none() => {
                 self.end_prefill(key, Some("the prefill sampled no token".into()), out);
             }
-            EngineEvent::Finished { .. } => {
-                // Its blocks stay held until released.
-                p.state = PfState::WaitSlot;
-                self.slots.seq += 1;
-                let w = (p.priority, Reverse(self.slots.seq), key);
-                self.slots.waiting.push(w);
-                self.grant_slots(out);
-            }
+            // Its blocks stay held until released.
+            EngineEvent::Finished { .. } => self.wait_slot(key, out),
             EngineEvent::Failed(f) => self.end_prefill(key, Some(f.to_string()), out),
         }
     }
@@ -1079,7 +1276,7 @@ impl NodeCore {
                 let (router, _, req) = key;
                 let reply = match result {
                     Ok(id) => {
-                        self.active.insert(key, id, attempt, out);
+                        self.active.insert(key, id, attempt, false, out);
                         Message::Admitted { req }
                     }
                     Err(rejection) => Message::Refused { req, rejection },
@@ -1117,7 +1314,22 @@ impl NodeCore {
                     priority: self.opts.priority(submit.request.tenant.0),
                 });
                 Self::send(out, prefill, req, ask);
-                tracing::debug!(req, prefill, "KV reserved, prefill asked");
+                let resumed = submit.kv_move;
+                let mut submit = submit;
+                if resumed {
+                    // Continued from its last prompt token, which the
+                    // import feeds as its first (and does not send: the
+                    // client has it), so one more token is allowed.
+                    submit.request.prompt.pop();
+                    submit.request.max_tokens += 1;
+                    tracing::debug!(
+                        req,
+                        from = prefill,
+                        "KV reserved, asked for the moving request's KV"
+                    );
+                } else {
+                    tracing::debug!(req, prefill, "KV reserved, prefill asked");
+                }
                 let e = Importing {
                     epoch,
                     reservation,
@@ -1125,6 +1337,7 @@ impl NodeCore {
                     deadline: now + self.opts.reservation_ttl,
                     submit,
                     writing: false,
+                    resumed,
                 };
                 self.importing.insert((router, req), e);
             }
@@ -1148,6 +1361,7 @@ impl NodeCore {
                             priority,
                             first: None,
                             state: PfState::Running,
+                            kv_tokens: None,
                         };
                         self.prefills.insert(key, p);
                         self.pf_by_id.insert(id, key);
@@ -1162,6 +1376,10 @@ impl NodeCore {
                         Self::send(out, decode, req, m);
                     }
                 }
+            }
+            EngineAnswer::Detached { ticket, result } => {
+                self.answered();
+                self.on_detached(ticket, result, out);
             }
             EngineAnswer::Status(mut report) => {
                 self.answered();
@@ -1201,7 +1419,7 @@ impl NodeCore {
                 if p.state != PfState::Exporting {
                     return;
                 }
-                let (exp, first) = match (result, p.first.clone()) {
+                let (mut exp, first) = match (result, p.first.clone()) {
                     (Ok(exp), Some(first)) => (exp, first),
                     (Err(why), _) => return self.end_prefill(key, Some(why), out),
                     (Ok(_), None) => {
@@ -1212,6 +1430,19 @@ impl NodeCore {
                 let Some(layout) = &self.layout else {
                     return self.end_prefill(key, Some("this node exports no KV".into()), out);
                 };
+                if let Some(n) = p.kv_tokens {
+                    // A moved request's KV: as much as the mover asked for
+                    // (it may have run ahead of what its Router had seen).
+                    let blocks = n.div_ceil(layout.block_size.max(1));
+                    if n > exp.tokens || blocks > exp.blocks {
+                        let why = format!("{n} tokens asked for, {} held", exp.tokens);
+                        return self.end_prefill(key, Some(why), out);
+                    }
+                    exp.data
+                        .truncate((u64::from(blocks) * layout.bytes_per_block) as usize);
+                    exp.tokens = n;
+                    exp.blocks = blocks;
+                }
                 let (decode, _, router, req) = key;
                 let header = KvTransferHeader {
                     router,
@@ -1306,8 +1537,8 @@ impl NodeCore {
                 if let Some(ev) = early {
                     self.active.early.insert(id, ev);
                 }
-                self.active
-                    .insert((key.0, e.epoch, key.1), id, e.submit.attempt, out);
+                let k = (key.0, e.epoch, key.1);
+                self.active.insert(k, id, e.submit.attempt, e.resumed, out);
             }
             // Cancelled while its bytes were written: ending the stream
             // frees its blocks.
@@ -1656,6 +1887,12 @@ struct Running {
     attempt: u32,
     /// Events sent to the Router so far: the next one's index.
     index: u32,
+    /// Moved here with its KV: its first token (the import's, which the
+    /// client had from the node it left) is not sent, and its usage
+    /// counts that token as prompt, as the Router's request does.
+    resumed: bool,
+    /// The first token is still to come (and to be dropped).
+    skip_first: bool,
 }
 
 /// The requests running here for Routers, and their events on the way
@@ -1688,11 +1925,20 @@ impl Active {
 
     /// Runs engine request `id` (placement `attempt`) under `key`; one
     /// still there is ended. Events that came for it before are sent now.
-    fn insert(&mut self, key: Key, id: RequestId, attempt: u32, out: &mut Vec<NodeOutput>) {
+    fn insert(
+        &mut self,
+        key: Key,
+        id: RequestId,
+        attempt: u32,
+        resumed: bool,
+        out: &mut Vec<NodeOutput>,
+    ) {
         let running = Running {
             id,
             attempt,
             index: 0,
+            resumed,
+            skip_first: resumed,
         };
         if let Some(old) = self.map.insert(key, running) {
             self.by_id.remove(&old.id);
@@ -1730,6 +1976,14 @@ impl Active {
         true
     }
 
+    /// Forgets the request under `key` without ending it in the engine
+    /// (it is being detached for a move).
+    fn forget(&mut self, key: &Key) {
+        if let Some(r) = self.map.remove(key) {
+            self.by_id.remove(&r.id);
+        }
+    }
+
     fn stop_where(&mut self, f: impl Fn(&Key) -> bool, why: &Stop, out: &mut Vec<NodeOutput>) {
         let keys: Vec<Key> = self.map.keys().filter(|k| f(k)).copied().collect();
         for k in keys {
@@ -1739,12 +1993,22 @@ impl Active {
 
     /// One event of running request `id`: onto its Router's batch, in
     /// order; an ended request is forgotten (its handle dropped).
-    fn event(&mut self, id: RequestId, ev: EngineEvent, out: &mut Vec<NodeOutput>) {
+    fn event(&mut self, id: RequestId, mut ev: EngineEvent, out: &mut Vec<NodeOutput>) {
         let key = self.by_id[&id];
         let r = self
             .map
             .get_mut(&key)
             .expect("by_id names running requests");
+        if r.skip_first && matches!(ev, EngineEvent::Token(_)) {
+            r.skip_first = false;
+            return;
+        }
+        if r.resumed
+            && let EngineEvent::Finished { usage, .. } = &mut ev
+        {
+            usage.prompt_tokens += 1;
+            usage.completion_tokens = usage.completion_tokens.saturating_sub(1);
+        }
         let end = !matches!(ev, EngineEvent::Token(_));
         self.outbox.push(key.0, key.2, r.attempt, r.index, ev);
         r.index += 1;

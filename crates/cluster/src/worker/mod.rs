@@ -237,12 +237,7 @@ impl Actor for NodeActor {
                 from, header, data, ..
             }) => NodeInput::Bulk { from, header, data },
             NodeMsg::Net(Inbound::Undelivered { to, msg, reason }) => {
-                // Heartbeats to a peer that is not up yet are routine.
-                if matches!(msg, flotilla_proto::wire::Message::Heartbeat(_)) {
-                    tracing::debug!("heartbeat to node {to} was not delivered: {reason}");
-                } else {
-                    tracing::warn!("{:?} to node {to} was not delivered: {reason}", msg.kind());
-                }
+                crate::log_undelivered(to, &msg, &reason);
                 NodeInput::Undelivered {
                     to,
                     msg,
@@ -272,7 +267,7 @@ impl Actor for NodeActor {
             NodeMsg::Drain(grace) => NodeInput::Drain { grace },
         };
         st.feed(&myself, input).await;
-        if st.core.left() {
+        if st.core.life_over() {
             // Its Leaving is queued on the transport; every handle it
             // holds ends with the actor.
             st.left.store(true, Ordering::Release);
@@ -317,7 +312,7 @@ impl NodeState {
                         msg,
                     } => {
                         if let Err(e) = self.transport.send(to, correlation, msg) {
-                            tracing::warn!("{e}");
+                            crate::log_undelivered(to, &e.msg, &e.reason);
                             later.push_back(NodeInput::Undelivered {
                                 to,
                                 reason: e.reason.to_string(),
@@ -409,6 +404,13 @@ impl NodeState {
                     None => Err(no_kv()),
                 };
                 Some(EngineAnswer::ExportSubmitted { ticket, result })
+            }
+            EngineCall::Detach { ticket, id, hold } => {
+                let result = match &kv {
+                    Some(kv) => kv.detach_kv(id, hold).await,
+                    None => Err("this node migrates no KV".into()),
+                };
+                Some(EngineAnswer::Detached { ticket, result })
             }
             EngineCall::Status => Some(EngineAnswer::Status(self.engine.status().await)),
             EngineCall::KvHolders => {

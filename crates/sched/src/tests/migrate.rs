@@ -343,3 +343,49 @@ fn fail_all_gives_back_held_and_reserved_blocks() {
     assert!(!p.s.cancel_reservation(RequestId(90)));
     p.assert_all_done();
 }
+
+#[test]
+fn a_detached_request_continues_exactly_on_another_engine() {
+    let (mut a, mut b) = (Sim::new(two_tiers(64, 16)), Sim::new(two_tiers(64, 16)));
+    let prompt = a.unique_prompt(30);
+    let req = Sim::request(0, prompt.clone(), 10);
+    let id = a.submit_req(req.clone()).unwrap();
+    // Waiting, then computing its prompt: nothing worth moving yet.
+    assert!(a.s.detach(a.now, id, HOLD).is_err());
+    while a.reqs[&id].out.len() < 4 {
+        a.step();
+    }
+    // Detached while a step that decodes it is in flight: that step's
+    // sample is dropped, its stream gets nothing more.
+    let plan = a.plan();
+    let tokens = a.s.detach(a.now, id, HOLD).expect("decoding");
+    a.execute(&plan);
+    assert_eq!(tokens.len(), 30 + 4);
+    assert_eq!(&tokens[..30], &prompt[..]);
+    assert_eq!(&tokens[30..], &a.reqs[&id].out[..]);
+    assert!(a.s.detach(a.now, id, HOLD).is_err(), "detached twice");
+    assert_eq!(a.s.counters().detached, 1);
+    let (blocks, held) = a.s.held_kv(id).expect("held for export");
+    assert_eq!(held, 33, "the last token's KV is not computed yet");
+    assert_eq!(blocks.len(), 3);
+    let data = a.read_blocks(&blocks);
+    let moved = a.reqs.remove(&id).unwrap();
+    // The other engine continues from the last token (which the client
+    // already has), with one more token allowed for it.
+    let first = tokens[33];
+    let resumed = EngineRequest {
+        prompt: tokens[..33].to_vec(),
+        max_tokens: 10 - 4 + 1,
+        ..req
+    };
+    b.s.reserve(b.now, id, TenantId(0), 33, TTL).unwrap();
+    b.import(id, resumed, &data, first).unwrap();
+    assert!(a.s.release_held(id));
+    a.assert_all_done();
+    b.run_until_idle(20);
+    let t = &b.reqs[&id];
+    assert_eq!(t.computed, 6, "nothing is recomputed");
+    let whole: Vec<u32> = moved.out.iter().chain(&t.out[1..]).copied().collect();
+    assert_eq!(whole, (30..40).map(|p| tok(id, p)).collect::<Vec<_>>());
+    b.assert_all_done();
+}

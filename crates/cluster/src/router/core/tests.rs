@@ -4,8 +4,8 @@ use std::time::Duration;
 
 use flotilla_proto::wire::{Message, ReqEvents, Submit};
 use flotilla_proto::{
-    EngineEvent, EngineFailure, EngineRequest, EngineStatus, FinishReason, KvUsage, Rejection,
-    Role, Sampled, SamplingParams, TenantId, Usage,
+    DrainRefusal, EngineEvent, EngineFailure, EngineRequest, EngineStatus, FinishReason, KvUsage,
+    Rejection, Role, Sampled, SamplingParams, TenantId, Usage,
 };
 
 use super::{RouterCore, RouterInput, RouterOptions, RouterOutput};
@@ -524,12 +524,23 @@ fn a_draining_node_gets_no_new_work_and_what_it_runs_moves_when_it_leaves() {
     h.heartbeat(2, 1);
     // Node 1 leaves with request 1 still running: it moves at once, from
     // the token its client has; no down bound waited for, no down counted.
+    // It continues from node 1's KV (node 1 stops it when asked for it,
+    // so no cancel goes there).
     let out = h.msg(1, 1, Message::Leaving);
     assert_eq!(submits(&out), [(2, 1, 1)]);
+    let (_, s) = &submit_msgs(&out)[0];
+    assert_eq!((s.kv_move, s.prefill), (true, Some(1)));
+    assert_eq!(s.request.prompt.len(), 9, "the prompt and the token sent");
+    assert_eq!(s.request.prompt[8], 1);
+    assert_eq!(s.request.max_tokens, 4);
+    assert!(cancels(&out).is_empty(), "{:?}", cancels(&out));
     assert_eq!(delivered(&out, 1), (vec![], None), "a pause, not an error");
     let st = h.core.status();
     assert!(!st.nodes[0].up, "{:?}", st.nodes);
     assert_eq!((st.nodes[0].downs, st.nodes[0].moved_away), (0, 1));
+    let out = h.msg(2, 1, batch(1, 1, 0, vec![tok(2)]));
+    assert_eq!(delivered(&out, 1), (vec![2], None));
+    assert_eq!(h.core.status().nodes[0].moved_by_kv, 1);
     // Its last words (same life) do not bring it back.
     h.msg(1, 1, Message::Heartbeat(draining));
     assert!(!h.core.status().nodes[0].up);
@@ -556,4 +567,70 @@ fn a_refusal_as_unavailable_is_placed_elsewhere() {
     );
     assert_eq!(submits(&out), [(2, 1, 1)]);
     assert_eq!(admitted(&out, 1), None, "the client waits, not refused");
+}
+
+#[test]
+fn a_move_whose_kv_does_not_come_reruns_whole_and_stops_it_where_it_was() {
+    let mut h = H::new(&[Role::Worker, Role::Worker]);
+    h.unreachable = vec![2];
+    assert_eq!(submits(&h.submit(1, 8, 5)), [(1, 1, 0)]);
+    h.unreachable.clear();
+    h.msg(1, 1, batch(1, 0, 0, vec![tok(1), tok(2)]));
+    let out = h.msg(1, 1, Message::Leaving);
+    assert_eq!(submits(&out), [(2, 1, 1)]);
+    // Node 1 could not give its KV: node 2 says so before any token.
+    let failed = EngineEvent::Failed(EngineFailure::KvTransfer("gone".into()));
+    let out = h.msg(2, 1, batch(1, 1, 0, vec![failed]));
+    assert_eq!(cancels(&out), [(1, 1, 1)], "stopped where it ran");
+    let subs = submit_msgs(&out);
+    assert_eq!(subs.len(), 1);
+    let (to, s) = &subs[0];
+    assert_eq!((*to, s.attempt, s.kv_move, s.prefill), (2, 2, false, None));
+    assert_eq!(
+        s.request.prompt.len(),
+        10,
+        "computed whole, with both tokens"
+    );
+    assert_eq!(delivered(&out, 1), (vec![], None));
+    let out = h.msg(
+        2,
+        1,
+        batch(1, 2, 0, vec![tok(3), tok(4), tok(5), finished(3)]),
+    );
+    assert_eq!(delivered(&out, 1).0, vec![3, 4, 5]);
+    let st = h.core.status();
+    assert_eq!((st.nodes[0].moved_away, st.nodes[0].moved_by_kv), (1, 0));
+}
+
+#[test]
+fn an_operator_s_drain_goes_to_an_up_node_by_name() {
+    let mut h = H::new(&[Role::Worker, Role::Worker]);
+    assert!(matches!(
+        h.core.drain_target("worker-7"),
+        Err(DrainRefusal::UnknownNode { .. })
+    ));
+    assert_eq!(h.core.drain_target("worker-2"), Ok(1));
+    let out = h.input(RouterInput::Drain {
+        node: "worker-2".into(),
+        grace: ms(2_500),
+    });
+    assert_eq!(
+        out,
+        vec![RouterOutput::Send {
+            to: 2,
+            correlation: 0,
+            msg: Message::Drain { grace_ms: 2_500 }
+        }]
+    );
+    // Node 2 falls silent: down, and no drain is asked of it.
+    h.live_until(ms(1_000), &[1]);
+    assert_eq!(
+        h.core.drain_target("worker-2"),
+        Err(DrainRefusal::NotUp("worker-2".into()))
+    );
+    let out = h.input(RouterInput::Drain {
+        node: "worker-2".into(),
+        grace: ms(0),
+    });
+    assert!(out.is_empty(), "{out:?}");
 }

@@ -57,6 +57,8 @@ struct H {
     reconnects: Vec<u32>,
     /// `NodeOutput::Left` came.
     left: bool,
+    /// What the engine answers to a detach.
+    detach: Result<Vec<u32>, String>,
 }
 
 impl H {
@@ -85,6 +87,7 @@ impl H {
             orphans: Vec::new(),
             reconnects: Vec::new(),
             left: false,
+            detach: Err("not decoding".into()),
         };
         h.input(NodeInput::Tick);
         h.sent.clear();
@@ -140,6 +143,10 @@ impl H {
             EngineCall::SubmitForExport { ticket, .. } => {
                 EngineAnswer::ExportSubmitted { ticket, result }
             }
+            EngineCall::Detach { ticket, .. } => EngineAnswer::Detached {
+                ticket,
+                result: self.detach.clone(),
+            },
             EngineCall::Status => EngineAnswer::Status(EngineStatus::default()),
             EngineCall::KvHolders => EngineAnswer::Holders(self.holders.clone()),
             EngineCall::DropOrphan(id) => {
@@ -234,6 +241,7 @@ fn submit(req: u64, attempt: u32, prefill: Option<u32>) -> Message {
         req,
         attempt,
         prefill,
+        kv_move: false,
         request: request(0, 6),
     })
 }
@@ -358,6 +366,7 @@ fn an_unknown_tenant_and_an_engine_refusal_are_refused_and_nothing_runs() {
         req: 1,
         attempt: 0,
         prefill: None,
+        kv_move: false,
         request: request(9, 4),
     };
     h.msg(ROUTER, 1, Message::Submit(s.clone()));
@@ -583,6 +592,7 @@ fn ask(req: u64, tenant: u32, priority: u8) -> Message {
             req,
             attempt: 0,
             prefill: None,
+            kv_move: false,
             request: request(tenant, 6),
         },
         priority,
@@ -888,4 +898,212 @@ fn a_router_s_drain_ends_at_its_deadline_with_work_still_running() {
             .count(),
         1
     );
+}
+
+fn move_submit(req: u64, attempt: u32, from: u32, prompt: Vec<u32>) -> Submit {
+    Submit {
+        req,
+        attempt,
+        prefill: Some(from),
+        kv_move: true,
+        request: EngineRequest {
+            prompt,
+            max_tokens: 6,
+            ..request(0, 1)
+        },
+    }
+}
+
+#[test]
+fn a_leaving_node_hands_a_running_request_s_kv_to_the_node_it_moves_to() {
+    let mut h = H::new(Role::Worker, true, |o| o);
+    h.msg(ROUTER, 1, submit(7, 0, None));
+    let id = h.last_id();
+    h.step((50..55).map(|t| (id, tok(t))).collect());
+    h.input(NodeInput::Drain { grace: ms(500) });
+    h.live_until(ms(600), 1);
+    assert!(
+        h.sent.iter().any(|(_, m)| matches!(m, Message::Leaving)),
+        "{:?}",
+        h.sent
+    );
+    assert!(!h.left, "gone while its request may still be asked for");
+    h.sent.clear();
+    // The Router had seen two of its five tokens when it moved it.
+    let prompt: Vec<u32> = (0..6).chain([50, 51]).collect();
+    h.detach = Ok((0..6).chain(50..55).collect());
+    let ask = PrefillMsg {
+        router: ROUTER,
+        submit: move_submit(7, 1, ME, prompt),
+        priority: 0,
+    };
+    h.msg(DECODE, 1, Message::Prefill(ask.clone()));
+    // Stopped here: a step already under way sends nothing more of it.
+    h.step(vec![(id, tok(55))]);
+    assert!(h.events().is_empty());
+    assert!(matches!(h.later[..], [EngineCall::Export(e)] if e == id));
+    h.later.clear();
+    // Its KV holds ten tokens in three blocks; the mover wants seven.
+    let held = KvExport {
+        tokens: 10,
+        blocks: 3,
+        data: (0..192u32).map(|b| b as u8).collect(),
+    };
+    h.input(NodeInput::Answer(EngineAnswer::Exported {
+        id,
+        result: Ok(held),
+    }));
+    let (bid, to, hd) = h.bulks.pop().expect("the KV leaves");
+    assert_eq!((bid, to), (id, DECODE));
+    assert_eq!(
+        (hd.req, hd.token_count, hd.block_count, hd.bytes),
+        (7, 7, 2, 128)
+    );
+    assert_eq!(
+        hd.first.token, 51,
+        "continued from the last token asked for"
+    );
+    // A duplicate ask changes nothing.
+    h.msg(DECODE, 1, Message::Prefill(ask));
+    assert!(h.take_sent().is_empty() && h.later.is_empty());
+    h.input(NodeInput::Answer(EngineAnswer::BulkSent {
+        id,
+        result: Ok(()),
+    }));
+    assert!(!h.left);
+    h.msg(
+        DECODE,
+        1,
+        Message::KvAck {
+            router: ROUTER,
+            req: 7,
+            ok: true,
+        },
+    );
+    assert!(matches!(h.given_back[..], [EngineCall::Release(r)] if r == id));
+    assert!(h.left, "nothing waits here any more");
+}
+
+#[test]
+fn a_leaving_node_refuses_a_move_it_cannot_serve_and_leaves_at_its_deadline() {
+    let mut h = H::new(Role::Worker, true, |o| o);
+    h.msg(ROUTER, 1, submit(7, 0, None));
+    let id = h.last_id();
+    h.msg(ROUTER, 1, submit(8, 0, None));
+    h.step(vec![(id, tok(50))]);
+    h.input(NodeInput::Drain { grace: ms(0) });
+    h.sent.clear();
+    // Not a request of ours.
+    let ask = |req, prompt: Vec<u32>| PrefillMsg {
+        router: ROUTER,
+        submit: move_submit(req, 1, ME, prompt),
+        priority: 0,
+    };
+    h.msg(DECODE, 1, Message::Prefill(ask(9, vec![1, 2])));
+    // Still computing its prompt: the engine refuses, the request ends.
+    h.msg(
+        DECODE,
+        1,
+        Message::Prefill(ask(7, (0..6).chain([50]).collect())),
+    );
+    let refused: Vec<u64> = h
+        .take_sent()
+        .into_iter()
+        .filter_map(|(to, m)| match m {
+            Message::PrefillFailed { req, .. } if to == DECODE => Some(req),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(refused, vec![9, 7]);
+    assert!(h.ended.contains(&(id, false)));
+    assert!(matches!(h.given_back[..], [EngineCall::Release(r)] if r == id));
+    // Request 8 is asked for by nobody: it ends with this life.
+    assert!(!h.left);
+    h.live_until(TTL - ms(1), 1);
+    assert!(!h.left);
+    h.live_until(TTL, 1);
+    assert!(h.left);
+}
+
+#[test]
+fn a_request_moved_here_with_its_kv_continues_after_the_token_its_client_has() {
+    let mut h = H::new(Role::Worker, true, |o| o);
+    // The Router's prompt: the original six tokens and the two its
+    // client has.
+    let prompt: Vec<u32> = (0..8).collect();
+    h.msg(
+        ROUTER,
+        1,
+        Message::Submit(move_submit(5, 1, PREFILL, prompt.clone())),
+    );
+    let reservation = h.last_id();
+    match &h.take_sent()[..] {
+        [
+            (ROUTER, Message::Admitted { req: 5 }),
+            (PREFILL, Message::Prefill(pm)),
+        ] => {
+            assert!(pm.submit.kv_move);
+            assert_eq!(pm.submit.request.prompt, prompt, "asks for all it knows");
+        }
+        other => panic!("{other:?}"),
+    }
+    let mut hd = header(5, "m");
+    hd.token_count = 7;
+    hd.first = sampled(7);
+    h.input(NodeInput::Bulk {
+        from: PREFILL,
+        header: hd,
+        data: vec![Bytes::from(vec![0u8; 128])],
+    });
+    match &h.later[..] {
+        [EngineCall::Import { request, .. }] => {
+            assert_eq!(request.prompt, prompt[..7]);
+            assert_eq!(request.max_tokens, 7, "its first token is one of them");
+        }
+        other => panic!("{other:?}"),
+    }
+    h.later.clear();
+    h.step(vec![(reservation, tok(7)), (reservation, tok(20))]);
+    h.input(NodeInput::Answer(EngineAnswer::Imported {
+        reservation,
+        result: Ok(reservation),
+    }));
+    assert_eq!(h.events(), vec![(5, 1, 0, vec![tok(20)])]);
+    let end = EngineEvent::Finished {
+        reason: FinishReason::Length,
+        usage: Usage {
+            prompt_tokens: 7,
+            completion_tokens: 2,
+            cached_tokens: 0,
+        },
+    };
+    h.step(vec![(reservation, end)]);
+    let usage = Usage {
+        prompt_tokens: 8,
+        completion_tokens: 1,
+        cached_tokens: 0,
+    };
+    assert_eq!(
+        h.events(),
+        vec![(
+            5,
+            1,
+            1,
+            vec![EngineEvent::Finished {
+                reason: FinishReason::Length,
+                usage
+            }]
+        )]
+    );
+    // A node that imports no KV computes the whole prompt instead.
+    let mut h = H::new(Role::Worker, false, |o| o);
+    h.msg(
+        ROUTER,
+        1,
+        Message::Submit(move_submit(5, 1, PREFILL, prompt)),
+    );
+    assert!(matches!(
+        h.take_sent()[..],
+        [(ROUTER, Message::Admitted { req: 5 })]
+    ));
 }
