@@ -7,26 +7,30 @@
 # report (refusals and stream errors would show under "failed" beside the
 # client's own drops) and each node's line from /ready (downs, moved_away)
 # with the KV blocks still used.
+# GRACE_S is the nodes' --drain-grace-s (30): how long a drained node lets
+# its requests finish before they move (0: they move at once, with their KV).
 #   usage: tests/bench/node-loss.sh            (kill -9)
 #          SIGNAL=TERM tests/bench/node-loss.sh
+#          SIGNAL=TERM GRACE_S=0 tests/bench/node-loss.sh
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-target/bench-node-loss}; mkdir -p "$OUT"
 SIGNAL=${SIGNAL:-KILL}
 AFTER_S=${AFTER_S:-25}
 SEED=${SEED:-3}
+GRACE_S=${GRACE_S:-30}
 BIN=target/release/flotilla
 [ -x "$BIN" ] || cargo build --release
 URL=http://127.0.0.1:8000
 CONFIG=cluster-configs/pd-2p2d.toml
-"$BIN" cluster --config "$CONFIG" -- --threads 1 > "$OUT/cluster.log" 2>&1 &
+"$BIN" cluster --config "$CONFIG" -- --threads 1 --drain-grace-s "$GRACE_S" > "$OUT/cluster.log" 2>&1 &
 CL=$!
 trap 'kill $CL 2>/dev/null || true; wait $CL 2>/dev/null || true' EXIT
 up() {
   curl -sf "$URL/ready" 2>/dev/null | python3 -c \
     'import json,sys; d=json.load(sys.stdin); sys.exit(0 if all(n["up"] for n in d["nodes"]) else 1)'
 }
-for _ in $(seq 1 180); do up && break; sleep 1; done
+for _ in $(seq 1 180); do up 2>/dev/null && break; sleep 1; done
 up || { echo "the cluster did not come up; see $OUT/cluster.log"; exit 1; }
 timeout 600 "$BIN" bench --url "$URL" --concurrency 16 --requests 300 --max-tokens 48 \
   --cancel-fraction 0.2 --seed "$SEED" --api-key sk-flotilla-paid-example --quiet \
