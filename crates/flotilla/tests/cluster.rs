@@ -7,6 +7,8 @@
 use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use futures_util::StreamExt;
@@ -72,8 +74,8 @@ fn run_ok(cmd: &mut Command) -> String {
     text
 }
 
-fn config_text(certs: &Path, addrs: [String; 3], http: String, roles: [&str; 2]) -> String {
-    format!(
+fn config_text(certs: &Path, addrs: &[String], http: String, roles: &[&str]) -> String {
+    let mut text = format!(
         r#"
 [cluster]
 certs_dir = "{certs}"
@@ -86,17 +88,19 @@ name = "router"
 role = "router"
 addr = "{}"
 http = "{http}"
-
-[[nodes]]
-name = "worker-1"
-role = "{r1}"
-addr = "{}"
-
-[[nodes]]
-name = "worker-2"
-role = "{r2}"
-addr = "{}"
-
+"#,
+        addrs[0],
+        certs = certs.display(),
+    );
+    for (i, r) in roles.iter().enumerate() {
+        text += &format!(
+            "\n[[nodes]]\nname = \"worker-{}\"\nrole = \"{r}\"\naddr = \"{}\"\n",
+            i + 1,
+            addrs[i + 1]
+        );
+    }
+    text += &format!(
+        r#"
 [[tiers]]
 name = "paid"
 
@@ -104,14 +108,9 @@ name = "paid"
 name = "paid-co"
 tier = "paid"
 api_keys = ["{PAID_KEY}"]
-"#,
-        addrs[0],
-        addrs[1],
-        addrs[2],
-        certs = certs.display(),
-        r1 = roles[0],
-        r2 = roles[1],
-    )
+"#
+    );
+    text
 }
 
 /// Starts `flotilla node --name NAME`; returns it and, for the Router, the
@@ -175,9 +174,9 @@ fn start_node_with(
     )
 }
 
-/// A temporary directory with a cluster CA and certificates for router,
-/// worker-1 and worker-2 (in `roles`), made with `flotilla certs`.
-fn certs_dir(roles: [&str; 2]) -> (Dir, PathBuf) {
+/// A temporary directory with a cluster CA and certificates for router
+/// and worker-1.. (in `roles`), made with `flotilla certs`.
+fn certs_dir(roles: &[&str]) -> (Dir, PathBuf) {
     let dir = std::env::temp_dir().join(format!(
         "flotilla-cluster-test-{}-{}",
         std::process::id(),
@@ -188,11 +187,10 @@ fn certs_dir(roles: [&str; 2]) -> (Dir, PathBuf) {
     let certs = dir.0.join("certs");
     // The certificate commands a user runs for a real cluster.
     run_ok(flotilla().args(["certs", "init", "--dir"]).arg(&certs));
-    for (n, r) in [
-        ("router", "router"),
-        ("worker-1", roles[0]),
-        ("worker-2", roles[1]),
-    ] {
+    let names: Vec<String> = (1..=roles.len()).map(|i| format!("worker-{i}")).collect();
+    let nodes = std::iter::once(("router", "router"))
+        .chain(names.iter().map(String::as_str).zip(roles.iter().copied()));
+    for (n, r) in nodes {
         let out = run_ok(
             flotilla()
                 .args(["certs", "issue", "--dir"])
@@ -215,27 +213,34 @@ fn start_cluster_with(roles: [&str; 2]) -> Cluster {
 
 /// As [`start_cluster_with`], every node on the model file at `model`.
 fn start_cluster_on(roles: [&str; 2], model: &Path) -> Cluster {
-    start_cluster_full(roles, model, &[])
+    start_cluster_full(&roles, model, &[])
 }
 
-/// As [`start_cluster_on`], worker-1 with `w1_extra` flags too.
-fn start_cluster_full(roles: [&str; 2], model: &Path, w1_extra: &[&str]) -> Cluster {
+/// As [`start_cluster_on`], worker-1 with `w1_extra` flags too; any
+/// number of engine nodes (`worker-1`.. of `roles`).
+fn start_cluster_full(roles: &[&str], model: &Path, w1_extra: &[&str]) -> Cluster {
     let (dir, certs) = certs_dir(roles);
     let config = dir.0.join("cluster.toml");
-    let addrs = [0, 1, 2].map(|_| format!("127.0.0.1:{}", free_port()));
+    let addrs: Vec<String> = (0..=roles.len())
+        .map(|_| format!("127.0.0.1:{}", free_port()))
+        .collect();
     let http = format!("127.0.0.1:{}", free_tcp_port());
-    std::fs::write(&config, config_text(&certs, addrs, http, roles)).unwrap();
+    std::fs::write(&config, config_text(&certs, &addrs, http, roles)).unwrap();
     let model = model.to_str().unwrap();
     let on = ["--model", model];
     let w1_on: Vec<&str> = on.iter().chain(w1_extra).copied().collect();
-    let (w1, _) = start_node_with(flotilla(), &config, "worker-1", &w1_on);
-    let (w2, _) = start_node_with(flotilla(), &config, "worker-2", &on);
+    let mut nodes = Vec::new();
+    for i in 1..=roles.len() {
+        let flags = if i == 1 { &w1_on[..] } else { &on[..] };
+        nodes.push(start_node_with(flotilla(), &config, &format!("worker-{i}"), flags).0);
+    }
     let (r, url) = start_node_with(flotilla(), &config, "router", &on);
+    nodes.insert(0, r);
     Cluster {
         dir,
         config,
         base: url.expect("the router prints its URL"),
-        nodes: vec![r, w1, w2],
+        nodes,
     }
 }
 
@@ -307,6 +312,14 @@ async fn read_sse(resp: reqwest::Response) -> (usize, Option<String>, bool) {
 
 /// [`read_sse`], with the text streamed.
 async fn read_sse_text(resp: reqwest::Response) -> (usize, Option<String>, bool, String) {
+    read_sse_counting(resp, Arc::default()).await
+}
+
+/// [`read_sse_text`], counting the text chunks in `seen` as they come.
+async fn read_sse_counting(
+    resp: reqwest::Response,
+    seen: Arc<AtomicUsize>,
+) -> (usize, Option<String>, bool, String) {
     let mut text = String::new();
     let mut body = resp.bytes_stream();
     let mut buf = String::new();
@@ -327,6 +340,7 @@ async fn read_sse_text(resp: reqwest::Response) -> (usize, Option<String>, bool,
                 chunks = n as usize;
             } else if let Some(t) = v["choices"][0]["text"].as_str() {
                 text.push_str(t);
+                seen.fetch_add(1, Ordering::Relaxed);
             }
         }
     }
@@ -518,7 +532,7 @@ async fn a_killed_worker_is_marked_down_its_streams_move_and_it_rejoins() {
 async fn a_sigterm_drains_a_worker_its_streams_move_with_their_kv_and_it_exits() {
     // A short grace, so that streams still run when it ends and move.
     let mut c = start_cluster_full(
-        ["worker", "mixed"],
+        &["worker", "mixed"],
         &flotilla_hub::test_model_path(),
         &["--drain-grace-s", "1"],
     );
@@ -576,6 +590,93 @@ async fn a_sigterm_drains_a_worker_its_streams_move_with_their_kv_and_it_exits()
         Some(on_w1),
         "{r}"
     );
+    wait_for(&c.base, "all blocks back", |r| {
+        r["kv_blocks"]["used"] == 0 && r["running"] == 0
+    })
+    .await;
+    drop(c.dir);
+}
+
+/// The reported setting (two prefill and two decode nodes) under 16
+/// streams with a decode node killed while they run: every stream ends
+/// whole, none with an error, each with the text an undisturbed greedy run
+/// gives; the killed node's streams moved; no KV block stays used on any
+/// node that is up.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_killed_decode_node_of_two_prefill_two_decode_loses_no_stream() {
+    const TOKENS: u32 = 96;
+    let mut c = start_cluster_full(
+        &["prefill", "prefill", "decode", "decode"],
+        &flotilla_hub::test_model_path(),
+        &[],
+    );
+    wait_for(&c.base, "all four engine nodes up", |r| {
+        (1..=4).all(|i| node(r, &format!("worker-{i}"))["up"] == true)
+    })
+    .await;
+    let prompts: Vec<String> = (0..16)
+        .map(|i| format!("Story number {i}, about a lighthouse keeper,"))
+        .collect();
+    let mut streams = Vec::new();
+    let mut seen = Vec::new();
+    for p in &prompts {
+        let resp = post(&c.base, &completion(p, TOKENS, true)).await;
+        assert_eq!(resp.status(), 200);
+        let n = Arc::new(AtomicUsize::new(0));
+        streams.push(tokio::spawn(read_sse_counting(resp, n.clone())));
+        seen.push(n);
+    }
+    // Every stream has tokens (so those on worker-3 move rather than run
+    // again from the start).
+    let t0 = Instant::now();
+    while seen.iter().any(|n| n.load(Ordering::Relaxed) < 4) {
+        assert!(
+            t0.elapsed() < Duration::from_secs(120),
+            "the streams did not start"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let r = ready(&c.base).await;
+    assert!(
+        node(&r, "worker-3")["in_flight"].as_u64().unwrap() >= 1,
+        "{r}"
+    );
+    let w3 = c.nodes.iter_mut().find(|n| n.name == "worker-3").unwrap();
+    w3.child.kill().unwrap();
+    w3.child.wait().unwrap();
+    let mut texts = Vec::new();
+    for s in streams {
+        let (chunks, err, done, text) = tokio::time::timeout(Duration::from_secs(180), s)
+            .await
+            .expect("a stream hung after its decode node died")
+            .unwrap();
+        assert!(done, "stream without [DONE]");
+        assert_eq!(err, None, "a stream ended with an error");
+        assert_eq!(chunks, TOKENS as usize);
+        texts.push(text);
+    }
+    let r = ready(&c.base).await;
+    let w = node(&r, "worker-3");
+    assert_eq!(
+        (w["up"].as_bool(), w["downs"].as_u64()),
+        (Some(false), Some(1)),
+        "{r}"
+    );
+    assert!(
+        w["moved_away"].as_u64().unwrap() >= 1,
+        "no stream moved: {r}"
+    );
+    let undisturbed: Vec<_> = prompts
+        .iter()
+        .map(|p| {
+            let base = c.base.clone();
+            let body = completion(p, TOKENS, false);
+            tokio::spawn(async move { complete_text(&base, &body).await.0 })
+        })
+        .collect();
+    for ((p, moved), u) in prompts.iter().zip(&texts).zip(undisturbed) {
+        assert_eq!(moved, &u.await.unwrap(), "prompt {p:?}");
+    }
     wait_for(&c.base, "all blocks back", |r| {
         r["kv_blocks"]["used"] == 0 && r["running"] == 0
     })
@@ -672,13 +773,13 @@ async fn across_network_namespaces_with_a_slow_lossy_link() {
             return;
         }
     };
-    let (dir, certs) = certs_dir(["worker", "mixed"]);
+    let (dir, certs) = certs_dir(&["worker", "mixed"]);
     let config = dir.0.join("cluster.toml");
     let addrs = [0, 1, 2].map(|i| format!("{}:7400", net.ip(i)));
     let http = format!("{}:8000", net.ip(0));
     std::fs::write(
         &config,
-        config_text(&certs, addrs, http, ["worker", "mixed"]),
+        config_text(&certs, &addrs, http, &["worker", "mixed"]),
     )
     .unwrap();
     let in_ns = |i: usize| {
@@ -824,11 +925,11 @@ fn process_gone(pid: u32) -> bool {
 #[test]
 fn the_cluster_command_takes_its_nodes_down_on_sigterm() {
     let roles = ["worker", "worker"];
-    let (dir, certs) = certs_dir(roles);
+    let (dir, certs) = certs_dir(&roles);
     let config = dir.0.join("cluster.toml");
     let addrs = [0, 1, 2].map(|_| format!("127.0.0.1:{}", free_port()));
     let http = format!("127.0.0.1:{}", free_tcp_port());
-    std::fs::write(&config, config_text(&certs, addrs, http, roles)).unwrap();
+    std::fs::write(&config, config_text(&certs, &addrs, http, &roles)).unwrap();
     let model = flotilla_hub::test_model_path();
     let mut parent = flotilla()
         .args(["cluster", "--config"])

@@ -663,6 +663,27 @@ impl NodeCore {
         self.answers_due = self.answers_due.saturating_sub(1);
     }
 
+    /// Tells node `to` that the KV it asked for (the Router's request
+    /// `req`) will not come, and why.
+    fn prefill_failed(
+        out: &mut Vec<NodeOutput>,
+        to: NodeId,
+        router: u32,
+        req: u64,
+        reason: String,
+    ) {
+        Self::send(
+            out,
+            to,
+            req,
+            Message::PrefillFailed {
+                router,
+                req,
+                reason,
+            },
+        );
+    }
+
     fn send(out: &mut Vec<NodeOutput>, to: NodeId, correlation: u64, msg: Message) {
         out.push(NodeOutput::Send {
             to,
@@ -899,12 +920,7 @@ impl NodeCore {
             self.end_prefill(key, None, out);
         }
         let refuse = |out: &mut Vec<NodeOutput>, reason: String| {
-            let m = Message::PrefillFailed {
-                router,
-                req,
-                reason,
-            };
-            Self::send(out, from, req, m);
+            Self::prefill_failed(out, from, router, req, reason);
         };
         if self.abandoned.contains_key(&key) {
             refuse(
@@ -970,12 +986,7 @@ impl NodeCore {
             Ok(r) => r,
             Err(reason) => {
                 tracing::debug!(req, "KV move to node {decode} refused: {reason}");
-                let m = Message::PrefillFailed {
-                    router,
-                    req,
-                    reason,
-                };
-                Self::send(out, decode, req, m);
+                Self::prefill_failed(out, decode, router, req, reason);
                 return;
             }
         };
@@ -1039,12 +1050,7 @@ impl NodeCore {
                 stop_string: false,
             });
             out.push(NodeOutput::Call(EngineCall::Release(id)));
-            let m = Message::PrefillFailed {
-                router,
-                req,
-                reason,
-            };
-            Self::send(out, decode, req, m);
+            Self::prefill_failed(out, decode, router, req, reason);
             return;
         }
         let first = Sampled {
@@ -1252,12 +1258,7 @@ impl NodeCore {
         match failure {
             Some(reason) => {
                 tracing::warn!(req, "prefill for node {decode} failed: {reason}");
-                let m = Message::PrefillFailed {
-                    router,
-                    req,
-                    reason,
-                };
-                Self::send(out, decode, req, m);
+                Self::prefill_failed(out, decode, router, req, reason);
             }
             None => tracing::debug!(req, state = ?p.state, "prefill for node {decode} ends"),
         }
@@ -1368,12 +1369,7 @@ impl NodeCore {
                     }
                     Err(r) => {
                         let (decode, _, router, req) = key;
-                        let m = Message::PrefillFailed {
-                            router,
-                            req,
-                            reason: r.to_string(),
-                        };
-                        Self::send(out, decode, req, m);
+                        Self::prefill_failed(out, decode, router, req, r.to_string());
                     }
                 }
             }
