@@ -649,17 +649,31 @@ async fn a_lease_no_request_owns_is_found_and_given_back() {
 }
 
 #[tokio::test]
-async fn a_decode_node_that_dies_mid_stream_ends_the_stream_with_an_error() {
+async fn a_decode_node_that_dies_mid_stream_with_no_other_ends_the_stream_after_a_wait() {
     let r = rig(&[Role::Prefill, Role::Decode]).await;
     let mut s = r.router.submit(req(12, 900, 7)).await.unwrap();
     for _ in 0..3 {
         assert!(matches!(s.recv().await, Some(EngineEvent::Token(_))));
     }
     r.net.kill(2);
-    let (_, end) = drain(s).await;
+    let killed = tokio::time::Instant::now();
+    // No other decode node: the stream waits for one (the down bound
+    // three times, and 5 s), then ends with the reason.
+    let end = tokio::time::timeout(Duration::from_secs(30), s.recv())
+        .await
+        .expect("the stream hung")
+        .expect("a terminal event");
+    assert!(
+        killed.elapsed() >= Duration::from_secs(5),
+        "{:?}",
+        killed.elapsed()
+    );
     match end {
         EngineEvent::Failed(EngineFailure::Internal(m)) => {
-            assert!(m.contains("stopped responding"), "{m}")
+            assert!(
+                m.contains("stopped responding") && m.contains("none could within"),
+                "{m}"
+            )
         }
         e => panic!("{e:?}"),
     }

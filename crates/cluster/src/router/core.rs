@@ -208,6 +208,9 @@ struct Pending {
     paired_prefill: Option<usize>,
     /// Run it whole on one node (a KV transfer for it failed).
     colocate: bool,
+    /// Its decode node had no blocks to reserve for it: if no other node
+    /// can take it, that one may still run it whole.
+    short: bool,
     /// This placement continues it with the KV of the node it ran on
     /// (`paired_prefill`), until its first new token comes.
     kv_move: bool,
@@ -265,6 +268,11 @@ pub struct RouterCore {
     next_check: Duration,
     /// Checks until the Router's own heartbeat goes out again.
     checks_to_heartbeat: u32,
+    /// Requests that lost their node when no other could take them: each
+    /// waits (until then) for one that can, by id.
+    parked: BTreeMap<u64, (Duration, Pending, String)>,
+    /// The time of the input being handled.
+    now: Duration,
     out: Vec<RouterOutput>,
 }
 
@@ -304,6 +312,8 @@ impl RouterCore {
             admit_by: BTreeSet::new(),
             next_check: now,
             checks_to_heartbeat: 0,
+            parked: BTreeMap::new(),
+            now,
             out: Vec::new(),
             opts,
         }
@@ -320,6 +330,7 @@ impl RouterCore {
         out: &mut Vec<RouterOutput>,
     ) {
         debug_assert!(self.out.is_empty());
+        self.now = now;
         match input {
             RouterInput::Submit { id, req } => self.submit(now, id, req, reachable),
             RouterInput::ClientGone { id, stop_string } => self.abandon(id, stop_string),
@@ -355,6 +366,7 @@ impl RouterCore {
 
     /// When the next [`RouterInput::Tick`] is due.
     pub fn next_deadline(&self) -> Duration {
+        // What waits for a node is looked at with every silence check.
         self.admit_by
             .first()
             .map_or(self.next_check, |&(d, _)| d.min(self.next_check))
@@ -371,7 +383,7 @@ impl RouterCore {
 
     /// Requests in flight (admitted or waiting for their answer).
     pub fn in_flight(&self) -> usize {
-        self.pending.len()
+        self.pending.len() + self.parked.len()
     }
 
     /// The cluster as `/ready` shows it: the sum of the nodes that are up,
@@ -433,6 +445,11 @@ impl RouterCore {
             .filter(|(_, p)| !p.admitted)
             .map(|(&id, p)| (p.admit_by, id))
             .collect();
+        if let Some(id) = self.parked.keys().find(|id| self.pending.contains_key(id)) {
+            return Err(format!(
+                "request {id} is placed and waits for a node at once"
+            ));
+        }
         if waiting != self.admit_by {
             return Err(format!(
                 "{} requests wait for admission, {} admission deadlines are armed",
@@ -487,6 +504,7 @@ impl RouterCore {
                 prefill: None,
                 paired_prefill: None,
                 colocate: false,
+                short: false,
                 kv_move: false,
                 admitted: false,
                 admit_by,
@@ -744,11 +762,20 @@ impl RouterCore {
         if let Some(p) = self.finish(id) {
             self.cancel_on_node(&p, id, stop_string);
         }
+        // Or it waited for a node: nothing runs anywhere.
+        self.parked.remove(&id);
     }
 
     /// Ends a request that failed: a refusal if the client is still
     /// waiting for admission, else a failure event on its stream.
     fn fail(&mut self, id: u64, p: Pending, r: Rejection, f: EngineFailure) {
+        // Said once here: the client's error is all that tells of it
+        // otherwise.
+        if p.admitted {
+            tracing::info!("request {id} failed: {f}");
+        } else {
+            tracing::info!("request {id} refused ({r}): {f}");
+        }
         self.out.push(if p.admitted {
             RouterOutput::Events {
                 id,
@@ -900,6 +927,17 @@ impl RouterCore {
                 }
                 None => self.route(id, &hashes, exclude, reachable),
             };
+            // A decode node that had no blocks to reserve now, and no
+            // other node to pair: it runs the request whole, queued in its
+            // engine until blocks free up (its queue limits still answer),
+            // rather than the client getting a 503 while it has capacity.
+            let routed = routed || {
+                let short = std::mem::take(&mut self.pending.get_mut(&id).expect("replaced").short);
+                short && {
+                    self.pending.get_mut(&id).expect("replaced").colocate = true;
+                    self.route(id, &hashes, None, reachable)
+                }
+            };
             if routed {
                 if movable {
                     self.workers[lost].moved_away += 1;
@@ -916,7 +954,19 @@ impl RouterCore {
                 return;
             }
             p = self.unplace(id);
+            // No node can take it now: it waits a while for one (a node
+            // cut off may come back, a restarted one rejoins) rather than
+            // the client losing the answer at once.
+            let until = self.now + self.opts.down_after * 3 + ADMIT_GRACE;
+            tracing::info!("request {id}: {why}; no node can take it now, it waits for one");
+            self.parked.insert(id, (until, p, why.to_owned()));
+            return;
         }
+        self.fail_unplaced(id, p, why);
+    }
+
+    /// Ends a request that lost its node and found no other.
+    fn fail_unplaced(&mut self, id: u64, p: Pending, why: &str) {
         let sent = p.base + p.tokens_sent;
         let msg = if p.moves >= self.opts.moves_max && p.tokens_sent > 0 {
             format!(
@@ -931,6 +981,30 @@ impl RouterCore {
             )
         };
         self.fail(id, p, Rejection::Unavailable, EngineFailure::Internal(msg));
+    }
+
+    /// Places what waits for a node where one can take it now; ends what
+    /// waited too long.
+    fn unpark(&mut self, now: Duration, reachable: &dyn Fn(NodeId) -> bool) {
+        let ids: Vec<u64> = self.parked.keys().copied().collect();
+        for id in ids {
+            let (until, p, why) = self.parked.remove(&id).expect("listed above");
+            let hashes = self.hashes(&p.req);
+            self.replace(id, p);
+            if self.route(id, &hashes, None, reachable) {
+                let to = &self.workers[self.pending[&id].worker].name;
+                tracing::info!("request {id}: placed on {to} after waiting for a node");
+                continue;
+            }
+            let p = self.unplace(id);
+            if now >= until {
+                let waited = (self.opts.down_after * 3 + ADMIT_GRACE).as_millis();
+                let why = format!("{why}, and none could within {waited} ms");
+                self.fail_unplaced(id, p, &why);
+            } else {
+                self.parked.insert(id, (until, p, why));
+            }
+        }
     }
 
     fn hashes(&self, req: &EngineRequest) -> Vec<u64> {
@@ -1027,7 +1101,11 @@ impl RouterCore {
                 // A node that takes no work now (draining, stopping): any
                 // other node may.
                 let closed = rejection == Rejection::Unavailable;
-                if (full && self.pending[&req].prefill.is_some()) || closed {
+                let paired = self.pending[&req].prefill.is_some();
+                if (full && paired) || closed {
+                    if paired && !self.workers[w].load.draining {
+                        self.pending.get_mut(&req).expect("checked above").short = true;
+                    }
                     let why = format!("{} refused it ({rejection})", self.workers[w].name);
                     self.rerun_or_fail(req, Some(w), &why, None, reachable);
                 } else if let Some(p) = self.finish(req) {
@@ -1212,6 +1290,9 @@ impl RouterCore {
             self.next_check += period.max(Duration::from_micros(1));
         }
         self.check_silence(now, reachable);
+        if !self.parked.is_empty() {
+            self.unpark(now, reachable);
+        }
         if self.checks_to_heartbeat == 0 {
             self.checks_to_heartbeat = 4;
             // Workers watch the Router the same way: a silent Router's

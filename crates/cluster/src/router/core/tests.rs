@@ -634,3 +634,63 @@ fn an_operator_s_drain_goes_to_an_up_node_by_name() {
     });
     assert!(out.is_empty(), "{out:?}");
 }
+
+#[test]
+fn a_stream_whose_node_is_lost_with_no_other_up_waits_for_one() {
+    let mut h = H::new(&[Role::Worker, Role::Worker]);
+    h.unreachable = vec![2];
+    assert_eq!(submits(&h.submit(1, 8, 6)), [(1, 1, 0)]);
+    assert_eq!(submits(&h.submit(2, 8, 6)), [(1, 2, 0)]);
+    h.msg(1, 1, batch(1, 0, 0, vec![tok(1), tok(2)]));
+    h.msg(1, 1, batch(2, 0, 0, vec![tok(1)]));
+    // Both nodes fall silent: nothing can take the streams, and they wait
+    // instead of failing.
+    let out = h.live_until(ms(600), &[]);
+    assert!(submits(&out).is_empty());
+    assert_eq!(delivered(&out, 1), (vec![], None));
+    assert_eq!(h.core.in_flight(), 2);
+    // The client of request 2 leaves while it waits.
+    h.input(RouterInput::ClientGone {
+        id: 2,
+        stop_string: false,
+    });
+    assert_eq!(h.core.in_flight(), 1);
+    // Node 2 comes up: request 1 moves there from the tokens its client has.
+    h.unreachable.clear();
+    h.heartbeat(2, 1);
+    let out = h.live_until(ms(700), &[2]);
+    let subs = submit_msgs(&out);
+    assert_eq!(subs.len(), 1, "{out:?}");
+    let (to, s) = &subs[0];
+    assert_eq!((*to, s.req, s.request.prompt.len()), (2, 1, 10));
+    let out = h.msg(
+        2,
+        1,
+        batch(
+            1,
+            s.attempt,
+            0,
+            vec![tok(3), tok(4), tok(5), tok(6), finished(4)],
+        ),
+    );
+    assert_eq!(delivered(&out, 1).0, vec![3, 4, 5, 6]);
+    assert_eq!(h.core.in_flight(), 0);
+}
+
+#[test]
+fn a_stream_that_waits_too_long_for_a_node_fails_with_the_reason() {
+    let mut h = H::new(&[Role::Worker]);
+    assert_eq!(submits(&h.submit(1, 8, 6)), [(1, 1, 0)]);
+    h.msg(1, 1, batch(1, 0, 0, vec![tok(1)]));
+    let out = h.live_until(ms(600), &[]);
+    assert_eq!(delivered(&out, 1), (vec![], None), "it waits");
+    let out = h.live_until(ms(600) + DOWN * 3 + ms(5_000), &[]);
+    match delivered(&out, 1) {
+        (t, Some(EngineEvent::Failed(f))) if t.is_empty() => {
+            let why = f.to_string();
+            assert!(why.contains("none could within"), "{why}");
+        }
+        other => panic!("{other:?}"),
+    }
+    assert_eq!(h.core.in_flight(), 0);
+}
