@@ -152,6 +152,19 @@ impl Gateway {
         }
     }
 
+    /// The request body, or why it cannot be read (413 over the limit).
+    fn read_body(&self, body: Result<Bytes, BytesRejection>) -> Result<Bytes, ApiError> {
+        body.map_err(|r| {
+            if r.status() == StatusCode::PAYLOAD_TOO_LARGE {
+                ApiError::BodyTooLarge {
+                    limit_bytes: self.cfg.body_limit_bytes,
+                }
+            } else {
+                ApiError::invalid_body(format!("cannot read the request body: {}", r.body_text()))
+            }
+        })
+    }
+
     fn tier_name(&self, tenant: TenantId) -> &str {
         let c = &self.cfg.cluster;
         c.tenants
@@ -171,21 +184,9 @@ impl Gateway {
             Err(e) => return self.refuse(TIER_UNKNOWN, e),
         };
         let tier = self.tier_name(tenant);
-        let body = match body {
+        let body = match self.read_body(body) {
             Ok(b) => b,
-            Err(r) if r.status() == StatusCode::PAYLOAD_TOO_LARGE => {
-                let e = ApiError::BodyTooLarge {
-                    limit_bytes: self.cfg.body_limit_bytes,
-                };
-                return self.refuse(tier, e);
-            }
-            Err(r) => {
-                let e = ApiError::invalid_body(format!(
-                    "cannot read the request body: {}",
-                    r.body_text()
-                ));
-                return self.refuse(tier, e);
-            }
+            Err(e) => return self.refuse(tier, e),
         };
         let n = self.requests.fetch_add(1, Ordering::Relaxed);
         let ctx = ParseCtx {
@@ -295,9 +296,9 @@ async fn drain(
     if let Err(e) = gw.authenticate_admin(&headers) {
         return gw.refuse(TIER_UNKNOWN, e);
     }
-    let body = match body {
+    let body = match gw.read_body(body) {
         Ok(b) => b,
-        Err(e) => return gw.refuse(TIER_UNKNOWN, ApiError::invalid_body(e.body_text())),
+        Err(e) => return gw.refuse(TIER_UNKNOWN, e),
     };
     let v: serde_json::Value = match serde_json::from_slice(&body) {
         Ok(v) => v,

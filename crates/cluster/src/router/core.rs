@@ -208,9 +208,6 @@ struct Pending {
     paired_prefill: Option<usize>,
     /// Run it whole on one node (a KV transfer for it failed).
     colocate: bool,
-    /// Its decode node had no blocks to reserve for it: if no other node
-    /// can take it, that one may still run it whole.
-    short: bool,
     /// This placement continues it with the KV of the node it ran on
     /// (`paired_prefill`), until its first new token comes.
     kv_move: bool,
@@ -241,6 +238,19 @@ struct Pending {
     /// not reach): past two, it is refused rather than tried again.
     undelivered: u32,
     req: EngineRequest,
+}
+
+/// What a request that lost its placement may do when no other node takes
+/// it as it is.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Fallback {
+    /// Nothing: it waits for a node, or fails.
+    Nothing,
+    /// Continue from the KV of this node, which left in order (tried
+    /// before any other placement, for a request that moves).
+    KvOf(usize),
+    /// Run whole on any node, the excluded one included (it queues it).
+    Whole,
 }
 
 /// Event batches one request may hold while one before them is missing.
@@ -494,7 +504,7 @@ impl RouterCore {
         let hashes = self.hashes(&req);
         let blocks = (req.prompt.len() as u64 + req.max_tokens as u64)
             .div_ceil(self.opts.block_size.max(1) as u64);
-        let admit_by = now + self.opts.down_after * 3 + ADMIT_GRACE;
+        let admit_by = now + self.node_wait();
         self.admit_by.insert((admit_by, id));
         let old = self.pending.insert(
             id,
@@ -504,7 +514,6 @@ impl RouterCore {
                 prefill: None,
                 paired_prefill: None,
                 colocate: false,
-                short: false,
                 kv_move: false,
                 admitted: false,
                 admit_by,
@@ -857,8 +866,12 @@ impl RouterCore {
                 };
                 self.send(self.workers[pf].node, id, abandon);
             }
-            let kv_from = (kv && worker == w).then_some(w);
-            self.rerun_or_fail(id, Some(w), &format!("{name} {why}"), kv_from, reachable);
+            let fallback = if kv && worker == w {
+                Fallback::KvOf(w)
+            } else {
+                Fallback::Nothing
+            };
+            self.rerun_or_fail(id, Some(w), &format!("{name} {why}"), fallback, reachable);
             let kv_moved = self
                 .pending
                 .get(&id)
@@ -880,16 +893,14 @@ impl RouterCore {
     }
 
     /// Runs `id` again elsewhere if no token reached its client yet (and
-    /// it has re-runs left), else ends it with `why`.
-    ///
-    /// With `kv_from`, a request that moves continues on its new node
-    /// from the KV of that node (which still serves it).
+    /// it has re-runs left), else ends it with `why`; `fallback` says
+    /// what else it may do.
     fn rerun_or_fail(
         &mut self,
         id: u64,
         exclude: Option<usize>,
         why: &str,
-        kv_from: Option<usize>,
+        fallback: Fallback,
         reachable: &dyn Fn(NodeId) -> bool,
     ) {
         let Some(mut p) = self.finish(id) else {
@@ -920,23 +931,18 @@ impl RouterCore {
             p.gap_since = None;
             let hashes = self.hashes(&p.req);
             self.replace(id, p);
-            let routed = match kv_from.filter(|_| movable) {
-                Some(from) => {
+            let routed = match fallback {
+                Fallback::KvOf(from) if movable => {
                     self.route_with_kv(id, &hashes, from, reachable)
                         || self.route(id, &hashes, exclude, reachable)
                 }
-                None => self.route(id, &hashes, exclude, reachable),
-            };
-            // A decode node that had no blocks to reserve now, and no
-            // other node to pair: it runs the request whole, queued in its
-            // engine until blocks free up (its queue limits still answer),
-            // rather than the client getting a 503 while it has capacity.
-            let routed = routed || {
-                let short = std::mem::take(&mut self.pending.get_mut(&id).expect("replaced").short);
-                short && {
-                    self.pending.get_mut(&id).expect("replaced").colocate = true;
-                    self.route(id, &hashes, None, reachable)
+                Fallback::Whole => {
+                    self.route(id, &hashes, exclude, reachable) || {
+                        self.pending.get_mut(&id).expect("replaced").colocate = true;
+                        self.route(id, &hashes, None, reachable)
+                    }
                 }
+                _ => self.route(id, &hashes, exclude, reachable),
             };
             if routed {
                 if movable {
@@ -957,7 +963,7 @@ impl RouterCore {
             // No node can take it now: it waits a while for one (a node
             // cut off may come back, a restarted one rejoins) rather than
             // the client losing the answer at once.
-            let until = self.now + self.opts.down_after * 3 + ADMIT_GRACE;
+            let until = self.now + self.node_wait();
             tracing::info!("request {id}: {why}; no node can take it now, it waits for one");
             self.parked.insert(id, (until, p, why.to_owned()));
             return;
@@ -998,13 +1004,19 @@ impl RouterCore {
             }
             let p = self.unplace(id);
             if now >= until {
-                let waited = (self.opts.down_after * 3 + ADMIT_GRACE).as_millis();
+                let waited = self.node_wait().as_millis();
                 let why = format!("{why}, and none could within {waited} ms");
                 self.fail_unplaced(id, p, &why);
             } else {
                 self.parked.insert(id, (until, p, why));
             }
         }
+    }
+
+    /// How long a request may wait for a node to take it: a client for
+    /// its admission answer, or a stream that lost its node.
+    fn node_wait(&self) -> Duration {
+        self.opts.down_after * 3 + ADMIT_GRACE
     }
 
     fn hashes(&self, req: &EngineRequest) -> Vec<u64> {
@@ -1103,11 +1115,17 @@ impl RouterCore {
                 let closed = rejection == Rejection::Unavailable;
                 let paired = self.pending[&req].prefill.is_some();
                 if (full && paired) || closed {
-                    if paired && !self.workers[w].load.draining {
-                        self.pending.get_mut(&req).expect("checked above").short = true;
-                    }
+                    // A decode node that had no blocks to reserve now: if
+                    // no other can pair, it runs the request whole, queued
+                    // in its engine until blocks free up (its queue limits
+                    // still answer), rather than a 503 while it has room.
+                    let fallback = if paired && !self.workers[w].load.draining {
+                        Fallback::Whole
+                    } else {
+                        Fallback::Nothing
+                    };
                     let why = format!("{} refused it ({rejection})", self.workers[w].name);
-                    self.rerun_or_fail(req, Some(w), &why, None, reachable);
+                    self.rerun_or_fail(req, Some(w), &why, fallback, reachable);
                 } else if let Some(p) = self.finish(req) {
                     let f = EngineFailure::Internal(format!("re-run refused: {rejection}"));
                     self.fail(req, p, rejection, f);
@@ -1192,7 +1210,7 @@ impl RouterCore {
                 // node this time.
                 p.colocate = true;
                 let why = format!("{}: KV transfer failed: {why}", self.workers[w].name);
-                self.rerun_or_fail(id, None, &why, None, reachable);
+                self.rerun_or_fail(id, None, &why, Fallback::Nothing, reachable);
                 return;
             }
             Some(EngineEvent::Failed(EngineFailure::RouterLost(why)))
@@ -1202,7 +1220,7 @@ impl RouterCore {
                 // was cut) and dropped it: the client's tokens so far are
                 // all it will get from there.
                 let why = format!("{} dropped it: {why}", self.workers[w].name);
-                self.rerun_or_fail(id, Some(w), &why, None, reachable);
+                self.rerun_or_fail(id, Some(w), &why, Fallback::Nothing, reachable);
                 return;
             }
             _ => {}

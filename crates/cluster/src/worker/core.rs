@@ -816,7 +816,7 @@ impl NodeCore {
         }
     }
 
-    fn on_submit(&mut self, from: NodeId, epoch: u64, s: Submit, out: &mut Vec<NodeOutput>) {
+    fn on_submit(&mut self, from: NodeId, epoch: u64, mut s: Submit, out: &mut Vec<NodeOutput>) {
         let req = s.req;
         let tenant = s.request.tenant;
         if self.drain_until.is_some() {
@@ -847,7 +847,6 @@ impl NodeCore {
             // earlier placement: end that one.
             self.end_placement((from, epoch, req), s.attempt - 1, Stop::Cancel, out);
         }
-        let mut s = s;
         let kv_move = s.kv_move
             && self.layout.is_some()
             && self.opts.role != Role::Prefill
