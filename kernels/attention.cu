@@ -1,7 +1,9 @@
 // Flotilla CUDA kernels: causal attention over the paged KV cache.
 //
 // Reads Q from the fused QKV activations (f32 rows [q | k | v], see rope.cu) and
-// K/V from the f16 paged cache (layout in kv.cu); a token's own K/V and those of
+// K/V from the paged cache, f16 (paged_attention) or int8 with a scale per 32
+// values (paged_attention_q8, read directly: no dequantised copy); layouts in
+// kv.cu. A token's own K/V and those of
 // the earlier positions it sees must already be in the cache. Writes
 // out[t][h*head_dim + d] (f32, row width n_head*head_dim, which need not equal
 // the model's residual width).
@@ -13,7 +15,8 @@
 //
 // Launch: grid = (n_tokens, n_head), block = (128) — any multiple of 32 up to 256.
 // Shared memory: static only (9,280 bytes); no dynamic shared memory.
-// Requirements: head_dim even and <= 256 (64 and 128 are the common cases).
+// Requirements: head_dim even and <= 256 (64 and 128 are the common cases);
+// a multiple of 32 for int8.
 
 #define ATT_MAX_HEAD_DIM 256
 #define ATT_MAX_WARPS 8
@@ -61,17 +64,66 @@ __device__ __forceinline__ float dot_row(const float* q, const unsigned short* k
     return acc;
 }
 
+// How the kernel reads one cache: a row's dot product with q, and a pair of
+// a row's values. `run` is the element offset of a (block, layer, K|V, head)
+// run at slot 0 (kv.cu).
+struct F16Cache {
+    const unsigned short* kv;
+    __device__ __forceinline__ float dot(const float* q, size_t run, int slot, int head_dim,
+                                         int) const {
+        return dot_row(q, kv + run + (size_t)slot * head_dim, head_dim);
+    }
+    __device__ __forceinline__ float2 pair(size_t run, int slot, int pair, int head_dim,
+                                           int) const {
+        const unsigned int w =
+            ((const unsigned int*)(kv + run + (size_t)slot * head_dim))[pair];
+        return make_float2(f16_bits_to_f32((unsigned short)(w & 0xffffu)),
+                           f16_bits_to_f32((unsigned short)(w >> 16)));
+    }
+};
+
+struct Int8Cache {
+    const unsigned char* kv;
+    __device__ __forceinline__ const signed char* vals(size_t run, int slot,
+                                                       int head_dim) const {
+        return (const signed char*)(kv + run + run / 16 + (size_t)slot * head_dim);
+    }
+    __device__ __forceinline__ float scale(size_t run, int slot, int g, int head_dim,
+                                           int block_size) const {
+        const unsigned short* d =
+            (const unsigned short*)(kv + run + run / 16 + (size_t)block_size * head_dim);
+        return f16_bits_to_f32(d[(size_t)slot * (head_dim / 32) + g]);
+    }
+    __device__ __forceinline__ float dot(const float* q, size_t run, int slot, int head_dim,
+                                         int block_size) const {
+        const signed char* v = vals(run, slot, head_dim);
+        float acc = 0.0f;
+        for (int g = 0; g < head_dim / 32; ++g) {
+            float s = 0.0f;
+#pragma unroll
+            for (int i = 0; i < 32; ++i) s += q[32 * g + i] * (float)v[32 * g + i];
+            acc += s * scale(run, slot, g, head_dim, block_size);
+        }
+        return acc;
+    }
+    __device__ __forceinline__ float2 pair(size_t run, int slot, int pair, int head_dim,
+                                           int block_size) const {
+        const signed char* v = vals(run, slot, head_dim);
+        const float d = scale(run, slot, (2 * pair) / 32, head_dim, block_size);
+        return make_float2(d * (float)v[2 * pair], d * (float)v[2 * pair + 1]);
+    }
+};
+
 // One CTA per (token, query head). Each warp walks chunks of 32 positions from
 // the window's first position (warp w takes chunks w, w + n_warps, ...): every
 // lane scores one position of the chunk, then the warp accumulates the chunk's
 // V rows with each lane owning dim pairs (2*(lane + 32*k), +1). The warps'
 // partial (max, sum, acc) are merged at the end. Online softmax, f32 throughout.
-extern "C" __global__ void paged_attention(float* out, const float* qkv, const unsigned short* kv,
-                                           const int* tok_seq, const int* tok_pos,
-                                           const int* block_tables, int max_blocks,
-                                           int n_tokens, int layer, int n_layer, int n_head,
-                                           int n_head_kv, int head_dim, int block_size,
-                                           int window, float scale) {
+template <typename Cache>
+__device__ __forceinline__ void paged_attention_impl(
+    float* out, const float* qkv, Cache cache, const int* tok_seq, const int* tok_pos,
+    const int* block_tables, int max_blocks, int n_tokens, int layer, int n_layer, int n_head,
+    int n_head_kv, int head_dim, int block_size, int window, float scale) {
     __shared__ __align__(16) float q_s[ATT_MAX_HEAD_DIM];
     __shared__ float acc_s[ATT_MAX_WARPS][ATT_MAX_HEAD_DIM];
     __shared__ float m_s[ATT_MAX_WARPS];
@@ -114,9 +166,9 @@ extern "C" __global__ void paged_attention(float* out, const float* qkv, const u
         float s = neg_inf;
         if (p < n_pos) {
             phys = table[p / block_size];
-            const unsigned short* krow =
-                kv + (size_t)phys * block_elems + k_head + (size_t)(p % block_size) * head_dim;
-            s = dot_row(q_s, krow, head_dim) * scale;
+            s = cache.dot(q_s, (size_t)phys * block_elems + k_head, p % block_size, head_dim,
+                          block_size) *
+                scale;
         }
         const float m_new = fmaxf(m, warp_max(s));  // finite: position base is valid
         const float corr = expf(m - m_new);  // 0 on the first chunk
@@ -133,16 +185,15 @@ extern "C" __global__ void paged_attention(float* out, const float* qkv, const u
             const float pj = __shfl_sync(0xffffffffu, e, j);
             const int bj = __shfl_sync(0xffffffffu, phys, j);
             const int pos_j = base + j;
-            const unsigned int* vrow =
-                (const unsigned int*)(kv + (size_t)bj * block_elems + v_head +
-                                      (size_t)(pos_j % block_size) * head_dim);
+            const size_t vrun = (size_t)bj * block_elems + v_head;
 #pragma unroll
             for (int k = 0; k < ATT_PAIRS_PER_LANE; ++k) {
                 const int pair = lane + 32 * k;
                 if (2 * pair < head_dim) {
-                    const unsigned int w = vrow[pair];
-                    acc[k][0] += pj * f16_bits_to_f32((unsigned short)(w & 0xffffu));
-                    acc[k][1] += pj * f16_bits_to_f32((unsigned short)(w >> 16));
+                    const float2 w = cache.pair(vrun, pos_j % block_size, pair, head_dim,
+                                                block_size);
+                    acc[k][0] += pj * w.x;
+                    acc[k][1] += pj * w.y;
                 }
             }
         }
@@ -180,4 +231,29 @@ extern "C" __global__ void paged_attention(float* out, const float* qkv, const u
         }
         o[d] = v * inv;
     }
+}
+
+extern "C" __global__ void paged_attention(float* out, const float* qkv, const unsigned short* kv,
+                                           const int* tok_seq, const int* tok_pos,
+                                           const int* block_tables, int max_blocks,
+                                           int n_tokens, int layer, int n_layer, int n_head,
+                                           int n_head_kv, int head_dim, int block_size,
+                                           int window, float scale) {
+    paged_attention_impl(out, qkv, F16Cache{kv}, tok_seq, tok_pos, block_tables, max_blocks,
+                         n_tokens, layer, n_layer, n_head, n_head_kv, head_dim, block_size,
+                         window, scale);
+}
+
+// The same over an int8 cache (head_dim a multiple of 32).
+extern "C" __global__ void paged_attention_q8(float* out, const float* qkv,
+                                              const unsigned char* kv, const int* tok_seq,
+                                              const int* tok_pos, const int* block_tables,
+                                              int max_blocks, int n_tokens, int layer,
+                                              int n_layer, int n_head, int n_head_kv,
+                                              int head_dim, int block_size, int window,
+                                              float scale) {
+    if (head_dim & 31) __trap();
+    paged_attention_impl(out, qkv, Int8Cache{kv}, tok_seq, tok_pos, block_tables, max_blocks,
+                         n_tokens, layer, n_layer, n_head, n_head_kv, head_dim, block_size,
+                         window, scale);
 }

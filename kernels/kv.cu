@@ -1,12 +1,21 @@
 // Flotilla CUDA kernels: writing into and copying the paged KV cache.
 //
-// The cache is f16 (unsigned short bit patterns), block-major; one block holds
-// every layer's K and V for block_size positions. Element offset of
+// The cache is f16 (unsigned short bit patterns) or int8, block-major; one
+// block holds every layer's K and V for block_size positions. Element offset of
 // (block b, layer l, kv 0=K/1=V, kv head h, slot s, dim d):
 //   b*block_elems + (((l*2 + kv)*n_head_kv + h)*block_size + s)*head_dim + d,
 //   block_elems = n_layer*2*n_head_kv*block_size*head_dim.
 // Position p of sequence i lives in block block_tables[i*max_blocks + p/block_size],
 // slot p % block_size. Token rows of qkv (f32) are [q | k | v], as in rope.cu.
+//
+// int8 (KvDtype::Int8, as llama.cpp's q8_0): every run of block_size rows of
+// one (block, layer, K|V, kv head), whose element offset `run` is given by the
+// formula above at slot 0, starts at byte run + run/16 and holds the rows'
+// values (block_size*head_dim signed bytes, [slot][d]) and then their scales
+// (block_size*head_dim/32 f16, [slot][group]): value = scale * q, scale =
+// max|x| / 127 over each 32 values, q = round(x / scale) in [-127, 127].
+// head_dim must be a multiple of 32. The CPU backend (crates/model/src/kvcache.rs)
+// stores exactly these bytes.
 
 __device__ __forceinline__ unsigned short f32_to_f16_bits(float f) {
     unsigned short h;
@@ -46,7 +55,50 @@ extern "C" __global__ void kv_append(const float* qkv, unsigned short* kv, const
     }
 }
 
-// Copies a whole block (all layers, K and V) from block src to block dst.
+// Stores this layer's K and V of every token into the token's int8 cache slot,
+// one thread per 32-value group (amax, scale, 32 values).
+// Launch: grid = (n_tokens), block = (64 or 128).
+extern "C" __global__ void kv_append_q8(const float* qkv, unsigned char* kv, const int* tok_seq,
+                                        const int* tok_pos, const int* block_tables,
+                                        int max_blocks, int n_tokens, int layer, int n_layer,
+                                        int n_head, int n_head_kv, int head_dim,
+                                        int block_size) {
+    const int t = blockIdx.x;
+    if (t >= n_tokens) return;
+    const int kv_dim = n_head_kv * head_dim;
+    const size_t qkv_w = (size_t)(n_head + 2 * n_head_kv) * head_dim;
+    const float* k_src = qkv + (size_t)t * qkv_w + (size_t)n_head * head_dim;
+
+    const int p = tok_pos[t];
+    const int block = block_tables[(size_t)tok_seq[t] * max_blocks + p / block_size];
+    const int slot = p % block_size;
+    const size_t block_elems = (size_t)n_layer * 2 * n_head_kv * block_size * head_dim;
+    const size_t head_stride = (size_t)block_size * head_dim;
+    const int groups = head_dim / 32;
+    // Groups of K (kv = 0) then V (kv = 1), every head.
+    for (int e = threadIdx.x; e < 2 * kv_dim / 32; e += blockDim.x) {
+        const int kvi = e / (kv_dim / 32);
+        const int r = e - kvi * (kv_dim / 32);
+        const int h = r / groups, g = r - h * groups;
+        const float* src = k_src + (size_t)kvi * kv_dim + (size_t)h * head_dim + 32 * g;
+        const size_t run = (size_t)block * block_elems +
+                           ((size_t)(layer * 2 + kvi) * n_head_kv + h) * head_stride;
+        unsigned char* base = kv + run + run / 16;
+        signed char* q = (signed char*)(base + (size_t)slot * head_dim + 32 * g);
+        unsigned short* d = (unsigned short*)(base + head_stride) + (size_t)slot * groups + g;
+        float amax = 0.0f;
+        for (int i = 0; i < 32; ++i) amax = fmaxf(amax, fabsf(src[i]));
+        const float scale = amax / 127.0f;
+        const float inv = scale > 0.0f ? 1.0f / scale : 0.0f;
+        *d = f32_to_f16_bits(scale);
+        for (int i = 0; i < 32; ++i) {
+            q[i] = (signed char)fminf(127.0f, fmaxf(-127.0f, roundf(src[i] * inv)));
+        }
+    }
+}
+
+// Copies a whole block (all layers, K and V) from block src to block dst;
+// block_elems counts 2-byte units (the block's bytes / 2, for every dtype).
 // Launch: grid-stride; e.g. grid = (min(ceil(block_elems/8/256), 1024)), block = (256).
 extern "C" __global__ void copy_block(unsigned short* kv, int src, int dst,
                                       long long block_elems) {

@@ -190,6 +190,8 @@ struct SchedState {
     batches: SinkBatches,
     /// Bytes of one KV block (import size checks).
     bytes_per_block: u64,
+    /// Element type of the KV blocks (reported in the status).
+    kv_dtype: KvDtype,
     /// Set while invariants are checked (none has broken yet).
     check: Option<InvariantHook>,
     /// Messages handled, for the full check's period.
@@ -204,6 +206,7 @@ struct SchedArgs {
     tier_names: Vec<String>,
     tenant_tier: Vec<usize>,
     bytes_per_block: u64,
+    kv_dtype: KvDtype,
     check: Option<InvariantHook>,
 }
 
@@ -243,6 +246,7 @@ impl Actor for SchedulerActor {
             events: Vec::new(),
             batches: SinkBatches::default(),
             bytes_per_block: a.bytes_per_block,
+            kv_dtype: a.kv_dtype,
             check: a.check,
             handled: 0,
         })
@@ -429,6 +433,7 @@ impl Actor for SchedulerActor {
             SchedMsg::Status(reply) => {
                 let mut s = st.sched.status();
                 s.ready = st.worker_ok;
+                s.kv.dtype = st.kv_dtype;
                 let _ = reply.send(s);
             }
         }
@@ -727,6 +732,8 @@ fn record_load(st: &mut SchedState) {
     let s = st.sched.status();
     st.metrics
         .kv(s.kv.used as u64, s.kv.free as u64, s.kv.cached as u64);
+    st.metrics
+        .kv_cache(st.kv_dtype.name(), s.kv.total as u64, st.bytes_per_block);
     for t in &s.tiers {
         st.metrics
             .tier_load(&t.name, t.queued as u64, t.running as u64);
@@ -776,10 +783,7 @@ pub async fn spawn_engine(
     let spec = exec.kv_spec();
     let layout = KvLayout {
         block_size: spec.block_size as u32,
-        dtype: match spec.dtype {
-            KvDtype::F16 => 0,
-            KvDtype::F32 => 1,
-        },
+        dtype: spec.dtype,
         layout: 1,
         layers: u16::try_from(exec.model_spec().n_layer).unwrap_or(u16::MAX),
         bytes_per_block: spec.bytes_per_block as u64,
@@ -796,6 +800,7 @@ pub async fn spawn_engine(
             tier_names,
             tenant_tier,
             bytes_per_block: layout.bytes_per_block,
+            kv_dtype: spec.dtype,
             check: opts.check_invariants,
         },
     )

@@ -189,7 +189,7 @@ impl KvMigration for FakePd {
     fn kv_layout(&self) -> KvLayout {
         KvLayout {
             block_size: BS,
-            dtype: 0,
+            dtype: flotilla_proto::KvDtype::F16,
             layout: 1,
             layers: 1,
             bytes_per_block: u64::from(BS) * 4,

@@ -6,7 +6,7 @@
 
 use std::time::Duration;
 
-use flotilla_proto::TierId;
+use flotilla_proto::{KvDtype, TierId};
 use flotilla_sched::{Batching, SchedConfig, TenantConfig, TierConfig};
 
 use crate::{ClusterConfig, EngineSection, Tenant, check_queue_timeout_s};
@@ -57,6 +57,8 @@ pub struct EngineSettings {
     pub queue_timeout: Duration,
     /// Continuous or static batching.
     pub batching: Batching,
+    /// Element type of the KV cache.
+    pub kv_dtype: KvDtype,
 }
 
 /// One number: the flag's (`--{name}`), else the file's (`engine.{key}`),
@@ -133,6 +135,13 @@ impl EngineSection {
             ("queue-timeout", "queue_timeout_s"),
         );
         check_queue_timeout_s(q).map_err(|why| format!("{from} {q} {why}"))?;
+        let kv_dtype = match (&flags.kv_cache_dtype, &self.kv_cache_dtype) {
+            (Some(d), _) => KvDtype::parse(d).map_err(|why| format!("--kv-cache-dtype: {why}"))?,
+            (None, Some(d)) => {
+                KvDtype::parse(d).map_err(|why| format!("engine.kv_cache_dtype: {why}"))?
+            }
+            (None, None) => KvDtype::default(),
+        };
         let batching = match batching {
             "continuous" => Batching::Continuous,
             "static" => Batching::Static,
@@ -148,6 +157,7 @@ impl EngineSection {
             block_size,
             queue_timeout: Duration::from_secs_f64(q),
             batching,
+            kv_dtype,
         })
     }
 }

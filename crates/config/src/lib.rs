@@ -80,6 +80,8 @@ pub struct EngineSection {
     pub kv_cache_fraction: Option<f64>,
     /// `--kv-cache-bytes`.
     pub kv_cache_bytes: Option<u64>,
+    /// `--kv-cache-dtype`: f16, f32 or int8.
+    pub kv_cache_dtype: Option<String>,
     /// `--queue-timeout`, seconds.
     pub queue_timeout_s: Option<f64>,
 }
@@ -386,6 +388,11 @@ impl ClusterConfig {
             && let Err(why) = check_queue_timeout_s(q)
         {
             return Err(invalid(0, format!("engine.queue_timeout_s {q} {why}")));
+        }
+        if let Some(d) = &e.kv_cache_dtype
+            && let Err(why) = flotilla_proto::KvDtype::parse(d)
+        {
+            return Err(invalid(0, format!("engine.kv_cache_dtype: {why}")));
         }
         let cluster = cluster::validate(raw.cluster.as_ref(), &raw.nodes, &invalid)?;
         if let Some(c) = &cluster

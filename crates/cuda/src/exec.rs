@@ -1,6 +1,6 @@
 //! The CUDA executor: one forward pass for every architecture that
 //! [`flotilla_model::arch::ModelConfig`] describes (Llama, Mistral, Qwen2,
-//! Gemma 3), over a flat mixed batch and a paged f16 KV cache in device
+//! Gemma 3), over a flat mixed batch and a paged f16 or int8 KV cache in device
 //! memory, computing what the CPU backend (`flotilla_model::cpu`) computes.
 //!
 //! Per layer, from the description's pieces:
@@ -64,6 +64,8 @@ pub struct CudaConfig {
     pub ordinal: usize,
     /// Tokens per KV block.
     pub block_size: usize,
+    /// KV cache element type: f16 or int8 (f32 is CPU-only).
+    pub kv_dtype: KvDtype,
     /// Share of the device memory free after weights and buffers that the
     /// KV cache takes.
     pub kv_cache_fraction: f64,
@@ -78,6 +80,7 @@ impl Default for CudaConfig {
         CudaConfig {
             ordinal: 0,
             block_size: 16,
+            kv_dtype: KvDtype::F16,
             kv_cache_fraction: 0.9,
             max_batch_tokens: 2048,
             max_seqs: 256,
@@ -188,8 +191,10 @@ struct Funcs {
     rms_norm_residual: CudaFunction,
     rope_qk: CudaFunction,
     kv_append: CudaFunction,
+    kv_append_q8: CudaFunction,
     copy_block: CudaFunction,
     paged_attention: CudaFunction,
+    paged_attention_q8: CudaFunction,
     swiglu: CudaFunction,
     geglu: CudaFunction,
     embed: CudaFunction,
@@ -254,8 +259,11 @@ pub struct CudaExecutor {
     /// RoPE's inverse frequencies, `[base][head_dim / 2]` (f64), one row
     /// per entry of `cfg.rope_bases`, frequency factors applied.
     inv_freq: CudaSlice<f64>,
-    kv: CudaSlice<u16>,
-    block_elems: usize,
+    /// The paged cache as bytes (f16 values or int8 runs with their
+    /// scales, kernels/kv.cu).
+    kv: CudaSlice<u8>,
+    kv_dtype: KvDtype,
+    bytes_per_block: usize,
     num_blocks: usize,
     block_size: usize,
     max_blocks: usize,
@@ -338,6 +346,17 @@ impl CudaExecutor {
                 cfg.head_dim
             )));
         }
+        match c.kv_dtype {
+            KvDtype::F16 | KvDtype::Int8 => c
+                .kv_dtype
+                .check_head_dim(cfg.head_dim)
+                .map_err(CudaError::Config)?,
+            KvDtype::F32 => {
+                return Err(CudaError::Config(
+                    "KV cache dtype f32 runs on the CPU only; use f16 or int8 on CUDA".into(),
+                ));
+            }
+        }
         let ctx = probe(c.ordinal)?;
         let (major, minor) = ctx.compute_capability().map_err(drv)?;
         let arch = kernels::arch_name(major, minor).ok_or(CudaError::Arch(major, minor))?;
@@ -361,8 +380,10 @@ impl CudaExecutor {
             rms_norm_residual: take("rms_norm_residual")?,
             rope_qk: take("rope_qk")?,
             kv_append: take("kv_append")?,
+            kv_append_q8: take("kv_append_q8")?,
             copy_block: take("copy_block")?,
             paged_attention: take("paged_attention")?,
+            paged_attention_q8: take("paged_attention_q8")?,
             swiglu: take("swiglu")?,
             geglu: take("geglu")?,
             embed: take("embed")?,
@@ -517,19 +538,21 @@ impl CudaExecutor {
         };
 
         // KV cache from what is left.
-        let block_elems = cfg.n_layer * 2 * cfg.n_head_kv * c.block_size * cfg.head_dim;
+        let bytes_per_block =
+            c.kv_dtype
+                .bytes_per_block(cfg.n_layer, cfg.n_head_kv, cfg.head_dim, c.block_size);
         let (free, _) = ctx.mem_get_info().map_err(drv)?;
         let kv_bytes = (free as f64 * c.kv_cache_fraction) as usize;
-        let num_blocks = (kv_bytes / (block_elems * 2)).min(i32::MAX as usize);
+        let num_blocks = (kv_bytes / bytes_per_block).min(i32::MAX as usize);
         if num_blocks < max_blocks.min(64) {
             return Err(CudaError::DoesNotFit {
-                need_mib: (need + max_blocks * block_elems * 2) >> 20,
+                need_mib: (need + max_blocks * bytes_per_block) >> 20,
                 free_mib: free >> 20,
                 ordinal: c.ordinal,
             });
         }
         let kv = stream
-            .alloc_zeros::<u16>(num_blocks * block_elems)
+            .alloc_zeros::<u8>(num_blocks * bytes_per_block)
             .map_err(drv)?;
         stream.synchronize().map_err(drv)?;
         tracing::info!(
@@ -571,7 +594,8 @@ impl CudaExecutor {
             layers,
             inv_freq,
             kv,
-            block_elems,
+            kv_dtype: c.kv_dtype,
+            bytes_per_block,
             num_blocks,
             block_size: c.block_size,
             max_blocks,
@@ -787,7 +811,12 @@ impl CudaExecutor {
                 unsafe { l.launch(rows(t_all, rope_threads)) }.map_err(exec_err)?;
             }
             {
-                let mut l = st.launch_builder(&self.f.kv_append);
+                let q8 = self.kv_dtype == KvDtype::Int8;
+                let mut l = st.launch_builder(if q8 {
+                    &self.f.kv_append_q8
+                } else {
+                    &self.f.kv_append
+                });
                 l.arg(&qkv)
                     .arg(&kv)
                     .arg(&tok_seq)
@@ -805,7 +834,11 @@ impl CudaExecutor {
                 unsafe { l.launch(rows(t_all, 128)) }.map_err(exec_err)?;
             }
             {
-                let mut l = st.launch_builder(&self.f.paged_attention);
+                let mut l = st.launch_builder(if self.kv_dtype == KvDtype::Int8 {
+                    &self.f.paged_attention_q8
+                } else {
+                    &self.f.paged_attention
+                });
                 let scale = self.cfg.attn_scale;
                 // 0: global attention.
                 let window = spec.window.map_or(0, |w| w.min(i32::MAX as usize) as i32);
@@ -945,7 +978,7 @@ impl CudaExecutor {
                 num_blocks: self.num_blocks,
             });
         }
-        Ok(b * self.block_elems..(b + 1) * self.block_elems)
+        Ok(b * self.bytes_per_block..(b + 1) * self.bytes_per_block)
     }
 }
 
@@ -1070,8 +1103,8 @@ impl Executor for CudaExecutor {
         KvSpec {
             block_size: self.block_size,
             num_blocks: self.num_blocks,
-            dtype: KvDtype::F16,
-            bytes_per_block: self.block_elems * 2,
+            dtype: self.kv_dtype,
+            bytes_per_block: self.bytes_per_block,
         }
     }
 
@@ -1103,53 +1136,47 @@ impl Executor for CudaExecutor {
         self.block_range(dst)?;
         self.ctx.bind_to_thread().map_err(exec_err)?;
         let mut l = self.stream.launch_builder(&self.f.copy_block);
+        // In 2-byte units: every dtype's block is an even number of bytes.
+        let units = self.bytes_per_block / 2;
         let (kv, s, d, n) = (
             ptr(&self.kv, &self.stream),
             src as i32,
             dst as i32,
-            self.block_elems as i64,
+            units as i64,
         );
         l.arg(&kv).arg(&s).arg(&d).arg(&n);
         // SAFETY: both blocks checked above.
-        unsafe { l.launch(flat(self.block_elems / 8)) }.map_err(exec_err)?;
+        unsafe { l.launch(flat(units / 8)) }.map_err(exec_err)?;
         Ok(())
     }
 
     fn read_block(&self, block: u32, out: &mut [u8]) -> Result<(), ExecError> {
         let r = self.block_range(block)?;
-        if out.len() != r.len() * 2 {
+        if out.len() != r.len() {
             return Err(ExecError::BadBlockBytes {
                 got: out.len(),
-                expected: r.len() * 2,
+                expected: r.len(),
             });
         }
         self.ctx.bind_to_thread().map_err(exec_err)?;
-        let mut host = vec![0u16; r.len()];
         self.stream
-            .memcpy_dtoh(&self.kv.slice(r), &mut host)
+            .memcpy_dtoh(&self.kv.slice(r), out)
             .map_err(exec_err)?;
         self.stream.synchronize().map_err(exec_err)?;
-        for (o, v) in out.chunks_exact_mut(2).zip(&host) {
-            o.copy_from_slice(&v.to_le_bytes());
-        }
         Ok(())
     }
 
     fn write_block(&mut self, block: u32, data: &[u8]) -> Result<(), ExecError> {
         let r = self.block_range(block)?;
-        if data.len() != r.len() * 2 {
+        if data.len() != r.len() {
             return Err(ExecError::BadBlockBytes {
                 got: data.len(),
-                expected: r.len() * 2,
+                expected: r.len(),
             });
         }
         self.ctx.bind_to_thread().map_err(exec_err)?;
-        let host: Vec<u16> = data
-            .chunks_exact(2)
-            .map(|b| u16::from_le_bytes([b[0], b[1]]))
-            .collect();
         self.stream
-            .memcpy_htod(&host, &mut self.kv.slice_mut(r))
+            .memcpy_htod(data, &mut self.kv.slice_mut(r))
             .map_err(exec_err)?;
         self.stream.synchronize().map_err(exec_err)?;
         Ok(())

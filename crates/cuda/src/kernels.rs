@@ -29,12 +29,12 @@ pub const SOURCES: &[Source] = &[
     Source {
         file: "kv.cu",
         code: include_str!("../../../kernels/kv.cu"),
-        kernels: &["kv_append", "copy_block"],
+        kernels: &["kv_append", "kv_append_q8", "copy_block"],
     },
     Source {
         file: "attention.cu",
         code: include_str!("../../../kernels/attention.cu"),
-        kernels: &["paged_attention"],
+        kernels: &["paged_attention", "paged_attention_q8"],
     },
     Source {
         file: "ffn.cu",

@@ -22,6 +22,11 @@ pub struct BenchArgs {
     /// Tokens of the single-stream decode test (llama-bench's -n).
     #[arg(long, default_value_t = 128)]
     tg: usize,
+    /// Context already in the cache when the single-stream decode test
+    /// starts, prefilled untimed (llama-bench's -d): decode speed at depth,
+    /// where attention reads the KV cache as much as the weights.
+    #[arg(long, default_value_t = 0)]
+    tg_depth: usize,
     /// Parallel sequences of the batched decode test (llama-batched-bench's -npl).
     #[arg(long, value_delimiter = ',', default_value = "1,8,32")]
     batches: Vec<usize>,
@@ -85,8 +90,8 @@ pub fn run(a: &BenchArgs) -> Result<()> {
     let per_seq = (a.batch_prompt + a.batch_gen).div_ceil(bs);
     let blocks = (max_b * per_seq)
         .max(a.pp.div_ceil(bs))
-        .max(a.tg.div_ceil(bs));
-    let budget = a.pp.max(max_b).max(a.batch_prompt);
+        .max((a.tg_depth + a.tg).div_ceil(bs));
+    let budget = a.pp.max(max_b).max(a.batch_prompt).min(4096);
     let cfg = a.model.cpu_config(blocks, budget)?;
     let t0 = Instant::now();
     let mut e = CpuExecutor::load(&path, &cfg).context("loading the model")?;
@@ -127,12 +132,24 @@ pub fn run(a: &BenchArgs) -> Result<()> {
             pp.push(a.pp as f64 / t.elapsed().as_secs_f64());
         }
     }
-    // tg: `tg` single-token steps from an empty context, greedy.
+    // tg: `tg` single-token steps after `tg_depth` tokens of context, greedy.
+    let depth = tokens(a.tg_depth, 7, vocab);
+    for (i, c) in depth.chunks(budget).enumerate() {
+        e.step(
+            &[SeqInput {
+                tokens: c,
+                start_pos: i * budget,
+                block_table: &table,
+                output: OutputKind::None,
+            }],
+            &mut out,
+        )?;
+    }
     let mut tg = Vec::new();
     for rep in 0..=a.reps.min(2) {
         let mut tok = 1u32;
         let t = Instant::now();
-        for pos in 0..a.tg {
+        for pos in a.tg_depth..a.tg_depth + a.tg {
             e.step(
                 &[SeqInput {
                     tokens: &[tok],
@@ -202,16 +219,26 @@ pub fn run(a: &BenchArgs) -> Result<()> {
                 "running llama.cpp from {} with {threads} threads ...",
                 dir.display()
             );
-            let (p, t) = llama_bench(dir, &path, threads, a.pp, a.tg, a.reps).unwrap_or_else(|e| {
-                eprintln!("llama-bench failed: {e:#}");
-                (None, None)
+            let kv = peer_kv_args(cfg.kv_dtype);
+            eprintln!("llama.cpp KV cache flags: {}", kv.join(" "));
+            let (p, t) = llama_bench(dir, &path, threads, a.pp, (a.tg, a.tg_depth), a.reps, &kv)
+                .unwrap_or_else(|e| {
+                    eprintln!("llama-bench failed: {e:#}");
+                    (None, None)
+                });
+            let b = llama_batched_bench(
+                dir,
+                &path,
+                threads,
+                a.batch_prompt,
+                a.batch_gen,
+                &a.batches,
+                &kv,
+            )
+            .unwrap_or_else(|e| {
+                eprintln!("llama-batched-bench failed: {e:#}");
+                Vec::new()
             });
-            let b =
-                llama_batched_bench(dir, &path, threads, a.batch_prompt, a.batch_gen, &a.batches)
-                    .unwrap_or_else(|e| {
-                        eprintln!("llama-batched-bench failed: {e:#}");
-                        Vec::new()
-                    });
             (p, t, b)
         }
         None => (None, None, Vec::new()),
@@ -225,7 +252,11 @@ pub fn run(a: &BenchArgs) -> Result<()> {
             target: Some(2.0),
         },
         Row {
-            name: format!("tg{}", a.tg),
+            name: if a.tg_depth > 0 {
+                format!("tg{} @ depth {}", a.tg, a.tg_depth)
+            } else {
+                format!("tg{}", a.tg)
+            },
             ours: best(&tg),
             peer: peer_tg,
             target: Some(1.2),
@@ -276,7 +307,9 @@ fn bytes_per_block_hint(path: &Path, cfg: &flotilla_model::CpuConfig) -> usize {
         Err(_) => return 0,
     };
     match flotilla_model::arch::ModelConfig::from_gguf(&g) {
-        Ok(c) => c.n_layer * 2 * c.kv_dim() * cfg.block_size * cfg.kv_dtype.bytes(),
+        Ok(c) => cfg
+            .kv_dtype
+            .bytes_per_block(c.n_layer, c.n_head_kv, c.head_dim, cfg.block_size),
         Err(_) => 0,
     }
 }
@@ -320,43 +353,72 @@ fn json_lines(out: &[u8]) -> Vec<serde_json::Value> {
         .collect()
 }
 
+/// llama.cpp's flags for the KV cache type that Flotilla runs: its int8
+/// KV is q8_0 for K and V, which llama.cpp runs only with flash attention.
+fn peer_kv_args(dtype: flotilla_model::KvDtype) -> Vec<&'static str> {
+    use flotilla_model::KvDtype;
+    match dtype {
+        KvDtype::F16 => vec!["-ctk", "f16", "-ctv", "f16"],
+        KvDtype::F32 => vec!["-ctk", "f32", "-ctv", "f32"],
+        KvDtype::Int8 => vec!["-fa", "on", "-ctk", "q8_0", "-ctv", "q8_0"],
+    }
+}
+
+/// llama-bench's pp and tg (at depth `tg.1`, a run of its own then).
 fn llama_bench(
     dir: &Path,
     model: &Path,
     threads: usize,
     pp: usize,
-    tg: usize,
+    (tg, depth): (usize, usize),
     reps: usize,
+    kv: &[&str],
 ) -> Result<(Option<f64>, Option<f64>)> {
-    let out = Command::new(dir.join("llama-bench"))
-        .args([
-            "-m",
-            &model.display().to_string(),
-            "-t",
-            &threads.to_string(),
-        ])
-        .args([
-            "-p",
-            &pp.to_string(),
-            "-n",
-            &tg.to_string(),
-            "-r",
-            &reps.to_string(),
-            "-o",
-            "jsonl",
-        ])
-        .output()
-        .context("running llama-bench")?;
-    if !out.status.success() {
-        bail!(
-            "llama-bench exited with {}: {}",
-            out.status,
-            String::from_utf8_lossy(&out.stderr)
-        );
+    let run = |args: &[String]| -> Result<Vec<serde_json::Value>> {
+        let out = Command::new(dir.join("llama-bench"))
+            .args([
+                "-m",
+                &model.display().to_string(),
+                "-t",
+                &threads.to_string(),
+                "-r",
+                &reps.to_string(),
+                "-o",
+                "jsonl",
+            ])
+            .args(kv)
+            .args(args)
+            .output()
+            .context("running llama-bench")?;
+        if !out.status.success() {
+            bail!(
+                "llama-bench exited with {}: {}",
+                out.status,
+                String::from_utf8_lossy(&out.stderr)
+            );
+        }
+        Ok(json_lines(&out.stdout))
+    };
+    let s = |v: usize| v.to_string();
+    let mut lines = run(&[
+        "-p".into(),
+        s(pp),
+        "-n".into(),
+        s(if depth == 0 { tg } else { 0 }),
+    ])?;
+    if depth > 0 {
+        lines.extend(run(&[
+            "-p".into(),
+            s(0),
+            "-n".into(),
+            s(tg),
+            "-d".into(),
+            s(depth),
+        ])?);
     }
     let mut p = None;
     let mut t = None;
-    for v in json_lines(&out.stdout) {
+    for v in lines {
         let ts = v["avg_ts"].as_f64();
         if v["n_prompt"].as_u64() == Some(pp as u64) && v["n_gen"].as_u64() == Some(0) {
             p = ts;
@@ -375,6 +437,7 @@ fn llama_batched_bench(
     npp: usize,
     ntg: usize,
     npl: &[usize],
+    kv: &[&str],
 ) -> Result<Vec<(usize, f64)>> {
     let max_pl = npl.iter().copied().max().unwrap_or(1);
     let ctx = max_pl * (npp + ntg) + 16;
@@ -399,6 +462,7 @@ fn llama_batched_bench(
             &ntg.to_string(),
         ])
         .args(["-npl", &npl_s.join(","), "--output-format", "jsonl"])
+        .args(kv)
         .output()
         .context("running llama-batched-bench")?;
     if !out.status.success() {
@@ -412,4 +476,191 @@ fn llama_batched_bench(
         .into_iter()
         .filter_map(|v| Some((v["pl"].as_u64()? as usize, v["speed_tg"].as_f64()?)))
         .collect())
+}
+
+/// Arguments of `bench-kv-quality`.
+#[derive(clap::Args)]
+pub struct KvQualityArgs {
+    /// The model and the KV cache dtype to measure (`--kv-cache-dtype`,
+    /// default int8); the reference is the same model with an f16 cache.
+    #[command(flatten)]
+    model: ModelArgs,
+    /// The text to teacher-force (default: tests/fixtures/kv_quality.txt).
+    #[arg(long)]
+    file: Option<PathBuf>,
+    /// Tokens per chunk: each chunk starts from an empty cache, as
+    /// llama-perplexity's -c (its statistics cover each chunk's second half).
+    #[arg(long, default_value_t = 512)]
+    chunk: usize,
+    /// Folder with llama.cpp's llama-perplexity (default:
+    /// ~/.cache/flotilla-peers/llama.cpp/build/bin if present).
+    #[arg(long)]
+    llama_cpp: Option<PathBuf>,
+    /// Skip the llama.cpp runs.
+    #[arg(long)]
+    no_peer: bool,
+}
+
+/// `flotilla bench-kv-quality`: how far the next-token distributions with
+/// a cheaper KV cache drift from those with an f16 cache, teacher-forced
+/// over a text, beside llama.cpp's `llama-perplexity --kl-divergence` with
+/// the matching cache types on the same file, chunk size and threads.
+pub fn run_kv_quality(a: &KvQualityArgs) -> Result<()> {
+    use flotilla_model::KvDtype;
+    use flotilla_model::quality::{divergence, teacher_forced_logprobs};
+    if a.model.device != flotilla_cuda::Device::Cpu {
+        bail!("bench-kv-quality measures the CPU backend");
+    }
+    if a.chunk < 2 {
+        bail!("--chunk must be at least 2");
+    }
+    let path = a.model.path()?;
+    let file = a.file.clone().unwrap_or_else(|| {
+        PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/kv_quality.txt")
+    });
+    let text = std::fs::read_to_string(&file)
+        .with_context(|| format!("--file {}: cannot read it", file.display()))?;
+    let g = flotilla_gguf::GgufFile::open(&path)?;
+    let side = flotilla_text::TextSide::from_gguf(&g).context("loading the tokenizer")?;
+    let ids = side.tokenizer.encode(&text, false)?;
+    let chunks: Vec<&[u32]> = ids.chunks_exact(a.chunk).collect();
+    if chunks.is_empty() {
+        bail!(
+            "--file {} has {} tokens, fewer than one --chunk of {}",
+            file.display(),
+            ids.len(),
+            a.chunk
+        );
+    }
+    let mut probe = a.model.clone();
+    let dtype = match &a.model.kv_cache_dtype {
+        Some(d) => KvDtype::parse(d).map_err(anyhow::Error::msg)?,
+        None => KvDtype::Int8,
+    };
+    probe.kv_cache_dtype = Some(dtype.name().into());
+    let blocks = a.chunk.div_ceil(a.model.block_size);
+    let run = |dtype: KvDtype| -> Result<(Vec<Vec<f32>>, usize)> {
+        let mut m = probe.clone();
+        m.kv_cache_dtype = Some(dtype.name().into());
+        let cfg = m.cpu_config(blocks, a.chunk.min(512))?;
+        let mut e = CpuExecutor::from_gguf(&g, &cfg).context("loading the model")?;
+        let mut rows = Vec::new();
+        for c in &chunks {
+            rows.extend(teacher_forced_logprobs(&mut e, c)?);
+        }
+        Ok((rows, e.threads()))
+    };
+    let t0 = Instant::now();
+    let (reference, threads) = run(KvDtype::F16)?;
+    let (measured, _) = run(dtype)?;
+    eprintln!(
+        "{} chunks of {} tokens from {}, f16 and {dtype} KV, {threads} threads, {:.1}s",
+        chunks.len(),
+        a.chunk,
+        file.display(),
+        t0.elapsed().as_secs_f64()
+    );
+    // Every position, and (as llama-perplexity scores) each chunk's second half.
+    let all = divergence(&reference, &measured, 0);
+    let second: (Vec<Vec<f32>>, Vec<Vec<f32>>) = reference
+        .chunks(a.chunk)
+        .zip(measured.chunks(a.chunk))
+        .flat_map(|(r, m)| {
+            r[a.chunk / 2..]
+                .iter()
+                .cloned()
+                .zip(m[a.chunk / 2..].iter().cloned())
+        })
+        .unzip();
+    let half = divergence(&second.0, &second.1, 0);
+    let peer = if a.no_peer {
+        None
+    } else {
+        peer_dir(a.llama_cpp.as_deref()).and_then(|dir| {
+            llama_kld(&dir, &path, &file, a.chunk, threads, dtype).map_or_else(
+                |e| {
+                    eprintln!("llama-perplexity failed: {e:#}");
+                    None
+                },
+                Some,
+            )
+        })
+    };
+    println!();
+    println!(
+        "| {dtype} KV vs f16 KV | positions | mean KL | p99 KL | max KL | top-1 agreement | largest top-1 gap flipped |"
+    );
+    println!("|---|---:|---:|---:|---:|---:|---:|");
+    for (name, d) in [
+        ("flotilla, every position", &all),
+        ("flotilla, second halves", &half),
+    ] {
+        println!(
+            "| {name} | {} | {:.6} | {:.6} | {:.6} | {:.2}% | {:.3} |",
+            d.positions,
+            d.mean_kl,
+            d.p99_kl,
+            d.max_kl,
+            100.0 * d.top1_agreement,
+            d.max_flip_gap
+        );
+    }
+    match peer {
+        Some((kl, same)) => println!(
+            "| llama.cpp ({}), second halves | - | {kl:.6} | - | - | {same:.2}% | - |",
+            peer_kv_args(dtype).join(" ")
+        ),
+        None => println!("| llama.cpp | (not run) | | | | | |"),
+    }
+    Ok(())
+}
+
+/// llama-perplexity's mean KL divergence and top-1 agreement ("same top
+/// p") of a `dtype` cache from its own f16 cache on `file`.
+fn llama_kld(
+    dir: &Path,
+    model: &Path,
+    file: &Path,
+    chunk: usize,
+    threads: usize,
+    dtype: flotilla_model::KvDtype,
+) -> Result<(f64, f64)> {
+    let base = std::env::temp_dir().join(format!("flotilla-kld-{}.bin", std::process::id()));
+    let run = |extra: &[&str], kv: &[&str]| -> Result<String> {
+        let out = Command::new(dir.join("llama-perplexity"))
+            .args(["-m", &model.display().to_string()])
+            .args(["-f", &file.display().to_string()])
+            .args(["-c", &chunk.to_string(), "-b", &chunk.to_string()])
+            .args(["-t", &threads.to_string()])
+            .args(["--kl-divergence-base", &base.display().to_string()])
+            .args(kv)
+            .args(extra)
+            .output()
+            .context("running llama-perplexity")?;
+        let text = format!(
+            "{}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+        if !out.status.success() {
+            bail!("llama-perplexity exited with {}: {text}", out.status);
+        }
+        Ok(text)
+    };
+    run(&[], &peer_kv_args(flotilla_model::KvDtype::F16))?;
+    let text = run(&["--kl-divergence"], &peer_kv_args(dtype));
+    let _ = std::fs::remove_file(&base);
+    let text = text?;
+    let num = |key: &str| -> Option<f64> {
+        let line = text.lines().find(|l| l.trim_start().starts_with(key))?;
+        line[line.find(':')? + 1..]
+            .split_whitespace()
+            .next()?
+            .parse()
+            .ok()
+    };
+    match (num("Mean    KLD"), num("Same top p")) {
+        (Some(kl), Some(same)) => Ok((kl, same)),
+        _ => bail!("no 'Mean KLD' / 'Same top p' in llama-perplexity's output:\n{text}"),
+    }
 }

@@ -37,9 +37,11 @@ struct ModelArgs {
     /// Compute threads (default: all cores).
     #[arg(long)]
     threads: Option<usize>,
-    /// KV cache element type: f16 or f32.
-    #[arg(long, default_value = "f16")]
-    kv_cache_dtype: String,
+    /// KV cache element type: f16 (default), f32, or int8 (8-bit values
+    /// with an f16 scale per 32, as llama.cpp's q8_0: 1.9x the blocks of
+    /// f16 in the same memory). Config: `[engine] kv_cache_dtype`.
+    #[arg(long)]
+    kv_cache_dtype: Option<String>,
     /// Tokens per KV block.
     #[arg(long, default_value_t = 16)]
     block_size: usize,
@@ -47,7 +49,7 @@ struct ModelArgs {
     /// VNNI), avx2, scalar, or exact (f32 reference, slow).
     #[arg(long, default_value = "auto")]
     kernel: String,
-    /// Where the model runs: cpu, or cuda / cuda:N (an NVIDIA GPU; f16 KV
+    /// Where the model runs: cpu, or cuda / cuda:N (an NVIDIA GPU; f16 or int8 KV
     /// cache, sized by --kv-cache-fraction of the device memory left after
     /// the weights).
     #[arg(long, default_value = "cpu")]
@@ -81,7 +83,12 @@ impl ModelArgs {
 
     fn cpu_config(&self, num_blocks: usize, max_batch_tokens: usize) -> Result<CpuConfig> {
         let kernel = Kernel::parse(&self.kernel).map_err(anyhow::Error::msg)?;
-        let kv_dtype = KvDtype::parse(&self.kv_cache_dtype).map_err(anyhow::Error::msg)?;
+        let kv_dtype = match &self.kv_cache_dtype {
+            Some(d) => {
+                KvDtype::parse(d).map_err(|why| anyhow::anyhow!("--kv-cache-dtype: {why}"))?
+            }
+            None => KvDtype::default(),
+        };
         let mut c = CpuConfig {
             kernel,
             kv_dtype,
@@ -140,6 +147,9 @@ enum Cmd {
     Bench(flotilla_bench::BenchArgs),
     /// Benchmark the CPU backend (pp512, tg128, batched decode) beside llama.cpp.
     BenchModel(bench::BenchArgs),
+    /// Measure how an int8 (or f32) KV cache changes the model's next-token
+    /// distributions against f16, beside llama.cpp's on the same text.
+    BenchKvQuality(bench::KvQualityArgs),
     /// Download a model into the cache (if needed) and print its path.
     FetchModel {
         /// smollm2-135m (the default) or gemma3-270m.
@@ -212,6 +222,7 @@ fn run() -> Result<()> {
         Cmd::Serve(args) => serve::run(args),
         Cmd::Bench(args) => load_test(&args),
         Cmd::BenchModel(args) => bench::run(&args),
+        Cmd::BenchKvQuality(args) => bench::run_kv_quality(&args),
         Cmd::Node(args) => node::run(args),
         Cmd::Cluster(args) => node::cluster(args),
         Cmd::Certs(cmd) => node::certs(cmd),

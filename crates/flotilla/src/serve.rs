@@ -189,6 +189,7 @@ pub fn resolve(args: &ServeArgs) -> Result<Resolved> {
         max_num_seqs: args.max_num_seqs,
         max_num_batched_tokens: args.max_num_batched_tokens,
         block_size: e.block_size.is_none().then_some(args.model.block_size),
+        kv_cache_dtype: args.model.kv_cache_dtype.clone(),
         queue_timeout_s: args.queue_timeout,
         ..EngineSection::default()
     };
@@ -206,9 +207,13 @@ pub fn resolve(args: &ServeArgs) -> Result<Resolved> {
     );
     let mut model_args = args.model.clone();
     model_args.block_size = block_size;
-    let probe = model_args.cpu_config(1, 1)?;
-    let bytes_per_block = (2 * lc.n_layer * lc.n_head_kv * lc.head_dim * block_size) as u64
-        * probe.kv_dtype.bytes() as u64;
+    model_args.kv_cache_dtype = Some(settings.kv_dtype.name().to_string());
+    let kv_dtype = settings.kv_dtype;
+    kv_dtype
+        .check_head_dim(lc.head_dim)
+        .map_err(|why| anyhow::anyhow!("--kv-cache-dtype {kv_dtype}: {why}"))?;
+    let bytes_per_block =
+        kv_dtype.bytes_per_block(lc.n_layer, lc.n_head_kv, lc.head_dim, block_size) as u64;
     let kv_bytes = match args.kv_cache_bytes.or(e.kv_cache_bytes) {
         Some(b) => b,
         None => {
@@ -251,6 +256,7 @@ pub fn resolve(args: &ServeArgs) -> Result<Resolved> {
             let c = CudaConfig {
                 ordinal,
                 block_size,
+                kv_dtype,
                 kv_cache_fraction: f,
                 max_batch_tokens: max_num_batched_tokens,
                 max_seqs: max_num_seqs,

@@ -370,7 +370,7 @@ fn header(bytes: u64) -> KvTransferHeader {
         epoch: 1,
         model: "bench".into(),
         block_size: 16,
-        dtype: 0,
+        dtype: flotilla_proto::KvDtype::F16,
         layout: 1,
         layer_start: 0,
         layer_end: 30,

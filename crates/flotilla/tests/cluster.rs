@@ -219,13 +219,19 @@ fn start_cluster_on(roles: [&str; 2], model: &Path) -> Cluster {
 /// As [`start_cluster_on`], worker-1 with `w1_extra` flags too; any
 /// number of engine nodes (`worker-1`.. of `roles`).
 fn start_cluster_full(roles: &[&str], model: &Path, w1_extra: &[&str]) -> Cluster {
+    start_cluster_config(roles, model, w1_extra, "")
+}
+
+/// As [`start_cluster_full`], with `more` appended to the config file.
+fn start_cluster_config(roles: &[&str], model: &Path, w1_extra: &[&str], more: &str) -> Cluster {
     let (dir, certs) = certs_dir(roles);
     let config = dir.0.join("cluster.toml");
     let addrs: Vec<String> = (0..=roles.len())
         .map(|_| format!("127.0.0.1:{}", free_port()))
         .collect();
     let http = format!("127.0.0.1:{}", free_tcp_port());
-    std::fs::write(&config, config_text(&certs, &addrs, http, roles)).unwrap();
+    let text = config_text(&certs, &addrs, http, roles) + more;
+    std::fs::write(&config, text).unwrap();
     let model = model.to_str().unwrap();
     let on = ["--model", model];
     let w1_on: Vec<&str> = on.iter().chain(w1_extra).copied().collect();
@@ -849,9 +855,53 @@ async fn gemma3_disaggregated_prefill_and_decode_give_the_colocated_tokens() {
     disaggregated_equals_colocated(&flotilla_hub::test_gemma3_path()).await;
 }
 
+/// With an int8 KV cache on both nodes (`[engine] kv_cache_dtype`): the
+/// blocks migrate with their scales, `/ready` shows the dtype and block
+/// count of each node, and the official OpenAI client's calls all work.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_int8_kv_cluster_migrates_its_blocks_and_serves_the_openai_client() {
+    let Some(python) = python() else { return };
+    let int8 = "\n[engine]\nkv_cache_dtype = \"int8\"\n";
+    let mut c = start_cluster_config(
+        &["prefill", "decode"],
+        &flotilla_hub::test_model_path(),
+        &[],
+        int8,
+    );
+    let r = wait_for(&c.base, "both nodes up", |r| {
+        node(r, "worker-1")["up"] == true && node(r, "worker-2")["up"] == true
+    })
+    .await;
+    // 100 MB of int8 KV: 510 blocks of 16 tokens of SmolLM2-135M (30
+    // layers, K and V, 3 heads, 16 rows of 64 bytes + 2 scales), 1.88x
+    // the 271 of f16.
+    for n in ["worker-1", "worker-2"] {
+        assert_eq!(node(&r, n)["kv_cache_dtype"], "int8", "{r}");
+        let blocks = node(&r, n)["kv_blocks"].as_u64().unwrap();
+        assert_eq!(blocks, 100_000_000 / 195_840, "{r}");
+    }
+    assert_eq!(r["kv_cache_dtype"], "int8", "{r}");
+    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/../../tests/openai_client.py");
+    let out = Command::new(python)
+        .arg(script)
+        .env("OPENAI_BASE_URL", format!("{}/v1", c.base))
+        .env("OPENAI_API_KEY", PAID_KEY)
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    eprintln!("{stdout}\n{}", String::from_utf8_lossy(&out.stderr));
+    assert!(out.status.success(), "openai client script failed");
+    assert!(stdout.contains("ALL OK"), "{stdout}");
+    disaggregated_equals_colocated_on(&mut c).await;
+}
+
 async fn disaggregated_equals_colocated(model: &Path) {
     // worker-1 computes prompts, worker-2 continues them.
     let mut c = start_cluster_on(["prefill", "decode"], model);
+    disaggregated_equals_colocated_on(&mut c).await;
+}
+
+async fn disaggregated_equals_colocated_on(c: &mut Cluster) {
     wait_for(&c.base, "both nodes up", |r| {
         node(r, "worker-1")["up"] == true && node(r, "worker-2")["up"] == true
     })
@@ -864,6 +914,9 @@ async fn disaggregated_equals_colocated(model: &Path) {
     for p in prompts {
         disaggregated.push(complete_text(&c.base, &completion(p, 24, false)).await);
     }
+    let before = node(&ready(&c.base).await, "worker-1")["routed"]
+        .as_u64()
+        .unwrap();
     // A stream cut off mid-decode, and streams that run to the end.
     let resp = post(&c.base, &completion("Tell me a long story", 400, true)).await;
     let mut body = resp.bytes_stream();
@@ -885,7 +938,10 @@ async fn disaggregated_equals_colocated(model: &Path) {
         r["kv_blocks"]["used"] == 0 && r["running"] == 0
     })
     .await;
-    assert!(node(&r, "worker-1")["routed"].as_u64().unwrap() >= 5, "{r}");
+    assert!(
+        node(&r, "worker-1")["routed"].as_u64().unwrap() >= before + 3,
+        "{r}"
+    );
     assert!(node(&r, "worker-2")["routed"].as_u64().unwrap() >= 5, "{r}");
 
     // Without a prefill node the decode node runs requests whole: the same

@@ -379,12 +379,14 @@ async fn ready(State(gw): Shared) -> Response {
             "total": s.kv.total, "used": s.kv.used, "free": s.kv.free, "cached": s.kv.cached,
             "held_for_transfer": s.kv.held, "reserved_for_import": s.kv.reserved,
         },
+        "kv_cache_dtype": s.kv.dtype.name(),
         "preemptions": s.preemptions,
         "nodes": s.nodes.iter().map(|n| json!({
             "name": n.name, "up": n.up, "epoch": n.epoch, "in_flight": n.in_flight,
             "routed": n.routed, "downs": n.downs, "moved_away": n.moved_away,
             "moved_by_kv": n.moved_by_kv,
             "kv_orphans": n.kv_orphans,
+            "kv_cache_dtype": n.kv_dtype.name(), "kv_blocks": n.kv_blocks,
         })).collect::<Vec<_>>(),
     });
     let status = if s.ready {

@@ -11,8 +11,6 @@ use std::ops::Range;
 use std::path::Path;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
-use half::f16;
-
 use crate::arch::{self, Activation, ModelConfig, Weights};
 use crate::executor::{
     BatchLimits, ExecError, Executor, KvDtype, KvSpec, ModelSpec, OutputKind, SeqInput, SeqOutput,
@@ -20,6 +18,7 @@ use crate::executor::{
 };
 use crate::gguf::{GgufError, GgufFile};
 use crate::kernels::{self, Acts, Kernel, OutPtr, QMatrix, Resolved};
+use crate::kvcache::{KvStore, attend, attend_scratch};
 use crate::pool::{ThreadPool, split_range};
 use crate::quant::{BlockQ8A, QK, quantize_row_q8a};
 use crate::sampling::{SamplerScratch, sample};
@@ -66,153 +65,6 @@ pub enum LoadError {
     /// A configuration value is out of range.
     #[error("invalid CPU executor configuration: {0}")]
     Config(String),
-}
-
-/// A KV element type the attention kernels read and write.
-#[cfg(target_arch = "x86_64")]
-pub trait KvElem: Copy + Send + Sync + Default + 'static + avx2::KvLoad {
-    /// Widens to f32.
-    fn to_f32(self) -> f32;
-    /// Narrows from f32.
-    fn from_f32(v: f32) -> Self;
-}
-/// A KV element type the attention kernels read and write.
-#[cfg(not(target_arch = "x86_64"))]
-pub trait KvElem: Copy + Send + Sync + Default + 'static {
-    /// Widens to f32.
-    fn to_f32(self) -> f32;
-    /// Narrows from f32.
-    fn from_f32(v: f32) -> Self;
-}
-
-impl KvElem for f32 {
-    #[inline(always)]
-    fn to_f32(self) -> f32 {
-        self
-    }
-    #[inline(always)]
-    fn from_f32(v: f32) -> Self {
-        v
-    }
-}
-
-impl KvElem for f16 {
-    #[inline(always)]
-    fn to_f32(self) -> f32 {
-        f16::to_f32(self)
-    }
-    #[inline(always)]
-    fn from_f32(v: f32) -> Self {
-        f16::from_f32(v)
-    }
-}
-
-enum KvData {
-    F32(Vec<f32>),
-    F16(Vec<f16>),
-}
-
-/// Paged KV storage. Block-major, so one block's bytes (every layer, K and V)
-/// are contiguous for export and import: `[block][layer][k|v][kv_head][slot][dim]`.
-struct KvStore {
-    data: KvData,
-    block_size: usize,
-    num_blocks: usize,
-    layout: KvLayout,
-}
-
-/// Where each (block, layer, K/V, head) run starts.
-#[derive(Clone, Copy)]
-struct KvLayout {
-    block_size: usize,
-    n_kv: usize,
-    head_dim: usize,
-    /// Elements in one block.
-    block_elems: usize,
-}
-
-impl KvLayout {
-    /// Offset of (block, layer, k=0/v=1, head, slot 0).
-    #[inline(always)]
-    fn offset(&self, block: usize, layer: usize, kv: usize, head: usize) -> usize {
-        block * self.block_elems
-            + ((layer * 2 + kv) * self.n_kv + head) * self.block_size * self.head_dim
-    }
-}
-
-impl KvStore {
-    fn new(cfg: &ModelConfig, block_size: usize, num_blocks: usize, dtype: KvDtype) -> KvStore {
-        let block_elems = cfg.n_layer * 2 * cfg.n_head_kv * block_size * cfg.head_dim;
-        let n = block_elems * num_blocks;
-        let data = match dtype {
-            KvDtype::F32 => KvData::F32(vec![0.0; n]),
-            KvDtype::F16 => KvData::F16(vec![f16::ZERO; n]),
-        };
-        let layout = KvLayout {
-            block_size,
-            n_kv: cfg.n_head_kv,
-            head_dim: cfg.head_dim,
-            block_elems,
-        };
-        KvStore {
-            data,
-            block_size,
-            num_blocks,
-            layout,
-        }
-    }
-
-    fn dtype(&self) -> KvDtype {
-        match self.data {
-            KvData::F32(_) => KvDtype::F32,
-            KvData::F16(_) => KvDtype::F16,
-        }
-    }
-
-    fn bytes_per_block(&self) -> usize {
-        self.layout.block_elems * self.dtype().bytes()
-    }
-
-    fn block_byte_range(&self, block: u32) -> Result<Range<usize>, ExecError> {
-        if block as usize >= self.num_blocks {
-            return Err(ExecError::BadBlock {
-                block,
-                num_blocks: self.num_blocks,
-            });
-        }
-        let b = self.bytes_per_block();
-        Ok(block as usize * b..(block as usize + 1) * b)
-    }
-
-    fn bytes(&self) -> &[u8] {
-        match &self.data {
-            KvData::F32(v) => bytemuck_f32(v),
-            KvData::F16(v) => bytemuck_f16(v),
-        }
-    }
-
-    fn bytes_mut(&mut self) -> &mut [u8] {
-        match &mut self.data {
-            KvData::F32(v) => {
-                // SAFETY: f32 has no invalid bit patterns and alignment of u8 is 1.
-                unsafe { std::slice::from_raw_parts_mut(v.as_mut_ptr() as *mut u8, v.len() * 4) }
-            }
-            KvData::F16(v) => {
-                // SAFETY: f16 has no invalid bit patterns and alignment of u8 is 1.
-                unsafe { std::slice::from_raw_parts_mut(v.as_mut_ptr() as *mut u8, v.len() * 2) }
-            }
-        }
-    }
-}
-
-fn bytemuck_f32(v: &[f32]) -> &[u8] {
-    // SAFETY: any f32 is 4 initialised bytes; u8 has alignment 1.
-    unsafe { std::slice::from_raw_parts(v.as_ptr() as *const u8, v.len() * 4) }
-}
-
-fn bytemuck_f16(v: &[f16]) -> &[u8] {
-    // SAFETY: any f16 is 2 initialised bytes; u8 has alignment 1.
-    unsafe { std::slice::from_raw_parts(v.as_ptr() as *const u8, v.len() * 2) }
 }
 
 /// A buffer shared by the threads of one region, each writing its own
@@ -346,29 +198,16 @@ impl CpuExecutor {
             ctx_len: cfg.ctx_len,
             weight_bytes: w.bytes(),
         };
-        let kv_elems = (cfg.n_layer * 2 * cfg.kv_dim())
-            .checked_mul(c.block_size)
-            .and_then(|e| e.checked_mul(c.num_blocks))
-            .filter(|e| {
-                e.checked_mul(c.kv_dtype.bytes())
-                    .is_some_and(|b| b <= isize::MAX as usize)
-            });
-        if kv_elems.is_none() {
-            return Err(LoadError::Config(format!(
-                "a KV cache of {} blocks of {} tokens does not fit in memory",
-                c.num_blocks, c.block_size
-            )));
-        }
-        let kv = KvStore::new(&cfg, c.block_size, c.num_blocks, c.kv_dtype);
+        let kv = KvStore::new(&cfg, c.block_size, c.num_blocks, c.kv_dtype)
+            .map_err(LoadError::Config)?;
         let t = c.max_batch_tokens;
         let (d, qd, kvd, ff) = (cfg.n_embd, cfg.q_dim(), cfg.kv_dim(), cfg.n_ff);
         let wide = d.max(ff);
         let group = cfg.n_head / cfg.n_head_kv;
         // Rounded up and padded by a cache line (16 floats) so that no two
         // threads ever write the same line: shared lines cost more than the work.
-        let att_per_thread = (group * (cfg.head_dim + 2 + c.block_size.next_multiple_of(8)))
-            .next_multiple_of(16)
-            + 16;
+        let att_per_thread =
+            attend_scratch(group, cfg.head_dim, c.block_size).next_multiple_of(16) + 16;
         let s = Scratch {
             x: vec![0.0; t * d],
             xn: vec![0.0; t * wide],
@@ -547,10 +386,9 @@ impl CpuExecutor {
             let rope = &s.rope[spec.rope * self.max_tokens * half..];
             let (tok_seq, tok_pos) = (&s.tok_seq, &s.tok_pos);
             let (style, eps) = (self.cfg.rope_style, self.cfg.rms_eps);
-            let kv = self.kv.layout;
-            let kv_ptr = KvPtr::new(&mut self.kv.data);
+            let kv_w = self.kv.writer();
             let n_kv = self.cfg.n_head_kv;
-            let bs = kv.block_size;
+            let bs = self.kv.block_size;
             let kernel = self.kernel;
             par_tokens(&self.pool, t_all, &|r: Range<usize>| {
                 let mut normed = [0f32; 1024];
@@ -585,13 +423,12 @@ impl CpuExecutor {
                     for h in 0..n_kv {
                         let k = &row[qd + h * hd..qd + (h + 1) * hd];
                         let v = &row[qd + kvd + h * hd..qd + kvd + (h + 1) * hd];
-                        let ko = kv.offset(block, l, 0, h) + slot * hd;
-                        let vo = kv.offset(block, l, 1, h) + slot * hd;
                         // SAFETY: slots are distinct across the batch
-                        // (check_distinct_slots), so no two threads write one.
+                        // (check_distinct_slots), so no two threads write
+                        // one; the store outlives the region.
                         unsafe {
-                            kv_ptr.store(kernel, ko, k);
-                            kv_ptr.store(kernel, vo, v);
+                            kv_w.store(kernel, block, l, 0, h, slot, k);
+                            kv_w.store(kernel, block, l, 1, h, slot, v);
                         }
                     }
                 }
@@ -607,7 +444,7 @@ impl CpuExecutor {
             let per = s.att_per_thread;
             let scratch = Shared::new(&mut s.att_thread);
             let (qkv, tok_seq, tok_pos) = (&s.qkv, &s.tok_seq, &s.tok_pos);
-            let (kv, kv_data) = (self.kv.layout, &self.kv.data);
+            let store = &self.kv;
             let kernel = self.kernel;
             let scale = self.cfg.attn_scale;
             let window = spec.window;
@@ -627,38 +464,20 @@ impl CpuExecutor {
                     let o = unsafe {
                         att.slice(t * qd + kh * group * hd..t * qd + (kh + 1) * group * hd)
                     };
-                    match kv_data {
-                        KvData::F32(data) => attend(
-                            kernel,
-                            data,
-                            &kv,
-                            l,
-                            kh,
-                            seq.block_table,
-                            pos,
-                            window,
-                            q,
-                            o,
-                            group,
-                            scale,
-                            buf,
-                        ),
-                        KvData::F16(data) => attend(
-                            kernel,
-                            data,
-                            &kv,
-                            l,
-                            kh,
-                            seq.block_table,
-                            pos,
-                            window,
-                            q,
-                            o,
-                            group,
-                            scale,
-                            buf,
-                        ),
-                    }
+                    attend(
+                        kernel,
+                        store,
+                        l,
+                        kh,
+                        seq.block_table,
+                        pos,
+                        window,
+                        q,
+                        o,
+                        group,
+                        scale,
+                        buf,
+                    );
                 }
             });
         }
@@ -750,157 +569,6 @@ impl CpuExecutor {
                 &mut s.xn[..t_all * d],
             );
         }
-    }
-}
-
-/// Raw pointer to the KV elements, for the store region.
-#[derive(Clone, Copy)]
-enum KvPtr {
-    F32(Shared<f32>),
-    F16(Shared<f16>),
-}
-
-impl KvPtr {
-    fn new(d: &mut KvData) -> KvPtr {
-        match d {
-            KvData::F32(v) => KvPtr::F32(Shared::new(v)),
-            KvData::F16(v) => KvPtr::F16(Shared::new(v)),
-        }
-    }
-
-    /// # Safety
-    /// No other thread may touch `[off, off + src.len())` meanwhile.
-    unsafe fn store(&self, kernel: Resolved, off: usize, src: &[f32]) {
-        match self {
-            KvPtr::F32(p) => store_kv(kernel, unsafe { p.slice(off..off + src.len()) }, src),
-            KvPtr::F16(p) => store_kv(kernel, unsafe { p.slice(off..off + src.len()) }, src),
-        }
-    }
-}
-
-fn store_kv<T: KvElem>(kernel: Resolved, dst: &mut [T], src: &[f32]) {
-    #[cfg(target_arch = "x86_64")]
-    if kernel.avx2() {
-        // SAFETY: AVX2 resolved only when present; lengths equal, multiple of 8.
-        unsafe { avx2::store_kv(dst, src) };
-        return;
-    }
-    let _ = kernel;
-    for (d, &s) in dst.iter_mut().zip(src) {
-        *d = T::from_f32(s);
-    }
-}
-
-/// Attention of the `group` query heads that share KV head `kh`, for one
-/// token at `pos`, over positions `0..=pos` through the block table:
-/// online softmax, one KV block at a time, no score matrix.
-#[allow(clippy::too_many_arguments)]
-fn attend<T: KvElem>(
-    kernel: Resolved,
-    data: &[T],
-    kv: &KvLayout,
-    layer: usize,
-    kh: usize,
-    table: &[u32],
-    pos: usize,
-    window: Option<usize>,
-    q: &[f32],
-    out: &mut [f32],
-    group: usize,
-    scale: f32,
-    buf: &mut [f32],
-) {
-    let hd = kv.head_dim;
-    let bs = kv.block_size;
-    let (acc, rest) = buf.split_at_mut(group * hd);
-    // One row of scores per query head (the SIMD path fills them together).
-    let (scores, rest) = rest.split_at_mut(group * bs.next_multiple_of(8));
-    let (mx, rest) = rest.split_at_mut(group);
-    let sum = &mut rest[..group];
-    acc.fill(0.0);
-    mx.fill(f32::NEG_INFINITY);
-    sum.fill(0.0);
-    let n_blocks = pos / bs + 1;
-    // A sliding window reads only the blocks that hold its positions.
-    let first = window.map_or(0, |w| (pos + 1).saturating_sub(w));
-    for (bi, &block) in table[..n_blocks].iter().enumerate().skip(first / bs) {
-        let end = if bi + 1 == n_blocks { pos % bs + 1 } else { bs };
-        let start = if bi == first / bs { first % bs } else { 0 };
-        let n = end - start;
-        let kb = kv.offset(block as usize, layer, 0, kh) + start * hd;
-        let vb = kv.offset(block as usize, layer, 1, kh) + start * hd;
-        let kblk = &data[kb..kb + n * hd];
-        let vblk = &data[vb..vb + n * hd];
-        #[cfg(target_arch = "x86_64")]
-        if kernel.avx2() {
-            // SAFETY: AVX2 resolved only when present; slices sized above.
-            unsafe { avx2::attend_block(q, kblk, vblk, n, hd, scale, scores, mx, sum, acc) };
-            continue;
-        }
-        for g in 0..group {
-            let qg = &q[g * hd..(g + 1) * hd];
-            let mut bmax = f32::NEG_INFINITY;
-            for j in 0..n {
-                let sc = dot_kv(kernel, qg, &kblk[j * hd..(j + 1) * hd]) * scale;
-                scores[j] = sc;
-                bmax = bmax.max(sc);
-            }
-            let m_new = mx[g].max(bmax);
-            let corr = (mx[g] - m_new).exp();
-            mx[g] = m_new;
-            let a = &mut acc[g * hd..(g + 1) * hd];
-            let mut l = sum[g] * corr;
-            for j in 0..n {
-                let p = (scores[j] - m_new).exp();
-                l += p;
-                axpy_kv(
-                    kernel,
-                    a,
-                    if j == 0 { corr } else { 1.0 },
-                    p,
-                    &vblk[j * hd..(j + 1) * hd],
-                );
-            }
-            sum[g] = l;
-        }
-    }
-    for g in 0..group {
-        let inv = 1.0 / sum[g];
-        for (o, a) in out[g * hd..(g + 1) * hd]
-            .iter_mut()
-            .zip(&acc[g * hd..(g + 1) * hd])
-        {
-            *o = a * inv;
-        }
-    }
-}
-
-#[inline(always)]
-fn dot_kv<T: KvElem>(kernel: Resolved, q: &[f32], k: &[T]) -> f32 {
-    #[cfg(target_arch = "x86_64")]
-    if kernel.avx2() {
-        // SAFETY: AVX2 resolved only when present; head_dim % 8 == 0 checked at load.
-        return unsafe { avx2::dot_kv(q, k) };
-    }
-    let _ = kernel;
-    let mut s = 0f32;
-    for (a, b) in q.iter().zip(k) {
-        s += a * b.to_f32();
-    }
-    s
-}
-
-#[inline(always)]
-fn axpy_kv<T: KvElem>(kernel: Resolved, acc: &mut [f32], scale: f32, p: f32, v: &[T]) {
-    #[cfg(target_arch = "x86_64")]
-    if kernel.avx2() {
-        // SAFETY: as in dot_kv.
-        unsafe { avx2::scale_axpy_kv(acc, scale, p, v) };
-        return;
-    }
-    let _ = kernel;
-    for (a, b) in acc.iter_mut().zip(v) {
-        *a = *a * scale + p * b.to_f32();
     }
 }
 
@@ -1084,82 +752,6 @@ mod tests {
     use super::*;
 
     use crate::testutil::rnd;
-
-    /// The SIMD attention (eight scores per hadd tree, vector exp) agrees with
-    /// the scalar one, and both with a naive softmax over exactly the window's
-    /// positions, over shuffled blocks, partial last blocks, GQA groups and
-    /// sliding windows that start inside a block, at its edge and at 0.
-    #[test]
-    fn simd_attention_matches_scalar() {
-        if !kernels::has_avx2() {
-            return;
-        }
-        let (bs, hd, n_kv, layers) = (16, 64, 2, 2);
-        let num_blocks = 8;
-        let layout = KvLayout {
-            block_size: bs,
-            n_kv,
-            head_dim: hd,
-            block_elems: layers * 2 * n_kv * bs * hd,
-        };
-        let mut s = 5;
-        let data: Vec<f16> = (0..num_blocks * layout.block_elems)
-            .map(|_| f16::from_f32(rnd(&mut s) * 2.0))
-            .collect();
-        let table = [5u32, 2, 7, 0];
-        // Groups of 1, 3, 5 and 8 query heads per KV head: the SIMD path
-        // takes them in chunks of up to four.
-        for group in [1usize, 3, 5, 8] {
-            let q: Vec<f32> = (0..group * hd).map(|_| rnd(&mut s) * 3.0).collect();
-            let mut buf = vec![0f32; group * (hd + 2 + bs)];
-            for window in [None, Some(1), Some(5), Some(16), Some(20)] {
-                for pos in [0usize, 7, 15, 16, 33, 63] {
-                    let mut a = vec![0f32; group * hd];
-                    let mut b = vec![0f32; group * hd];
-                    for (kernel, out) in [(Resolved::Scalar, &mut a), (Resolved::Avx2, &mut b)] {
-                        attend(
-                            kernel, &data, &layout, 1, 1, &table, pos, window, &q, out, group,
-                            0.125, &mut buf,
-                        );
-                    }
-                    // Naive: softmax over exactly the positions inside the window.
-                    let lo = window.map_or(0, |w| (pos + 1).saturating_sub(w));
-                    for g in 0..group {
-                        let qg = &q[g * hd..(g + 1) * hd];
-                        let at = |p: usize, kv: usize| {
-                            let o = layout.offset(table[p / bs] as usize, 1, kv, 1) + (p % bs) * hd;
-                            &data[o..o + hd]
-                        };
-                        let sc: Vec<f64> = (lo..=pos)
-                            .map(|p| {
-                                let k = at(p, 0);
-                                (0..hd).map(|i| (qg[i] * k[i].to_f32()) as f64).sum::<f64>() * 0.125
-                            })
-                            .collect();
-                        let m = sc.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
-                        let z: f64 = sc.iter().map(|v| (v - m).exp()).sum();
-                        for i in 0..hd {
-                            let want: f64 = (lo..=pos)
-                                .zip(&sc)
-                                .map(|(p, v)| (v - m).exp() / z * at(p, 1)[i].to_f32() as f64)
-                                .sum();
-                            let got = a[g * hd + i] as f64;
-                            assert!(
-                                (got - want).abs() < 1e-4 * (1.0 + want.abs()),
-                                "group {group} window {window:?} pos {pos}: {got} vs {want}"
-                            );
-                        }
-                    }
-                    for (x, y) in a.iter().zip(&b) {
-                        assert!(
-                            (x - y).abs() < 1e-5 * (1.0 + x.abs()),
-                            "window {window:?} pos {pos}: {x} vs {y}"
-                        );
-                    }
-                }
-            }
-        }
-    }
 
     /// The SIMD gated activations equal the scalar SiLU and tanh-GELU.
     #[cfg(target_arch = "x86_64")]

@@ -8,8 +8,10 @@ pub mod arch;
 pub mod cpu;
 pub mod generate;
 pub mod kernels;
+mod kvcache;
 pub mod model;
 pub mod pool;
+pub mod quality;
 pub mod quant;
 pub mod sampling;
 #[doc(hidden)]

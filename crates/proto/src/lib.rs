@@ -11,7 +11,7 @@ use std::fmt;
 use std::future::Future;
 use std::pin::Pin;
 
-pub use flotilla_exec::{Sampled, SamplingParams};
+pub use flotilla_exec::{KvDtype, Sampled, SamplingParams};
 use rkyv::{Archive, Deserialize, Serialize};
 use tokio::sync::mpsc;
 
@@ -205,6 +205,9 @@ pub struct KvUsage {
     /// Of `used`: blocks reserved for KV a prefill node will send (until
     /// the import, a cancel or the reservation deadline).
     pub reserved: u32,
+    /// Element type of the blocks (the Router pairs nodes for a KV
+    /// transfer only when theirs agree).
+    pub dtype: KvDtype,
 }
 
 /// Per-tier queue figures.
@@ -269,6 +272,10 @@ pub struct NodeStatus {
     /// Requests whose leases it gave back as orphans (held for requests
     /// no longer alive anywhere); should stay 0.
     pub kv_orphans: u64,
+    /// Its KV blocks' element type (as it last reported).
+    pub kv_dtype: KvDtype,
+    /// Blocks in its KV pool (as it last reported).
+    pub kv_blocks: u32,
 }
 
 /// The events of one accepted request. Dropping it cancels the request: the
@@ -457,8 +464,8 @@ pub trait Engine: Send + Sync + 'static {
 pub struct KvLayout {
     /// Tokens per block.
     pub block_size: u32,
-    /// Element type (0 = f16, 1 = f32, 2 = int8).
-    pub dtype: u8,
+    /// Element type (and with it the scale layout of int8).
+    pub dtype: KvDtype,
     /// Version of the in-block layout (`[layer][K|V][kv_head][slot][head_dim]` = 1).
     pub layout: u8,
     /// Layers in a block.

@@ -24,12 +24,12 @@ use rkyv::rancor;
 use rkyv::util::AlignedVec;
 use rkyv::{Archive, Deserialize, Serialize};
 
-use crate::{EngineEvent, EngineRequest, EngineStatus, Rejection, Role, Sampled};
+use crate::{EngineEvent, EngineRequest, EngineStatus, KvDtype, Rejection, Role, Sampled};
 
 /// First four bytes of every frame.
 pub const MAGIC: [u8; 4] = *b"FLTL";
 /// The protocol this build speaks; a peer with another one is refused.
-pub const PROTOCOL_VERSION: u16 = 8;
+pub const PROTOCOL_VERSION: u16 = 9;
 /// Bytes of the envelope before the payload.
 pub const HEADER_LEN: usize = 32;
 /// Smallest frame cap a config may set (a load report must fit).
@@ -569,8 +569,8 @@ pub struct KvTransferHeader {
     pub model: String,
     /// Tokens per block.
     pub block_size: u32,
-    /// Element type of the cache (0 = f16, 1 = int8).
-    pub dtype: u8,
+    /// Element type of the cache (int8 blocks carry their scales).
+    pub dtype: KvDtype,
     /// Memory layout version of a block.
     pub layout: u8,
     /// First layer carried.
@@ -631,6 +631,7 @@ mod tests {
                     cached: 2,
                     held: 3,
                     reserved: 1,
+                    dtype: Default::default(),
                 },
                 preemptions: 1,
                 orphans: 0,
@@ -692,7 +693,7 @@ mod tests {
                 epoch: 3,
                 model: "m".into(),
                 block_size: 16,
-                dtype: 0,
+                dtype: KvDtype::Int8,
                 layout: 1,
                 layer_start: 0,
                 layer_end: 30,

@@ -139,7 +139,7 @@ fn seeds(r: &mut Rng) -> Vec<Message> {
             epoch: 2,
             model: "model".into(),
             block_size: 16,
-            dtype: 0,
+            dtype: flotilla_proto::KvDtype::F16,
             layout: 1,
             layer_start: 0,
             layer_end: 30,

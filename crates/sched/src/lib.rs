@@ -175,6 +175,10 @@ impl Scheduler {
                     .values()
                     .map(|r| r.lease.blocks().len() as u32)
                     .sum(),
+
+                // The scheduler counts blocks; the engine, which owns the
+                // executor, names their element type.
+                dtype: Default::default(),
             },
             preemptions: self.counters.preemptions,
             orphans: 0,

@@ -12,6 +12,7 @@
 
 use std::time::Duration;
 
+use flotilla_exec::KvDtype;
 use serde::Deserialize;
 
 /// One accelerator's figures.
@@ -122,8 +123,10 @@ pub struct ModelShape {
     pub n_head_kv: usize,
     /// Head dimension.
     pub head_dim: usize,
-    /// Bytes per KV element (2 for f16, 1 for int8).
-    pub kv_bytes: usize,
+    /// Element type of the KV cache: the scenario's `[engine]
+    /// kv_cache_dtype`, not a model field.
+    #[serde(skip)]
+    pub kv_dtype: KvDtype,
     /// Vocabulary size (token ids are drawn below it).
     pub vocab: usize,
     /// Longest sequence.
@@ -149,7 +152,7 @@ impl ModelShape {
                 q_width: 4096,
                 n_head_kv: 32,
                 head_dim: 128,
-                kv_bytes: 2,
+                kv_dtype: KvDtype::F16,
                 vocab: 32_000,
                 ctx_len: 4096,
                 window: 0,
@@ -163,7 +166,7 @@ impl ModelShape {
                 q_width: 4096,
                 n_head_kv: 8,
                 head_dim: 128,
-                kv_bytes: 2,
+                kv_dtype: KvDtype::F16,
                 vocab: 128_256,
                 ctx_len: 8192,
                 window: 0,
@@ -177,7 +180,7 @@ impl ModelShape {
                 q_width: 576,
                 n_head_kv: 3,
                 head_dim: 64,
-                kv_bytes: 2,
+                kv_dtype: KvDtype::F16,
                 vocab: 49_152,
                 ctx_len: 8192,
                 window: 0,
@@ -194,7 +197,7 @@ impl ModelShape {
                 q_width: 1024,
                 n_head_kv: 1,
                 head_dim: 256,
-                kv_bytes: 2,
+                kv_dtype: KvDtype::F16,
                 vocab: 262_144,
                 ctx_len: 32_768,
                 window: 512,
@@ -209,9 +212,10 @@ impl ModelShape {
         self.params * self.weight_bytes_per_param
     }
 
-    /// KV bytes per token (all layers, K and V).
+    /// KV bytes per token (all layers, K and V; int8 with its scales):
+    /// what a transfer moves and what attention reads.
     pub fn kv_bytes_per_token(&self) -> usize {
-        2 * self.n_layer * self.n_head_kv * self.head_dim * self.kv_bytes
+        2 * self.n_layer * self.n_head_kv * self.kv_dtype.row_bytes(self.head_dim)
     }
 
     /// Layers that attend over every position.
@@ -329,6 +333,35 @@ mod tests {
             }],
         ));
         assert!((40.0..60.0).contains(&pf), "{pf}");
+    }
+
+    /// An int8 cache moves and reads 17/32 of f16's bytes per token (the
+    /// values, and an f16 scale per 32), so long-context decode steps,
+    /// whose time the KV reads dominate, get cheaper.
+    #[test]
+    fn an_int8_cache_moves_and_reads_fewer_bytes() {
+        let g = GpuParams::preset("h200").unwrap();
+        let f16 = ModelShape::preset("llama-7b").unwrap();
+        let int8 = ModelShape {
+            kv_dtype: KvDtype::Int8,
+            ..f16.clone()
+        };
+        assert_eq!(f16.kv_bytes_per_token(), 2 * 32 * 32 * 128 * 2);
+        assert_eq!(
+            int8.kv_bytes_per_token() * 32,
+            f16.kv_bytes_per_token() * 17
+        );
+        let long: Vec<SeqCost> = (0..64)
+            .map(|_| SeqCost {
+                start_pos: 4000,
+                tokens: 1,
+            })
+            .collect();
+        let (a, b) = (
+            ms(step_time(&g, &f16, &long)),
+            ms(step_time(&g, &int8, &long)),
+        );
+        assert!(b < a * 0.75, "int8 {b} ms vs f16 {a} ms");
     }
 
     #[test]

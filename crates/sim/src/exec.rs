@@ -4,8 +4,7 @@
 use std::time::Duration;
 
 use flotilla_exec::{
-    ExecError, Executor, KvDtype, KvSpec, ModelSpec, OutputKind, Sampled, SeqInput, SeqOutput,
-    StepOutputs,
+    ExecError, Executor, KvSpec, ModelSpec, OutputKind, Sampled, SeqInput, SeqOutput, StepOutputs,
 };
 
 use crate::cost::{GpuParams, ModelShape, SeqCost, step_time};
@@ -164,11 +163,7 @@ impl SimExecutor {
         let kv = KvSpec {
             block_size,
             num_blocks: num_blocks.min(f64::from(u32::MAX / 2)) as usize,
-            dtype: if shape.kv_bytes == 4 {
-                KvDtype::F32
-            } else {
-                KvDtype::F16
-            },
+            dtype: shape.kv_dtype,
             // A stand-in: migrated blocks carry this many bytes, and the
             // simulated network charges the transfer for the real size
             // (`ModelShape::kv_bytes_per_token` per token).

@@ -96,6 +96,9 @@ pub struct EngineSection {
     pub batching: String,
     /// Longest wait in a queue before a request fails, seconds.
     pub queue_timeout_s: f64,
+    /// KV cache element type (`f16`, `int8`, `f32`): the block count per
+    /// GPU, the bytes a transfer moves and attention reads follow from it.
+    pub kv_cache_dtype: String,
 }
 
 impl Default for EngineSection {
@@ -107,6 +110,7 @@ impl Default for EngineSection {
             max_model_len: 4096,
             batching: "continuous".into(),
             queue_timeout_s: 60.0,
+            kv_cache_dtype: "f16".into(),
         }
     }
 }
@@ -369,6 +373,7 @@ impl Scenario {
             max_num_batched_tokens: Some(e.max_num_batched_tokens),
             block_size: Some(e.block_size),
             queue_timeout_s: Some(e.queue_timeout_s),
+            kv_cache_dtype: Some(e.kv_cache_dtype.clone()),
             ..EngineSection::default()
         };
         let tiers = self
@@ -457,15 +462,19 @@ impl Scenario {
 
     /// The model's shape.
     pub fn model_shape(&self) -> Result<ModelShape, ScenarioError> {
-        match &self.model {
+        let mut m = match &self.model {
             Named::Preset { preset } => ModelShape::preset(preset).ok_or_else(|| {
                 ScenarioError::Invalid(format!(
                     "unknown model preset '{preset}' (llama-7b, llama3-8b, smollm2-135m, gemma3-270m)"
                 ))
-            }),
-            Named::Model(m) => Ok(m.clone()),
-            Named::Gpu(_) => Err(ScenarioError::Invalid("[model] holds gpu fields".into())),
-        }
+            })?,
+            Named::Model(m) => m.clone(),
+            Named::Gpu(_) => return Err(ScenarioError::Invalid("[model] holds gpu fields".into())),
+        };
+        let bad = |why: String| ScenarioError::Invalid(format!("engine.kv_cache_dtype: {why}"));
+        m.kv_dtype = flotilla_exec::KvDtype::parse(&self.engine.kv_cache_dtype).map_err(bad)?;
+        m.kv_dtype.check_head_dim(m.head_dim).map_err(bad)?;
+        Ok(m)
     }
 
     fn validate(&self) -> Result<(), ScenarioError> {
@@ -504,7 +513,6 @@ impl Scenario {
             ("model.q_width", m.q_width),
             ("model.n_head_kv", m.n_head_kv),
             ("model.head_dim", m.head_dim),
-            ("model.kv_bytes", m.kv_bytes),
             ("model.ctx_len", m.ctx_len),
             ("engine.max_num_seqs", self.engine.max_num_seqs),
             (

@@ -74,6 +74,7 @@ pub struct Metrics {
     tokens_out: Counter<u64>,
     cached_tokens: Counter<u64>,
     kv_blocks: Gauge<u64>,
+    kv_cache: Gauge<u64>,
     queued: Gauge<u64>,
     running: Gauge<u64>,
 }
@@ -179,6 +180,12 @@ impl Metrics {
                 .u64_gauge("flotilla_kv_blocks")
                 .with_description("KV cache blocks by state (used, free, cached)")
                 .build(),
+            kv_cache: m
+                .u64_gauge("flotilla_kv_cache_blocks")
+                .with_description(
+                    "Blocks in the KV pool, with their element type and bytes per block",
+                )
+                .build(),
             queued: m
                 .u64_gauge("flotilla_queue_length")
                 .with_description("Requests waiting, by tier")
@@ -278,6 +285,21 @@ impl Metrics {
             .record(free, &[KeyValue::new("state", "free")]);
         self.kv_blocks
             .record(cached, &[KeyValue::new("state", "cached")]);
+    }
+
+    /// The KV pool's shape: its blocks, their element type (`f16`,
+    /// `int8`, ...) and size.
+    pub fn kv_cache(&self, dtype: &'static str, blocks: u64, bytes_per_block: u64) {
+        if !self.enabled {
+            return;
+        }
+        self.kv_cache.record(
+            blocks,
+            &[
+                KeyValue::new("dtype", dtype),
+                KeyValue::new("bytes_per_block", bytes_per_block as i64),
+            ],
+        );
     }
 
     /// Queue length and running sequences of one tier now.

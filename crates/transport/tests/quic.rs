@@ -359,7 +359,7 @@ fn kv_header(req: u64, bytes: usize) -> KvTransferHeader {
         epoch: 1,
         model: "m".into(),
         block_size: 16,
-        dtype: 0,
+        dtype: flotilla_proto::KvDtype::F16,
         layout: 1,
         layer_start: 0,
         layer_end: 30,

@@ -35,8 +35,8 @@ use std::time::Duration;
 use flotilla_config::ClusterSection;
 use flotilla_proto::wire::{Held, Message, ReqEvents, Submit};
 use flotilla_proto::{
-    DrainRefusal, EngineEvent, EngineFailure, EngineRequest, EngineStatus, KvUsage, NodeStatus,
-    Rejection, Role, TierStatus,
+    DrainRefusal, EngineEvent, EngineFailure, EngineRequest, EngineStatus, KvDtype, KvUsage,
+    NodeStatus, Rejection, Role, TierStatus,
 };
 use flotilla_transport::NodeId;
 use rustc_hash::FxHashMap;
@@ -412,6 +412,8 @@ impl RouterCore {
                 moved_away: w.moved_away,
                 moved_by_kv: w.moved_by_kv,
                 kv_orphans: w.load.orphans,
+                kv_dtype: w.load.kv.dtype,
+                kv_blocks: w.load.kv.total,
             });
             s.orphans += w.load.orphans;
             if !w.up {
@@ -429,6 +431,8 @@ impl RouterCore {
                 cached: s.kv.cached + l.kv.cached,
                 held: s.kv.held + l.kv.held,
                 reserved: s.kv.reserved + l.kv.reserved,
+                // Nodes of one cluster should agree; each node's line says its own.
+                dtype: l.kv.dtype,
             };
             for t in &l.tiers {
                 match tiers.iter_mut().find(|x| x.name == t.name) {
@@ -551,39 +555,60 @@ impl RouterCore {
     }
 
     /// The cheapest up node for a request, skipping `exclude`, and the
-    /// prefill node to pair it with when it is a decode node.
+    /// prefill node to pair it with when it is a decode node. KV moves only
+    /// between nodes whose blocks have one element type: a decode node is
+    /// paired only with a prefill node of its KV dtype (with none, it
+    /// computes the prompt itself), and `kv_like` (a move that continues
+    /// from another node's KV) keeps to nodes of that dtype.
     fn pick(
         &self,
         hashes: &[u64],
         need_blocks: u64,
         exclude: Option<usize>,
         colocate: bool,
+        kv_like: Option<KvDtype>,
         reachable: &dyn Fn(NodeId) -> bool,
     ) -> Option<(usize, Option<usize>)> {
-        let prefill = if colocate {
-            None
-        } else {
+        // The best prefill node of each KV dtype.
+        let prefill_for = |dtype: KvDtype| -> Option<usize> {
+            if colocate {
+                return None;
+            }
             self.workers
                 .iter()
                 .enumerate()
-                .filter(|(i, w)| w.role == Role::Prefill && Self::usable(w, *i, exclude, reachable))
+                .filter(|(i, w)| {
+                    w.role == Role::Prefill
+                        && w.load.kv.dtype == dtype
+                        && Self::usable(w, *i, exclude, reachable)
+                })
                 .min_by_key(|(_, w)| {
                     let compute = (hashes.len() - w.prefix.matched(hashes)) as u64;
                     (compute + w.in_flight_blocks, w.prefilling, w.routed)
                 })
                 .map(|(i, _)| i)
         };
+        let prefill: [Option<usize>; 3] = KvDtype::ALL.map(prefill_for);
+        let prefill_of = |w: &WorkerView| {
+            let d = KvDtype::ALL.iter().position(|&d| d == w.load.kv.dtype);
+            d.and_then(|d| prefill[d])
+                .filter(|_| w.role == Role::Decode)
+        };
         self.workers
             .iter()
             .enumerate()
-            .filter(|(i, w)| w.role != Role::Prefill && Self::usable(w, *i, exclude, reachable))
+            .filter(|(i, w)| {
+                w.role != Role::Prefill
+                    && kv_like.is_none_or(|d| w.load.kv.dtype == d)
+                    && Self::usable(w, *i, exclude, reachable)
+            })
             .min_by_key(|(_, w)| {
                 // A worker whose whole cache is too small comes last; if it
                 // is the only one, its engine gives the client the reason.
                 let too_small = w.load.kv.total != 0 && need_blocks > u64::from(w.load.kv.total);
                 // A decode node paired with a prefill node computes no
                 // prompt, but needs the blocks free now.
-                let paired = w.role == Role::Decode && prefill.is_some();
+                let paired = prefill_of(w).is_some();
                 let short = paired && need_blocks > u64::from(w.load.kv.free);
                 let compute = if paired {
                     0
@@ -598,7 +623,7 @@ impl RouterCore {
                     w.routed,
                 )
             })
-            .map(|(i, w)| (i, prefill.filter(|_| w.role == Role::Decode)))
+            .map(|(i, w)| (i, prefill_of(w)))
     }
 
     /// Picks a node (and prefill node) for pending request `id` and sends
@@ -614,7 +639,7 @@ impl RouterCore {
             let p = &self.pending[&id];
             (p.blocks, p.colocate)
         };
-        let Some((w, prefill)) = self.pick(hashes, need, exclude, colocate, reachable) else {
+        let Some((w, prefill)) = self.pick(hashes, need, exclude, colocate, None, reachable) else {
             return false;
         };
         self.dispatch(w, prefill, id, hashes, false);
@@ -632,7 +657,8 @@ impl RouterCore {
         reachable: &dyn Fn(NodeId) -> bool,
     ) -> bool {
         let need = self.pending[&id].blocks;
-        let Some((w, _)) = self.pick(hashes, need, Some(from), true, reachable) else {
+        let dtype = self.workers[from].load.kv.dtype;
+        let Some((w, _)) = self.pick(hashes, need, Some(from), true, Some(dtype), reachable) else {
             return false;
         };
         self.dispatch(w, Some(from), id, hashes, true);

@@ -180,6 +180,7 @@ impl Engine for Fake {
                     cached: 10,
                     held: 4,
                     reserved: 2,
+                    dtype: Default::default(),
                 },
                 preemptions: 2,
                 orphans: 0,

@@ -356,65 +356,57 @@ impl KvLoad for half::f16 {
     }
 }
 
-/// `q . k` for one head (length a multiple of 8).
-#[inline]
-///
-/// # Safety
-/// The CPU must have AVX2, FMA and F16C (`kernels::has_avx2`); slices must
-/// have the lengths the shapes imply (asserted where cheap).
-#[target_feature(enable = "avx2,fma,f16c")]
-pub unsafe fn dot_kv<T: KvLoad>(q: &[f32], k: &[T]) -> f32 {
-    debug_assert!(q.len().is_multiple_of(8) && k.len() >= q.len());
-    let mut acc0 = _mm256_setzero_ps();
-    let mut acc1 = _mm256_setzero_ps();
-    let mut i = 0;
-    // SAFETY: i + 8 <= len on every load.
-    unsafe {
-        while i + 16 <= q.len() {
-            acc0 = _mm256_fmadd_ps(
-                _mm256_loadu_ps(q.as_ptr().add(i)),
-                T::load8(k.as_ptr().add(i)),
-                acc0,
-            );
-            acc1 = _mm256_fmadd_ps(
-                _mm256_loadu_ps(q.as_ptr().add(i + 8)),
-                T::load8(k.as_ptr().add(i + 8)),
-                acc1,
-            );
-            i += 16;
-        }
-        if i < q.len() {
-            acc0 = _mm256_fmadd_ps(
-                _mm256_loadu_ps(q.as_ptr().add(i)),
-                T::load8(k.as_ptr().add(i)),
-                acc0,
-            );
-        }
-        hsum(_mm256_add_ps(acc0, acc1))
+/// Rows of one K or V run of a KV block, as the attention kernel reads them:
+/// eight values of a row at a time, widened to f32.
+pub trait KvRows: Copy {
+    /// Rows held.
+    fn rows(&self, hd: usize) -> usize;
+    /// Values `i..i + 8` of row `j` (rows of `hd` values) as f32.
+    ///
+    /// # Safety
+    /// `j < self.rows(hd)`, `i + 8 <= hd`, and the CPU must have AVX2/F16C.
+    unsafe fn load8(&self, j: usize, i: usize, hd: usize) -> __m256;
+}
+
+/// Rows stored as plain f32 or f16 values.
+#[derive(Clone, Copy)]
+pub struct Plain<'a, T>(pub &'a [T]);
+
+impl<T: KvLoad> KvRows for Plain<'_, T> {
+    #[inline(always)]
+    fn rows(&self, hd: usize) -> usize {
+        self.0.len() / hd
+    }
+    #[inline(always)]
+    unsafe fn load8(&self, j: usize, i: usize, hd: usize) -> __m256 {
+        // SAFETY: in bounds by the caller's promise.
+        unsafe { T::load8(self.0.as_ptr().add(j * hd + i)) }
     }
 }
 
-/// `acc = acc * scale + p * v` for one head (length a multiple of 8).
-#[inline]
-///
-/// # Safety
-/// The CPU must have AVX2, FMA and F16C (`kernels::has_avx2`); slices must
-/// have the lengths the shapes imply (asserted where cheap).
-#[target_feature(enable = "avx2,fma,f16c")]
-pub unsafe fn scale_axpy_kv<T: KvLoad>(acc: &mut [f32], scale: f32, p: f32, v: &[T]) {
-    debug_assert!(acc.len().is_multiple_of(8) && v.len() >= acc.len());
-    let s = _mm256_set1_ps(scale);
-    let pv = _mm256_set1_ps(p);
-    let mut i = 0;
-    // SAFETY: i + 8 <= len on every access.
-    unsafe {
-        while i < acc.len() {
-            let a = _mm256_mul_ps(_mm256_loadu_ps(acc.as_ptr().add(i)), s);
-            _mm256_storeu_ps(
-                acc.as_mut_ptr().add(i),
-                _mm256_fmadd_ps(pv, T::load8(v.as_ptr().add(i)), a),
-            );
-            i += 8;
+/// Rows stored as int8 values with one scale per 32 (`KvDtype::Int8`); the
+/// scales already widened to f32, `hd / 32` per row.
+#[derive(Clone, Copy)]
+pub struct Int8Rows<'a> {
+    /// Values, `[row][hd]`.
+    pub q: &'a [i8],
+    /// Scales, `[row][hd / 32]`.
+    pub d: &'a [f32],
+}
+
+impl KvRows for Int8Rows<'_> {
+    #[inline(always)]
+    fn rows(&self, hd: usize) -> usize {
+        (self.q.len() / hd).min(self.d.len() / (hd / 32))
+    }
+    #[inline(always)]
+    unsafe fn load8(&self, j: usize, i: usize, hd: usize) -> __m256 {
+        // SAFETY: in bounds by the caller's promise; 8 bytes read.
+        unsafe {
+            let b = _mm_loadl_epi64(self.q.as_ptr().add(j * hd + i) as *const __m128i);
+            let f = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b));
+            let d = *self.d.get_unchecked(j * (hd / 32) + i / 32);
+            _mm256_mul_ps(f, _mm256_set1_ps(d))
         }
     }
 }
@@ -539,10 +531,10 @@ unsafe fn hsum8x8(v: &[__m256; 8]) -> __m256 {
 /// The CPU must have AVX2, FMA and F16C (`kernels::has_avx2`); slices must
 /// have the lengths the shapes imply (asserted where cheap).
 #[target_feature(enable = "avx2,fma,f16c")]
-pub unsafe fn attend_block<T: KvLoad>(
+pub unsafe fn attend_block<T: KvRows>(
     q: &[f32],
-    k: &[T],
-    v: &[T],
+    k: T,
+    v: T,
     n: usize,
     hd: usize,
     scale: f32,
@@ -553,9 +545,7 @@ pub unsafe fn attend_block<T: KvLoad>(
 ) {
     let group = mx.len();
     let stride = n.next_multiple_of(8);
-    assert!(
-        q.len() >= group * hd && k.len() >= n * hd && v.len() >= n * hd && acc.len() >= group * hd
-    );
+    assert!(q.len() >= group * hd && k.rows(hd) >= n && v.rows(hd) >= n && acc.len() >= group * hd);
     assert!(hd.is_multiple_of(8) && scores.len() >= group * stride && sum.len() >= group);
     let mut g0 = 0;
     while g0 < group {
@@ -585,8 +575,8 @@ pub unsafe fn attend_block<T: KvLoad>(
 /// The inputs of [`attend_heads`]: query heads `g0..g0 + G` over one block.
 struct Heads<'a, T> {
     q: &'a [f32],
-    k: &'a [T],
-    v: &'a [T],
+    k: T,
+    v: T,
     n: usize,
     hd: usize,
     scale: f32,
@@ -595,7 +585,7 @@ struct Heads<'a, T> {
 
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn attend_heads<T: KvLoad, const G: usize>(
+unsafe fn attend_heads<T: KvRows, const G: usize>(
     a: &Heads<'_, T>,
     scores: &mut [f32],
     mx: &mut [f32],
@@ -612,13 +602,12 @@ unsafe fn attend_heads<T: KvLoad, const G: usize>(
         let m = (n - j0).min(8);
         let mut parts = [[_mm256_setzero_ps(); 8]; G];
         for jj in 0..m {
-            let kr = a.k[(j0 + jj) * hd..].as_ptr();
             let mut s = [_mm256_setzero_ps(); G];
             let mut i = 0;
-            // SAFETY: i + 8 <= hd on every load; heads g0 + g < group.
+            // SAFETY: i + 8 <= hd on every load, rows < n; heads g0 + g < group.
             unsafe {
                 while i < hd {
-                    let kv = T::load8(kr.add(i));
+                    let kv = a.k.load8(j0 + jj, i, hd);
                     for (g, sg) in s.iter_mut().enumerate() {
                         *sg = _mm256_fmadd_ps(_mm256_loadu_ps(qp.add((g0 + g) * hd + i)), kv, *sg);
                     }
@@ -665,7 +654,6 @@ unsafe fn attend_heads<T: KvLoad, const G: usize>(
         sum[h] = sum[h] * *c + l;
     }
     // V, each row loaded once for the G heads.
-    let vp = a.v.as_ptr();
     let mut i = 0;
     // SAFETY: i + 8 <= hd on every access; j < n rows of v; heads < group.
     unsafe {
@@ -678,7 +666,7 @@ unsafe fn attend_heads<T: KvLoad, const G: usize>(
                 );
             }
             for j in 0..n {
-                let vv = T::load8(vp.add(j * hd + i));
+                let vv = a.v.load8(j, i, hd);
                 for (g, sg) in s.iter_mut().enumerate() {
                     let p = *scores.get_unchecked((g0 + g) * stride + j);
                     *sg = _mm256_fmadd_ps(_mm256_set1_ps(p), vv, *sg);

@@ -4,8 +4,8 @@ use std::time::Duration;
 
 use flotilla_proto::wire::{Message, ReqEvents, Submit};
 use flotilla_proto::{
-    DrainRefusal, EngineEvent, EngineFailure, EngineRequest, EngineStatus, FinishReason, KvUsage,
-    Rejection, Role, Sampled, SamplingParams, TenantId, Usage,
+    DrainRefusal, EngineEvent, EngineFailure, EngineRequest, EngineStatus, FinishReason, KvDtype,
+    KvUsage, Rejection, Role, Sampled, SamplingParams, TenantId, Usage,
 };
 
 use super::{RouterCore, RouterInput, RouterOptions, RouterOutput};
@@ -18,6 +18,8 @@ struct H {
     now: Duration,
     /// Nodes the transport cannot reach.
     unreachable: Vec<u32>,
+    /// KV dtype each node reports (node n at n - 1; f16 past the end).
+    dtypes: Vec<KvDtype>,
 }
 
 fn ms(v: u64) -> Duration {
@@ -50,6 +52,7 @@ impl H {
             core: RouterCore::new(opts, Duration::ZERO),
             now: Duration::ZERO,
             unreachable: Vec::new(),
+            dtypes: Vec::new(),
         };
         for n in 1..=roles.len() as u32 {
             h.heartbeat(n, 1);
@@ -71,11 +74,17 @@ impl H {
     }
 
     fn heartbeat(&mut self, node: u32, epoch: u64) -> Vec<RouterOutput> {
+        let dtype = self
+            .dtypes
+            .get(node as usize - 1)
+            .copied()
+            .unwrap_or_default();
         let status = EngineStatus {
             ready: true,
             kv: KvUsage {
                 total: 1000,
                 free: 1000,
+                dtype,
                 ..KvUsage::default()
             },
             ..EngineStatus::default()
@@ -693,4 +702,72 @@ fn a_stream_that_waits_too_long_for_a_node_fails_with_the_reason() {
         other => panic!("{other:?}"),
     }
     assert_eq!(h.core.in_flight(), 0);
+}
+
+/// KV moves only between nodes whose blocks have one element type: a
+/// decode node is paired with a prefill node of its dtype, one with no such
+/// prefill node computes the prompt itself, and a drained node's requests
+/// move with their KV only to a node of its dtype (else by recomputing).
+#[test]
+fn kv_moves_only_between_nodes_of_one_kv_dtype() {
+    // 1: prefill f16, 2: prefill int8, 3: decode int8, 4: decode f32.
+    let mut h = H::new(&[Role::Prefill, Role::Prefill, Role::Decode, Role::Decode]);
+    h.dtypes = vec![KvDtype::F16, KvDtype::Int8, KvDtype::Int8, KvDtype::F32];
+    for n in 1..=4 {
+        h.heartbeat(n, 1);
+    }
+    let mut pairs = Vec::new();
+    for id in 1..=4 {
+        let (to, s) = submit_msgs(&h.submit(id, 8, 5)).remove(0);
+        pairs.push((to, s.prefill));
+    }
+    assert!(
+        pairs.contains(&(3, Some(2))),
+        "int8 decode with the int8 prefill: {pairs:?}"
+    );
+    assert!(
+        pairs.contains(&(4, None)),
+        "the f32 decode node runs whole: {pairs:?}"
+    );
+    assert!(
+        !pairs.iter().any(|&(_, p)| p == Some(1)),
+        "the f16 prefill node pairs with no one: {pairs:?}"
+    );
+
+    // Workers: 1 int8 drains; 2 is f16, 3 int8: the move with KV goes to 3.
+    let mut h = H::new(&[Role::Worker, Role::Worker, Role::Worker]);
+    h.dtypes = vec![KvDtype::Int8, KvDtype::F16, KvDtype::Int8];
+    for n in 1..=3 {
+        h.heartbeat(n, 1);
+    }
+    h.unreachable = vec![2, 3];
+    assert_eq!(submits(&h.submit(1, 8, 5)), [(1, 1, 0)]);
+    h.unreachable.clear();
+    h.msg(1, 1, Message::Admitted { req: 1 });
+    h.msg(1, 1, batch(1, 0, 0, vec![tok(7)]));
+    let out = h.msg(1, 1, Message::Leaving);
+    let (to, moved) = submit_msgs(&out).remove(0);
+    assert_eq!(
+        (to, moved.kv_move, moved.prefill),
+        (3, true, Some(1)),
+        "{moved:?}"
+    );
+    // With only an f16 node left, the move recomputes.
+    let mut h = H::new(&[Role::Worker, Role::Worker]);
+    h.dtypes = vec![KvDtype::Int8, KvDtype::F16];
+    for n in 1..=2 {
+        h.heartbeat(n, 1);
+    }
+    h.unreachable = vec![2];
+    assert_eq!(submits(&h.submit(1, 8, 5)), [(1, 1, 0)]);
+    h.unreachable.clear();
+    h.msg(1, 1, Message::Admitted { req: 1 });
+    h.msg(1, 1, batch(1, 0, 0, vec![tok(7)]));
+    let out = h.msg(1, 1, Message::Leaving);
+    let (to, moved) = submit_msgs(&out).remove(0);
+    assert_eq!(
+        (to, moved.kv_move, moved.prefill),
+        (2, false, None),
+        "{moved:?}"
+    );
 }

@@ -29,7 +29,7 @@ fn ms(v: u64) -> Duration {
 fn layout() -> KvLayout {
     KvLayout {
         block_size: 4,
-        dtype: 0,
+        dtype: flotilla_proto::KvDtype::F16,
         layout: 1,
         layers: 2,
         bytes_per_block: 64,
@@ -276,7 +276,7 @@ fn header(req: u64, model: &str) -> KvTransferHeader {
         epoch: 1,
         model: model.into(),
         block_size: 4,
-        dtype: 0,
+        dtype: flotilla_proto::KvDtype::F16,
         layout: 1,
         layer_start: 0,
         layer_end: 2,
@@ -1106,4 +1106,40 @@ fn a_request_moved_here_with_its_kv_continues_after_the_token_its_client_has() {
         h.take_sent()[..],
         [(ROUTER, Message::Admitted { req: 5 })]
     ));
+}
+
+/// A decode node refuses a transfer whose KV dtype (or any other part of
+/// the block layout) is not its own, saying both, and takes one that is.
+#[test]
+fn a_transfer_of_another_kv_dtype_is_refused_with_both_named() {
+    let mut ours = layout();
+    ours.dtype = flotilla_proto::KvDtype::Int8;
+    let header = |dtype| KvTransferHeader {
+        router: 0,
+        req: 1,
+        epoch: 1,
+        model: "m".into(),
+        block_size: 4,
+        dtype,
+        layout: 1,
+        layer_start: 0,
+        layer_end: 2,
+        token_count: 6,
+        block_count: 2,
+        bytes: 2 * ours.bytes_per_block,
+        checksum: 0,
+        first: Sampled {
+            token: 1,
+            logprob: f32::NAN,
+            top: vec![],
+        },
+    };
+    let why = super::check_header(&header(flotilla_proto::KvDtype::F16), &ours, "m", 6)
+        .expect_err("an f16 transfer into an int8 cache");
+    assert!(
+        why.contains("dtype f16") && why.contains("dtype int8"),
+        "{why}"
+    );
+    super::check_header(&header(flotilla_proto::KvDtype::Int8), &ours, "m", 6)
+        .expect("an int8 transfer into an int8 cache");
 }

@@ -1,0 +1,730 @@
+//! The CPU backend's paged KV cache: storage in each [`KvDtype`], writing a
+//! token's K and V into its slot, and attention of one token's query heads
+//! over a sequence's blocks.
+//!
+//! Storage is block-major, so that one block's bytes (every layer, K and V)
+//! are contiguous for export, import and copy: runs of
+//! `[block][layer][k|v][kv_head]`, each run `block_size` rows of `head_dim`
+//! values. An int8 run holds its values (`[slot][head_dim]` bytes) and then
+//! their scales (`[slot][head_dim / 32]` f16), as [`KvDtype`] describes; the
+//! attention kernels read the bytes directly, eight values at a time, with
+//! each run's scales widened once per block (no dequantised copy).
+
+use std::ops::Range;
+
+use half::f16;
+
+use crate::arch::ModelConfig;
+use crate::executor::{ExecError, KvDtype};
+use crate::kernels::Resolved;
+
+#[cfg(target_arch = "x86_64")]
+use crate::kernels::avx2;
+
+/// Values that share one int8 scale.
+const G: usize = KvDtype::INT8_GROUP;
+
+enum KvData {
+    F32(Vec<f32>),
+    F16(Vec<f16>),
+    Int8(Vec<i8>),
+}
+
+/// Where each (block, layer, K/V, head) run starts, in values.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct KvLayout {
+    pub block_size: usize,
+    pub n_kv: usize,
+    pub head_dim: usize,
+    /// Values in one block.
+    pub block_elems: usize,
+}
+
+impl KvLayout {
+    /// Value offset of (block, layer, k=0/v=1, head, slot 0). For int8 the
+    /// run's first byte is at `offset + offset / 16` (each 32 values carry
+    /// two bytes of scale).
+    #[inline(always)]
+    pub fn offset(&self, block: usize, layer: usize, kv: usize, head: usize) -> usize {
+        block * self.block_elems
+            + ((layer * 2 + kv) * self.n_kv + head) * self.block_size * self.head_dim
+    }
+}
+
+/// Byte offset of the int8 run whose value offset is `off`, and of its scales.
+#[inline(always)]
+fn int8_run(off: usize, bs: usize, hd: usize) -> (usize, usize) {
+    let start = off + off / 16;
+    (start, start + bs * hd)
+}
+
+/// Paged KV storage.
+pub(crate) struct KvStore {
+    data: KvData,
+    pub block_size: usize,
+    pub num_blocks: usize,
+    pub layout: KvLayout,
+}
+
+impl KvStore {
+    /// Zeroed storage for `num_blocks` blocks, or why it cannot be held.
+    pub fn new(
+        cfg: &ModelConfig,
+        block_size: usize,
+        num_blocks: usize,
+        dtype: KvDtype,
+    ) -> Result<KvStore, String> {
+        dtype.check_head_dim(cfg.head_dim)?;
+        let block_elems = cfg.n_layer * 2 * cfg.n_head_kv * block_size * cfg.head_dim;
+        let bytes = dtype.bytes_per_block(cfg.n_layer, cfg.n_head_kv, cfg.head_dim, block_size);
+        let fits = block_elems
+            .checked_mul(num_blocks)
+            .and(bytes.checked_mul(num_blocks))
+            .is_some_and(|b| b <= isize::MAX as usize);
+        if !fits {
+            return Err(format!(
+                "a KV cache of {num_blocks} blocks of {block_size} tokens does not fit in memory"
+            ));
+        }
+        let data = match dtype {
+            KvDtype::F32 => KvData::F32(vec![0.0; block_elems * num_blocks]),
+            KvDtype::F16 => KvData::F16(vec![f16::ZERO; block_elems * num_blocks]),
+            KvDtype::Int8 => KvData::Int8(vec![0; bytes * num_blocks]),
+        };
+        Ok(KvStore {
+            data,
+            block_size,
+            num_blocks,
+            layout: KvLayout {
+                block_size,
+                n_kv: cfg.n_head_kv,
+                head_dim: cfg.head_dim,
+                block_elems,
+            },
+        })
+    }
+
+    pub fn dtype(&self) -> KvDtype {
+        match self.data {
+            KvData::F32(_) => KvDtype::F32,
+            KvData::F16(_) => KvDtype::F16,
+            KvData::Int8(_) => KvDtype::Int8,
+        }
+    }
+
+    pub fn bytes_per_block(&self) -> usize {
+        self.layout.block_elems / self.layout.head_dim
+            * self.dtype().row_bytes(self.layout.head_dim)
+    }
+
+    pub fn block_byte_range(&self, block: u32) -> Result<Range<usize>, ExecError> {
+        if block as usize >= self.num_blocks {
+            return Err(ExecError::BadBlock {
+                block,
+                num_blocks: self.num_blocks,
+            });
+        }
+        let b = self.bytes_per_block();
+        Ok(block as usize * b..(block as usize + 1) * b)
+    }
+
+    pub fn bytes(&self) -> &[u8] {
+        let (p, n) = match &self.data {
+            KvData::F32(v) => (v.as_ptr() as *const u8, v.len() * 4),
+            KvData::F16(v) => (v.as_ptr() as *const u8, v.len() * 2),
+            KvData::Int8(v) => (v.as_ptr() as *const u8, v.len()),
+        };
+        // SAFETY: every element type here is plain initialised bytes; u8
+        // has alignment 1.
+        unsafe { std::slice::from_raw_parts(p, n) }
+    }
+
+    pub fn bytes_mut(&mut self) -> &mut [u8] {
+        let (p, n) = match &mut self.data {
+            KvData::F32(v) => (v.as_mut_ptr() as *mut u8, v.len() * 4),
+            KvData::F16(v) => (v.as_mut_ptr() as *mut u8, v.len() * 2),
+            KvData::Int8(v) => (v.as_mut_ptr() as *mut u8, v.len()),
+        };
+        // SAFETY: as in `bytes`; any byte pattern is a valid f32, f16 or i8.
+        unsafe { std::slice::from_raw_parts_mut(p, n) }
+    }
+
+    /// A handle through which the threads of one region write distinct slots.
+    pub fn writer(&mut self) -> KvWriter {
+        let (ptr, len) = match &mut self.data {
+            KvData::F32(v) => (v.as_mut_ptr() as *mut u8, v.len() * 4),
+            KvData::F16(v) => (v.as_mut_ptr() as *mut u8, v.len() * 2),
+            KvData::Int8(v) => (v.as_mut_ptr() as *mut u8, v.len()),
+        };
+        KvWriter {
+            ptr,
+            len,
+            dtype: self.dtype(),
+            layout: self.layout,
+        }
+    }
+}
+
+/// Writes K or V rows into their slots from several threads at once.
+#[derive(Clone, Copy)]
+pub(crate) struct KvWriter {
+    ptr: *mut u8,
+    len: usize,
+    dtype: KvDtype,
+    layout: KvLayout,
+}
+// SAFETY: callers write disjoint slots (the batch's slots are distinct,
+// checked by validate_batch), and the store outlives the region.
+unsafe impl Send for KvWriter {}
+// SAFETY: as above.
+unsafe impl Sync for KvWriter {}
+
+impl KvWriter {
+    /// Stores `src` (`head_dim` values) as row `slot` of the run (block,
+    /// layer, kv, head).
+    ///
+    /// # Safety
+    /// No other thread may touch that row meanwhile, and the store this
+    /// writer came from must be alive and not otherwise borrowed.
+    #[allow(clippy::too_many_arguments)]
+    pub unsafe fn store(
+        &self,
+        kernel: Resolved,
+        block: usize,
+        layer: usize,
+        kv: usize,
+        head: usize,
+        slot: usize,
+        src: &[f32],
+    ) {
+        let (bs, hd) = (self.layout.block_size, self.layout.head_dim);
+        assert_eq!(src.len(), hd);
+        let off = self.layout.offset(block, layer, kv, head);
+        match self.dtype {
+            KvDtype::F32 => {
+                let r = (off + slot * hd) * 4;
+                assert!(r + hd * 4 <= self.len);
+                // SAFETY: in bounds (asserted), aligned (f32 storage), row
+                // exclusive by the caller's promise.
+                let dst =
+                    unsafe { std::slice::from_raw_parts_mut(self.ptr.add(r) as *mut f32, hd) };
+                dst.copy_from_slice(src);
+            }
+            KvDtype::F16 => {
+                let r = (off + slot * hd) * 2;
+                assert!(r + hd * 2 <= self.len);
+                // SAFETY: as above, f16 storage.
+                let dst =
+                    unsafe { std::slice::from_raw_parts_mut(self.ptr.add(r) as *mut f16, hd) };
+                store_f16(kernel, dst, src);
+            }
+            KvDtype::Int8 => {
+                let (vals, scales) = int8_run(off, bs, hd);
+                let (v0, s0) = (vals + slot * hd, scales + slot * (hd / G) * 2);
+                assert!(v0 + hd <= scales && s0 + hd / G * 2 <= self.len);
+                // SAFETY: in bounds (asserted); byte storage; the row's values
+                // and scales are exclusive by the caller's promise.
+                let (q, d) = unsafe {
+                    (
+                        std::slice::from_raw_parts_mut(self.ptr.add(v0) as *mut i8, hd),
+                        std::slice::from_raw_parts_mut(self.ptr.add(s0), hd / G * 2),
+                    )
+                };
+                quantize_int8_row(src, q, d);
+            }
+        }
+    }
+}
+
+fn store_f16(kernel: Resolved, dst: &mut [f16], src: &[f32]) {
+    #[cfg(target_arch = "x86_64")]
+    if kernel.avx2() {
+        // SAFETY: AVX2 resolved only when present; lengths equal, multiple of 8.
+        unsafe { avx2::store_kv(dst, src) };
+        return;
+    }
+    let _ = kernel;
+    for (d, &s) in dst.iter_mut().zip(src) {
+        *d = f16::from_f32(s);
+    }
+}
+
+/// Quantises one row to int8, 32 values per scale (`max|x| / 127`, stored
+/// as little-endian f16 bytes in `d`), as llama.cpp's `q8_0`. One scalar
+/// routine for every kernel variant, so that all store identical bytes.
+pub(crate) fn quantize_int8_row(src: &[f32], q: &mut [i8], d: &mut [u8]) {
+    for ((x, q), d) in src
+        .chunks_exact(G)
+        .zip(q.chunks_exact_mut(G))
+        .zip(d.chunks_exact_mut(2))
+    {
+        let amax = x.iter().fold(0f32, |a, v| a.max(v.abs()));
+        let scale = amax / 127.0;
+        let inv = if scale > 0.0 { 1.0 / scale } else { 0.0 };
+        d.copy_from_slice(&f16::from_f32(scale).to_bits().to_le_bytes());
+        for (q, &v) in q.iter_mut().zip(x) {
+            *q = (v * inv).round().clamp(-127.0, 127.0) as i8;
+        }
+    }
+}
+
+/// Floats of per-thread scratch that [`attend`] needs.
+pub(crate) fn attend_scratch(group: usize, head_dim: usize, block_size: usize) -> usize {
+    group * (head_dim + 2 + block_size.next_multiple_of(8)) + 2 * block_size * head_dim.div_ceil(G)
+}
+
+/// Rows `start..start + n` of one K or V run, as attention reads them.
+#[derive(Clone, Copy)]
+enum Rows<'a> {
+    F32(&'a [f32]),
+    F16(&'a [f16]),
+    /// Values and each row's scales widened to f32 (`hd / 32` per row).
+    Int8 {
+        q: &'a [i8],
+        d: &'a [f32],
+    },
+}
+
+impl Rows<'_> {
+    /// `q . row j` (scalar).
+    #[inline(always)]
+    fn dot(&self, j: usize, q: &[f32]) -> f32 {
+        let hd = q.len();
+        match *self {
+            Rows::F32(r) => q.iter().zip(&r[j * hd..]).map(|(a, b)| a * b).sum(),
+            Rows::F16(r) => q
+                .iter()
+                .zip(&r[j * hd..])
+                .map(|(a, b)| a * b.to_f32())
+                .sum(),
+            Rows::Int8 { q: v, d } => {
+                let ng = hd / G;
+                let mut s = 0f32;
+                for g in 0..ng {
+                    let part: f32 = q[g * G..(g + 1) * G]
+                        .iter()
+                        .zip(&v[j * hd + g * G..])
+                        .map(|(a, &b)| a * b as f32)
+                        .sum();
+                    s += part * d[j * ng + g];
+                }
+                s
+            }
+        }
+    }
+
+    /// `acc = acc * corr + p * row j` (scalar).
+    #[inline(always)]
+    fn axpy(&self, j: usize, acc: &mut [f32], corr: f32, p: f32) {
+        let hd = acc.len();
+        match *self {
+            Rows::F32(r) => {
+                for (a, b) in acc.iter_mut().zip(&r[j * hd..]) {
+                    *a = *a * corr + p * b;
+                }
+            }
+            Rows::F16(r) => {
+                for (a, b) in acc.iter_mut().zip(&r[j * hd..]) {
+                    *a = *a * corr + p * b.to_f32();
+                }
+            }
+            Rows::Int8 { q, d } => {
+                let ng = hd / G;
+                for g in 0..ng {
+                    let pd = p * d[j * ng + g];
+                    for (a, &b) in acc[g * G..(g + 1) * G].iter_mut().zip(&q[j * hd + g * G..]) {
+                        *a = *a * corr + pd * b as f32;
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// The K and V rows `start..start + n` of (block, layer, kv head); int8
+/// scales are widened into `dk` and `dv`.
+#[allow(clippy::too_many_arguments)]
+#[inline(always)]
+fn block_rows<'a>(
+    data: &'a KvData,
+    kv: &KvLayout,
+    block: usize,
+    layer: usize,
+    kh: usize,
+    start: usize,
+    n: usize,
+    dk: &'a mut [f32],
+    dv: &'a mut [f32],
+) -> (Rows<'a>, Rows<'a>) {
+    let hd = kv.head_dim;
+    let ko = kv.offset(block, layer, 0, kh);
+    let vo = kv.offset(block, layer, 1, kh);
+    match data {
+        KvData::F32(x) => (
+            Rows::F32(&x[ko + start * hd..ko + (start + n) * hd]),
+            Rows::F32(&x[vo + start * hd..vo + (start + n) * hd]),
+        ),
+        KvData::F16(x) => (
+            Rows::F16(&x[ko + start * hd..ko + (start + n) * hd]),
+            Rows::F16(&x[vo + start * hd..vo + (start + n) * hd]),
+        ),
+        KvData::Int8(x) => (
+            int8_rows(x, kv, ko, start, n, dk),
+            int8_rows(x, kv, vo, start, n, dv),
+        ),
+    }
+}
+
+/// Rows `start..start + n` of the int8 run at value offset `off`, its
+/// scales widened into `d`.
+#[inline(always)]
+fn int8_rows<'a>(
+    x: &'a [i8],
+    kv: &KvLayout,
+    off: usize,
+    start: usize,
+    n: usize,
+    d: &'a mut [f32],
+) -> Rows<'a> {
+    let hd = kv.head_dim;
+    let ng = hd / G;
+    let (vals, scales) = int8_run(off, kv.block_size, hd);
+    let sb = &x[scales + start * ng * 2..scales + (start + n) * ng * 2];
+    for (o, b) in d[..n * ng].iter_mut().zip(sb.chunks_exact(2)) {
+        *o = f16::from_bits(u16::from_le_bytes([b[0] as u8, b[1] as u8])).to_f32();
+    }
+    let d: &'a [f32] = d;
+    Rows::Int8 {
+        q: &x[vals + start * hd..vals + (start + n) * hd],
+        d: &d[..n * ng],
+    }
+}
+
+/// Attention of the `group` query heads that share KV head `kh`, for one
+/// token at `pos`, over positions `0..=pos` (or the last `window` of them)
+/// through the block table: online softmax, one KV block at a time, no
+/// score matrix. `buf` holds [`attend_scratch`] floats.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn attend(
+    kernel: Resolved,
+    store: &KvStore,
+    layer: usize,
+    kh: usize,
+    table: &[u32],
+    pos: usize,
+    window: Option<usize>,
+    q: &[f32],
+    out: &mut [f32],
+    group: usize,
+    scale: f32,
+    buf: &mut [f32],
+) {
+    let kv = &store.layout;
+    let hd = kv.head_dim;
+    let bs = kv.block_size;
+    let (acc, rest) = buf.split_at_mut(group * hd);
+    // One row of scores per query head (the SIMD path fills them together).
+    let (scores, rest) = rest.split_at_mut(group * bs.next_multiple_of(8));
+    let (mx, rest) = rest.split_at_mut(group);
+    let (sum, rest) = rest.split_at_mut(group);
+    let (dk, rest) = rest.split_at_mut(bs * hd.div_ceil(G));
+    let dv = &mut rest[..bs * hd.div_ceil(G)];
+    acc.fill(0.0);
+    mx.fill(f32::NEG_INFINITY);
+    sum.fill(0.0);
+    let n_blocks = pos / bs + 1;
+    // A sliding window reads only the blocks that hold its positions.
+    let first = window.map_or(0, |w| (pos + 1).saturating_sub(w));
+    for (bi, &block) in table[..n_blocks].iter().enumerate().skip(first / bs) {
+        let end = if bi + 1 == n_blocks { pos % bs + 1 } else { bs };
+        let start = if bi == first / bs { first % bs } else { 0 };
+        let n = end - start;
+        let (k, v) = block_rows(
+            &store.data,
+            kv,
+            block as usize,
+            layer,
+            kh,
+            start,
+            n,
+            &mut *dk,
+            &mut *dv,
+        );
+        #[cfg(target_arch = "x86_64")]
+        if kernel.avx2() {
+            // SAFETY: AVX2 resolved only when present; rows sized above.
+            unsafe {
+                match (k, v) {
+                    (Rows::F32(k), Rows::F32(v)) => avx2::attend_block(
+                        q,
+                        avx2::Plain(k),
+                        avx2::Plain(v),
+                        n,
+                        hd,
+                        scale,
+                        scores,
+                        mx,
+                        sum,
+                        acc,
+                    ),
+                    (Rows::F16(k), Rows::F16(v)) => avx2::attend_block(
+                        q,
+                        avx2::Plain(k),
+                        avx2::Plain(v),
+                        n,
+                        hd,
+                        scale,
+                        scores,
+                        mx,
+                        sum,
+                        acc,
+                    ),
+                    (Rows::Int8 { q: kq, d: kd }, Rows::Int8 { q: vq, d: vd }) => {
+                        avx2::attend_block(
+                            q,
+                            avx2::Int8Rows { q: kq, d: kd },
+                            avx2::Int8Rows { q: vq, d: vd },
+                            n,
+                            hd,
+                            scale,
+                            scores,
+                            mx,
+                            sum,
+                            acc,
+                        )
+                    }
+                    _ => unreachable!("K and V of one store share a dtype"),
+                }
+            }
+            continue;
+        }
+        let _ = kernel;
+        for g in 0..group {
+            let qg = &q[g * hd..(g + 1) * hd];
+            let mut bmax = f32::NEG_INFINITY;
+            for (j, sc) in scores[..n].iter_mut().enumerate() {
+                *sc = k.dot(j, qg) * scale;
+                bmax = bmax.max(*sc);
+            }
+            let m_new = mx[g].max(bmax);
+            let corr = (mx[g] - m_new).exp();
+            mx[g] = m_new;
+            let a = &mut acc[g * hd..(g + 1) * hd];
+            let mut l = sum[g] * corr;
+            for (j, &sc) in scores[..n].iter().enumerate() {
+                let p = (sc - m_new).exp();
+                l += p;
+                v.axpy(j, a, if j == 0 { corr } else { 1.0 }, p);
+            }
+            sum[g] = l;
+        }
+    }
+    for g in 0..group {
+        let inv = 1.0 / sum[g];
+        for (o, a) in out[g * hd..(g + 1) * hd]
+            .iter_mut()
+            .zip(&acc[g * hd..(g + 1) * hd])
+        {
+            *o = a * inv;
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    use crate::testutil::rnd;
+
+    fn store(
+        dtype: KvDtype,
+        bs: usize,
+        hd: usize,
+        n_kv: usize,
+        layers: usize,
+        blocks: usize,
+    ) -> KvStore {
+        let layout = KvLayout {
+            block_size: bs,
+            n_kv,
+            head_dim: hd,
+            block_elems: layers * 2 * n_kv * bs * hd,
+        };
+        let bytes = dtype.bytes_per_block(layers, n_kv, hd, bs) * blocks;
+        let data = match dtype {
+            KvDtype::F32 => KvData::F32(vec![0.0; layout.block_elems * blocks]),
+            KvDtype::F16 => KvData::F16(vec![f16::ZERO; layout.block_elems * blocks]),
+            KvDtype::Int8 => KvData::Int8(vec![0; bytes]),
+        };
+        KvStore {
+            data,
+            block_size: bs,
+            num_blocks: blocks,
+            layout,
+        }
+    }
+
+    /// Fills every row of `s` with random values through the writer and
+    /// returns them as f32 (what each row was meant to hold), by
+    /// `[block][layer][kv][head][slot]`.
+    fn fill(s: &mut KvStore, layers: usize, seed: &mut u64) -> Vec<Vec<f32>> {
+        let (bs, hd, n_kv) = (s.layout.block_size, s.layout.head_dim, s.layout.n_kv);
+        let w = s.writer();
+        let mut rows = Vec::new();
+        for b in 0..s.num_blocks {
+            for l in 0..layers {
+                for kv in 0..2 {
+                    for h in 0..n_kv {
+                        for slot in 0..bs {
+                            // One outlier channel per row, as real K caches have.
+                            let row: Vec<f32> = (0..hd)
+                                .map(|i| rnd(seed) * if i == 5 { 20.0 } else { 2.0 })
+                                .collect();
+                            // SAFETY: single thread; the store is alive.
+                            unsafe { w.store(Resolved::Scalar, b, l, kv, h, slot, &row) };
+                            rows.push(row);
+                        }
+                    }
+                }
+            }
+        }
+        rows
+    }
+
+    /// The value a row holds after storing, read back through `block_rows`.
+    fn stored(s: &KvStore, b: usize, l: usize, kv: usize, h: usize, slot: usize) -> Vec<f32> {
+        let hd = s.layout.head_dim;
+        let mut dk = vec![0f32; s.layout.block_size * hd / G + 1];
+        let mut dv = dk.clone();
+        let (k, v) = block_rows(&s.data, &s.layout, b, l, h, slot, 1, &mut dk, &mut dv);
+        let r = if kv == 0 { k } else { v };
+        (0..hd)
+            .map(|i| {
+                let mut unit = vec![0f32; hd];
+                unit[i] = 1.0;
+                r.dot(0, &unit)
+            })
+            .collect()
+    }
+
+    /// An int8 row reads back within half a step of its group's scale of
+    /// what was stored (and f16 within f16's rounding), and a block's bytes
+    /// are exactly the dtype's `bytes_per_block`.
+    #[test]
+    fn rows_read_back_within_their_rounding() {
+        let (bs, hd, n_kv, layers, blocks) = (16, 64, 2, 2, 3);
+        for dtype in KvDtype::ALL {
+            let mut s = store(dtype, bs, hd, n_kv, layers, blocks);
+            assert_eq!(
+                s.bytes().len(),
+                blocks * dtype.bytes_per_block(layers, n_kv, hd, bs)
+            );
+            assert_eq!(
+                s.bytes_per_block(),
+                dtype.bytes_per_block(layers, n_kv, hd, bs)
+            );
+            let rows = fill(&mut s, layers, &mut 11);
+            let mut i = 0;
+            for b in 0..blocks {
+                for l in 0..layers {
+                    for kv in 0..2 {
+                        for h in 0..n_kv {
+                            for slot in 0..bs {
+                                let want = &rows[i];
+                                i += 1;
+                                let got = stored(&s, b, l, kv, h, slot);
+                                for (g, (x, y)) in want.chunks(G).zip(got.chunks(G)).enumerate() {
+                                    let amax = x.iter().fold(0f32, |a, v| a.max(v.abs()));
+                                    for (a, c) in x.iter().zip(y) {
+                                        let tol = match dtype {
+                                            KvDtype::F32 => 0.0,
+                                            KvDtype::F16 => a.abs() * 1e-3,
+                                            // Half a step plus the f16 scale's rounding.
+                                            KvDtype::Int8 => amax / 127.0 * 0.5 + amax * 1e-3,
+                                        };
+                                        assert!(
+                                            (a - c).abs() <= tol,
+                                            "{dtype} group {g}: stored {a}, read {c}"
+                                        );
+                                    }
+                                }
+                            }
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    /// The SIMD attention (eight scores per hadd tree, vector exp) agrees
+    /// with the scalar one, and both with a naive softmax over exactly the
+    /// window's positions of the values the cache holds, for every dtype,
+    /// over shuffled blocks, partial last blocks, GQA groups and sliding
+    /// windows that start inside a block, at its edge and at 0.
+    #[test]
+    fn simd_attention_matches_scalar_and_naive() {
+        let (bs, hd, n_kv, layers, blocks) = (16, 64, 2, 2, 8);
+        let mut kernels = vec![Resolved::Scalar];
+        if crate::kernels::has_avx2() {
+            kernels.push(Resolved::Avx2);
+        }
+        for dtype in KvDtype::ALL {
+            let mut s = store(dtype, bs, hd, n_kv, layers, blocks);
+            let mut seed = 5;
+            fill(&mut s, layers, &mut seed);
+            let table = [5u32, 2, 7, 0];
+            // Groups of 1, 3, 5 and 8 query heads per KV head: the SIMD
+            // path takes them in chunks of up to four.
+            for group in [1usize, 3, 5, 8] {
+                let q: Vec<f32> = (0..group * hd).map(|_| rnd(&mut seed) * 3.0).collect();
+                let mut buf = vec![0f32; attend_scratch(group, hd, bs)];
+                for window in [None, Some(1), Some(5), Some(16), Some(20)] {
+                    for pos in [0usize, 7, 15, 16, 33, 63] {
+                        let outs: Vec<Vec<f32>> = kernels
+                            .iter()
+                            .map(|&kernel| {
+                                let mut o = vec![0f32; group * hd];
+                                attend(
+                                    kernel, &s, 1, 1, &table, pos, window, &q, &mut o, group,
+                                    0.125, &mut buf,
+                                );
+                                o
+                            })
+                            .collect();
+                        let lo = window.map_or(0, |w| (pos + 1).saturating_sub(w));
+                        let at = |p: usize, kv: usize| {
+                            stored(&s, table[p / bs] as usize, 1, kv, 1, p % bs)
+                        };
+                        for g in 0..group {
+                            let qg = &q[g * hd..(g + 1) * hd];
+                            let sc: Vec<f64> = (lo..=pos)
+                                .map(|p| {
+                                    let k = at(p, 0);
+                                    (0..hd).map(|i| (qg[i] * k[i]) as f64).sum::<f64>() * 0.125
+                                })
+                                .collect();
+                            let m = sc.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+                            let z: f64 = sc.iter().map(|v| (v - m).exp()).sum();
+                            let vs: Vec<Vec<f32>> = (lo..=pos).map(|p| at(p, 1)).collect();
+                            for i in 0..hd {
+                                let want: f64 = vs
+                                    .iter()
+                                    .zip(&sc)
+                                    .map(|(v, s)| (s - m).exp() / z * v[i] as f64)
+                                    .sum();
+                                for o in &outs {
+                                    let got = o[g * hd + i] as f64;
+                                    assert!(
+                                        (got - want).abs() < 1e-4 * (1.0 + want.abs()),
+                                        "{dtype} group {group} window {window:?} pos {pos}: \
+                                         {got} vs {want}"
+                                    );
+                                }
+                            }
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
