@@ -228,6 +228,7 @@ pub fn run(args: NodeArgs) -> Result<()> {
             let metrics = Arc::new(Metrics::new()?);
             let clock: Arc<dyn Clock> = Arc::new(MonotonicClock(Instant::now()));
             let blocks = r.sched.num_blocks;
+            let dtype = r.exec.kv_spec().dtype;
             let exec: Box<dyn Executor> = r.exec;
             let engine = spawn_engine(
                 exec,
@@ -243,7 +244,7 @@ pub fn run(args: NodeArgs) -> Result<()> {
             let (t, inbound) = QuicTransport::start(quic_options(&cl, id, faults), &certs)
                 .with_context(|| format!("starting QUIC on {}", node.listen))?;
             eprintln!(
-                "flotilla: node {} ({}) on QUIC {} epoch {}; KV cache {blocks} blocks",
+                "flotilla: node {} ({}) on QUIC {} epoch {}; KV cache {blocks} {dtype} blocks",
                 node.name,
                 node.role,
                 node.listen,

@@ -321,6 +321,7 @@ async fn serve(r: Resolved, addr: SocketAddr, max_body_bytes: usize) -> Result<(
     let clock: Arc<dyn Clock> = Arc::new(MonotonicClock(Instant::now()));
     let num_blocks = r.sched.num_blocks;
     let tiers: Vec<String> = r.sched.tiers.iter().map(|t| t.name.clone()).collect();
+    let kv_dtype = r.exec.kv_spec().dtype;
     let exec: Box<dyn Executor> = r.exec;
     let engine = spawn_engine(
         exec,
@@ -339,9 +340,10 @@ async fn serve(r: Resolved, addr: SocketAddr, max_body_bytes: usize) -> Result<(
         format!("API keys from {}", r.config_origin)
     };
     let what = format!(
-        "tiers: {}; KV cache {} blocks, {} MiB; {auth}",
+        "tiers: {}; KV cache {} {} blocks, {} MiB; {auth}",
         tiers.join(", "),
         num_blocks,
+        kv_dtype,
         r.kv_bytes >> 20,
     );
     let gw = GatewayConfig {
