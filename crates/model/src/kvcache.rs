@@ -7,8 +7,9 @@
 //! `[block][layer][k|v][kv_head]`, each run `block_size` rows of `head_dim`
 //! values. An int8 run holds its values (`[slot][head_dim]` bytes) and then
 //! their scales (`[slot][head_dim / 32]` f16), as [`KvDtype`] describes; the
-//! attention kernels read the bytes directly, eight values at a time, with
-//! each run's scales widened once per block (no dequantised copy).
+//! attention kernels read the bytes directly, eight values at a time
+//! (sixteen with AVX-512), with each run's scales widened once per block
+//! (no dequantised copy).
 
 use std::ops::Range;
 
@@ -451,6 +452,55 @@ pub(crate) fn attend(
             &mut *dv,
         );
         #[cfg(target_arch = "x86_64")]
+        if kernel == Resolved::Avx512Vnni && hd.is_multiple_of(16) {
+            use crate::kernels::avx512;
+            // SAFETY: AVX-512 resolved only when present; rows sized above.
+            unsafe {
+                match (k, v) {
+                    (Rows::F32(k), Rows::F32(v)) => avx512::attend_block(
+                        q,
+                        avx2::Plain(k),
+                        avx2::Plain(v),
+                        n,
+                        hd,
+                        scale,
+                        scores,
+                        mx,
+                        sum,
+                        acc,
+                    ),
+                    (Rows::F16(k), Rows::F16(v)) => avx512::attend_block(
+                        q,
+                        avx2::Plain(k),
+                        avx2::Plain(v),
+                        n,
+                        hd,
+                        scale,
+                        scores,
+                        mx,
+                        sum,
+                        acc,
+                    ),
+                    (Rows::Int8 { q: kq, d: kd }, Rows::Int8 { q: vq, d: vd }) => {
+                        avx512::attend_block(
+                            q,
+                            avx2::Int8Rows { q: kq, d: kd },
+                            avx2::Int8Rows { q: vq, d: vd },
+                            n,
+                            hd,
+                            scale,
+                            scores,
+                            mx,
+                            sum,
+                            acc,
+                        )
+                    }
+                    _ => unreachable!("K and V of one store share a dtype"),
+                }
+            }
+            continue;
+        }
+        #[cfg(target_arch = "x86_64")]
         if kernel.avx2() {
             // SAFETY: AVX2 resolved only when present; rows sized above.
             unsafe {
@@ -656,8 +706,8 @@ mod tests {
         }
     }
 
-    /// The SIMD attention (eight scores per hadd tree, vector exp) agrees
-    /// with the scalar one, and both with a naive softmax over exactly the
+    /// The SIMD attention (AVX2, and AVX-512 where the CPU has it: eight
+    /// scores per hadd tree, vector exp) agrees with the scalar one, and both with a naive softmax over exactly the
     /// window's positions of the values the cache holds, for every dtype,
     /// over shuffled blocks, partial last blocks, GQA groups and sliding
     /// windows that start inside a block, at its edge and at 0.
@@ -667,6 +717,9 @@ mod tests {
         let mut kernels = vec![Resolved::Scalar];
         if crate::kernels::has_avx2() {
             kernels.push(Resolved::Avx2);
+        }
+        if crate::kernels::has_avx512_vnni() {
+            kernels.push(Resolved::Avx512Vnni);
         }
         for dtype in KvDtype::ALL {
             let mut s = store(dtype, bs, hd, n_kv, layers, blocks);
@@ -724,6 +777,60 @@ mod tests {
                         }
                     }
                 }
+            }
+        }
+    }
+
+    /// Attention speed per kernel and dtype (not a test: `cargo test -p
+    /// flotilla-model --lib attention_speed -- --ignored --nocapture`): one
+    /// token's three query heads over 4,096 positions of one KV head,
+    /// SmolLM2's shape, on one thread.
+    #[test]
+    #[ignore]
+    fn attention_speed() {
+        let (bs, hd, n_kv, layers, blocks, group) = (16, 64, 1, 1, 256, 3);
+        let mut kernels = vec![Resolved::Scalar];
+        if crate::kernels::has_avx2() {
+            kernels.push(Resolved::Avx2);
+        }
+        if crate::kernels::has_avx512_vnni() {
+            kernels.push(Resolved::Avx512Vnni);
+        }
+        for dtype in KvDtype::ALL {
+            let mut s = store(dtype, bs, hd, n_kv, layers, blocks);
+            let mut seed = 3;
+            fill(&mut s, layers, &mut seed);
+            let table: Vec<u32> = (0..blocks as u32).collect();
+            let q: Vec<f32> = (0..group * hd).map(|_| rnd(&mut seed)).collect();
+            let mut buf = vec![0f32; attend_scratch(group, hd, bs)];
+            let mut o = vec![0f32; group * hd];
+            for &kernel in &kernels {
+                let reps = 200;
+                let mut best = f64::MAX;
+                for _ in 0..5 {
+                    let t = std::time::Instant::now();
+                    for _ in 0..reps {
+                        attend(
+                            kernel,
+                            &s,
+                            0,
+                            0,
+                            &table,
+                            blocks * bs - 1,
+                            None,
+                            &q,
+                            &mut o,
+                            group,
+                            0.125,
+                            &mut buf,
+                        );
+                    }
+                    best = best.min(t.elapsed().as_secs_f64() / reps as f64);
+                }
+                eprintln!(
+                    "{dtype} {kernel:?}: {:.1} us per token and KV head",
+                    best * 1e6
+                );
             }
         }
     }

@@ -507,7 +507,7 @@ pub unsafe fn gated_act(g: &[f32], u: &[f32], h: &mut [f32], gelu: bool) {
 /// Sums each of eight vectors into one lane of the result (lane i = sum of v[i]).
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn hsum8x8(v: &[__m256; 8]) -> __m256 {
+pub(crate) unsafe fn hsum8x8(v: &[__m256; 8]) -> __m256 {
     let a = _mm256_hadd_ps(v[0], v[1]);
     let b = _mm256_hadd_ps(v[2], v[3]);
     let c = _mm256_hadd_ps(v[4], v[5]);
@@ -572,6 +572,55 @@ pub unsafe fn attend_block<T: KvRows>(
     }
 }
 
+/// Online softmax of one block for heads `g0..g0 + G`: each head's row of
+/// `n` scores (rows `n.next_multiple_of(8)` apart) becomes probabilities
+/// against the new running max, its running sum is rescaled and grows;
+/// returns each head's rescale factor for its accumulator.
+///
+/// # Safety
+/// The CPU must have AVX2, FMA and F16C; `scores` holds `(g0 + G) * stride`
+/// floats, `mx` and `sum` `g0 + G`.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(crate) unsafe fn softmax_block<const G: usize>(
+    g0: usize,
+    n: usize,
+    scores: &mut [f32],
+    mx: &mut [f32],
+    sum: &mut [f32],
+) -> [f32; G] {
+    let stride = n.next_multiple_of(8);
+    // Probabilities overwrite the scores.
+    let mut corr = [0f32; G];
+    for (g, c) in corr.iter_mut().enumerate() {
+        let h = g0 + g;
+        let sc = &mut scores[h * stride..(h + 1) * stride];
+        let bmax = sc[..n].iter().fold(f32::NEG_INFINITY, |a, &b| a.max(b));
+        let m_new = mx[h].max(bmax);
+        *c = (mx[h] - m_new).exp();
+        mx[h] = m_new;
+        // Eight at a time; lanes past n are dropped from the sum.
+        let mut l = 0f32;
+        let mut j0 = 0;
+        while j0 < n {
+            // SAFETY: sc holds stride = n rounded up to 8.
+            unsafe {
+                let e = exp8(_mm256_sub_ps(
+                    _mm256_loadu_ps(sc.as_ptr().add(j0)),
+                    _mm256_set1_ps(m_new),
+                ));
+                _mm256_storeu_ps(sc.as_mut_ptr().add(j0), e);
+            }
+            for &p in &sc[j0..(j0 + 8).min(n)] {
+                l += p;
+            }
+            j0 += 8;
+        }
+        sum[h] = sum[h] * *c + l;
+    }
+    corr
+}
+
 /// The inputs of [`attend_heads`]: query heads `g0..g0 + G` over one block.
 struct Heads<'a, T> {
     q: &'a [f32],
@@ -625,34 +674,8 @@ unsafe fn attend_heads<T: KvRows, const G: usize>(
         }
         j0 += 8;
     }
-    // Online softmax per head; probabilities overwrite the scores.
-    let mut corr = [0f32; G];
-    for (g, c) in corr.iter_mut().enumerate() {
-        let h = g0 + g;
-        let sc = &mut scores[h * stride..(h + 1) * stride];
-        let bmax = sc[..n].iter().fold(f32::NEG_INFINITY, |a, &b| a.max(b));
-        let m_new = mx[h].max(bmax);
-        *c = (mx[h] - m_new).exp();
-        mx[h] = m_new;
-        // Eight at a time; lanes past n are dropped from the sum.
-        let mut l = 0f32;
-        let mut j0 = 0;
-        while j0 < n {
-            // SAFETY: sc holds stride = n rounded up to 8.
-            unsafe {
-                let e = exp8(_mm256_sub_ps(
-                    _mm256_loadu_ps(sc.as_ptr().add(j0)),
-                    _mm256_set1_ps(m_new),
-                ));
-                _mm256_storeu_ps(sc.as_mut_ptr().add(j0), e);
-            }
-            for &p in &sc[j0..(j0 + 8).min(n)] {
-                l += p;
-            }
-            j0 += 8;
-        }
-        sum[h] = sum[h] * *c + l;
-    }
+    // SAFETY: scores hold the G heads' rows of `stride` floats.
+    let corr = unsafe { softmax_block::<G>(g0, n, scores, mx, sum) };
     // V, each row loaded once for the G heads.
     let mut i = 0;
     // SAFETY: i + 8 <= hd on every access; j < n rows of v; heads < group.

@@ -184,3 +184,196 @@ macro_rules! grouped_rows {
 
 grouped_rows!(q4_1x8_rows, q4_1x8_tile, Q4_1X8_BYTES);
 grouped_rows!(q8_0x8_rows, q8_0x8_tile, Q8_0X8_BYTES);
+
+/// Rows of one K or V run as the AVX-512 attention reads them: sixteen
+/// values of a row at a time, widened to f32.
+pub trait KvRows16: Copy {
+    /// Rows held.
+    fn rows(&self, hd: usize) -> usize;
+    /// Values `i..i + 16` of row `j` (rows of `hd` values) as f32.
+    ///
+    /// # Safety
+    /// `j < self.rows(hd)`, `i + 16 <= hd`, and the CPU must have AVX-512 F.
+    unsafe fn load16(&self, j: usize, i: usize, hd: usize) -> __m512;
+}
+
+impl KvRows16 for super::avx2::Plain<'_, f32> {
+    #[inline(always)]
+    fn rows(&self, hd: usize) -> usize {
+        self.0.len() / hd
+    }
+    #[inline(always)]
+    unsafe fn load16(&self, j: usize, i: usize, hd: usize) -> __m512 {
+        // SAFETY: in bounds by the caller's promise.
+        unsafe { _mm512_loadu_ps(self.0.as_ptr().add(j * hd + i)) }
+    }
+}
+
+impl KvRows16 for super::avx2::Plain<'_, half::f16> {
+    #[inline(always)]
+    fn rows(&self, hd: usize) -> usize {
+        self.0.len() / hd
+    }
+    #[inline(always)]
+    unsafe fn load16(&self, j: usize, i: usize, hd: usize) -> __m512 {
+        // SAFETY: in bounds by the caller's promise; 32 bytes read.
+        unsafe {
+            _mm512_cvtph_ps(_mm256_loadu_si256(
+                self.0.as_ptr().add(j * hd + i) as *const __m256i
+            ))
+        }
+    }
+}
+
+impl KvRows16 for super::avx2::Int8Rows<'_> {
+    #[inline(always)]
+    fn rows(&self, hd: usize) -> usize {
+        (self.q.len() / hd).min(self.d.len() / (hd / 32))
+    }
+    #[inline(always)]
+    unsafe fn load16(&self, j: usize, i: usize, hd: usize) -> __m512 {
+        // SAFETY: in bounds by the caller's promise; 16 bytes read, all
+        // within one 32-value group (i is a multiple of 16).
+        unsafe {
+            let b = _mm_loadu_si128(self.q.as_ptr().add(j * hd + i) as *const __m128i);
+            let f = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b));
+            let d = *self.d.get_unchecked(j * (hd / 32) + i / 32);
+            _mm512_mul_ps(f, _mm512_set1_ps(d))
+        }
+    }
+}
+
+/// The sum of a 512-bit vector's halves, as eight lanes.
+#[inline(always)]
+unsafe fn fold256(v: __m512) -> __m256 {
+    // SAFETY: register operations only (AVX-512 F by the callers' features).
+    unsafe {
+        _mm256_add_ps(
+            _mm512_castps512_ps256(v),
+            _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)),
+        )
+    }
+}
+
+/// [`super::avx2::attend_block`] with 512-bit K and V reads: the same
+/// online softmax over one KV block for the `group` query heads that share
+/// a KV head (in chunks of up to four that share every K and V load), each
+/// load sixteen values wide. `hd` must be a multiple of 16.
+///
+/// # Safety
+/// The CPU must have AVX-512 F/BW/VL and AVX2/FMA/F16C
+/// (`kernels::has_avx512_vnni`); slices must have the lengths the shapes
+/// imply (asserted).
+#[allow(clippy::too_many_arguments)]
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl")]
+pub unsafe fn attend_block<T: KvRows16>(
+    q: &[f32],
+    k: T,
+    v: T,
+    n: usize,
+    hd: usize,
+    scale: f32,
+    scores: &mut [f32],
+    mx: &mut [f32],
+    sum: &mut [f32],
+    acc: &mut [f32],
+) {
+    let group = mx.len();
+    let stride = n.next_multiple_of(8);
+    assert!(q.len() >= group * hd && k.rows(hd) >= n && v.rows(hd) >= n && acc.len() >= group * hd);
+    assert!(hd.is_multiple_of(16) && scores.len() >= group * stride && sum.len() >= group);
+    let mut g0 = 0;
+    while g0 < group {
+        let h = (group - g0).min(4);
+        // SAFETY: shapes asserted above; heads g0..g0 + h exist.
+        unsafe {
+            match h {
+                1 => heads::<T, 1>(q, k, v, n, hd, scale, g0, scores, mx, sum, acc),
+                2 => heads::<T, 2>(q, k, v, n, hd, scale, g0, scores, mx, sum, acc),
+                3 => heads::<T, 3>(q, k, v, n, hd, scale, g0, scores, mx, sum, acc),
+                _ => heads::<T, 4>(q, k, v, n, hd, scale, g0, scores, mx, sum, acc),
+            }
+        }
+        g0 += h;
+    }
+}
+
+#[allow(clippy::too_many_arguments)]
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl")]
+unsafe fn heads<T: KvRows16, const G: usize>(
+    q: &[f32],
+    k: T,
+    v: T,
+    n: usize,
+    hd: usize,
+    scale: f32,
+    g0: usize,
+    scores: &mut [f32],
+    mx: &mut [f32],
+    sum: &mut [f32],
+    acc: &mut [f32],
+) {
+    let stride = n.next_multiple_of(8);
+    let qp = q.as_ptr();
+    // Scores, eight rows at a time, each K row loaded once for the G heads,
+    // folded to eight lanes and reduced with one hadd tree per head.
+    let mut j0 = 0;
+    while j0 < n {
+        let m = (n - j0).min(8);
+        let mut parts = [[_mm256_setzero_ps(); 8]; G];
+        for jj in 0..m {
+            let mut s = [_mm512_setzero_ps(); G];
+            let mut i = 0;
+            // SAFETY: i + 16 <= hd on every load, rows < n; heads g0 + g < group.
+            unsafe {
+                while i < hd {
+                    let kv = k.load16(j0 + jj, i, hd);
+                    for (g, sg) in s.iter_mut().enumerate() {
+                        *sg = _mm512_fmadd_ps(_mm512_loadu_ps(qp.add((g0 + g) * hd + i)), kv, *sg);
+                    }
+                    i += 16;
+                }
+            }
+            for (p, sg) in parts.iter_mut().zip(s) {
+                // SAFETY: register operations only.
+                p[jj] = unsafe { fold256(sg) };
+            }
+        }
+        for (g, p) in parts.iter().enumerate() {
+            // SAFETY: AVX2 present; scores hold group * stride floats.
+            unsafe {
+                let sc = _mm256_mul_ps(super::avx2::hsum8x8(p), _mm256_set1_ps(scale));
+                _mm256_storeu_ps(scores.as_mut_ptr().add((g0 + g) * stride + j0), sc);
+            }
+        }
+        j0 += 8;
+    }
+    // SAFETY: scores hold the G heads' rows of `stride` floats.
+    let corr = unsafe { super::avx2::softmax_block::<G>(g0, n, scores, mx, sum) };
+    // V, each row loaded once for the G heads.
+    let mut i = 0;
+    // SAFETY: i + 16 <= hd on every access; j < n rows of v; heads < group.
+    unsafe {
+        while i < hd {
+            let mut s = [_mm512_setzero_ps(); G];
+            for (g, sg) in s.iter_mut().enumerate() {
+                *sg = _mm512_mul_ps(
+                    _mm512_loadu_ps(acc.as_ptr().add((g0 + g) * hd + i)),
+                    _mm512_set1_ps(corr[g]),
+                );
+            }
+            for j in 0..n {
+                let vv = v.load16(j, i, hd);
+                for (g, sg) in s.iter_mut().enumerate() {
+                    let p = *scores.get_unchecked((g0 + g) * stride + j);
+                    *sg = _mm512_fmadd_ps(_mm512_set1_ps(p), vv, *sg);
+                }
+            }
+            for (g, sg) in s.iter().enumerate() {
+                _mm512_storeu_ps(acc.as_mut_ptr().add((g0 + g) * hd + i), *sg);
+            }
+            i += 16;
+        }
+    }
+}
