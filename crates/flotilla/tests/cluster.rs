@@ -372,6 +372,22 @@ fn python() -> Option<String> {
     Some("python3".into())
 }
 
+/// Runs tests/openai_client.py (the official client's calls) against the
+/// Router at `base`; it must end with ALL OK.
+fn run_openai_client(python: &str, base: &str) {
+    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/../../tests/openai_client.py");
+    let out = Command::new(python)
+        .arg(script)
+        .env("OPENAI_BASE_URL", format!("{base}/v1"))
+        .env("OPENAI_API_KEY", PAID_KEY)
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    eprintln!("{stdout}\n{}", String::from_utf8_lossy(&out.stderr));
+    assert!(out.status.success(), "openai client script failed");
+    assert!(stdout.contains("ALL OK"), "{stdout}");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn openai_client_through_router_and_two_workers() {
     let Some(python) = python() else { return };
@@ -380,17 +396,7 @@ async fn openai_client_through_router_and_two_workers() {
         node(r, "worker-1")["up"] == true && node(r, "worker-2")["up"] == true
     })
     .await;
-    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/../../tests/openai_client.py");
-    let out = Command::new(python)
-        .arg(script)
-        .env("OPENAI_BASE_URL", format!("{}/v1", c.base))
-        .env("OPENAI_API_KEY", PAID_KEY)
-        .output()
-        .unwrap();
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    eprintln!("{stdout}\n{}", String::from_utf8_lossy(&out.stderr));
-    assert!(out.status.success(), "openai client script failed");
-    assert!(stdout.contains("ALL OK"), "{stdout}");
+    run_openai_client(&python, &c.base);
     let r = ready(&c.base).await;
     let routed: u64 = ["worker-1", "worker-2"]
         .iter()
@@ -881,17 +887,7 @@ async fn an_int8_kv_cluster_migrates_its_blocks_and_serves_the_openai_client() {
         assert_eq!(blocks, 100_000_000 / 195_840, "{r}");
     }
     assert_eq!(r["kv_cache_dtype"], "int8", "{r}");
-    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/../../tests/openai_client.py");
-    let out = Command::new(python)
-        .arg(script)
-        .env("OPENAI_BASE_URL", format!("{}/v1", c.base))
-        .env("OPENAI_API_KEY", PAID_KEY)
-        .output()
-        .unwrap();
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    eprintln!("{stdout}\n{}", String::from_utf8_lossy(&out.stderr));
-    assert!(out.status.success(), "openai client script failed");
-    assert!(stdout.contains("ALL OK"), "{stdout}");
+    run_openai_client(&python, &c.base);
     disaggregated_equals_colocated_on(&mut c).await;
 }
 

@@ -451,13 +451,12 @@ pub(crate) fn attend(
             &mut *dk,
             &mut *dv,
         );
+        // One SIMD block kernel over the rows of whichever dtype the store holds.
         #[cfg(target_arch = "x86_64")]
-        if kernel == Resolved::Avx512Vnni && hd.is_multiple_of(16) {
-            use crate::kernels::avx512;
-            // SAFETY: AVX-512 resolved only when present; rows sized above.
-            unsafe {
+        macro_rules! simd_block {
+            ($f:path) => {
                 match (k, v) {
-                    (Rows::F32(k), Rows::F32(v)) => avx512::attend_block(
+                    (Rows::F32(k), Rows::F32(v)) => $f(
                         q,
                         avx2::Plain(k),
                         avx2::Plain(v),
@@ -469,7 +468,7 @@ pub(crate) fn attend(
                         sum,
                         acc,
                     ),
-                    (Rows::F16(k), Rows::F16(v)) => avx512::attend_block(
+                    (Rows::F16(k), Rows::F16(v)) => $f(
                         q,
                         avx2::Plain(k),
                         avx2::Plain(v),
@@ -481,71 +480,32 @@ pub(crate) fn attend(
                         sum,
                         acc,
                     ),
-                    (Rows::Int8 { q: kq, d: kd }, Rows::Int8 { q: vq, d: vd }) => {
-                        avx512::attend_block(
-                            q,
-                            avx2::Int8Rows { q: kq, d: kd },
-                            avx2::Int8Rows { q: vq, d: vd },
-                            n,
-                            hd,
-                            scale,
-                            scores,
-                            mx,
-                            sum,
-                            acc,
-                        )
-                    }
+                    (Rows::Int8 { q: kq, d: kd }, Rows::Int8 { q: vq, d: vd }) => $f(
+                        q,
+                        avx2::Int8Rows { q: kq, d: kd },
+                        avx2::Int8Rows { q: vq, d: vd },
+                        n,
+                        hd,
+                        scale,
+                        scores,
+                        mx,
+                        sum,
+                        acc,
+                    ),
                     _ => unreachable!("K and V of one store share a dtype"),
                 }
-            }
+            };
+        }
+        #[cfg(target_arch = "x86_64")]
+        if kernel == Resolved::Avx512Vnni && hd.is_multiple_of(16) {
+            // SAFETY: AVX-512 resolved only when present; rows sized above.
+            unsafe { simd_block!(crate::kernels::avx512::attend_block) };
             continue;
         }
         #[cfg(target_arch = "x86_64")]
         if kernel.avx2() {
             // SAFETY: AVX2 resolved only when present; rows sized above.
-            unsafe {
-                match (k, v) {
-                    (Rows::F32(k), Rows::F32(v)) => avx2::attend_block(
-                        q,
-                        avx2::Plain(k),
-                        avx2::Plain(v),
-                        n,
-                        hd,
-                        scale,
-                        scores,
-                        mx,
-                        sum,
-                        acc,
-                    ),
-                    (Rows::F16(k), Rows::F16(v)) => avx2::attend_block(
-                        q,
-                        avx2::Plain(k),
-                        avx2::Plain(v),
-                        n,
-                        hd,
-                        scale,
-                        scores,
-                        mx,
-                        sum,
-                        acc,
-                    ),
-                    (Rows::Int8 { q: kq, d: kd }, Rows::Int8 { q: vq, d: vd }) => {
-                        avx2::attend_block(
-                            q,
-                            avx2::Int8Rows { q: kq, d: kd },
-                            avx2::Int8Rows { q: vq, d: vd },
-                            n,
-                            hd,
-                            scale,
-                            scores,
-                            mx,
-                            sum,
-                            acc,
-                        )
-                    }
-                    _ => unreachable!("K and V of one store share a dtype"),
-                }
-            }
+            unsafe { simd_block!(avx2::attend_block) };
             continue;
         }
         let _ = kernel;
