@@ -231,7 +231,7 @@ impl Actor for SchedulerActor {
             myself.get_cell(),
         )
         .await?;
-        Ok(SchedState {
+        let mut st = SchedState {
             sched: a.sched,
             worker,
             clock: a.clock,
@@ -249,7 +249,10 @@ impl Actor for SchedulerActor {
             kv_dtype: a.kv_dtype,
             check: a.check,
             handled: 0,
-        })
+        };
+        // The pool's shape and occupancy show in /metrics from the start.
+        record_load(&mut st);
+        Ok(st)
     }
 
     async fn handle(

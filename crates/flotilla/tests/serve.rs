@@ -309,6 +309,12 @@ async fn dropped_streams_give_back_every_block() {
         metrics.contains("flotilla_requests_total{state=\"cancelled\",tier=\"paid\"}"),
         "cancellations not counted:\n{metrics}"
     );
+    // The pool's shape: its dtype (the default, f16) and blocks of
+    // SmolLM2-135M (30 layers x K and V x 3 heads x 16 rows x 64 x 2 bytes).
+    assert_eq!(after["kv_cache_dtype"], "f16", "{after}");
+    let shape =
+        format!("flotilla_kv_cache_blocks{{bytes_per_block=\"368640\",dtype=\"f16\"}} {total}");
+    assert!(metrics.contains(&shape), "no {shape}:\n{metrics}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
