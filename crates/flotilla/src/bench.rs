@@ -532,17 +532,19 @@ pub fn run_kv_quality(a: &KvQualityArgs) -> Result<()> {
             a.chunk
         );
     }
-    let mut probe = a.model.clone();
-    let dtype = match &a.model.kv_cache_dtype {
-        Some(d) => KvDtype::parse(d).map_err(anyhow::Error::msg)?,
+    // The flag names the dtype measured (int8 unless given); f16 is the reference.
+    let base = a
+        .model
+        .cpu_config(a.chunk.div_ceil(a.model.block_size), a.chunk.min(512))?;
+    let dtype = match a.model.kv_cache_dtype {
+        Some(_) => base.kv_dtype,
         None => KvDtype::Int8,
     };
-    probe.kv_cache_dtype = Some(dtype.name().into());
-    let blocks = a.chunk.div_ceil(a.model.block_size);
-    let run = |dtype: KvDtype| -> Result<(Vec<Vec<f32>>, usize)> {
-        let mut m = probe.clone();
-        m.kv_cache_dtype = Some(dtype.name().into());
-        let cfg = m.cpu_config(blocks, a.chunk.min(512))?;
+    let run = |kv_dtype: KvDtype| -> Result<(Vec<Vec<f32>>, usize)> {
+        let cfg = flotilla_model::CpuConfig {
+            kv_dtype,
+            ..base.clone()
+        };
         let mut e = CpuExecutor::from_gguf(&g, &cfg).context("loading the model")?;
         let mut rows = Vec::new();
         for c in &chunks {
@@ -561,18 +563,8 @@ pub fn run_kv_quality(a: &KvQualityArgs) -> Result<()> {
         t0.elapsed().as_secs_f64()
     );
     // Every position, and (as llama-perplexity scores) each chunk's second half.
-    let all = divergence(&reference, &measured, 0);
-    let second: (Vec<Vec<f32>>, Vec<Vec<f32>>) = reference
-        .chunks(a.chunk)
-        .zip(measured.chunks(a.chunk))
-        .flat_map(|(r, m)| {
-            r[a.chunk / 2..]
-                .iter()
-                .cloned()
-                .zip(m[a.chunk / 2..].iter().cloned())
-        })
-        .unzip();
-    let half = divergence(&second.0, &second.1, 0);
+    let all = divergence(&reference, &measured, |_| true);
+    let half = divergence(&reference, &measured, |i| i % a.chunk >= a.chunk / 2);
     let peer = if a.no_peer {
         None
     } else {

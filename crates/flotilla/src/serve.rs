@@ -211,7 +211,7 @@ pub fn resolve(args: &ServeArgs) -> Result<Resolved> {
     let kv_dtype = settings.kv_dtype;
     kv_dtype
         .check_head_dim(lc.head_dim)
-        .map_err(|why| anyhow::anyhow!("--kv-cache-dtype {kv_dtype}: {why}"))?;
+        .map_err(anyhow::Error::msg)?;
     let bytes_per_block =
         kv_dtype.bytes_per_block(lc.n_layer, lc.n_head_kv, lc.head_dim, block_size) as u64;
     let kv_bytes = match args.kv_cache_bytes.or(e.kv_cache_bytes) {

@@ -18,6 +18,7 @@ use half::f16;
 use crate::arch::ModelConfig;
 use crate::executor::{ExecError, KvDtype};
 use crate::kernels::Resolved;
+use crate::quant::quantize_q8_0_group;
 
 #[cfg(target_arch = "x86_64")]
 use crate::kernels::avx2;
@@ -152,16 +153,13 @@ impl KvStore {
 
     /// A handle through which the threads of one region write distinct slots.
     pub fn writer(&mut self) -> KvWriter {
-        let (ptr, len) = match &mut self.data {
-            KvData::F32(v) => (v.as_mut_ptr() as *mut u8, v.len() * 4),
-            KvData::F16(v) => (v.as_mut_ptr() as *mut u8, v.len() * 2),
-            KvData::Int8(v) => (v.as_mut_ptr() as *mut u8, v.len()),
-        };
+        let (dtype, layout) = (self.dtype(), self.layout);
+        let bytes = self.bytes_mut();
         KvWriter {
-            ptr,
-            len,
-            dtype: self.dtype(),
-            layout: self.layout,
+            ptr: bytes.as_mut_ptr(),
+            len: bytes.len(),
+            dtype,
+            layout,
         }
     }
 }
@@ -250,22 +248,17 @@ fn store_f16(kernel: Resolved, dst: &mut [f16], src: &[f32]) {
     }
 }
 
-/// Quantises one row to int8, 32 values per scale (`max|x| / 127`, stored
-/// as little-endian f16 bytes in `d`), as llama.cpp's `q8_0`. One scalar
-/// routine for every kernel variant, so that all store identical bytes.
+/// Quantises one row to int8, 32 values per scale (stored as little-endian
+/// f16 bytes in `d`), as Q8_0 weights are (`quant::quantize_q8_0_group`).
+/// One scalar routine for every kernel variant, so that all store
+/// identical bytes.
 pub(crate) fn quantize_int8_row(src: &[f32], q: &mut [i8], d: &mut [u8]) {
     for ((x, q), d) in src
         .chunks_exact(G)
         .zip(q.chunks_exact_mut(G))
         .zip(d.chunks_exact_mut(2))
     {
-        let amax = x.iter().fold(0f32, |a, v| a.max(v.abs()));
-        let scale = amax / 127.0;
-        let inv = if scale > 0.0 { 1.0 / scale } else { 0.0 };
-        d.copy_from_slice(&f16::from_f32(scale).to_bits().to_le_bytes());
-        for (q, &v) in q.iter_mut().zip(x) {
-            *q = (v * inv).round().clamp(-127.0, 127.0) as i8;
-        }
+        d.copy_from_slice(&quantize_q8_0_group(x, q).to_bits().to_le_bytes());
     }
 }
 

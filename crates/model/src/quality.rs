@@ -33,10 +33,12 @@ pub fn teacher_forced_logprobs(
         s = t;
     }
     let mut rows = Vec::with_capacity(n);
-    for chunk in (0..n).collect::<Vec<_>>().chunks(budget.min(64)) {
+    let per = budget.min(64);
+    for first in (0..n).step_by(per) {
+        let chunk = first..(first + per).min(n);
         let b: Vec<SeqInput<'_>> = chunk
-            .iter()
-            .map(|&i| SeqInput {
+            .clone()
+            .map(|i| SeqInput {
                 tokens: &tokens[i..=i],
                 start_pos: i,
                 block_table: &table,
@@ -78,14 +80,20 @@ pub struct Divergence {
     pub max_flip_gap: f64,
 }
 
-/// The divergence of `run` from `reference` over rows `from..` (both from
-/// [`teacher_forced_logprobs`] over the same tokens).
-pub fn divergence(reference: &[Vec<f32>], run: &[Vec<f32>], from: usize) -> Divergence {
+/// The divergence of `run` from `reference` over the rows whose index
+/// `keep` accepts (both from [`teacher_forced_logprobs`] over the same
+/// tokens).
+pub fn divergence(
+    reference: &[Vec<f32>],
+    run: &[Vec<f32>],
+    keep: impl Fn(usize) -> bool,
+) -> Divergence {
     assert_eq!(reference.len(), run.len());
     let mut kls = Vec::new();
     let mut agree = 0usize;
     let mut max_flip_gap = 0f64;
-    for (p, q) in reference.iter().zip(run).skip(from) {
+    let rows = reference.iter().zip(run).enumerate();
+    for (_, (p, q)) in rows.filter(|(i, _)| keep(*i)) {
         let kl: f64 = p
             .iter()
             .zip(q)
@@ -138,14 +146,14 @@ mod tests {
             log_softmax(&[1.0, 2.0, 3.0]),
             log_softmax(&[0.5, 0.1, -1.0]),
         ];
-        let d = divergence(&a, &a, 0);
+        let d = divergence(&a, &a, |_| true);
         assert_eq!((d.positions, d.top1_agreement), (2, 1.0));
         assert!(d.mean_kl.abs() < 1e-9 && d.max_flip_gap == 0.0, "{d:?}");
         let b = vec![log_softmax(&[1.0, 3.5, 3.0]), a[1].clone()];
-        let d = divergence(&a, &b, 0);
+        let d = divergence(&a, &b, |_| true);
         assert_eq!(d.top1_agreement, 0.5);
         assert!(d.mean_kl > 0.05 && d.max_kl > d.mean_kl, "{d:?}");
         assert!((d.max_flip_gap - 1.0).abs() < 1e-5, "{d:?}");
-        assert!(divergence(&a, &b, 1).mean_kl.abs() < 1e-9);
+        assert!(divergence(&a, &b, |i| i >= 1).mean_kl.abs() < 1e-9);
     }
 }

@@ -308,16 +308,27 @@ pub fn dequantize_q4_1_x8_row(data: &[u8], cols: usize, r: usize, out: &mut [f32
 /// Quantises f32 values (a whole number of 32-blocks) into Q8_0 blocks.
 pub fn quantize_q8_0(src: &[f32]) -> Vec<u8> {
     let mut out = Vec::with_capacity(src.len() / 32 * 34);
+    let mut q = [0i8; 32];
     for x in src.chunks_exact(32) {
-        let amax = x.iter().fold(0f32, |a, v| a.max(v.abs()));
-        let d = amax / 127.0;
-        let id = if d > 0.0 { 1.0 / d } else { 0.0 };
-        out.extend_from_slice(&f16::from_f32(d).to_bits().to_le_bytes());
-        for v in x {
-            out.push((v * id).round().clamp(-127.0, 127.0) as i8 as u8);
-        }
+        let d = quantize_q8_0_group(x, &mut q);
+        out.extend_from_slice(&d.to_bits().to_le_bytes());
+        out.extend(q.iter().map(|&v| v as u8));
     }
     out
+}
+
+/// One Q8_0 group: `x` (32 values) as `q = round(x / d)` in [-127, 127]
+/// with `d = max|x| / 127`, returned as the f16 it is stored as. The Q8_0
+/// weights and the int8 KV cache quantise with this one routine.
+pub fn quantize_q8_0_group(x: &[f32], q: &mut [i8]) -> f16 {
+    debug_assert!(x.len() == QK && q.len() == QK);
+    let amax = x.iter().fold(0f32, |a, v| a.max(v.abs()));
+    let d = amax / 127.0;
+    let id = if d > 0.0 { 1.0 / d } else { 0.0 };
+    for (q, &v) in q.iter_mut().zip(x) {
+        *q = (v * id).round().clamp(-127.0, 127.0) as i8;
+    }
+    f16::from_f32(d)
 }
 
 /// One block of 32 activations quantised to 8 bits, with its scale and the
