@@ -639,8 +639,9 @@ fn llama_kld(
         }
         Ok(text)
     };
-    run(&[], &peer_kv_args(flotilla_model::KvDtype::F16))?;
-    let text = run(&["--kl-divergence"], &peer_kv_args(dtype));
+    // The base logits file goes away whichever run fails.
+    let text = run(&[], &peer_kv_args(flotilla_model::KvDtype::F16))
+        .and_then(|_| run(&["--kl-divergence"], &peer_kv_args(dtype)));
     let _ = std::fs::remove_file(&base);
     let text = text?;
     let num = |key: &str| -> Option<f64> {
