@@ -1,35 +1,52 @@
 #!/usr/bin/env bash
-# Everything about the CUDA backend that needs a GPU, in one run of a few
-# minutes (sized for a short lease of one H200):
-#   1. the device and driver;
-#   2. crates/cuda's tests with a GPU required: every kernel through NVRTC
-#      for this device, paged attention against a plain reference, the
-#      default model's logits against the f64 reference, greedy tokens
-#      against the CPU backend (a skipped test fails here);
-#   3. the benchmark: prefill, decode at batch 1 and 64, beside the
-#      bandwidth bound of the weights;
-#   4. `flotilla serve --device cuda:0` answering one chat completion.
-# Needs Rust (cargo) and the NVIDIA driver; NVRTC and cuBLAS come from the
-# CUDA toolkit or from PyPI (installed here into target/gpu-venv if absent,
-# pinned to the driver's CUDA major version).
+# Everything about the CUDA backend that needs a GPU:
 #
-# The project's lent H200 machines (seen 2026-11) have driver 580 (CUDA 13)
-# with the PyPI packages nvidia-cublas and nvidia-cuda-nvrtc for CUDA 13 in
-# their Python, but no cargo and no network, and take 64 MiB of files per
-# call: there, build the test binaries here (`cargo test --release -p
-# flotilla-cuda --no-run`, the bench example), strip them, carry them with
-# a model small enough, and run them with the same variables as below.
-set -euo pipefail
+#   tests/cuda/gpu-check.sh [STAGE...]    stages: kernels model bench serve
+#                                         profile, or all (the default)
+#
+# kernels: the device and driver; every kernel through NVRTC for this
+#   device; crates/cuda's tests that need no model file: paged attention
+#   (f16 and int8 KV, past 256 positions) against a plain reference, the
+#   dequantisers against the CPU's, every architecture's tiny model against
+#   the f64 reference (norms, RoPE, GeGLU, sliding windows, sampling on the
+#   device).
+# model: the default model's logits against the f64 reference, greedy
+#   tokens against the CPU backend, a mixed batch, KV blocks moved between
+#   the backends.
+# bench: the bench example (prefill and decode at batch 1..256, achieved
+#   bandwidth, f16 and int8 KV) beside a device-to-device copy.
+# serve: `flotilla serve --device cuda:0` driven by tests/openai_client.py,
+#   then by `flotilla bench` at 32 and 256 streams (f16 and int8 KV).
+# profile: each kernel's GPU time over a few decode steps (ncu).
+# Every step runs even when an earlier one failed; the summary at the end
+# names each step's result and the exit status is 1 if any failed. A test
+# that skips (no device, no NVRTC) fails here (FLOTILLA_REQUIRE_GPU=1).
+#
+# Where cargo is at hand the binaries are built here. The lent H200 machines
+# (driver 580, CUDA 13, cuBLAS and NVRTC in their Python's nvidia packages)
+# have no cargo and no network and take 64 MiB of files per call:
+# tests/cuda/pack.sh packs the binaries, the model and the Python wheels into
+# .gpu-a and .gpu-b; carry .gpu-a with `gpu-check.sh kernels` and .gpu-b with
+# `gpu-check.sh model bench serve` on the same warm machine. Results go under $OUT
+# (default target/gpu-check), at most 8 files.
+set -uo pipefail
 cd "$(dirname "$0")/../.."
+stages=${*:-all}
 out=${OUT:-target/gpu-check}
 mkdir -p "$out"
-
-nvidia-smi --query-gpu=name,memory.total,driver_version,compute_cap --format=csv | tee "$out/device.csv"
+root=$PWD
+summary=()
+step() { # step NAME LOG COMMAND...: runs it (its output also to LOG unless -), records the result
+  local name=$1 log=$2
+  shift 2
+  echo "== $name"
+  if [ "$log" = - ]; then "$@"; else "$@" 2>&1 | tee "$log"; fi
+  if [ "${PIPESTATUS[0]}" = 0 ]; then summary+=("ok      $name"); else summary+=("FAILED  $name"); fi
+}
 
 # cudarc looks for libnvrtc/libcublas as .so, .so.12, .so.11...: a CUDA 13
 # install has .so.13 only, so link the unversioned names to what is there.
-cuda_major=$(nvidia-smi | sed -n 's/.*CUDA Version: *\([0-9]*\).*/\1/p' | head -1)
-libs=target/gpu-libs
+libs=/tmp/flotilla-gpu-libs
 mkdir -p "$libs"
 find_lib() { # the first of: the loader's cache, any Python's nvidia packages
   ldconfig -p | awk -v n="$1" '$1 ~ "^"n {print $NF; exit}'
@@ -40,9 +57,11 @@ for d in site.getsitepackages() + [site.getusersitepackages()]:
         print(f); sys.exit()
 PY
 }
+dirs=
 for lib in libnvrtc.so libcublas.so libcublasLt.so; do
   path=$(find_lib "$lib" | head -1)
-  if [ -z "$path" ]; then
+  if [ -z "$path" ] && command -v cargo >/dev/null; then
+    cuda_major=$(nvidia-smi | sed -n 's/.*CUDA Version: *\([0-9]*\).*/\1/p' | head -1)
     python3 -m venv target/gpu-venv
     target/gpu-venv/bin/pip install --quiet --disable-pip-version-check \
       "nvidia-cuda-nvrtc-cu${cuda_major}" "nvidia-cublas-cu${cuda_major}"
@@ -54,30 +73,160 @@ for d in site.getsitepackages():
 PY
 )
   fi
-  echo "$lib -> $path"
+  echo "$lib -> ${path:-not found}"
+  [ -n "$path" ] || continue
   ln -sf "$path" "$libs/$lib"
   ln -sf "$path" "$libs/$lib.12"
-  dirs="${dirs:-}:$(dirname "$path")" # NVRTC loads its builtins from there
+  dirs="$dirs:$(dirname "$path")" # NVRTC loads its builtins from there
 done
-export LD_LIBRARY_PATH="$PWD/$libs${dirs}:${LD_LIBRARY_PATH:-}"
-
+export LD_LIBRARY_PATH="$libs$dirs:${LD_LIBRARY_PATH:-}"
 export FLOTILLA_REQUIRE_GPU=1 FLOTILLA_REQUIRE_NVRTC=1
-cargo build --release -p flotilla -p flotilla-cuda --examples --tests 2>&1 | tail -3
-cargo test --release -p flotilla-cuda -- --nocapture 2>&1 | tee "$out/tests.log"
-cargo run --release -p flotilla-cuda --example bench 2>&1 | tee "$out/bench.md"
 
-port=18091
-./target/release/flotilla serve --device cuda:0 --port $port >"$out/serve.log" 2>&1 &
-pid=$!
-trap 'kill $pid 2>/dev/null || true' EXIT
-for _ in $(seq 1 120); do
-  curl -sf "http://127.0.0.1:$port/ready" >/dev/null && break
-  sleep 1
-done
-curl -sf "http://127.0.0.1:$port/v1/chat/completions" \
-  -H "Authorization: Bearer sk-flotilla-paid-example" -H 'Content-Type: application/json' \
-  -d '{"messages":[{"role":"user","content":"What is the capital of France?"}],"max_tokens":24,"temperature":0}' \
-  | tee "$out/completion.json"
-echo
-grep -q '"content"' "$out/completion.json"
-echo "gpu-check: all passed; figures in $out/bench.md"
+if [ -f .gpu-a/bins.tar.xz ]; then
+  bin=/tmp/flotilla-gpu-bins
+  if [ ! -x "$bin/gpu" ]; then
+    mkdir -p "$bin"
+    python3 -c 'import sys, tarfile; tarfile.open(sys.argv[1]).extractall(sys.argv[2])' \
+      .gpu-a/bins.tar.xz "$bin"
+  fi
+  built_at=$(cat .gpu-a/built-at)
+  if [ "$built_at" != "$root" ] && [ ! -e "$built_at" ]; then
+    mkdir -p "$(dirname "$built_at")" && ln -s "$root" "$built_at"
+  fi
+  export FLOTILLA_TINY_MODELS=$root/.gpu-a/tiny
+  cuda_tests() { # the three test binaries with the same filters
+    local rc=0
+    for t in cuda-unit nvrtc gpu; do timeout 300 "$bin/$t" "$@" || rc=1; done
+    return $rc
+  }
+else
+  cargo build --release -p flotilla -p flotilla-cuda --examples 2>&1 | tail -3
+  bin=target/release
+  cp target/release/examples/bench target/release/bench
+  cuda_tests() { timeout 900 cargo test --release -p flotilla-cuda -- "$@"; }
+fi
+# The one test that skips where a driver is present is the no-driver one.
+no_skips() { ! grep -n "SKIPPED" "$1" | grep -v "this machine has a CUDA driver"; }
+
+want() { [[ " $stages " == *" $1 "* ]] || [[ " $stages " == *" all "* ]]; }
+
+if want kernels; then
+  {
+    nvidia-smi --query-gpu=name,memory.total,driver_version,compute_cap,clocks.max.sm,clocks.max.mem --format=csv
+    nvidia-smi | head -4
+    uname -a
+    nproc
+    echo "LD_LIBRARY_PATH=$LD_LIBRARY_PATH"
+    ls -l "$libs"
+  } >"$out/device.txt" 2>&1
+  cat "$out/device.txt"
+  step "kernel tests" "$out/kernels.log" cuda_tests --nocapture --skip default_model \
+    --skip greedy_tokens --skip kv_blocks --skip mixed_batch --skip gemma3
+  step "no kernel test skipped" - no_skips "$out/kernels.log"
+fi
+
+# The default model, from the packed halves where they were carried.
+if [ -f .gpu-b/model.part2 ]; then
+  export FLOTILLA_CACHE_DIR=/tmp/flotilla-cache
+  model=$FLOTILLA_CACHE_DIR/models/$(cat .gpu-b/model.path)
+  if [ ! -f "$model" ]; then
+    mkdir -p "$(dirname "$model")"
+    cat .gpu-a/model.part1 .gpu-b/model.part2 >"$model.tmp"
+    echo "$(head -1 .gpu-b/model.sha256 | cut -d' ' -f1)  $model.tmp" | sha256sum -c --quiet &&
+      mv "$model.tmp" "$model" && cp .gpu-b/model.sha256 "$model.sha256"
+  fi
+fi
+
+if want model; then
+  step "model tests" "$out/model-tests.log" cuda_tests --nocapture default_model \
+    greedy_tokens_match_the_cpu kv_blocks mixed_batch --skip gemma3
+  step "no model test skipped" - no_skips "$out/model-tests.log"
+fi
+
+if want bench; then
+  bench() {
+    python3 - <<'PY' || true
+import torch
+if torch.cuda.is_available():
+    n = 1 << 30
+    a = torch.empty(n, dtype=torch.uint8, device="cuda"); b = torch.empty_like(a)
+    for _ in range(3): b.copy_(a)
+    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    s.record()
+    for _ in range(20): b.copy_(a)
+    e.record(); torch.cuda.synchronize()
+    ms = s.elapsed_time(e) / 20
+    print(f"device-to-device copy of 1 GiB (torch): {2 * n / ms / 1e6:.0f} GB/s read+written")
+PY
+    for dtype in f16 int8; do timeout 200 "$bin/bench" --kv-cache-dtype $dtype || return 1; done
+  }
+  step "bench example" "$out/bench.md" bench
+fi
+
+if want serve; then
+  if [ -d .gpu-a/whl ] && [ ! -d /tmp/flotilla-site ]; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+      --target /tmp/flotilla-site .gpu-a/whl/*.whl
+  fi
+  [ -d /tmp/flotilla-site ] && export PYTHONPATH=/tmp/flotilla-site
+  port=18091
+  device=${FLOTILLA_GPU_CHECK_DEVICE:-cuda:0} # cpu only to try this script without a GPU
+  pid=
+  trap '[ -n "$pid" ] && kill $pid 2>/dev/null' EXIT
+  serve() { # ARGS...: flotilla serve on $port, waits until ready
+    echo "### flotilla serve --device $device $*" >>"$out/serve.log"
+    "$bin/flotilla" serve --device "$device" --port $port "$@" >>"$out/serve.log" 2>&1 &
+    pid=$!
+    for _ in $(seq 1 180); do
+      curl -sf "http://127.0.0.1:$port/ready" >/dev/null && return 0
+      kill -0 $pid 2>/dev/null || return 1
+      sleep 1
+    done
+    return 1
+  }
+  stop() { kill $pid 2>/dev/null; wait $pid 2>/dev/null; pid=; }
+  # The repository's openai-client test, against the default config (API keys on).
+  step "serve --device $device (default config) ready" - serve
+  client() {
+    OPENAI_BASE_URL="http://127.0.0.1:$port/v1" OPENAI_API_KEY=sk-flotilla-paid-example \
+      python3 tests/openai_client.py && curl -sf "http://127.0.0.1:$port/ready"
+  }
+  step "openai client" "$out/client.log" client
+  stop
+  # Serving throughput at 32 and 256 streams, f16 and int8 KV.
+  : >"$out/load.md"
+  for dtype in f16 int8; do
+    step "serve --device $device --kv-cache-dtype $dtype ready" - serve --no-auth \
+      --kv-cache-dtype $dtype --max-num-seqs 256 --max-num-batched-tokens 4096
+    load() {
+      local rc=0
+      for c in 32 256; do
+        echo "### flotilla bench, $c streams, $dtype KV"
+        "$bin/flotilla" bench --url "http://127.0.0.1:$port" --concurrency $c \
+          --requests $((c * 4)) --max-tokens 128 --duration-s 90 --quiet \
+          --label "flotilla $device $dtype KV, $c streams" || rc=1
+      done
+      curl -s "http://127.0.0.1:$port/metrics" | grep -E '^flotilla_(kv_cache|requests_total)'
+      return $rc
+    }
+    step "flotilla bench 32 and 256 streams, $dtype KV" "$out/load.$dtype.md" load
+    cat "$out/load.$dtype.md" >>"$out/load.md" && rm "$out/load.$dtype.md"
+    stop
+  done
+fi
+
+# Where a decode step's time goes: each kernel's GPU time (Nsight Compute,
+# one metric, clocks as found) over a few decode steps at batch 1.
+if want profile; then
+  ncu=$(command -v ncu || ls /usr/local/cuda/bin/ncu 2>/dev/null || true)
+  profile() {
+    [ -n "$ncu" ] || { echo "no ncu"; return 1; }
+    timeout 150 "$ncu" --clock-control none --metrics gpu__time_duration.sum \
+      --print-summary per-kernel --launch-skip 3000 --launch-count 800 \
+      "$bin/bench" --batches 1
+  }
+  step "profile (ncu)" "$out/profile.txt" profile
+fi
+
+printf '%s\n' "${summary[@]}" | tee "$out/summary.txt"
+! grep -q FAILED "$out/summary.txt"

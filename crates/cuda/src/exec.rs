@@ -932,7 +932,7 @@ impl CudaExecutor {
             );
             l.arg(&lp).arg(&v).arg(&tk).arg(&tv);
             // SAFETY: see above.
-            unsafe { l.launch(rows(n_out, 256)) }.map_err(exec_err)?;
+            unsafe { l.launch(rows(n_out, 1024)) }.map_err(exec_err)?;
             let picks = &mut self.host.picks;
             picks.resize(n_out, 0);
             st.memcpy_dtoh(&self.b.picks.slice(..n_out), picks)
