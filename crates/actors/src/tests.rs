@@ -142,6 +142,8 @@ impl Rig {
                 prompt: vec![1, 2, 3],
                 max_tokens,
                 sampling: SamplingParams::greedy(),
+                logit_bias: Vec::new(),
+                generated: 0,
                 ignore_eos: true,
                 stop_token_ids: Vec::new(),
             })
@@ -336,6 +338,8 @@ fn prompt_of(max_tokens: u32) -> EngineRequest {
         prompt: (1..=10).collect(),
         max_tokens,
         sampling: SamplingParams::greedy(),
+        logit_bias: Vec::new(),
+        generated: 0,
         ignore_eos: true,
         stop_token_ids: Vec::new(),
     }

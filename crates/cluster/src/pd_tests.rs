@@ -428,6 +428,8 @@ fn req(prompt_len: u32, max_tokens: u32, tag: u32) -> EngineRequest {
         prompt: (0..prompt_len).map(|i| i * 3 + tag).collect(),
         max_tokens,
         sampling: SamplingParams::default(),
+        logit_bias: Vec::new(),
+        generated: 0,
         ignore_eos: false,
         stop_token_ids: vec![],
     }

@@ -145,6 +145,8 @@ fn req(first_token_ms: u32, prompt_len: usize, max_tokens: u32, tag: u64) -> Eng
             seed: tag,
             ..SamplingParams::default()
         },
+        logit_bias: Vec::new(),
+        generated: 0,
         ignore_eos: false,
         stop_token_ids: vec![],
     }

@@ -114,6 +114,7 @@ fn main() -> Res<()> {
                         start_pos: 0,
                         block_table: &tables[i],
                         output: greedy,
+                        bias: &[],
                     })
                     .collect();
                 e.step(&batch, out)?;
@@ -138,6 +139,7 @@ fn main() -> Res<()> {
                     start_pos: 0,
                     block_table: tb,
                     output: greedy,
+                    bias: &[],
                 })
                 .collect();
             e.step(&batch, &mut out)?;
@@ -155,6 +157,7 @@ fn main() -> Res<()> {
                         start_pos: t.len() - 1,
                         block_table: tb,
                         output: greedy,
+                        bias: &[],
                     })
                     .collect();
                 e.step(&batch, &mut out)?;

@@ -912,14 +912,17 @@ impl CudaExecutor {
         let vocab = self.cfg.vocab;
         let head = ptr(self.head.as_ref().unwrap_or(&self.tok_embd), st);
         self.gemm(head, hs16, ptr(&self.b.logits, st), vocab, d, n_out)?;
-        // A step whose rows all sample greedily without logprobs (the
-        // common decode step) picks on the device and reads back one token
-        // per row instead of a vocabulary of logits.
+        // A step whose rows all sample greedily without logprobs or a bias
+        // (the common decode step) picks on the device and reads back one
+        // token per row instead of a vocabulary of logits.
         let greedy = batch.iter().all(|q| match &q.output {
             OutputKind::None => true,
             OutputKind::Logits => false,
             OutputKind::Sample(p) => {
-                (p.temperature == 0.0 || p.top_k == 1) && !p.logprobs && p.top_logprobs == 0
+                (p.temperature == 0.0 || p.top_k == 1)
+                    && !p.logprobs
+                    && p.top_logprobs == 0
+                    && q.bias.is_empty()
             }
         });
         if greedy {
@@ -964,7 +967,7 @@ impl CudaExecutor {
                 let row = out.seqs[i].logits_row.expect("sampled rows have logits");
                 let logits = &out.logits[row * vocab..(row + 1) * vocab];
                 let position = (q.start_pos + q.tokens.len()) as u64;
-                out.seqs[i].sampled = Some(sample(logits, sp, position, &mut self.sampler));
+                out.seqs[i].sampled = Some(sample(logits, sp, q.bias, position, &mut self.sampler));
             }
         }
         Ok(())

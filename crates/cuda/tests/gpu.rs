@@ -329,6 +329,7 @@ fn logits_match_the_reference_on_the_default_model() {
                 start_pos: start,
                 block_table: &table,
                 output: OutputKind::Logits,
+                bias: &[],
             }];
             e.step(&batch, &mut out).unwrap();
             let g = out.logits_of(0).unwrap();
@@ -447,6 +448,7 @@ fn greedy_against_cpu(path: &std::path::Path, prompts: &[&[u32]], steps: usize, 
                     start_pos: start,
                     block_table: &tables[i],
                     output: greedy,
+                    bias: &[],
                 }
             })
             .collect();
@@ -592,6 +594,7 @@ fn every_architecture_matches_the_f64_reference_on_tiny_models() {
                         start_pos: start,
                         block_table: &table,
                         output: OutputKind::Logits,
+                        bias: &[],
                     }];
                     e.step(&batch, &mut out).unwrap();
                     let got = out.logits_of(0).unwrap();
@@ -621,6 +624,7 @@ fn every_architecture_matches_the_f64_reference_on_tiny_models() {
                 start_pos: start,
                 block_table: &table,
                 output: OutputKind::Sample(SamplingParams::greedy()),
+                bias: &[],
             }];
             e.step(&batch, &mut out).unwrap();
             let got = out.token_of(0).unwrap();
@@ -711,6 +715,7 @@ fn kv_blocks_move_between_backends(dtype: KvDtype) {
                 start_pos: 0,
                 block_table: t,
                 output: OutputKind::Logits,
+                bias: &[],
             }],
             &mut out,
         )
@@ -763,6 +768,7 @@ fn kv_blocks_move_between_backends(dtype: KvDtype) {
                 start_pos: prompt.len(),
                 block_table: t,
                 output: OutputKind::Logits,
+                bias: &[],
             }],
             &mut out,
         )
@@ -808,6 +814,7 @@ fn a_mixed_batch_gives_each_sequence_its_row_and_token() {
             start_pos: 0,
             block_table: &tables[i],
             output: outputs[i],
+            bias: &[],
         })
         .collect();
     g.step(&batch, &mut out).unwrap();
@@ -828,6 +835,7 @@ fn a_mixed_batch_gives_each_sequence_its_row_and_token() {
             start_pos: 0,
             block_table: &tables[i],
             output: greedy,
+            bias: &[],
         })
         .collect();
     g.step(&batch, &mut out).unwrap();

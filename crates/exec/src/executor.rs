@@ -169,6 +169,12 @@ pub struct SeqInput<'a> {
     pub block_table: &'a [u32],
     /// What to return.
     pub output: OutputKind,
+    /// Added to the sampled position's logits before sampling (and before
+    /// its log-probabilities): `(token, amount)` pairs, a token at most
+    /// once (the request's `logit_bias` with its penalties folded in; see
+    /// `flotilla_sched`). Empty for nearly every sequence; ignored unless
+    /// `output` samples.
+    pub bias: &'a [(u32, f32)],
 }
 
 /// One sequence's result of a step.

@@ -11,4 +11,4 @@ pub use executor::{
     BatchLimits, ExecError, Executor, KvDtype, KvSpec, ModelSpec, OutputKind, SeqInput, SeqOutput,
     StepOutputs, validate_batch,
 };
-pub use sampling::{MAX_TOP_LOGPROBS, Sampled, SamplingParams};
+pub use sampling::{MAX_LOGIT_BIAS, MAX_PENALTY, MAX_TOP_LOGPROBS, Sampled, SamplingParams};

@@ -19,6 +19,12 @@ pub struct SamplingParams {
     pub logprobs: bool,
     /// Also return this many most likely alternatives (0..=20).
     pub top_logprobs: u32,
+    /// Subtracted once from the logit of every token already generated
+    /// (OpenAI's `presence_penalty`, -2..=2; 0 is off).
+    pub presence_penalty: f32,
+    /// Subtracted from a token's logit once per time it was generated
+    /// (OpenAI's `frequency_penalty`, -2..=2; 0 is off).
+    pub frequency_penalty: f32,
 }
 
 impl Default for SamplingParams {
@@ -30,9 +36,17 @@ impl Default for SamplingParams {
             seed: 0,
             logprobs: false,
             top_logprobs: 0,
+            presence_penalty: 0.0,
+            frequency_penalty: 0.0,
         }
     }
 }
+
+/// Largest |presence_penalty| and |frequency_penalty| accepted, as OpenAI's
+/// API allows.
+pub const MAX_PENALTY: f32 = 2.0;
+/// Largest |logit_bias| value.
+pub const MAX_LOGIT_BIAS: f32 = 100.0;
 
 /// Largest `top_logprobs` accepted, as OpenAI's API allows.
 pub const MAX_TOP_LOGPROBS: u32 = 20;
@@ -53,6 +67,14 @@ impl SamplingParams {
         }
         if !(self.top_p > 0.0 && self.top_p <= 1.0) {
             return Err(format!("top_p must be in (0, 1], got {}", self.top_p));
+        }
+        for (name, v) in [
+            ("presence_penalty", self.presence_penalty),
+            ("frequency_penalty", self.frequency_penalty),
+        ] {
+            if !(v.is_finite() && v.abs() <= MAX_PENALTY) {
+                return Err(format!("{name} must be in [-2, 2], got {v}"));
+            }
         }
         if self.top_logprobs > MAX_TOP_LOGPROBS {
             return Err(format!(

@@ -125,6 +125,7 @@ pub fn run(a: &BenchArgs) -> Result<()> {
                 start_pos: 0,
                 block_table: &table,
                 output: OutputKind::Logits,
+                bias: &[],
             }],
             &mut out,
         )?;
@@ -141,6 +142,7 @@ pub fn run(a: &BenchArgs) -> Result<()> {
                 start_pos: i * budget,
                 block_table: &table,
                 output: OutputKind::None,
+                bias: &[],
             }],
             &mut out,
         )?;
@@ -156,6 +158,7 @@ pub fn run(a: &BenchArgs) -> Result<()> {
                     start_pos: pos,
                     block_table: &table,
                     output: greedy,
+                    bias: &[],
                 }],
                 &mut out,
             )?;
@@ -182,6 +185,7 @@ pub fn run(a: &BenchArgs) -> Result<()> {
                     start_pos: 0,
                     block_table: tables[i],
                     output: greedy,
+                    bias: &[],
                 }],
                 &mut out,
             )?;
@@ -195,6 +199,7 @@ pub fn run(a: &BenchArgs) -> Result<()> {
                     start_pos: a.batch_prompt + g,
                     block_table: tables[i],
                     output: greedy,
+                    bias: &[],
                 })
                 .collect();
             e.step(&batch, &mut out)?;

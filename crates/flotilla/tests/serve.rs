@@ -504,3 +504,54 @@ async fn bad_input_gets_4xx_and_the_server_keeps_serving() {
     let r = ready(&base).await;
     assert_eq!(r["ready"], true, "{r}");
 }
+
+/// `logit_bias` and `frequency_penalty` reach the sampler of the real
+/// engine: +100 on one token makes every greedy token that one; +30 with a
+/// frequency penalty of 2 makes it first, until its count has taken the
+/// bias away (each use costs 2), so the output no longer repeats it only.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn logit_bias_and_frequency_penalty_steer_the_real_engine() {
+    let srv = start(&config(4, 8), &["--max-model-len", "256"]);
+    let c = client();
+    let url = format!("{}/v1/completions", srv.base);
+    let tokens = |extra: Value| {
+        let c = c.clone();
+        let url = url.clone();
+        async move {
+            let mut body = json!({"prompt": [1, 504, 3458, 282, 4649, 314], "max_tokens": 24,
+                                  "temperature": 0, "ignore_eos": true, "logprobs": 0});
+            body.as_object_mut()
+                .unwrap()
+                .extend(extra.as_object().unwrap().clone());
+            let r = c
+                .post(&url)
+                .header("authorization", format!("Bearer {PAID_KEY}"))
+                .json(&body)
+                .send()
+                .await
+                .unwrap();
+            assert_eq!(r.status(), 200);
+            let v: Value = r.json().await.unwrap();
+            let t: Vec<String> = v["choices"][0]["logprobs"]["tokens"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|s| s.as_str().unwrap().to_owned())
+                .collect();
+            assert_eq!(t.len(), 24, "{v}");
+            t
+        }
+    };
+    let plain = tokens(json!({})).await;
+    let forced = tokens(json!({"logit_bias": {"28": 100}})).await;
+    assert!(forced.iter().all(|t| t == &forced[0]), "{forced:?}");
+    assert_ne!(plain, forced);
+    let biased = tokens(json!({"logit_bias": {"28": 30}})).await;
+    assert!(biased.iter().all(|t| t == &forced[0]), "{biased:?}");
+    let penalised = tokens(json!({"logit_bias": {"28": 30}, "frequency_penalty": 2})).await;
+    assert_eq!(penalised[0], forced[0], "{penalised:?}");
+    assert!(
+        penalised.iter().any(|t| t != &forced[0]),
+        "the penalty never took the bias away: {penalised:?}"
+    );
+}

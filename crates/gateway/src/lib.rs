@@ -222,6 +222,8 @@ impl Gateway {
             prompt: p.prompt,
             max_tokens: p.max_tokens,
             sampling: p.sampling,
+            logit_bias: p.logit_bias,
+            generated: 0,
             ignore_eos: p.ignore_eos,
             stop_token_ids: p.stop_token_ids,
         };

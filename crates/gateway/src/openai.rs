@@ -2,11 +2,13 @@
 //! engine.
 //!
 //! Bodies are read field by field from a `serde_json::Value` rather than
-//! through a derived struct, so every refusal names the field (`param`) and
-//! clients' many unknown fields are ignored. A field set to `null` counts as
-//! absent, as OpenAI's API treats it.
+//! through a derived struct, so every refusal names the field (`param`). A
+//! field this server does not honour is refused with a 400 naming it, never
+//! ignored: [`CHAT_FIELDS`] and [`COMPLETION_FIELDS`] list what each
+//! endpoint reads, and the README lists what each does here. A field set to
+//! `null` counts as absent, as OpenAI's API treats it.
 
-use flotilla_exec::MAX_TOP_LOGPROBS;
+use flotilla_exec::{MAX_LOGIT_BIAS, MAX_PENALTY, MAX_TOP_LOGPROBS};
 use flotilla_proto::SamplingParams;
 use flotilla_text::TextSide;
 use flotilla_text::chat::{ChatError, ChatMessage};
@@ -21,6 +23,55 @@ pub const STOP_STRINGS_MAX: usize = 16;
 pub const STOP_STRING_BYTES_MAX: usize = 1024;
 /// Most extra stop token ids a request may carry.
 pub const STOP_TOKEN_IDS_MAX: usize = 64;
+
+/// Most `logit_bias` entries a request may carry (each is added to a
+/// logit at every step).
+pub const LOGIT_BIAS_MAX: usize = 1024;
+
+/// Fields both endpoints read. Those that do not change what is generated
+/// (`user`, `metadata`, `store`, `service_tier`, `prompt_cache_key`,
+/// `safety_identifier`) are accepted and have no effect here.
+const COMMON_FIELDS: &[&str] = &[
+    "model",
+    "stream",
+    "stream_options",
+    "max_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "seed",
+    "stop",
+    "stop_token_ids",
+    "ignore_eos",
+    "n",
+    "presence_penalty",
+    "frequency_penalty",
+    "logit_bias",
+    "logprobs",
+    "user",
+    "metadata",
+    "store",
+    "service_tier",
+    "prompt_cache_key",
+    "safety_identifier",
+];
+/// Fields only `/v1/chat/completions` reads (`response_format` of type
+/// `text`, `tools` empty, `tool_choice` `none` or `auto` and
+/// `parallel_tool_calls` without tools, `modalities` `["text"]`: anything
+/// else in them is refused).
+pub const CHAT_FIELDS: &[&str] = &[
+    "messages",
+    "max_completion_tokens",
+    "top_logprobs",
+    "response_format",
+    "tools",
+    "tool_choice",
+    "parallel_tool_calls",
+    "modalities",
+];
+/// Fields only `/v1/completions` reads (`best_of` 1, `echo` false, `suffix`
+/// empty: anything else is refused).
+pub const COMPLETION_FIELDS: &[&str] = &["prompt", "best_of", "echo", "suffix"];
 
 /// Which API a body was sent to.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -52,8 +103,10 @@ pub struct Parsed {
     pub prompt: Vec<u32>,
     /// Completion tokens allowed (at least one; prompt + this fit the model).
     pub max_tokens: u32,
-    /// Sampling, log-probabilities included.
+    /// Sampling, log-probabilities and penalties included.
     pub sampling: SamplingParams,
+    /// `(token, bias)` from `logit_bias`, ids in the vocabulary, each once.
+    pub logit_bias: Vec<(u32, f32)>,
     /// Stop strings (non-empty each), handled by the gateway.
     pub stop: Vec<String>,
     /// Extra token ids that end the request (vLLM's `stop_token_ids`).
@@ -107,16 +160,20 @@ pub fn parse(endpoint: Endpoint, body: &[u8], ctx: &ParseCtx<'_>) -> Result<Pars
     if opt_bool(&obj, "echo")? == Some(true) {
         return Err(ApiError::unsupported("echo", "echo is not supported"));
     }
-    for p in ["presence_penalty", "frequency_penalty"] {
-        if let Some(x) = opt_f64(&obj, p)?
-            && x != 0.0
-        {
-            return Err(ApiError::unsupported(
+    unhonoured(endpoint, &obj)?;
+    let penalty = |p: &str| -> Result<f32, ApiError> {
+        let x = opt_f64(&obj, p)?.unwrap_or(0.0);
+        if x.is_nan() || x.abs() > f64::from(MAX_PENALTY) {
+            return Err(ApiError::invalid(
                 p,
-                format!("{p} is not supported (only 0)"),
+                format!("{p} must be in [-2, 2], got {x}"),
             ));
         }
-    }
+        Ok(x as f32)
+    };
+    let (presence_penalty, frequency_penalty) =
+        (penalty("presence_penalty")?, penalty("frequency_penalty")?);
+    let logit_bias = logit_bias(&obj, ctx.text)?;
 
     let (sampling_logprobs, top_logprobs) = logprobs(endpoint, &obj)?;
     let temperature = opt_f64(&obj, "temperature")?.unwrap_or(1.0);
@@ -158,6 +215,8 @@ pub fn parse(endpoint: Endpoint, body: &[u8], ctx: &ParseCtx<'_>) -> Result<Pars
         seed,
         logprobs: sampling_logprobs,
         top_logprobs,
+        presence_penalty,
+        frequency_penalty,
     };
 
     let stop = stop_strings(&obj)?;
@@ -209,12 +268,172 @@ pub fn parse(endpoint: Endpoint, body: &[u8], ctx: &ParseCtx<'_>) -> Result<Pars
         prompt,
         max_tokens,
         sampling,
+        logit_bias,
         stop,
         stop_token_ids,
         ignore_eos,
         stream,
         include_usage,
     })
+}
+
+/// Refuses every field `endpoint` does not read, and every value of a read
+/// field that asks for something this server does not do (structured
+/// output, tools, other modalities), naming the field.
+fn unhonoured(endpoint: Endpoint, obj: &Obj) -> Result<(), ApiError> {
+    let own = match endpoint {
+        Endpoint::Chat => CHAT_FIELDS,
+        Endpoint::Completions => COMPLETION_FIELDS,
+    };
+    if let Some(k) = obj
+        .keys()
+        .find(|k| !COMMON_FIELDS.contains(&k.as_str()) && !own.contains(&k.as_str()))
+    {
+        let elsewhere = match endpoint {
+            Endpoint::Chat if COMPLETION_FIELDS.contains(&k.as_str()) => {
+                " (it belongs to /v1/completions)"
+            }
+            Endpoint::Completions if CHAT_FIELDS.contains(&k.as_str()) => {
+                " (it belongs to /v1/chat/completions)"
+            }
+            _ => "",
+        };
+        return Err(ApiError::unsupported(
+            k,
+            format!("Unrecognized request argument supplied: {k}{elsewhere}"),
+        ));
+    }
+    if let Some(rf) = opt(obj, "response_format") {
+        match rf.get("type").and_then(Value::as_str) {
+            Some("text") => {}
+            Some(t @ ("json_object" | "json_schema")) => {
+                return Err(ApiError::unsupported(
+                    "response_format",
+                    format!(
+                        "response_format type '{t}' is not supported by this server: it \
+                         cannot constrain its output to JSON yet, so it refuses rather than \
+                         return text that may not parse"
+                    ),
+                ));
+            }
+            Some(t) => {
+                return Err(ApiError::invalid(
+                    "response_format",
+                    format!("unknown response_format type '{t}'"),
+                ));
+            }
+            None => {
+                return Err(type_error("response_format", "an object with a \"type\""));
+            }
+        }
+    }
+    let tools = match opt(obj, "tools") {
+        None => 0,
+        Some(Value::Array(t)) => t.len(),
+        Some(_) => return Err(type_error("tools", "a list of tools")),
+    };
+    if tools > 0 {
+        return Err(ApiError::unsupported(
+            "tools",
+            "tool calling is not supported by this server yet: send the request without tools",
+        ));
+    }
+    match opt(obj, "tool_choice") {
+        None => {}
+        Some(Value::String(c)) if c == "none" || c == "auto" => {}
+        Some(_) => {
+            return Err(ApiError::unsupported(
+                "tool_choice",
+                "tool_choice may only be 'none' or 'auto' here: tool calling is not supported yet",
+            ));
+        }
+    }
+    if let Some(p) = opt(obj, "parallel_tool_calls")
+        && !p.is_boolean()
+    {
+        return Err(type_error("parallel_tool_calls", "a boolean"));
+    }
+    match opt(obj, "modalities") {
+        None => {}
+        Some(Value::Array(m)) if m.iter().all(|v| v.as_str() == Some("text")) => {}
+        Some(_) => {
+            return Err(ApiError::unsupported(
+                "modalities",
+                "only the 'text' modality is supported",
+            ));
+        }
+    }
+    match opt(obj, "suffix") {
+        None => {}
+        Some(Value::String(s)) if s.is_empty() => {}
+        Some(_) => return Err(ApiError::unsupported("suffix", "suffix is not supported")),
+    }
+    if let Some(t) = opt(obj, "service_tier")
+        && !matches!(t.as_str(), Some("auto" | "default"))
+    {
+        return Err(ApiError::unsupported(
+            "service_tier",
+            "service_tier may only be 'auto' or 'default': a request's tier comes from its API key",
+        ));
+    }
+    Ok(())
+}
+
+/// `logit_bias`: an object of token ids (as strings, OpenAI's shape) to
+/// biases in [-100, 100], ids in the vocabulary.
+fn logit_bias(obj: &Obj, text: &TextSide) -> Result<Vec<(u32, f32)>, ApiError> {
+    let map = match opt(obj, "logit_bias") {
+        None => return Ok(Vec::new()),
+        Some(Value::Object(m)) => m,
+        Some(_) => return Err(type_error("logit_bias", "an object of token ids to biases")),
+    };
+    if map.len() > LOGIT_BIAS_MAX {
+        return Err(ApiError::invalid(
+            "logit_bias",
+            format!(
+                "logit_bias may hold at most {LOGIT_BIAS_MAX} tokens, got {}",
+                map.len()
+            ),
+        ));
+    }
+    let vocab = text.tokenizer.vocab_size() as u64;
+    let mut out = Vec::with_capacity(map.len());
+    for (k, v) in map {
+        let id = match k.parse::<u64>() {
+            Ok(id) if id < vocab => id as u32,
+            Ok(id) => {
+                return Err(ApiError::invalid(
+                    "logit_bias",
+                    format!("token id {id} is out of range: the vocabulary has {vocab} tokens"),
+                ));
+            }
+            Err(_) => {
+                return Err(ApiError::invalid(
+                    "logit_bias",
+                    format!("logit_bias keys must be token ids (integers as strings), got '{k}'"),
+                ));
+            }
+        };
+        let b = match v.as_f64() {
+            Some(b) if b.abs() <= f64::from(MAX_LOGIT_BIAS) => b as f32,
+            _ => {
+                return Err(ApiError::invalid(
+                    "logit_bias",
+                    format!("the bias of token {id} must be a number in [-100, 100], got {v}"),
+                ));
+            }
+        };
+        out.push((id, b));
+    }
+    // "7" and "07" name one token: refuse the repeat rather than add twice.
+    out.sort_by_key(|&(id, _)| id);
+    if let Some(w) = out.windows(2).find(|w| w[0].0 == w[1].0) {
+        return Err(ApiError::invalid(
+            "logit_bias",
+            format!("token id {} appears twice in logit_bias", w[0].0),
+        ));
+    }
+    Ok(out)
 }
 
 /// Checks that prompt plus completion fit, and picks the completion budget.

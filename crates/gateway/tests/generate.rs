@@ -71,7 +71,9 @@ async fn chat_streaming_sends_role_then_tokens_then_finish_usage_done() {
 async fn completions_streaming_and_not() {
     let s = serve(ClusterConfig::open()).await;
     let body = json!({"prompt": "Once upon a time", "max_tokens": 16, "temperature": 0.7,
-                      "top_p": 0.9, "top_k": 40, "seed": 7, "ignore_eos": true, "unknown_field": [1]});
+                      "top_p": 0.9, "top_k": 40, "seed": 7, "ignore_eos": true, "user": "u-1",
+                      "presence_penalty": 0.5, "frequency_penalty": -1.5,
+                      "logit_bias": {"17": 100, "3": -2.5}});
     let (st, v) = s.post("/v1/completions", &body).await;
     assert_eq!(st, 200, "{v}");
     assert_eq!(v["object"], "text_completion");
@@ -86,6 +88,14 @@ async fn completions_streaming_and_not() {
     assert_eq!(req.max_tokens, 16);
     assert_eq!((req.sampling.temperature, req.sampling.top_p), (0.7, 0.9));
     assert_eq!((req.sampling.top_k, req.sampling.seed), (40, 7));
+    assert_eq!(
+        (
+            req.sampling.presence_penalty,
+            req.sampling.frequency_penalty
+        ),
+        (0.5, -1.5)
+    );
+    assert_eq!(req.logit_bias, vec![(3, -2.5), (17, 100.0)]);
     assert!(req.ignore_eos);
 
     let body = json!({"prompt": [[1, 2, 3]], "max_tokens": 16, "stream": true});

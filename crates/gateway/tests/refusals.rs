@@ -78,10 +78,74 @@ async fn bad_input_never_reaches_the_engine() {
         ("top_p 0", chat_body(json!({"top_p": 0})), "top_p"),
         ("n=2", chat_body(json!({"n": 2})), "n"),
         (
-            "penalty",
-            chat_body(json!({"presence_penalty": 0.5})),
+            "penalty out of range",
+            chat_body(json!({"presence_penalty": 2.5})),
             "presence_penalty",
         ),
+        (
+            "frequency penalty out of range",
+            chat_body(json!({"frequency_penalty": -3})),
+            "frequency_penalty",
+        ),
+        ("unknown field", chat_body(json!({"min_p": 0.1})), "min_p"),
+        (
+            "a completions field on chat",
+            chat_body(json!({"best_of": 1})),
+            "best_of",
+        ),
+        (
+            "json_schema output",
+            chat_body(json!({"response_format": {"type": "json_schema",
+                "json_schema": {"name": "x", "schema": {"type": "object"}}}})),
+            "response_format",
+        ),
+        (
+            "json_object output",
+            chat_body(json!({"response_format": {"type": "json_object"}})),
+            "response_format",
+        ),
+        (
+            "tools",
+            chat_body(json!({"tools": [{"type": "function",
+                "function": {"name": "f", "parameters": {"type": "object"}}}]})),
+            "tools",
+        ),
+        (
+            "tool_choice required",
+            chat_body(json!({"tool_choice": "required"})),
+            "tool_choice",
+        ),
+        (
+            "legacy functions",
+            chat_body(json!({"functions": [{"name": "f"}]})),
+            "functions",
+        ),
+        (
+            "audio",
+            chat_body(json!({"modalities": ["text", "audio"]})),
+            "modalities",
+        ),
+        (
+            "logit_bias key not an id",
+            chat_body(json!({"logit_bias": {"hello": 1}})),
+            "logit_bias",
+        ),
+        (
+            "logit_bias id out of range",
+            chat_body(json!({"logit_bias": {"99999999": 1}})),
+            "logit_bias",
+        ),
+        (
+            "logit_bias value out of range",
+            chat_body(json!({"logit_bias": {"5": 101}})),
+            "logit_bias",
+        ),
+        (
+            "logit_bias the same id twice",
+            chat_body(json!({"logit_bias": {"5": 1, "05": 2}})),
+            "logit_bias",
+        ),
+        ("suffix", json!({"prompt": "a", "suffix": "b"}), "suffix"),
         (
             "unknown role",
             msgs(json!([{"role": "wizard", "content": "x"}])),

@@ -215,6 +215,7 @@ impl<E: Executor> Driver<E> {
                         } else {
                             OutputKind::None
                         },
+                        bias: &[],
                     }
                 })
                 .collect();

@@ -28,6 +28,7 @@ pub fn teacher_forced_logprobs(
             start_pos: s,
             block_table: &table,
             output: OutputKind::None,
+            bias: &[],
         }];
         e.step(&b, &mut out)?;
         s = t;
@@ -43,6 +44,7 @@ pub fn teacher_forced_logprobs(
                 start_pos: i,
                 block_table: &table,
                 output: OutputKind::Logits,
+                bias: &[],
             })
             .collect();
         e.step(&b, &mut out)?;

@@ -12,6 +12,8 @@ pub use flotilla_exec::{MAX_TOP_LOGPROBS, Sampled, SamplingParams};
 pub struct SamplerScratch {
     idx: Vec<u32>,
     prob: Vec<f32>,
+    /// A copy of the row with the sequence's bias added.
+    biased: Vec<f32>,
 }
 
 impl SamplerScratch {
@@ -20,6 +22,7 @@ impl SamplerScratch {
         SamplerScratch {
             idx: Vec::with_capacity(vocab),
             prob: Vec::with_capacity(vocab),
+            biased: Vec::with_capacity(vocab),
         }
     }
 }
@@ -40,8 +43,34 @@ pub fn uniform(seed: u64, position: u64) -> f64 {
     (z >> 11) as f64 / (1u64 << 53) as f64
 }
 
-/// Picks a token from `logits` for the token at `position` of the sequence.
+/// Picks a token from `logits` plus `bias` (`(token, amount)` pairs, the
+/// request's `logit_bias` and penalties; ids past the vocabulary are
+/// skipped) for the token at `position` of the sequence. Log-probabilities
+/// are those of the biased distribution, the one the token was drawn from.
 pub fn sample(
+    logits: &[f32],
+    p: &SamplingParams,
+    bias: &[(u32, f32)],
+    position: u64,
+    scratch: &mut SamplerScratch,
+) -> Sampled {
+    if bias.is_empty() {
+        return sample_row(logits, p, position, scratch);
+    }
+    let mut biased = std::mem::take(&mut scratch.biased);
+    biased.clear();
+    biased.extend_from_slice(logits);
+    for &(t, b) in bias {
+        if let Some(v) = biased.get_mut(t as usize) {
+            *v += b;
+        }
+    }
+    let got = sample_row(&biased, p, position, scratch);
+    scratch.biased = biased;
+    got
+}
+
+fn sample_row(
     logits: &[f32],
     p: &SamplingParams,
     position: u64,
@@ -181,7 +210,7 @@ mod tests {
     fn greedy_takes_the_argmax() {
         let l = logits();
         let mut s = SamplerScratch::default();
-        let got = sample(&l, &SamplingParams::greedy(), 0, &mut s);
+        let got = sample(&l, &SamplingParams::greedy(), &[], 0, &mut s);
         let best = l.iter().cloned().fold(f32::MIN, f32::max);
         assert_eq!(l[got.token as usize], best);
     }
@@ -196,14 +225,14 @@ mod tests {
         };
         let mut s = SamplerScratch::default();
         let a: Vec<u32> = (0..50)
-            .map(|pos| sample(&l, &p, pos, &mut s).token)
+            .map(|pos| sample(&l, &p, &[], pos, &mut s).token)
             .collect();
         let b: Vec<u32> = (0..50)
-            .map(|pos| sample(&l, &p, pos, &mut s).token)
+            .map(|pos| sample(&l, &p, &[], pos, &mut s).token)
             .collect();
         let q = SamplingParams { seed: 43, ..p };
         let c: Vec<u32> = (0..50)
-            .map(|pos| sample(&l, &q, pos, &mut s).token)
+            .map(|pos| sample(&l, &q, &[], pos, &mut s).token)
             .collect();
         assert_eq!(a, b);
         assert_ne!(a, c);
@@ -223,7 +252,7 @@ mod tests {
         let mut s = SamplerScratch::default();
         let mut seen = std::collections::HashSet::new();
         for pos in 0..300 {
-            let t = sample(&l, &SamplingParams { seed: pos, ..p }, pos, &mut s).token;
+            let t = sample(&l, &SamplingParams { seed: pos, ..p }, &[], pos, &mut s).token;
             assert!(allowed.contains(&t));
             seen.insert(t);
         }
@@ -244,7 +273,7 @@ mod tests {
         let mut s = SamplerScratch::default();
         let mut counts = [0u32; 2];
         for pos in 0..2000 {
-            let t = sample(&l, &SamplingParams { seed: 7, ..p }, pos, &mut s).token;
+            let t = sample(&l, &SamplingParams { seed: 7, ..p }, &[], pos, &mut s).token;
             assert!(t <= 1, "token {t} outside the 0.75 nucleus");
             counts[t as usize] += 1;
         }
@@ -264,7 +293,7 @@ mod tests {
         let mut s = SamplerScratch::default();
         let mut c = [0u32; 3];
         for pos in 0..4000 {
-            c[sample(&l, &p, pos, &mut s).token as usize] += 1;
+            c[sample(&l, &p, &[], pos, &mut s).token as usize] += 1;
         }
         let f2 = c[2] as f64 / 4000.0;
         assert!((f2 - 0.5).abs() < 0.04, "{c:?}");
@@ -279,7 +308,7 @@ mod tests {
             ..Default::default()
         };
         let mut s = SamplerScratch::default();
-        let got = sample(&l, &p, 0, &mut s);
+        let got = sample(&l, &p, &[], 0, &mut s);
         assert_eq!(got.top.len(), 5);
         assert_eq!(got.top[0].0, got.token);
         assert!((got.top[0].1 - got.logprob).abs() < 1e-6);
@@ -311,7 +340,7 @@ mod tests {
             vec![f32::INFINITY; 10],
             vec![f32::NEG_INFINITY; 10],
         ] {
-            let t = sample(&l, &p, 0, &mut s).token;
+            let t = sample(&l, &p, &[], 0, &mut s).token;
             assert!(t < 10);
         }
     }
@@ -351,5 +380,70 @@ mod tests {
             .is_err()
         );
         assert!(SamplingParams::default().validate().is_ok());
+        for bad in [2.5f32, -2.01, f32::NAN] {
+            let p = SamplingParams {
+                presence_penalty: bad,
+                ..Default::default()
+            };
+            assert!(p.validate().unwrap_err().contains("presence_penalty"));
+            let p = SamplingParams {
+                frequency_penalty: bad,
+                ..Default::default()
+            };
+            assert!(p.validate().unwrap_err().contains("frequency_penalty"));
+        }
+    }
+
+    /// A bias moves the draw and the log-probabilities with it, leaves the
+    /// caller's row as it was, and skips ids past the vocabulary.
+    #[test]
+    fn bias_is_added_before_sampling_and_logprobs() {
+        let l = logits();
+        let mut s = SamplerScratch::with_capacity(l.len());
+        let p = SamplingParams {
+            logprobs: true,
+            top_logprobs: 2,
+            ..SamplingParams::greedy()
+        };
+        let plain = sample(&l, &p, &[], 0, &mut s);
+        // +100 on a low token makes it the argmax; -100 on the argmax
+        // removes it; an id past the vocabulary changes nothing.
+        let low = l
+            .iter()
+            .enumerate()
+            .min_by(|a, b| a.1.total_cmp(b.1))
+            .unwrap()
+            .0 as u32;
+        let got = sample(&l, &p, &[(low, 100.0), (5_000_000, 1e9)], 0, &mut s);
+        assert_eq!(got.token, low);
+        assert_eq!(got.top[0].0, low);
+        assert!(got.logprob > -1e-3, "the forced token has all the mass");
+        let got = sample(&l, &p, &[(plain.token, -100.0)], 0, &mut s);
+        assert_ne!(got.token, plain.token);
+        assert!(got.top.iter().all(|&(t, _)| t != plain.token));
+        assert_eq!(
+            sample(&l, &p, &[], 0, &mut s),
+            plain,
+            "the row is unchanged"
+        );
+        // With temperature: a bias of -100 on all but two tokens leaves
+        // only those two to draw.
+        let keep = [3u32, 7];
+        let bias: Vec<(u32, f32)> = (0..l.len() as u32)
+            .filter(|t| !keep.contains(t))
+            .map(|t| (t, -100.0))
+            .collect();
+        let q = SamplingParams {
+            temperature: 1.0,
+            seed: 9,
+            ..Default::default()
+        };
+        let drawn: std::collections::HashSet<u32> = (0..200)
+            .map(|pos| sample(&l, &q, &bias, pos, &mut s).token)
+            .collect();
+        assert_eq!(
+            drawn,
+            keep.into_iter().collect::<std::collections::HashSet<u32>>()
+        );
     }
 }

@@ -169,6 +169,7 @@ fn every_architecture_matches_the_reference() {
                 start_pos: start,
                 block_table: &table,
                 output: OutputKind::Logits,
+                bias: &[],
             }];
             e.step(&batch, &mut out).unwrap();
             let next = argmax(out.logits_of(0).unwrap());
@@ -201,6 +202,7 @@ fn every_architecture_is_batch_invariant() {
                 start_pos: 0,
                 block_table: &[20, 21, 22],
                 output: OutputKind::None,
+                bias: &[],
             }],
             &mut out,
         )
@@ -212,18 +214,21 @@ fn every_architecture_is_batch_invariant() {
                 start_pos: 7,
                 block_table: &[20, 21, 22],
                 output: OutputKind::Logits,
+                bias: &[],
             },
             SeqInput {
                 tokens: long,
                 start_pos: 0,
                 block_table: &mine,
                 output: OutputKind::Logits,
+                bias: &[],
             },
             SeqInput {
                 tokens: &other[..5],
                 start_pos: 0,
                 block_table: &[30, 31],
                 output: OutputKind::Logits,
+                bias: &[],
             },
         ];
         e.step(&batch, &mut out).unwrap();

@@ -290,18 +290,21 @@ fn batch_invariant() {
             start_pos: b.len(),
             block_table: &[40, 41],
             output: OutputKind::Logits,
+            bias: &[],
         },
         SeqInput {
             tokens: a,
             start_pos: 0,
             block_table: &[60, 61],
             output: OutputKind::Logits,
+            bias: &[],
         },
         SeqInput {
             tokens: c,
             start_pos: 0,
             block_table: &[70, 71],
             output: OutputKind::Logits,
+            bias: &[],
         },
     ];
     e.step(&batch, &mut out).unwrap();

@@ -266,6 +266,7 @@ fn shuffled_blocks_give_identical_logits_with(kv_dtype: KvDtype) {
                 start_pos: s,
                 block_table: table,
                 output: OutputKind::None,
+                bias: &[],
             }];
             e.step(&b, &mut out).unwrap();
         }
@@ -274,6 +275,7 @@ fn shuffled_blocks_give_identical_logits_with(kv_dtype: KvDtype) {
             start_pos: k,
             block_table: table,
             output: OutputKind::Logits,
+            bias: &[],
         }];
         e.step(&b, &mut out).unwrap();
         out.logits_of(0).unwrap().to_vec()
@@ -296,6 +298,7 @@ fn bad_batches_are_refused_without_panic() {
                 start_pos: 0,
                 block_table: &t,
                 output: OutputKind::Logits,
+                bias: &[],
             }],
             "vocabulary",
         ),
@@ -305,6 +308,7 @@ fn bad_batches_are_refused_without_panic() {
                 start_pos: 40,
                 block_table: &t,
                 output: OutputKind::Logits,
+                bias: &[],
             }],
             "block table",
         ),
@@ -314,6 +318,7 @@ fn bad_batches_are_refused_without_panic() {
                 start_pos: 0,
                 block_table: &[500],
                 output: OutputKind::Logits,
+                bias: &[],
             }],
             "block 500",
         ),
@@ -323,6 +328,7 @@ fn bad_batches_are_refused_without_panic() {
                 start_pos: 9000,
                 block_table: &t,
                 output: OutputKind::Logits,
+                bias: &[],
             }],
             "context",
         ),
@@ -333,12 +339,14 @@ fn bad_batches_are_refused_without_panic() {
                     start_pos: 0,
                     block_table: &t,
                     output: OutputKind::None,
+                    bias: &[],
                 },
                 SeqInput {
                     tokens: &[3],
                     start_pos: 1,
                     block_table: &t,
                     output: OutputKind::None,
+                    bias: &[],
                 },
             ],
             "another position",
@@ -352,6 +360,7 @@ fn bad_batches_are_refused_without_panic() {
                     top_p: 0.0,
                     ..Default::default()
                 }),
+                bias: &[],
             }],
             "top_p",
         ),
@@ -369,6 +378,7 @@ fn bad_batches_are_refused_without_panic() {
         start_pos: 0,
         block_table: &t,
         output: OutputKind::Logits,
+        bias: &[],
     }];
     e.step(&ok, &mut out).unwrap();
     assert!(out.logits_of(0).unwrap().iter().all(|v| v.is_finite()));
@@ -397,6 +407,7 @@ fn block_export_import_round_trips_with(kv_dtype: KvDtype) {
             start_pos: 0,
             block_table: &src,
             output: OutputKind::None,
+            bias: &[],
         }],
         &mut out,
     )
@@ -419,6 +430,7 @@ fn block_export_import_round_trips_with(kv_dtype: KvDtype) {
                 start_pos: k,
                 block_table: table,
                 output: OutputKind::Logits,
+                bias: &[],
             }],
             out,
         )
@@ -557,6 +569,7 @@ fn int8_kv_greedy_continuations_equal_f16_except_at_near_ties() {
                 start_pos: 0,
                 block_table: &table,
                 output: OutputKind::Logits,
+                bias: &[],
             }],
             &mut out,
         )

@@ -60,12 +60,14 @@ fn steps_allocate_nothing_after_warm_up() {
                 start_pos: pos,
                 block_table: &ta,
                 output: OutputKind::Sample(sampled),
+                bias: &[],
             },
             SeqInput {
                 tokens: &[7],
                 start_pos: pos,
                 block_table: &tb,
                 output: OutputKind::Sample(SamplingParams::greedy()),
+                bias: &[],
             },
         ];
         e.step(&batch, out).unwrap();

@@ -29,7 +29,7 @@ use crate::{EngineEvent, EngineRequest, EngineStatus, KvDtype, Rejection, Role, 
 /// First four bytes of every frame.
 pub const MAGIC: [u8; 4] = *b"FLTL";
 /// The protocol this build speaks; a peer with another one is refused.
-pub const PROTOCOL_VERSION: u16 = 9;
+pub const PROTOCOL_VERSION: u16 = 10;
 /// Bytes of the envelope before the payload.
 pub const HEADER_LEN: usize = 32;
 /// Smallest frame cap a config may set (a load report must fit).
@@ -610,7 +610,11 @@ mod tests {
                 seed: 99,
                 logprobs: true,
                 top_logprobs: 2,
+                presence_penalty: 0.5,
+                frequency_penalty: -1.25,
             },
+            logit_bias: vec![(7, -100.0), (49151, 3.5)],
+            generated: 2,
             ignore_eos: true,
             stop_token_ids: vec![2],
         };

@@ -82,6 +82,8 @@ fn seeds(r: &mut Rng) -> Vec<Message> {
                     seed: 3,
                     ..SamplingParams::default()
                 },
+                logit_bias: Vec::new(),
+                generated: 0,
                 ignore_eos: false,
                 stop_token_ids: vec![2],
             },

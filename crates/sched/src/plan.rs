@@ -46,6 +46,11 @@ pub struct PlanItem {
     pub block_table: Vec<u32>,
     /// Sample the next token with these parameters: only when the chunk ends the known tokens.
     pub sample: Option<SamplingParams>,
+    /// Added to the logits before that sample: the request's `logit_bias`
+    /// with its presence and frequency penalties over the tokens generated
+    /// so far folded in, a token at most once, in token order. Empty when
+    /// not sampling or when the request has neither.
+    pub bias: Vec<(u32, f32)>,
 }
 
 impl PlanItem {
@@ -56,6 +61,7 @@ impl PlanItem {
             start_pos: self.start_pos,
             block_table: &self.block_table,
             output: self.sample.map_or(OutputKind::None, OutputKind::Sample),
+            bias: &self.bias,
         }
     }
 }
@@ -609,12 +615,18 @@ impl Scheduler {
                     "lease too small for chunk"
                 );
                 total += len;
+                let samples = start + len == seq.tokens.len();
                 PlanItem {
                     id,
                     tokens: seq.tokens[start..start + len].to_vec(),
                     start_pos: start,
                     block_table: lease.blocks().to_vec(),
-                    sample: (start + len == seq.tokens.len()).then_some(seq.sampling),
+                    sample: samples.then_some(seq.sampling),
+                    bias: if samples {
+                        seq.sample_bias()
+                    } else {
+                        Vec::new()
+                    },
                 }
             })
             .collect();

@@ -22,6 +22,11 @@ pub(crate) struct Seq {
     pub(crate) prompt_len: usize,
     pub(crate) max_tokens: usize,
     pub(crate) sampling: SamplingParams,
+    /// `(token, bias)` from the request, a token at most once.
+    pub(crate) logit_bias: Vec<(u32, f32)>,
+    /// Where the generated tokens begin in `tokens` (before `prompt_len`
+    /// for a moved request whose prompt carries what it generated before).
+    pub(crate) generated_from: usize,
     pub(crate) ignore_eos: bool,
     pub(crate) stop_token_ids: Vec<u32>,
     /// Present exactly while running.
@@ -50,6 +55,35 @@ pub(crate) struct Seq {
 }
 
 impl Seq {
+    /// What to add to the logits of its next sample: `logit_bias`, minus
+    /// `presence_penalty` for every token generated so far and
+    /// `frequency_penalty` times its count (OpenAI's definitions; the
+    /// prompt does not count, what a moved request generated before does).
+    /// In token order, so the sums are the same
+    /// wherever it is computed. Empty (no allocation) when there is none.
+    pub(crate) fn sample_bias(&self) -> Vec<(u32, f32)> {
+        let (presence, frequency) = (
+            self.sampling.presence_penalty,
+            self.sampling.frequency_penalty,
+        );
+        let penalties = presence != 0.0 || frequency != 0.0;
+        if self.logit_bias.is_empty() && !penalties {
+            return Vec::new();
+        }
+        let mut by_token: std::collections::BTreeMap<u32, f32> =
+            self.logit_bias.iter().copied().collect();
+        if penalties {
+            let mut counts = std::collections::BTreeMap::<u32, u32>::new();
+            for &t in &self.tokens[self.generated_from..] {
+                *counts.entry(t).or_default() += 1;
+            }
+            for (t, n) in counts {
+                *by_token.entry(t).or_default() -= presence + frequency * n as f32;
+            }
+        }
+        by_token.into_iter().collect()
+    }
+
     /// A waiting request with its deadline.
     pub(crate) fn new(
         id: RequestId,
@@ -69,6 +103,8 @@ impl Seq {
             prompt_len,
             max_tokens: req.max_tokens as usize,
             sampling: req.sampling,
+            logit_bias: req.logit_bias,
+            generated_from: prompt_len.saturating_sub(req.generated as usize),
             ignore_eos: req.ignore_eos,
             stop_token_ids: req.stop_token_ids,
             lease: None,
@@ -130,5 +166,55 @@ impl Seq {
             prompt_tokens: self.prompt_len as u32,
             output_tokens,
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use flotilla_proto::TenantId;
+
+    use super::*;
+
+    fn seq(prompt: Vec<u32>, generated: u32, bias: Vec<(u32, f32)>, pres: f32, freq: f32) -> Seq {
+        let req = EngineRequest {
+            tenant: TenantId(0),
+            prompt,
+            max_tokens: 8,
+            sampling: SamplingParams {
+                presence_penalty: pres,
+                frequency_penalty: freq,
+                ..SamplingParams::greedy()
+            },
+            logit_bias: bias,
+            generated,
+            ignore_eos: false,
+            stop_token_ids: Vec::new(),
+        };
+        Seq::new(RequestId(1), 0, req, Duration::ZERO, Duration::from_secs(1))
+    }
+
+    #[test]
+    fn sample_bias_folds_penalties_over_generated_tokens_into_logit_bias() {
+        // Neither: nothing to add.
+        assert!(
+            seq(vec![1, 2, 3], 0, vec![], 0.0, 0.0)
+                .sample_bias()
+                .is_empty()
+        );
+        // logit_bias alone, before anything is generated.
+        let mut s = seq(vec![5, 5, 9], 0, vec![(9, 3.0), (2, -1.0)], 0.5, 0.25);
+        assert_eq!(s.sample_bias(), vec![(2, -1.0), (9, 3.0)]);
+        // Generated 9, 4, 9: 9 pays presence once and frequency twice on top
+        // of its bias; 4 once each; prompt tokens (5) pay nothing.
+        s.tokens.extend([9, 4, 9]);
+        assert_eq!(
+            s.sample_bias(),
+            vec![(2, -1.0), (4, -0.75), (9, 3.0 - 0.5 - 0.5)]
+        );
+        // A moved request: the last two prompt tokens were generated before.
+        let mut m = seq(vec![5, 5, 7, 7], 2, vec![], 1.0, 0.0);
+        assert_eq!(m.sample_bias(), vec![(7, -1.0)]);
+        m.tokens.push(5);
+        assert_eq!(m.sample_bias(), vec![(5, -1.0), (7, -1.0)]);
     }
 }

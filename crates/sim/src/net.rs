@@ -628,6 +628,8 @@ mod tests {
                     prompt: vec![1, 2, 3],
                     max_tokens: 4,
                     sampling: SamplingParams::greedy(),
+                    logit_bias: Vec::new(),
+                    generated: 0,
                     ignore_eos: false,
                     stop_token_ids: vec![],
                 },

@@ -936,6 +936,8 @@ async fn one_request(w: &Arc<World>, tenant: usize, rng: &mut Rng) {
             seed: id,
             ..SamplingParams::greedy()
         },
+        logit_bias: Vec::new(),
+        generated: 0,
         ignore_eos: true,
         stop_token_ids: Vec::new(),
     };

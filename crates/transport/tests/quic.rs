@@ -112,6 +112,8 @@ fn submit(req: u64) -> Message {
             prompt: vec![1, 2, 3],
             max_tokens: 4,
             sampling: SamplingParams::greedy(),
+            logit_bias: Vec::new(),
+            generated: 0,
             ignore_eos: false,
             stop_token_ids: vec![],
         },

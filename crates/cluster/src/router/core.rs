@@ -942,6 +942,7 @@ impl RouterCore {
             // have). Its events count from 0 again.
             let sent = std::mem::take(&mut p.streamed);
             p.req.prompt.extend_from_slice(&sent);
+            p.req.generated += sent.len() as u32;
             p.req.max_tokens -= p.tokens_sent;
             p.base += p.tokens_sent;
             p.tokens_sent = 0;

@@ -29,6 +29,7 @@ pub fn step_logits(e: &mut CpuExecutor, ids: &[u32], start: usize, table: &[u32]
         start_pos: start,
         block_table: table,
         output: OutputKind::Logits,
+        bias: &[],
     }];
     e.step(&batch, &mut out).unwrap();
     out.logits_of(0).unwrap().to_vec()

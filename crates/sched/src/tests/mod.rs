@@ -100,6 +100,8 @@ impl Sim {
             prompt,
             max_tokens,
             sampling: SamplingParams::greedy(),
+            logit_bias: Vec::new(),
+            generated: 0,
             ignore_eos: false,
             stop_token_ids: Vec::new(),
         }

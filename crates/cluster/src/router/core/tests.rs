@@ -131,6 +131,8 @@ impl H {
                 .collect(),
             max_tokens,
             sampling: SamplingParams::greedy(),
+            logit_bias: Vec::new(),
+            generated: 0,
             ignore_eos: false,
             stop_token_ids: vec![],
         };

@@ -231,6 +231,8 @@ fn request(tenant: u32, prompt_len: u32) -> EngineRequest {
         prompt: (0..prompt_len).collect(),
         max_tokens: 8,
         sampling: SamplingParams::greedy(),
+        logit_bias: Vec::new(),
+        generated: 0,
         ignore_eos: false,
         stop_token_ids: vec![],
     }
