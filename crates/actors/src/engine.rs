@@ -122,6 +122,9 @@ pub struct EngineOptions {
     /// every [`FULL_CHECK_EVERY`]th; report the first broken one here. For
     /// tests and the simulator, `None` in service.
     pub check_invariants: Option<InvariantHook>,
+    /// Compiles requests' output constraints (structured output); `None`
+    /// refuses constrained requests.
+    pub constraints: Option<Arc<dyn flotilla_exec::ConstraintCompiler>>,
 }
 
 struct Live {
@@ -791,7 +794,11 @@ pub async fn spawn_engine(
         layers: u16::try_from(exec.model_spec().n_layer).unwrap_or(u16::MAX),
         bytes_per_block: spec.bytes_per_block as u64,
     };
-    let sched = Scheduler::new(opts.sched).map_err(|e| EngineStartError::Config(e.to_string()))?;
+    let mut sched =
+        Scheduler::new(opts.sched).map_err(|e| EngineStartError::Config(e.to_string()))?;
+    if let Some(c) = opts.constraints {
+        sched.set_constraints(c);
+    }
     let (sched, _) = Actor::spawn(
         None,
         SchedulerActor,

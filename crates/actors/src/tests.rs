@@ -144,6 +144,7 @@ impl Rig {
                 sampling: SamplingParams::greedy(),
                 logit_bias: Vec::new(),
                 generated: 0,
+                constraint: None,
                 ignore_eos: true,
                 stop_token_ids: Vec::new(),
             })
@@ -222,6 +223,7 @@ async fn rig_seats(queue_timeout: Duration, panic: bool, seats: usize) -> Rig {
             check_invariants: Some(Arc::new(move |what| {
                 seen.lock().unwrap().get_or_insert(what);
             })),
+            constraints: None,
         },
         Arc::new(TestClock(Instant::now())),
         Arc::new(Metrics::new().unwrap()),
@@ -340,6 +342,7 @@ fn prompt_of(max_tokens: u32) -> EngineRequest {
         sampling: SamplingParams::greedy(),
         logit_bias: Vec::new(),
         generated: 0,
+        constraint: None,
         ignore_eos: true,
         stop_token_ids: Vec::new(),
     }

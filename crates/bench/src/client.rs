@@ -149,6 +149,8 @@ pub(crate) struct Pool {
     pub backoff: bool,
     /// Fraction of requests dropped on purpose mid-stream.
     pub cancel_fraction: f64,
+    /// Every request's output constrained to this JSON Schema.
+    pub json_schema: Option<Value>,
     pub requests: usize,
     /// Next request index to send; may run past `requests` as workers stop.
     pub next: AtomicUsize,
@@ -207,6 +209,10 @@ impl Pool {
             body["messages"] = json!([{ "role": "user", "content": text }]);
         } else {
             body["prompt"] = Value::String(text);
+        }
+        if let Some(schema) = &self.json_schema {
+            body["response_format"] = json!({"type": "json_schema",
+                "json_schema": {"name": "bench", "schema": schema, "strict": true}});
         }
         body
     }

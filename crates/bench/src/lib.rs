@@ -89,6 +89,10 @@ pub struct BenchArgs {
     /// as clients that go away do (soak tests of cancellation).
     #[arg(long, default_value_t = 0.0)]
     pub cancel_fraction: f64,
+    /// Constrain every request to the JSON Schema in this file
+    /// (`response_format` `json_schema`): a structured-output load.
+    #[arg(long)]
+    pub json_schema: Option<PathBuf>,
     /// Send the next request at once after a 429/503 instead of waiting as
     /// Retry-After asks (at most 2 s), as OpenAI's clients do by default.
     #[arg(long)]
@@ -131,6 +135,9 @@ pub enum BenchError {
         #[source]
         source: serde_json::Error,
     },
+    /// The `--json-schema` file cannot be read or is not JSON.
+    #[error("--json-schema {0}")]
+    Schema(String),
 }
 
 impl BenchArgs {
@@ -204,6 +211,7 @@ impl BenchArgs {
             timeout_s: self.timeout_s,
             duration_s: self.duration_s,
             cancel_fraction: self.cancel_fraction,
+            json_schema: self.json_schema.as_ref().map(|p| p.display().to_string()),
         }
     }
 }
@@ -258,6 +266,16 @@ pub async fn run(args: &BenchArgs) -> Result<Report, BenchError> {
         flags: args.flags(),
         prompt_distribution: prompt::describe(args.prompt_len_min, args.prompt_len_max),
     };
+    let json_schema = match &args.json_schema {
+        None => None,
+        Some(p) => {
+            let text = std::fs::read_to_string(p)
+                .map_err(|e| BenchError::Schema(format!("{}: {e}", p.display())))?;
+            let v: serde_json::Value = serde_json::from_str(&text)
+                .map_err(|e| BenchError::Schema(format!("{}: not JSON: {e}", p.display())))?;
+            Some(v)
+        }
+    };
     let pool = Arc::new(client::Pool {
         client,
         endpoint_url: format!("{base}{}", args.endpoint()),
@@ -272,6 +290,7 @@ pub async fn run(args: &BenchArgs) -> Result<Report, BenchError> {
         words_max: args.prompt_len_max,
         timeout,
         cancel_fraction: args.cancel_fraction,
+        json_schema,
         backoff: !args.no_backoff,
         requests: args.requests,
         next: AtomicUsize::new(0),

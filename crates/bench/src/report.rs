@@ -30,6 +30,9 @@ pub struct Flags {
     /// Fraction of requests dropped on purpose (0 in reports that predate it).
     #[serde(default)]
     pub cancel_fraction: f64,
+    /// The JSON Schema file every request was constrained to, if any.
+    #[serde(default)]
+    pub json_schema: Option<String>,
 }
 
 /// Everything one run measured. Latencies are in milliseconds; a summary is
@@ -382,6 +385,7 @@ mod tests {
                 timeout_s: 5,
                 duration_s: None,
                 cancel_fraction: 0.0,
+                json_schema: None,
             },
             prompt_distribution: "uniform".into(),
         }

@@ -430,6 +430,7 @@ fn req(prompt_len: u32, max_tokens: u32, tag: u32) -> EngineRequest {
         sampling: SamplingParams::default(),
         logit_bias: Vec::new(),
         generated: 0,
+        constraint: None,
         ignore_eos: false,
         stop_token_ids: vec![],
     }

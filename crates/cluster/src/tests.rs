@@ -147,6 +147,7 @@ fn req(first_token_ms: u32, prompt_len: usize, max_tokens: u32, tag: u64) -> Eng
         },
         logit_bias: Vec::new(),
         generated: 0,
+        constraint: None,
         ignore_eos: false,
         stop_token_ids: vec![],
     }

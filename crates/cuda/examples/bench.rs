@@ -115,6 +115,7 @@ fn main() -> Res<()> {
                         block_table: &tables[i],
                         output: greedy,
                         bias: &[],
+                        allow: None,
                     })
                     .collect();
                 e.step(&batch, out)?;
@@ -140,6 +141,7 @@ fn main() -> Res<()> {
                     block_table: tb,
                     output: greedy,
                     bias: &[],
+                    allow: None,
                 })
                 .collect();
             e.step(&batch, &mut out)?;
@@ -158,6 +160,7 @@ fn main() -> Res<()> {
                         block_table: tb,
                         output: greedy,
                         bias: &[],
+                        allow: None,
                     })
                     .collect();
                 e.step(&batch, &mut out)?;

@@ -912,8 +912,8 @@ impl CudaExecutor {
         let vocab = self.cfg.vocab;
         let head = ptr(self.head.as_ref().unwrap_or(&self.tok_embd), st);
         self.gemm(head, hs16, ptr(&self.b.logits, st), vocab, d, n_out)?;
-        // A step whose rows all sample greedily without logprobs or a bias
-        // (the common decode step) picks on the device and reads back one
+        // A step whose rows all sample greedily without logprobs, a bias or
+        // a constraint (the common decode step) picks on the device and reads back one
         // token per row instead of a vocabulary of logits.
         let greedy = batch.iter().all(|q| match &q.output {
             OutputKind::None => true,
@@ -923,6 +923,7 @@ impl CudaExecutor {
                     && !p.logprobs
                     && p.top_logprobs == 0
                     && q.bias.is_empty()
+                    && q.allow.is_none()
             }
         });
         if greedy {
@@ -967,7 +968,14 @@ impl CudaExecutor {
                 let row = out.seqs[i].logits_row.expect("sampled rows have logits");
                 let logits = &out.logits[row * vocab..(row + 1) * vocab];
                 let position = (q.start_pos + q.tokens.len()) as u64;
-                out.seqs[i].sampled = Some(sample(logits, sp, q.bias, position, &mut self.sampler));
+                out.seqs[i].sampled = Some(sample(
+                    logits,
+                    sp,
+                    q.bias,
+                    q.allow,
+                    position,
+                    &mut self.sampler,
+                ));
             }
         }
         Ok(())

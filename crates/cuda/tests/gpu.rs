@@ -330,6 +330,7 @@ fn logits_match_the_reference_on_the_default_model() {
                 block_table: &table,
                 output: OutputKind::Logits,
                 bias: &[],
+                allow: None,
             }];
             e.step(&batch, &mut out).unwrap();
             let g = out.logits_of(0).unwrap();
@@ -449,6 +450,7 @@ fn greedy_against_cpu(path: &std::path::Path, prompts: &[&[u32]], steps: usize, 
                     block_table: &tables[i],
                     output: greedy,
                     bias: &[],
+                    allow: None,
                 }
             })
             .collect();
@@ -595,6 +597,7 @@ fn every_architecture_matches_the_f64_reference_on_tiny_models() {
                         block_table: &table,
                         output: OutputKind::Logits,
                         bias: &[],
+                        allow: None,
                     }];
                     e.step(&batch, &mut out).unwrap();
                     let got = out.logits_of(0).unwrap();
@@ -625,6 +628,7 @@ fn every_architecture_matches_the_f64_reference_on_tiny_models() {
                 block_table: &table,
                 output: OutputKind::Sample(SamplingParams::greedy()),
                 bias: &[],
+                allow: None,
             }];
             e.step(&batch, &mut out).unwrap();
             let got = out.token_of(0).unwrap();
@@ -716,6 +720,7 @@ fn kv_blocks_move_between_backends(dtype: KvDtype) {
                 block_table: t,
                 output: OutputKind::Logits,
                 bias: &[],
+                allow: None,
             }],
             &mut out,
         )
@@ -769,6 +774,7 @@ fn kv_blocks_move_between_backends(dtype: KvDtype) {
                 block_table: t,
                 output: OutputKind::Logits,
                 bias: &[],
+                allow: None,
             }],
             &mut out,
         )
@@ -815,6 +821,7 @@ fn a_mixed_batch_gives_each_sequence_its_row_and_token() {
             block_table: &tables[i],
             output: outputs[i],
             bias: &[],
+            allow: None,
         })
         .collect();
     g.step(&batch, &mut out).unwrap();
@@ -836,6 +843,7 @@ fn a_mixed_batch_gives_each_sequence_its_row_and_token() {
             block_table: &tables[i],
             output: greedy,
             bias: &[],
+            allow: None,
         })
         .collect();
     g.step(&batch, &mut out).unwrap();

@@ -175,6 +175,10 @@ pub struct SeqInput<'a> {
     /// `flotilla_sched`). Empty for nearly every sequence; ignored unless
     /// `output` samples.
     pub bias: &'a [(u32, f32)],
+    /// The tokens allowed at that sample, a bitmask (see
+    /// [`crate::TokenConstraint::allowed`]): a constrained request's grammar
+    /// state. `None` allows every token.
+    pub allow: Option<&'a [u32]>,
 }
 
 /// One sequence's result of a step.

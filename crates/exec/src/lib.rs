@@ -4,9 +4,11 @@
 //! that the messages (`proto`) and the pure scheduler (`sched`) build
 //! without tokenizers, templates, an HTTP client or archive readers.
 
+pub mod constraint;
 pub mod executor;
 pub mod sampling;
 
+pub use constraint::{Constraint, ConstraintCompiler, TokenConstraint};
 pub use executor::{
     BatchLimits, ExecError, Executor, KvDtype, KvSpec, ModelSpec, OutputKind, SeqInput, SeqOutput,
     StepOutputs, validate_batch,

@@ -126,6 +126,7 @@ pub fn run(a: &BenchArgs) -> Result<()> {
                 block_table: &table,
                 output: OutputKind::Logits,
                 bias: &[],
+                allow: None,
             }],
             &mut out,
         )?;
@@ -143,6 +144,7 @@ pub fn run(a: &BenchArgs) -> Result<()> {
                 block_table: &table,
                 output: OutputKind::None,
                 bias: &[],
+                allow: None,
             }],
             &mut out,
         )?;
@@ -159,6 +161,7 @@ pub fn run(a: &BenchArgs) -> Result<()> {
                     block_table: &table,
                     output: greedy,
                     bias: &[],
+                    allow: None,
                 }],
                 &mut out,
             )?;
@@ -186,6 +189,7 @@ pub fn run(a: &BenchArgs) -> Result<()> {
                     block_table: tables[i],
                     output: greedy,
                     bias: &[],
+                    allow: None,
                 }],
                 &mut out,
             )?;
@@ -200,6 +204,7 @@ pub fn run(a: &BenchArgs) -> Result<()> {
                     block_table: tables[i],
                     output: greedy,
                     bias: &[],
+                    allow: None,
                 })
                 .collect();
             e.step(&batch, &mut out)?;

@@ -215,12 +215,16 @@ pub fn run(args: NodeArgs) -> Result<()> {
                 path.display()
             );
             let http = node.http.expect("a validated router has http");
-            let gw = GatewayConfig {
-                model_name: f.model_name.clone(),
-                max_model_len: f.max_model_len,
-                body_limit_bytes: args.serve.max_body_bytes,
-                cluster: Arc::new(f.cluster),
-            };
+            let gw =
+                GatewayConfig {
+                    model_name: f.model_name.clone(),
+                    max_model_len: f.max_model_len,
+                    body_limit_bytes: args.serve.max_body_bytes,
+                    cluster: Arc::new(f.cluster),
+                    constraints: Some(flotilla_grammar::compiler_for(&f.text).map_err(|e| {
+                        anyhow::anyhow!("structured output over this tokenizer: {e}")
+                    })?),
+                };
             let metrics = Arc::new(Metrics::new()?);
             serve_http(Arc::new(engine), f.text, metrics, gw, http, &what).await
         } else {
@@ -230,11 +234,14 @@ pub fn run(args: NodeArgs) -> Result<()> {
             let blocks = r.sched.num_blocks;
             let dtype = r.exec.kv_spec().dtype;
             let exec: Box<dyn Executor> = r.exec;
+            let constraints = flotilla_grammar::compiler_for(&r.text)
+                .map_err(|e| anyhow::anyhow!("structured output over this tokenizer: {e}"))?;
             let engine = spawn_engine(
                 exec,
                 EngineOptions {
                     sched: r.sched,
                     check_invariants: None,
+                    constraints: Some(constraints),
                 },
                 clock,
                 metrics,

@@ -323,11 +323,14 @@ async fn serve(r: Resolved, addr: SocketAddr, max_body_bytes: usize) -> Result<(
     let tiers: Vec<String> = r.sched.tiers.iter().map(|t| t.name.clone()).collect();
     let kv_dtype = r.exec.kv_spec().dtype;
     let exec: Box<dyn Executor> = r.exec;
+    let constraints = flotilla_grammar::compiler_for(&r.text)
+        .map_err(|e| anyhow::anyhow!("structured output over this tokenizer: {e}"))?;
     let engine = spawn_engine(
         exec,
         EngineOptions {
             sched: r.sched,
             check_invariants: None,
+            constraints: Some(constraints.clone()),
         },
         clock,
         metrics.clone(),
@@ -351,6 +354,7 @@ async fn serve(r: Resolved, addr: SocketAddr, max_body_bytes: usize) -> Result<(
         max_model_len: r.max_model_len,
         body_limit_bytes: max_body_bytes,
         cluster: r.cluster.clone(),
+        constraints: Some(constraints.clone()),
     };
     serve_http(Arc::new(engine.clone()), r.text, metrics, gw, addr, &what).await?;
     engine.stop();

@@ -375,16 +375,21 @@ fn python() -> Option<String> {
 /// Runs tests/openai_client.py (the official client's calls) against the
 /// Router at `base`; it must end with ALL OK.
 fn run_openai_client(python: &str, base: &str) {
-    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/../../tests/openai_client.py");
+    run_script(python, base, "openai_client.py");
+}
+
+/// Runs `tests/{script}` against the Router at `base`; it must end with ALL OK.
+fn run_script(python: &str, base: &str, script: &str) {
+    let script = format!("{}/../../tests/{script}", env!("CARGO_MANIFEST_DIR"));
     let out = Command::new(python)
-        .arg(script)
+        .arg(&script)
         .env("OPENAI_BASE_URL", format!("{base}/v1"))
         .env("OPENAI_API_KEY", PAID_KEY)
         .output()
         .unwrap();
     let stdout = String::from_utf8_lossy(&out.stdout);
     eprintln!("{stdout}\n{}", String::from_utf8_lossy(&out.stderr));
-    assert!(out.status.success(), "openai client script failed");
+    assert!(out.status.success(), "{script} failed");
     assert!(stdout.contains("ALL OK"), "{stdout}");
 }
 
@@ -888,6 +893,9 @@ async fn an_int8_kv_cluster_migrates_its_blocks_and_serves_the_openai_client() {
     }
     assert_eq!(r["kv_cache_dtype"], "int8", "{r}");
     run_openai_client(&python, &c.base);
+    // Structured outputs across the split: the decode node rebuilds each
+    // request's matcher from its constraint and the prefill node's token.
+    run_script(&python, &c.base, "structured_outputs.py");
     disaggregated_equals_colocated_on(&mut c).await;
 }
 

@@ -187,18 +187,24 @@ fn openai_python() -> Option<String> {
     }
 }
 
-/// Runs tests/openai_client.py against `srv`.
+/// Runs tests/openai_client.py, then tests/structured_outputs.py, against `srv`.
 fn run_openai_client(python: &str, srv: &Server) {
-    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/../../tests/openai_client.py");
+    run_python(python, srv, "openai_client.py");
+    run_python(python, srv, "structured_outputs.py");
+}
+
+/// Runs `tests/{script}` against `srv`; it prints ALL OK when it passes.
+fn run_python(python: &str, srv: &Server, script: &str) {
+    let script = format!("{}/../../tests/{script}", env!("CARGO_MANIFEST_DIR"));
     let out = Command::new(python)
-        .arg(script)
+        .arg(&script)
         .env("OPENAI_BASE_URL", format!("{}/v1", srv.base))
         .env("OPENAI_API_KEY", PAID_KEY)
         .output()
         .unwrap();
     let stdout = String::from_utf8_lossy(&out.stdout);
     eprintln!("{stdout}\n{}", String::from_utf8_lossy(&out.stderr));
-    assert!(out.status.success(), "openai client script failed");
+    assert!(out.status.success(), "{script} failed");
     assert!(stdout.contains("ALL OK"), "{stdout}");
 }
 

@@ -50,6 +50,10 @@ pub struct GatewayConfig {
     pub body_limit_bytes: usize,
     /// Tenants, tiers and API keys.
     pub cluster: Arc<ClusterConfig>,
+    /// Checks output constraints (`response_format` and the like) before a
+    /// request leaves the gateway, so a bad schema is a 400 here wherever
+    /// the request would run; `None` leaves that to the engine.
+    pub constraints: Option<Arc<dyn flotilla_proto::ConstraintCompiler>>,
 }
 
 impl GatewayConfig {
@@ -64,6 +68,7 @@ impl GatewayConfig {
             max_model_len,
             body_limit_bytes: BODY_LIMIT_BYTES_DEFAULT,
             cluster,
+            constraints: None,
         }
     }
 }
@@ -194,6 +199,7 @@ impl Gateway {
             model_name: &self.cfg.model_name,
             max_model_len: self.cfg.max_model_len,
             default_seed: mix(n),
+            constraints: self.cfg.constraints.as_deref(),
         };
         let p = match openai::parse(endpoint, &body, &ctx) {
             Ok(p) => p,
@@ -224,6 +230,7 @@ impl Gateway {
             sampling: p.sampling,
             logit_bias: p.logit_bias,
             generated: 0,
+            constraint: p.constraint,
             ignore_eos: p.ignore_eos,
             stop_token_ids: p.stop_token_ids,
         };

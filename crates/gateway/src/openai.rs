@@ -9,7 +9,7 @@
 //! `null` counts as absent, as OpenAI's API treats it.
 
 use flotilla_exec::{MAX_LOGIT_BIAS, MAX_PENALTY, MAX_TOP_LOGPROBS};
-use flotilla_proto::SamplingParams;
+use flotilla_proto::{Constraint, ConstraintCompiler, SamplingParams};
 use flotilla_text::TextSide;
 use flotilla_text::chat::{ChatError, ChatMessage};
 use serde_json::{Map, Value};
@@ -54,16 +54,18 @@ const COMMON_FIELDS: &[&str] = &[
     "service_tier",
     "prompt_cache_key",
     "safety_identifier",
+    "response_format",
+    "guided_json",
+    "guided_regex",
+    "guided_grammar",
 ];
-/// Fields only `/v1/chat/completions` reads (`response_format` of type
-/// `text`, `tools` empty, `tool_choice` `none` or `auto` and
-/// `parallel_tool_calls` without tools, `modalities` `["text"]`: anything
-/// else in them is refused).
+/// Fields only `/v1/chat/completions` reads (`tools` empty, `tool_choice`
+/// `none` or `auto` and `parallel_tool_calls` without tools, `modalities`
+/// `["text"]`: anything else in them is refused).
 pub const CHAT_FIELDS: &[&str] = &[
     "messages",
     "max_completion_tokens",
     "top_logprobs",
-    "response_format",
     "tools",
     "tool_choice",
     "parallel_tool_calls",
@@ -92,6 +94,8 @@ pub struct ParseCtx<'a> {
     pub max_model_len: usize,
     /// Seed used when the body has none.
     pub default_seed: u64,
+    /// Compiles output constraints to check them (a bad one is a 400).
+    pub constraints: Option<&'a dyn ConstraintCompiler>,
 }
 
 /// A validated, tokenized request.
@@ -107,6 +111,8 @@ pub struct Parsed {
     pub sampling: SamplingParams,
     /// `(token, bias)` from `logit_bias`, ids in the vocabulary, each once.
     pub logit_bias: Vec<(u32, f32)>,
+    /// What the output must match (`response_format` and the like).
+    pub constraint: Option<Constraint>,
     /// Stop strings (non-empty each), handled by the gateway.
     pub stop: Vec<String>,
     /// Extra token ids that end the request (vLLM's `stop_token_ids`).
@@ -174,6 +180,13 @@ pub fn parse(endpoint: Endpoint, body: &[u8], ctx: &ParseCtx<'_>) -> Result<Pars
     let (presence_penalty, frequency_penalty) =
         (penalty("presence_penalty")?, penalty("frequency_penalty")?);
     let logit_bias = logit_bias(&obj, ctx.text)?;
+    let constraint = constraint(&obj)?;
+    if let (Some((param, c)), Some(compiler)) = (&constraint, ctx.constraints) {
+        compiler
+            .compile(c)
+            .map_err(|e| ApiError::invalid(param, format!("{}: {e}", c.kind())))?;
+    }
+    let constraint = constraint.map(|(_, c)| c);
 
     let (sampling_logprobs, top_logprobs) = logprobs(endpoint, &obj)?;
     let temperature = opt_f64(&obj, "temperature")?.unwrap_or(1.0);
@@ -269,6 +282,7 @@ pub fn parse(endpoint: Endpoint, body: &[u8], ctx: &ParseCtx<'_>) -> Result<Pars
         max_tokens,
         sampling,
         logit_bias,
+        constraint,
         stop,
         stop_token_ids,
         ignore_eos,
@@ -278,8 +292,8 @@ pub fn parse(endpoint: Endpoint, body: &[u8], ctx: &ParseCtx<'_>) -> Result<Pars
 }
 
 /// Refuses every field `endpoint` does not read, and every value of a read
-/// field that asks for something this server does not do (structured
-/// output, tools, other modalities), naming the field.
+/// field that asks for something this server does not do (tools, other
+/// modalities), naming the field.
 fn unhonoured(endpoint: Endpoint, obj: &Obj) -> Result<(), ApiError> {
     let own = match endpoint {
         Endpoint::Chat => CHAT_FIELDS,
@@ -302,30 +316,6 @@ fn unhonoured(endpoint: Endpoint, obj: &Obj) -> Result<(), ApiError> {
             k,
             format!("Unrecognized request argument supplied: {k}{elsewhere}"),
         ));
-    }
-    if let Some(rf) = opt(obj, "response_format") {
-        match rf.get("type").and_then(Value::as_str) {
-            Some("text") => {}
-            Some(t @ ("json_object" | "json_schema")) => {
-                return Err(ApiError::unsupported(
-                    "response_format",
-                    format!(
-                        "response_format type '{t}' is not supported by this server: it \
-                         cannot constrain its output to JSON yet, so it refuses rather than \
-                         return text that may not parse"
-                    ),
-                ));
-            }
-            Some(t) => {
-                return Err(ApiError::invalid(
-                    "response_format",
-                    format!("unknown response_format type '{t}'"),
-                ));
-            }
-            None => {
-                return Err(type_error("response_format", "an object with a \"type\""));
-            }
-        }
     }
     let tools = match opt(obj, "tools") {
         None => 0,
@@ -377,6 +367,120 @@ fn unhonoured(endpoint: Endpoint, obj: &Obj) -> Result<(), ApiError> {
         ));
     }
     Ok(())
+}
+
+/// What the output must match: OpenAI's `response_format` (`text`,
+/// `json_object`, `json_schema` with its `schema`), or one of vLLM's
+/// extensions `guided_json` (a schema), `guided_regex`, `guided_grammar`
+/// (Lark). At most one. The engine compiles it and refuses a bad one.
+fn constraint(obj: &Obj) -> Result<Option<(&'static str, Constraint)>, ApiError> {
+    let mut found: Vec<(&'static str, Constraint)> = Vec::new();
+    if let Some(rf) = opt(obj, "response_format") {
+        let Value::Object(rf) = rf else {
+            return Err(type_error("response_format", "an object with a \"type\""));
+        };
+        match rf.get("type").and_then(Value::as_str) {
+            Some("text") => {}
+            Some("json_object") => found.push(("response_format", Constraint::JsonObject)),
+            Some("json_schema") => {
+                let Some(Value::Object(js)) = rf.get("json_schema") else {
+                    return Err(type_error(
+                        "response_format.json_schema",
+                        "an object with a \"name\" and a \"schema\"",
+                    ));
+                };
+                let strict = js.get("strict").and_then(Value::as_bool) == Some(true);
+                let schema = match js.get("schema") {
+                    None | Some(Value::Null) => Value::Object(Map::new()),
+                    Some(v @ (Value::Object(_) | Value::Bool(_))) => {
+                        let mut v = v.clone();
+                        if strict {
+                            close_objects(&mut v);
+                        }
+                        v
+                    }
+                    Some(_) => {
+                        return Err(type_error(
+                            "response_format.json_schema.schema",
+                            "a JSON Schema object",
+                        ));
+                    }
+                };
+                found.push((
+                    "response_format",
+                    Constraint::JsonSchema(schema.to_string()),
+                ));
+            }
+            Some(t) => {
+                return Err(ApiError::invalid(
+                    "response_format",
+                    format!(
+                        "unknown response_format type '{t}': use text, json_object or json_schema"
+                    ),
+                ));
+            }
+            None => return Err(type_error("response_format", "an object with a \"type\"")),
+        }
+    }
+    match opt(obj, "guided_json") {
+        None => {}
+        Some(Value::String(s)) => found.push(("guided_json", Constraint::JsonSchema(s.clone()))),
+        Some(v @ (Value::Object(_) | Value::Bool(_))) => {
+            found.push(("guided_json", Constraint::JsonSchema(v.to_string())))
+        }
+        Some(_) => return Err(type_error("guided_json", "a JSON Schema")),
+    }
+    for (key, make) in [
+        (
+            "guided_regex",
+            Constraint::Regex as fn(String) -> Constraint,
+        ),
+        ("guided_grammar", Constraint::Lark),
+    ] {
+        match opt(obj, key) {
+            None => {}
+            Some(Value::String(s)) if !s.is_empty() => found.push((key, make(s.clone()))),
+            Some(_) => return Err(type_error(key, "a non-empty string")),
+        }
+    }
+    if found.len() > 1 {
+        return Err(ApiError::invalid(
+            found[1].0,
+            format!(
+                "only one output constraint per request: both {} and {} were given",
+                found[0].0, found[1].0
+            ),
+        ));
+    }
+    Ok(found.pop())
+}
+
+/// OpenAI's strict mode: an object schema that does not say otherwise
+/// admits no properties beyond those it names (`additionalProperties:
+/// false`, which OpenAI requires of strict schemas), through properties,
+/// items, definitions and combinators.
+fn close_objects(v: &mut Value) {
+    let Value::Object(o) = v else { return };
+    let is_object =
+        o.get("type").and_then(Value::as_str) == Some("object") || o.contains_key("properties");
+    if is_object && !o.contains_key("additionalProperties") {
+        o.insert("additionalProperties".into(), Value::Bool(false));
+    }
+    for key in ["properties", "$defs", "definitions", "patternProperties"] {
+        if let Some(Value::Object(m)) = o.get_mut(key) {
+            m.values_mut().for_each(close_objects);
+        }
+    }
+    for key in ["items", "additionalProperties", "not", "if", "then", "else"] {
+        if let Some(x) = o.get_mut(key) {
+            close_objects(x);
+        }
+    }
+    for key in ["anyOf", "oneOf", "allOf", "prefixItems"] {
+        if let Some(Value::Array(a)) = o.get_mut(key) {
+            a.iter_mut().for_each(close_objects);
+        }
+    }
 }
 
 /// `logit_bias`: an object of token ids (as strings, OpenAI's shape) to
@@ -757,6 +861,7 @@ mod tests {
             model_name: "m",
             max_model_len: 100,
             default_seed: 99,
+            constraints: None,
         };
         parse(endpoint, body.to_string().as_bytes(), &ctx)
     }

@@ -8,6 +8,7 @@ use std::time::{Duration, Instant};
 
 use common::*;
 use flotilla_config::ClusterConfig;
+use flotilla_proto::Constraint;
 use flotilla_proto::FinishReason;
 use serde_json::{Value, json};
 
@@ -96,7 +97,61 @@ async fn completions_streaming_and_not() {
         (0.5, -1.5)
     );
     assert_eq!(req.logit_bias, vec![(3, -2.5), (17, 100.0)]);
+    assert_eq!(req.constraint, None);
     assert!(req.ignore_eos);
+
+    // Output constraints reach the engine as they were asked for; strict
+    // schemas with their objects closed, as OpenAI's strict mode has them.
+    let schema = json!({"type": "object", "properties": {"a": {"type": "integer"}}});
+    let closed = json!({"type": "object", "properties": {"a": {"type": "integer"}},
+                        "additionalProperties": false});
+    let nested = json!({"$defs": {"p": {"properties": {"x": {"type": "integer"}}}},
+                        "type": "array", "items": {"$ref": "#/$defs/p"}});
+    let nested_closed = json!({"$defs": {"p": {"properties": {"x": {"type": "integer"}},
+                                               "additionalProperties": false}},
+                               "type": "array", "items": {"$ref": "#/$defs/p"}});
+    for (extra, want) in [
+        (
+            json!({"response_format": {"type": "json_schema",
+                   "json_schema": {"name": "x", "schema": schema, "strict": true}}}),
+            Some(Constraint::JsonSchema(closed.to_string())),
+        ),
+        (
+            json!({"response_format": {"type": "json_schema",
+                   "json_schema": {"name": "x", "schema": schema}}}),
+            Some(Constraint::JsonSchema(schema.to_string())),
+        ),
+        (
+            json!({"response_format": {"type": "json_schema",
+                   "json_schema": {"name": "x", "schema": nested, "strict": true}}}),
+            Some(Constraint::JsonSchema(nested_closed.to_string())),
+        ),
+        (
+            json!({"response_format": {"type": "json_object"}}),
+            Some(Constraint::JsonObject),
+        ),
+        (json!({"response_format": {"type": "text"}}), None),
+        (
+            json!({"guided_json": schema}),
+            Some(Constraint::JsonSchema(schema.to_string())),
+        ),
+        (
+            json!({"guided_regex": "[0-9]{3}"}),
+            Some(Constraint::Regex("[0-9]{3}".into())),
+        ),
+        (
+            json!({"guided_grammar": "start: \"a\"+"}),
+            Some(Constraint::Lark("start: \"a\"+".into())),
+        ),
+    ] {
+        let mut body = json!({"prompt": "x", "max_tokens": 4});
+        body.as_object_mut()
+            .unwrap()
+            .extend(extra.as_object().unwrap().clone());
+        let (st, v) = s.post("/v1/completions", &body).await;
+        assert_eq!(st, 200, "{v}");
+        assert_eq!(s.fake.last().0.constraint, want, "{extra}");
+    }
 
     let body = json!({"prompt": [[1, 2, 3]], "max_tokens": 16, "stream": true});
     let (st, data) = s.post_sse("/v1/completions", &body).await;

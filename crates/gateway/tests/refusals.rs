@@ -94,15 +94,31 @@ async fn bad_input_never_reaches_the_engine() {
             "best_of",
         ),
         (
-            "json_schema output",
+            "json_schema without its object",
+            chat_body(json!({"response_format": {"type": "json_schema"}})),
+            "response_format.json_schema",
+        ),
+        (
+            "a schema that is not an object",
             chat_body(json!({"response_format": {"type": "json_schema",
-                "json_schema": {"name": "x", "schema": {"type": "object"}}}})),
+                "json_schema": {"name": "x", "schema": 3}}})),
+            "response_format.json_schema.schema",
+        ),
+        (
+            "unknown response_format type",
+            chat_body(json!({"response_format": {"type": "yaml"}})),
             "response_format",
         ),
         (
-            "json_object output",
-            chat_body(json!({"response_format": {"type": "json_object"}})),
-            "response_format",
+            "two constraints",
+            chat_body(json!({"response_format": {"type": "json_object"},
+                             "guided_regex": "[0-9]+"})),
+            "guided_regex",
+        ),
+        (
+            "empty regex",
+            chat_body(json!({"guided_regex": ""})),
+            "guided_regex",
         ),
         (
             "tools",

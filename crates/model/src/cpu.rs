@@ -343,7 +343,8 @@ impl CpuExecutor {
                     .expect("sampled sequences have a logits row");
                 let logits = &out.logits[row * vocab..(row + 1) * vocab];
                 let position = (q.start_pos + q.tokens.len()) as u64;
-                out.seqs[i].sampled = Some(sample(logits, p, q.bias, position, &mut s.sampler));
+                out.seqs[i].sampled =
+                    Some(sample(logits, p, q.bias, q.allow, position, &mut s.sampler));
             }
         }
     }

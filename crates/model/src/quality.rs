@@ -29,6 +29,7 @@ pub fn teacher_forced_logprobs(
             block_table: &table,
             output: OutputKind::None,
             bias: &[],
+            allow: None,
         }];
         e.step(&b, &mut out)?;
         s = t;
@@ -45,6 +46,7 @@ pub fn teacher_forced_logprobs(
                 block_table: &table,
                 output: OutputKind::Logits,
                 bias: &[],
+                allow: None,
             })
             .collect();
         e.step(&b, &mut out)?;

@@ -45,16 +45,20 @@ pub fn uniform(seed: u64, position: u64) -> f64 {
 
 /// Picks a token from `logits` plus `bias` (`(token, amount)` pairs, the
 /// request's `logit_bias` and penalties; ids past the vocabulary are
-/// skipped) for the token at `position` of the sequence. Log-probabilities
-/// are those of the biased distribution, the one the token was drawn from.
+/// skipped), among the tokens `allow` lets through (a bitmask from the
+/// request's constraint; `None`: all), for the token at `position` of the
+/// sequence. Log-probabilities are those of the distribution the token was
+/// drawn from (biased, masked). A mask that allows nothing leaves the
+/// argmax of the unmasked row.
 pub fn sample(
     logits: &[f32],
     p: &SamplingParams,
     bias: &[(u32, f32)],
+    allow: Option<&[u32]>,
     position: u64,
     scratch: &mut SamplerScratch,
 ) -> Sampled {
-    if bias.is_empty() {
+    if bias.is_empty() && allow.is_none() {
         return sample_row(logits, p, position, scratch);
     }
     let mut biased = std::mem::take(&mut scratch.biased);
@@ -63,6 +67,20 @@ pub fn sample(
     for &(t, b) in bias {
         if let Some(v) = biased.get_mut(t as usize) {
             *v += b;
+        }
+    }
+    if let Some(words) = allow {
+        let mut any = false;
+        for (i, v) in biased.iter_mut().enumerate() {
+            if flotilla_exec::constraint::allowed(words, i as u32) {
+                any = true;
+            } else {
+                *v = f32::NEG_INFINITY;
+            }
+        }
+        if !any {
+            biased.clear();
+            biased.extend_from_slice(logits);
         }
     }
     let got = sample_row(&biased, p, position, scratch);
@@ -210,7 +228,7 @@ mod tests {
     fn greedy_takes_the_argmax() {
         let l = logits();
         let mut s = SamplerScratch::default();
-        let got = sample(&l, &SamplingParams::greedy(), &[], 0, &mut s);
+        let got = sample(&l, &SamplingParams::greedy(), &[], None, 0, &mut s);
         let best = l.iter().cloned().fold(f32::MIN, f32::max);
         assert_eq!(l[got.token as usize], best);
     }
@@ -225,14 +243,14 @@ mod tests {
         };
         let mut s = SamplerScratch::default();
         let a: Vec<u32> = (0..50)
-            .map(|pos| sample(&l, &p, &[], pos, &mut s).token)
+            .map(|pos| sample(&l, &p, &[], None, pos, &mut s).token)
             .collect();
         let b: Vec<u32> = (0..50)
-            .map(|pos| sample(&l, &p, &[], pos, &mut s).token)
+            .map(|pos| sample(&l, &p, &[], None, pos, &mut s).token)
             .collect();
         let q = SamplingParams { seed: 43, ..p };
         let c: Vec<u32> = (0..50)
-            .map(|pos| sample(&l, &q, &[], pos, &mut s).token)
+            .map(|pos| sample(&l, &q, &[], None, pos, &mut s).token)
             .collect();
         assert_eq!(a, b);
         assert_ne!(a, c);
@@ -252,7 +270,15 @@ mod tests {
         let mut s = SamplerScratch::default();
         let mut seen = std::collections::HashSet::new();
         for pos in 0..300 {
-            let t = sample(&l, &SamplingParams { seed: pos, ..p }, &[], pos, &mut s).token;
+            let t = sample(
+                &l,
+                &SamplingParams { seed: pos, ..p },
+                &[],
+                None,
+                pos,
+                &mut s,
+            )
+            .token;
             assert!(allowed.contains(&t));
             seen.insert(t);
         }
@@ -273,7 +299,7 @@ mod tests {
         let mut s = SamplerScratch::default();
         let mut counts = [0u32; 2];
         for pos in 0..2000 {
-            let t = sample(&l, &SamplingParams { seed: 7, ..p }, &[], pos, &mut s).token;
+            let t = sample(&l, &SamplingParams { seed: 7, ..p }, &[], None, pos, &mut s).token;
             assert!(t <= 1, "token {t} outside the 0.75 nucleus");
             counts[t as usize] += 1;
         }
@@ -293,7 +319,7 @@ mod tests {
         let mut s = SamplerScratch::default();
         let mut c = [0u32; 3];
         for pos in 0..4000 {
-            c[sample(&l, &p, &[], pos, &mut s).token as usize] += 1;
+            c[sample(&l, &p, &[], None, pos, &mut s).token as usize] += 1;
         }
         let f2 = c[2] as f64 / 4000.0;
         assert!((f2 - 0.5).abs() < 0.04, "{c:?}");
@@ -308,7 +334,7 @@ mod tests {
             ..Default::default()
         };
         let mut s = SamplerScratch::default();
-        let got = sample(&l, &p, &[], 0, &mut s);
+        let got = sample(&l, &p, &[], None, 0, &mut s);
         assert_eq!(got.top.len(), 5);
         assert_eq!(got.top[0].0, got.token);
         assert!((got.top[0].1 - got.logprob).abs() < 1e-6);
@@ -340,7 +366,7 @@ mod tests {
             vec![f32::INFINITY; 10],
             vec![f32::NEG_INFINITY; 10],
         ] {
-            let t = sample(&l, &p, &[], 0, &mut s).token;
+            let t = sample(&l, &p, &[], None, 0, &mut s).token;
             assert!(t < 10);
         }
     }
@@ -405,7 +431,7 @@ mod tests {
             top_logprobs: 2,
             ..SamplingParams::greedy()
         };
-        let plain = sample(&l, &p, &[], 0, &mut s);
+        let plain = sample(&l, &p, &[], None, 0, &mut s);
         // +100 on a low token makes it the argmax; -100 on the argmax
         // removes it; an id past the vocabulary changes nothing.
         let low = l
@@ -414,15 +440,15 @@ mod tests {
             .min_by(|a, b| a.1.total_cmp(b.1))
             .unwrap()
             .0 as u32;
-        let got = sample(&l, &p, &[(low, 100.0), (5_000_000, 1e9)], 0, &mut s);
+        let got = sample(&l, &p, &[(low, 100.0), (5_000_000, 1e9)], None, 0, &mut s);
         assert_eq!(got.token, low);
         assert_eq!(got.top[0].0, low);
         assert!(got.logprob > -1e-3, "the forced token has all the mass");
-        let got = sample(&l, &p, &[(plain.token, -100.0)], 0, &mut s);
+        let got = sample(&l, &p, &[(plain.token, -100.0)], None, 0, &mut s);
         assert_ne!(got.token, plain.token);
         assert!(got.top.iter().all(|&(t, _)| t != plain.token));
         assert_eq!(
-            sample(&l, &p, &[], 0, &mut s),
+            sample(&l, &p, &[], None, 0, &mut s),
             plain,
             "the row is unchanged"
         );
@@ -439,11 +465,53 @@ mod tests {
             ..Default::default()
         };
         let drawn: std::collections::HashSet<u32> = (0..200)
-            .map(|pos| sample(&l, &q, &bias, pos, &mut s).token)
+            .map(|pos| sample(&l, &q, &bias, None, pos, &mut s).token)
             .collect();
         assert_eq!(
             drawn,
             keep.into_iter().collect::<std::collections::HashSet<u32>>()
         );
+    }
+
+    /// A constraint's mask: only allowed tokens are drawn, greedy or not,
+    /// logprobs are over them, and a mask that allows nothing falls back to
+    /// the unmasked argmax instead of failing.
+    #[test]
+    fn a_mask_allows_only_its_tokens() {
+        let l = logits();
+        let mut s = SamplerScratch::with_capacity(l.len());
+        let mut words = vec![0u32; l.len().div_ceil(32)];
+        let keep = [5u32, 40, 999];
+        for t in keep {
+            words[t as usize / 32] |= 1 << (t % 32);
+        }
+        let p = SamplingParams {
+            logprobs: true,
+            top_logprobs: 3,
+            ..SamplingParams::greedy()
+        };
+        let got = sample(&l, &p, &[], Some(&words), 0, &mut s);
+        let best = *keep
+            .iter()
+            .max_by(|a, b| l[**a as usize].total_cmp(&l[**b as usize]))
+            .unwrap();
+        assert_eq!(got.token, best);
+        let mass: f32 = got.top.iter().map(|&(_, lp)| lp.exp()).sum();
+        assert!(
+            (mass - 1.0).abs() < 1e-4,
+            "the three allowed hold all the mass"
+        );
+        let q = SamplingParams {
+            temperature: 1.5,
+            seed: 3,
+            ..Default::default()
+        };
+        for pos in 0..100 {
+            let t = sample(&l, &q, &[(5, 50.0)], Some(&words), pos, &mut s).token;
+            assert!(keep.contains(&t), "{t} drawn");
+        }
+        let none = vec![0u32; words.len()];
+        let plain = sample(&l, &p, &[], None, 0, &mut s).token;
+        assert_eq!(sample(&l, &p, &[], Some(&none), 0, &mut s).token, plain);
     }
 }

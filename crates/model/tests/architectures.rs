@@ -170,6 +170,7 @@ fn every_architecture_matches_the_reference() {
                 block_table: &table,
                 output: OutputKind::Logits,
                 bias: &[],
+                allow: None,
             }];
             e.step(&batch, &mut out).unwrap();
             let next = argmax(out.logits_of(0).unwrap());
@@ -203,6 +204,7 @@ fn every_architecture_is_batch_invariant() {
                 block_table: &[20, 21, 22],
                 output: OutputKind::None,
                 bias: &[],
+                allow: None,
             }],
             &mut out,
         )
@@ -215,6 +217,7 @@ fn every_architecture_is_batch_invariant() {
                 block_table: &[20, 21, 22],
                 output: OutputKind::Logits,
                 bias: &[],
+                allow: None,
             },
             SeqInput {
                 tokens: long,
@@ -222,6 +225,7 @@ fn every_architecture_is_batch_invariant() {
                 block_table: &mine,
                 output: OutputKind::Logits,
                 bias: &[],
+                allow: None,
             },
             SeqInput {
                 tokens: &other[..5],
@@ -229,6 +233,7 @@ fn every_architecture_is_batch_invariant() {
                 block_table: &[30, 31],
                 output: OutputKind::Logits,
                 bias: &[],
+                allow: None,
             },
         ];
         e.step(&batch, &mut out).unwrap();

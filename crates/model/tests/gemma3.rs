@@ -291,6 +291,7 @@ fn batch_invariant() {
             block_table: &[40, 41],
             output: OutputKind::Logits,
             bias: &[],
+            allow: None,
         },
         SeqInput {
             tokens: a,
@@ -298,6 +299,7 @@ fn batch_invariant() {
             block_table: &[60, 61],
             output: OutputKind::Logits,
             bias: &[],
+            allow: None,
         },
         SeqInput {
             tokens: c,
@@ -305,6 +307,7 @@ fn batch_invariant() {
             block_table: &[70, 71],
             output: OutputKind::Logits,
             bias: &[],
+            allow: None,
         },
     ];
     e.step(&batch, &mut out).unwrap();

@@ -267,6 +267,7 @@ fn shuffled_blocks_give_identical_logits_with(kv_dtype: KvDtype) {
                 block_table: table,
                 output: OutputKind::None,
                 bias: &[],
+                allow: None,
             }];
             e.step(&b, &mut out).unwrap();
         }
@@ -276,6 +277,7 @@ fn shuffled_blocks_give_identical_logits_with(kv_dtype: KvDtype) {
             block_table: table,
             output: OutputKind::Logits,
             bias: &[],
+            allow: None,
         }];
         e.step(&b, &mut out).unwrap();
         out.logits_of(0).unwrap().to_vec()
@@ -299,6 +301,7 @@ fn bad_batches_are_refused_without_panic() {
                 block_table: &t,
                 output: OutputKind::Logits,
                 bias: &[],
+                allow: None,
             }],
             "vocabulary",
         ),
@@ -309,6 +312,7 @@ fn bad_batches_are_refused_without_panic() {
                 block_table: &t,
                 output: OutputKind::Logits,
                 bias: &[],
+                allow: None,
             }],
             "block table",
         ),
@@ -319,6 +323,7 @@ fn bad_batches_are_refused_without_panic() {
                 block_table: &[500],
                 output: OutputKind::Logits,
                 bias: &[],
+                allow: None,
             }],
             "block 500",
         ),
@@ -329,6 +334,7 @@ fn bad_batches_are_refused_without_panic() {
                 block_table: &t,
                 output: OutputKind::Logits,
                 bias: &[],
+                allow: None,
             }],
             "context",
         ),
@@ -340,6 +346,7 @@ fn bad_batches_are_refused_without_panic() {
                     block_table: &t,
                     output: OutputKind::None,
                     bias: &[],
+                    allow: None,
                 },
                 SeqInput {
                     tokens: &[3],
@@ -347,6 +354,7 @@ fn bad_batches_are_refused_without_panic() {
                     block_table: &t,
                     output: OutputKind::None,
                     bias: &[],
+                    allow: None,
                 },
             ],
             "another position",
@@ -361,6 +369,7 @@ fn bad_batches_are_refused_without_panic() {
                     ..Default::default()
                 }),
                 bias: &[],
+                allow: None,
             }],
             "top_p",
         ),
@@ -379,6 +388,7 @@ fn bad_batches_are_refused_without_panic() {
         block_table: &t,
         output: OutputKind::Logits,
         bias: &[],
+        allow: None,
     }];
     e.step(&ok, &mut out).unwrap();
     assert!(out.logits_of(0).unwrap().iter().all(|v| v.is_finite()));
@@ -408,6 +418,7 @@ fn block_export_import_round_trips_with(kv_dtype: KvDtype) {
             block_table: &src,
             output: OutputKind::None,
             bias: &[],
+            allow: None,
         }],
         &mut out,
     )
@@ -431,6 +442,7 @@ fn block_export_import_round_trips_with(kv_dtype: KvDtype) {
                 block_table: table,
                 output: OutputKind::Logits,
                 bias: &[],
+                allow: None,
             }],
             out,
         )
@@ -570,6 +582,7 @@ fn int8_kv_greedy_continuations_equal_f16_except_at_near_ties() {
                 block_table: &table,
                 output: OutputKind::Logits,
                 bias: &[],
+                allow: None,
             }],
             &mut out,
         )

@@ -61,6 +61,7 @@ fn steps_allocate_nothing_after_warm_up() {
                 block_table: &ta,
                 output: OutputKind::Sample(sampled),
                 bias: &[],
+                allow: None,
             },
             SeqInput {
                 tokens: &[7],
@@ -68,6 +69,7 @@ fn steps_allocate_nothing_after_warm_up() {
                 block_table: &tb,
                 output: OutputKind::Sample(SamplingParams::greedy()),
                 bias: &[],
+                allow: None,
             },
         ];
         e.step(&batch, out).unwrap();

@@ -11,7 +11,7 @@ use std::fmt;
 use std::future::Future;
 use std::pin::Pin;
 
-pub use flotilla_exec::{KvDtype, Sampled, SamplingParams};
+pub use flotilla_exec::{Constraint, ConstraintCompiler, KvDtype, Sampled, SamplingParams};
 use rkyv::{Archive, Deserialize, Serialize};
 use tokio::sync::mpsc;
 
@@ -61,6 +61,8 @@ pub struct EngineRequest {
     /// placement (a request moved after its node was lost): they count for
     /// the presence and frequency penalties as generated tokens do.
     pub generated: u32,
+    /// What the output must match (structured output), if anything.
+    pub constraint: Option<Constraint>,
     /// Keep generating past end-of-sequence tokens (benchmarks).
     pub ignore_eos: bool,
     /// Token ids that end the request besides the model's own stop tokens.

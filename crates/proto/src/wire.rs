@@ -593,7 +593,8 @@ pub struct KvTransferHeader {
 mod tests {
     use super::*;
     use crate::{
-        EngineFailure, FinishReason, KvUsage, SamplingParams, TenantId, TierStatus, Usage,
+        Constraint, EngineFailure, FinishReason, KvUsage, SamplingParams, TenantId, TierStatus,
+        Usage,
     };
 
     const CAP: u32 = 1 << 20;
@@ -615,6 +616,7 @@ mod tests {
             },
             logit_bias: vec![(7, -100.0), (49151, 3.5)],
             generated: 2,
+            constraint: Some(Constraint::JsonSchema(r#"{"type":"object"}"#.into())),
             ignore_eos: true,
             stop_token_ids: vec![2],
         };

@@ -84,6 +84,7 @@ fn seeds(r: &mut Rng) -> Vec<Message> {
                 },
                 logit_bias: Vec::new(),
                 generated: 0,
+                constraint: None,
                 ignore_eos: false,
                 stop_token_ids: vec![2],
             },

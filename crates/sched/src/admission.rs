@@ -2,6 +2,7 @@
 
 use std::time::Duration;
 
+use flotilla_exec::{ConstraintCompiler, TokenConstraint};
 use flotilla_proto::{EngineFailure, EngineRequest, FinishReason, Rejection, RequestId};
 
 use crate::Scheduler;
@@ -67,21 +68,70 @@ impl Scheduler {
         id: RequestId,
         req: EngineRequest,
     ) -> Result<(), Rejection> {
-        if let Err(r) = self.check_admission(now, id, &req) {
-            self.counters.rejected += 1;
-            return Err(r);
-        }
+        let constraint = self
+            .check_admission(now, id, &req)
+            .and_then(|()| self.compile_constraint(&req, None));
+        let constraint = match constraint {
+            Ok((c, _)) => c,
+            Err(r) => {
+                self.counters.rejected += 1;
+                return Err(r);
+            }
+        };
         let tenant = req.tenant.0 as usize;
         let tier = self.accept(now, tenant);
         // A timeout too long to add never expires in practice: saturate.
         let deadline = now.saturating_add(self.cfg.queue_timeout);
-        self.seqs.insert(id, Seq::new(id, tier, req, now, deadline));
+        let mut seq = Seq::new(id, tier, req, now, deadline);
+        seq.constraint = constraint;
+        self.seqs.insert(id, seq);
         self.waiting[tenant].push_back(id);
         self.deadlines.insert((deadline, id));
         self.tier_queued[tier] += 1;
         self.tenant_live[tenant] += 1;
         self.counters.accepted += 1;
         Ok(())
+    }
+
+    /// Lets requests carry an output constraint (`EngineRequest::constraint`),
+    /// compiled by `c` for this engine's vocabulary.
+    pub fn set_constraints(&mut self, c: std::sync::Arc<dyn ConstraintCompiler>) {
+        self.constraints = Some(c);
+    }
+
+    /// The matcher of `req`'s constraint, advanced over what it generated
+    /// before this engine (a moved request's tail of the prompt, then
+    /// `first`, the token a prefill node sampled), and whether those
+    /// tokens completed it: `None` without a constraint; refused when this engine cannot compile it, when it
+    /// does not compile, or when those tokens break it.
+    pub(crate) fn compile_constraint(
+        &self,
+        req: &EngineRequest,
+        first: Option<u32>,
+    ) -> Result<(Option<Box<dyn TokenConstraint>>, bool), Rejection> {
+        let Some(c) = &req.constraint else {
+            return Ok((None, false));
+        };
+        let Some(compiler) = &self.constraints else {
+            return Err(Rejection::Invalid(format!(
+                "this engine cannot constrain its output ({}): structured output is off here",
+                c.kind()
+            )));
+        };
+        let mut m = compiler
+            .compile(c)
+            .map_err(|e| Rejection::Invalid(format!("{}: {e}", c.kind())))?;
+        let before = req.prompt.len() - (req.generated as usize).min(req.prompt.len());
+        let mut done = false;
+        for &t in req.prompt[before..].iter().chain(first.as_ref()) {
+            done = m.commit(t).map_err(|e| {
+                Rejection::Invalid(format!(
+                    "{}: the tokens generated before do not match it: {e}",
+                    c.kind()
+                ))
+            })?;
+        }
+        Ok((Some(m), done))
     }
 
     /// Books an accepted request of `tenant` against its rate limit and

@@ -80,6 +80,9 @@ pub struct Scheduler {
     reservations: BTreeMap<RequestId, Reservation>,
     /// When held blocks and reservations go back by themselves.
     kv_deadlines: BTreeSet<(Duration, RequestId)>,
+    /// Compiles requests' output constraints; without one, a constrained
+    /// request is refused.
+    constraints: Option<std::sync::Arc<dyn flotilla_exec::ConstraintCompiler>>,
 }
 
 impl Scheduler {
@@ -128,6 +131,7 @@ impl Scheduler {
             held: BTreeMap::new(),
             reservations: BTreeMap::new(),
             kv_deadlines: BTreeSet::new(),
+            constraints: None,
             cfg,
         })
     }

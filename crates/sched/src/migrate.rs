@@ -332,9 +332,14 @@ impl Scheduler {
             Ok(()) | Err(Rejection::QueueFull { .. }) => {}
             Err(why) => return refuse(self, r.lease, why),
         }
+        let (constraint, complete) = match self.compile_constraint(&req, Some(first.token)) {
+            Ok(c) => c,
+            Err(why) => return refuse(self, r.lease, why),
+        };
         let tenant = req.tenant.0 as usize;
         let tier = self.accept(now, tenant);
         let mut seq = Seq::new(id, tier, req, now, now);
+        seq.constraint = constraint;
         seq.deadline = None;
         seq.tokens.push(first.token);
         seq.first_scheduled = Some(now);
@@ -343,7 +348,8 @@ impl Scheduler {
         // This engine never computed the prompt: nothing to charge for it.
         seq.prompt_charged = seq.prompt_len;
         seq.parked = Some(r.lease);
-        let stop = seq.stop_token_ids.contains(&first.token)
+        let stop = complete
+            || seq.stop_token_ids.contains(&first.token)
             || (!seq.ignore_eos && self.cfg.stop_tokens.contains(&first.token));
         let length =
             seq.generated() >= seq.max_tokens || seq.tokens.len() >= self.cfg.max_model_len;

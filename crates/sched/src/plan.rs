@@ -51,6 +51,9 @@ pub struct PlanItem {
     /// so far folded in, a token at most once, in token order. Empty when
     /// not sampling or when the request has neither.
     pub bias: Vec<(u32, f32)>,
+    /// The tokens that sample may pick, a bitmask from the request's
+    /// constraint (`None`: any).
+    pub allow: Option<Vec<u32>>,
 }
 
 impl PlanItem {
@@ -62,6 +65,7 @@ impl PlanItem {
             block_table: &self.block_table,
             output: self.sample.map_or(OutputKind::None, OutputKind::Sample),
             bias: &self.bias,
+            allow: self.allow.as_deref(),
         }
     }
 }
@@ -606,7 +610,7 @@ impl Scheduler {
             .chunks
             .iter()
             .map(|&(id, start, len, _)| {
-                let seq = &self.seqs[&id];
+                let seq = self.seqs.get_mut(&id).expect("planned sequence exists");
                 let lease = seq.lease.as_ref().expect("planned sequence is running");
                 assert_eq!(start, seq.num_computed);
                 assert!(len > 0 && start + len <= seq.tokens.len());
@@ -616,17 +620,28 @@ impl Scheduler {
                 );
                 total += len;
                 let samples = start + len == seq.tokens.len();
+                let (tokens, block_table) = (
+                    seq.tokens[start..start + len].to_vec(),
+                    lease.blocks().to_vec(),
+                );
+                let (bias, allow) = if samples {
+                    let allow = seq.constraint.as_mut().map(|c| {
+                        let mut words = Vec::new();
+                        c.allowed(&mut words);
+                        words
+                    });
+                    (seq.sample_bias(), allow)
+                } else {
+                    (Vec::new(), None)
+                };
                 PlanItem {
                     id,
-                    tokens: seq.tokens[start..start + len].to_vec(),
+                    tokens,
                     start_pos: start,
-                    block_table: lease.blocks().to_vec(),
+                    block_table,
                     sample: samples.then_some(seq.sampling),
-                    bias: if samples {
-                        seq.sample_bias()
-                    } else {
-                        Vec::new()
-                    },
+                    bias,
+                    allow,
                 }
             })
             .collect();

@@ -2,6 +2,7 @@
 
 use std::time::Duration;
 
+use flotilla_exec::TokenConstraint;
 use flotilla_kv::Lease;
 use flotilla_proto::{EngineRequest, RequestId, SamplingParams, TierId};
 
@@ -27,6 +28,9 @@ pub(crate) struct Seq {
     /// Where the generated tokens begin in `tokens` (before `prompt_len`
     /// for a moved request whose prompt carries what it generated before).
     pub(crate) generated_from: usize,
+    /// The request's constraint, matched up to the last token (attached by
+    /// the Scheduler at submission, see `Scheduler::attach_constraint`).
+    pub(crate) constraint: Option<Box<dyn TokenConstraint>>,
     pub(crate) ignore_eos: bool,
     pub(crate) stop_token_ids: Vec<u32>,
     /// Present exactly while running.
@@ -105,6 +109,7 @@ impl Seq {
             sampling: req.sampling,
             logit_bias: req.logit_bias,
             generated_from: prompt_len.saturating_sub(req.generated as usize),
+            constraint: None,
             ignore_eos: req.ignore_eos,
             stop_token_ids: req.stop_token_ids,
             lease: None,
@@ -187,6 +192,7 @@ mod tests {
             },
             logit_bias: bias,
             generated,
+            constraint: None,
             ignore_eos: false,
             stop_token_ids: Vec::new(),
         };

@@ -41,9 +41,21 @@ impl Scheduler {
                 self.fail(now, item.id, failure);
                 continue;
             };
+            // The constraint takes the token first: a matcher that fails
+            // fails the request before the token is sent.
+            let complete = match seq.constraint.as_mut().map(|c| c.commit(token.token)) {
+                None | Some(Ok(false)) => false,
+                Some(Ok(true)) => true,
+                Some(Err(e)) => {
+                    let failure = EngineFailure::Internal(format!("the output constraint: {e}"));
+                    self.fail(now, item.id, failure);
+                    continue;
+                }
+            };
             seq.tokens.push(token.token);
             seq.first_token.get_or_insert(now);
-            let stop = seq.stop_token_ids.contains(&token.token)
+            let stop = complete
+                || seq.stop_token_ids.contains(&token.token)
                 || (!seq.ignore_eos && self.cfg.stop_tokens.contains(&token.token));
             let length =
                 seq.generated() >= seq.max_tokens || seq.tokens.len() >= self.cfg.max_model_len;

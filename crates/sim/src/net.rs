@@ -630,6 +630,7 @@ mod tests {
                     sampling: SamplingParams::greedy(),
                     logit_bias: Vec::new(),
                     generated: 0,
+                    constraint: None,
                     ignore_eos: false,
                     stop_token_ids: vec![],
                 },

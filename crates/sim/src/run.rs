@@ -639,6 +639,7 @@ async fn start_engine(w: &Arc<World>, node: u32, life: u64) -> Result<(), SimErr
         EngineOptions {
             sched: w.sched.clone(),
             check_invariants: w.sc.run.check_every_step.then_some(hook.clone()),
+            constraints: None,
         },
         Arc::new(SimClock(w.t0)),
         metrics,
@@ -938,6 +939,7 @@ async fn one_request(w: &Arc<World>, tenant: usize, rng: &mut Rng) {
         },
         logit_bias: Vec::new(),
         generated: 0,
+        constraint: None,
         ignore_eos: true,
         stop_token_ids: Vec::new(),
     };

@@ -114,6 +114,7 @@ fn submit(req: u64) -> Message {
             sampling: SamplingParams::greedy(),
             logit_bias: Vec::new(),
             generated: 0,
+            constraint: None,
             ignore_eos: false,
             stop_token_ids: vec![],
         },

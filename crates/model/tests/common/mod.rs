@@ -30,6 +30,7 @@ pub fn step_logits(e: &mut CpuExecutor, ids: &[u32], start: usize, table: &[u32]
         block_table: table,
         output: OutputKind::Logits,
         bias: &[],
+        allow: None,
     }];
     e.step(&batch, &mut out).unwrap();
     out.logits_of(0).unwrap().to_vec()

@@ -2,6 +2,7 @@
 //! the KV cache, and scenarios built on it.
 
 mod basic;
+mod constraint;
 mod migrate;
 mod prop;
 mod tiers;
@@ -102,6 +103,7 @@ impl Sim {
             sampling: SamplingParams::greedy(),
             logit_bias: Vec::new(),
             generated: 0,
+            constraint: None,
             ignore_eos: false,
             stop_token_ids: Vec::new(),
         }

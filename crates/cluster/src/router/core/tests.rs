@@ -133,6 +133,7 @@ impl H {
             sampling: SamplingParams::greedy(),
             logit_bias: Vec::new(),
             generated: 0,
+            constraint: None,
             ignore_eos: false,
             stop_token_ids: vec![],
         };

@@ -233,6 +233,7 @@ fn request(tenant: u32, prompt_len: u32) -> EngineRequest {
         sampling: SamplingParams::greedy(),
         logit_bias: Vec::new(),
         generated: 0,
+        constraint: None,
         ignore_eos: false,
         stop_token_ids: vec![],
     }

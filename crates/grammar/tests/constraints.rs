@@ -1,0 +1,121 @@
+//! The llguidance-backed compiler over the default model's real
+//! vocabulary: masks let through exactly what the constraint allows,
+//! commits track it to completion, and bad constraints are refused with a
+//! message.
+
+use flotilla_exec::Constraint;
+use flotilla_exec::constraint::allowed;
+use flotilla_gguf::GgufFile;
+use flotilla_text::TextSide;
+
+fn text() -> TextSide {
+    let g = GgufFile::open(&flotilla_hub::test_model_path()).unwrap();
+    TextSide::from_gguf(&g).unwrap()
+}
+
+/// Greedily spells `want` with the longest allowed token at each step
+/// (as a model that wants this text would), committing each; returns the
+/// tokens and whether the constraint said it was complete after the last.
+fn spell(c: &mut dyn flotilla_exec::TokenConstraint, t: &TextSide, want: &str) -> (Vec<u32>, bool) {
+    let mut rest = want.as_bytes();
+    let mut toks = Vec::new();
+    let mut words = Vec::new();
+    let mut done = false;
+    while !rest.is_empty() {
+        c.allowed(&mut words);
+        let best = (0..t.tokenizer.vocab_size() as u32)
+            .filter(|&id| allowed(&words, id))
+            .filter_map(|id| {
+                let b = t.tokenizer.token_bytes(id)?;
+                (!b.is_empty() && rest.starts_with(b)).then_some((b.len(), id))
+            })
+            .max()
+            .unwrap_or_else(|| {
+                panic!(
+                    "no allowed token spells {:?}",
+                    String::from_utf8_lossy(rest)
+                )
+            });
+        rest = &rest[best.0..];
+        toks.push(best.1);
+        done = c.commit(best.1).unwrap();
+    }
+    (toks, done)
+}
+
+#[test]
+fn a_regex_allows_only_its_language_and_ends_when_complete() {
+    let t = text();
+    let c = flotilla_grammar::compiler_for(&t).unwrap();
+    let mut m = c.compile(&Constraint::Regex("[0-9]{3}".into())).unwrap();
+    let mut words = Vec::new();
+    m.allowed(&mut words);
+    let n = t.tokenizer.vocab_size() as u32;
+    let ok: Vec<u32> = (0..n).filter(|&id| allowed(&words, id)).collect();
+    assert!(!ok.is_empty());
+    for &id in &ok {
+        let b = t.tokenizer.token_bytes(id).unwrap();
+        assert!(
+            !b.is_empty() && b.len() <= 3 && b.iter().all(u8::is_ascii_digit),
+            "token {id} {:?} allowed",
+            String::from_utf8_lossy(b)
+        );
+    }
+    let (_, done) = spell(m.as_mut(), &t, "123");
+    assert!(done, "three digits complete the regex");
+}
+
+#[test]
+fn a_json_schema_is_followed_to_the_end_and_only_eos_may_follow() {
+    let t = text();
+    let c = flotilla_grammar::compiler_for(&t).unwrap();
+    let schema = r#"{"type":"object","properties":{"name":{"type":"string"},"age":{"type":"integer"}},"required":["name","age"],"additionalProperties":false}"#;
+    let mut m = c.compile(&Constraint::JsonSchema(schema.into())).unwrap();
+    // A property the schema does not have is not allowed to start.
+    let mut words = Vec::new();
+    m.allowed(&mut words);
+    let (_, done) = spell(m.as_mut(), &t, r#"{"name":"Ada","age":36}"#);
+    assert!(done, "the closing brace completes the object");
+    let mut m = c.compile(&Constraint::JsonSchema(schema.into())).unwrap();
+    let (toks, done) = spell(m.as_mut(), &t, r#"{"name":"Ada","#);
+    assert!(!done && !toks.is_empty());
+    m.allowed(&mut words);
+    let eos = t.stop_tokens[0];
+    assert!(!allowed(&words, eos), "an unfinished object cannot end");
+    let bad = (0..t.tokenizer.vocab_size() as u32)
+        .find(|&id| t.tokenizer.token_bytes(id) == Some(b"}".as_slice()))
+        .unwrap();
+    assert!(!allowed(&words, bad), "'}}' before the required age");
+    assert!(
+        m.commit(bad).is_err(),
+        "a token outside the mask is an error"
+    );
+}
+
+#[test]
+fn bad_constraints_are_refused_with_a_message() {
+    let t = text();
+    let c = flotilla_grammar::compiler_for(&t).unwrap();
+    for (bad, says) in [
+        (Constraint::JsonSchema("{not json".into()), "not JSON"),
+        (Constraint::JsonSchema("3".into()), "object or a boolean"),
+        (
+            Constraint::JsonSchema(r#"{"type":"no-such-type"}"#.into()),
+            "",
+        ),
+        (Constraint::Regex("(unclosed".into()), ""),
+        (Constraint::Lark("start: undefined_rule".into()), ""),
+        (
+            Constraint::JsonSchema(format!("\"{}\"", "x".repeat(70_000))),
+            "at most",
+        ),
+    ] {
+        let e = c
+            .compile(&bad)
+            .err()
+            .unwrap_or_else(|| panic!("{bad:?} compiled"));
+        assert!(!e.is_empty() && e.contains(says), "{bad:?}: {e}");
+    }
+    // JSON object mode compiles.
+    assert!(c.compile(&Constraint::JsonObject).is_ok());
+}

@@ -1,0 +1,64 @@
+#!/usr/bin/env bash
+# Structured outputs under load: `flotilla serve` and llama.cpp's
+# `llama-server` on the same GGUF file, same machine, same run, each at 32
+# streams twice: every request constrained to tests/bench/bench-schema.json
+# (`response_format` json_schema; llama-server turns it into a grammar), and
+# the same load unconstrained. Prints output tok/s, TTFT and TPOT of each,
+# the constrained/unconstrained ratio per server, and flotilla's mask
+# computation time per token (crates/grammar's mask_time example).
+#   usage: tests/bench/structured-outputs.sh [LLAMA_BIN_DIR]
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+LLAMA_BIN=${1:-$HOME/.cache/flotilla-peers/llama.cpp/build/bin}
+OUT=${OUT:-target/bench-structured}
+THREADS=${THREADS:-$(nproc)}
+C=${C:-32}
+N=${N:-64}
+mkdir -p "$OUT"
+FLOTILLA=target/release/flotilla
+cargo build --release -p flotilla -p flotilla-grammar --example mask_time 2>&1 | tail -1
+MODEL=$($FLOTILLA fetch-model)
+SCHEMA=tests/bench/bench-schema.json
+
+wait_ready() { for _ in $(seq 1 600); do curl -sf "$1" >/dev/null && return 0; sleep 0.2; done; echo "server at $1 never became ready" >&2; return 1; }
+run() { # name url extra...
+  local name=$1 url=$2
+  shift 2
+  $FLOTILLA bench --url "$url" --chat --concurrency "$C" --requests "$N" --max-tokens 128 --seed 7 \
+    --quiet --label "$name" --json "$OUT/$name.json" "$@" >"$OUT/$name.txt"
+  grep -E "requests|output tok/s|TTFT|TPOT" "$OUT/$name.txt" | sed "s/^/[$name] /"
+}
+
+$FLOTILLA serve --model "$MODEL" --threads "$THREADS" --no-auth --port 8421 \
+  --max-num-seqs "$C" ${FLOTILLA_ARGS:-} 2>"$OUT/flotilla-serve.log" &
+PID=$!
+trap 'kill $PID 2>/dev/null || true' EXIT
+wait_ready http://127.0.0.1:8421/ready
+run flotilla-plain http://127.0.0.1:8421
+run flotilla-schema http://127.0.0.1:8421 --json-schema "$SCHEMA" --ignore-eos false
+kill $PID; wait $PID 2>/dev/null || true
+
+"$LLAMA_BIN/llama-server" -m "$MODEL" -t "$THREADS" -np "$C" -cb -c $((C * 512)) --port 8422 \
+  >"$OUT/llama-server.log" 2>&1 &
+PID=$!
+wait_ready http://127.0.0.1:8422/health
+run llama-plain http://127.0.0.1:8422
+run llama-schema http://127.0.0.1:8422 --json-schema "$SCHEMA" --ignore-eos false
+kill $PID; wait $PID 2>/dev/null || true
+trap - EXIT
+
+echo
+target/release/examples/mask_time --model "$MODEL"
+echo
+python3 - "$OUT" "$SCHEMA" <<'PY'
+import json, sys
+out, schema_path = sys.argv[1], sys.argv[2]
+r = {n: json.load(open(f"{out}/{n}.json")) for n in
+     ["flotilla-plain", "flotilla-schema", "llama-plain", "llama-schema"]}
+tps = {n: v["output_tokens_per_s"] for n, v in r.items()}
+for n, v in r.items():
+    print(f"{n:16} {tps[n]:8.1f} output tok/s, ok {v['requests_ok']}, failed {v['requests_failed']}")
+print(f"constrained / unconstrained: flotilla {tps['flotilla-schema'] / tps['flotilla-plain']:.2f}x, "
+      f"llama-server {tps['llama-schema'] / tps['llama-plain']:.2f}x")
+print(f"flotilla / llama-server, constrained: {tps['flotilla-schema'] / tps['llama-schema']:.2f}x")
+PY
