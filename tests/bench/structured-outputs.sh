@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # Structured outputs under load: `flotilla serve` and llama.cpp's
 # `llama-server` on the same GGUF file, same machine, same run, each at 32
-# streams twice: every request constrained to tests/bench/bench-schema.json
-# (`response_format` json_schema; llama-server turns it into a grammar), and
-# the same load unconstrained. Prints output tok/s, TTFT and TPOT of each,
+# streams twice, each on a fresh server: every request constrained to
+# tests/bench/bench-schema.json (`response_format` json_schema; llama-server
+# turns it into a grammar; the answer ends when the JSON is complete), and
+# the same load unconstrained (ignore_eos, to max_tokens). Prints output tok/s, TTFT and TPOT of each,
 # the constrained/unconstrained ratio per server, and flotilla's mask
 # computation time per token (crates/grammar's mask_time example).
 #   usage: tests/bench/structured-outputs.sh [LLAMA_BIN_DIR]
@@ -13,10 +14,12 @@ LLAMA_BIN=${1:-$HOME/.cache/flotilla-peers/llama.cpp/build/bin}
 OUT=${OUT:-target/bench-structured}
 THREADS=${THREADS:-$(nproc)}
 C=${C:-32}
-N=${N:-64}
+N=${N:-32}
+MAX_TOKENS=${MAX_TOKENS:-256}
 mkdir -p "$OUT"
 FLOTILLA=target/release/flotilla
-cargo build --release -p flotilla -p flotilla-grammar --example mask_time 2>&1 | tail -1
+cargo build --release -p flotilla 2>&1 | tail -1
+cargo build --release -p flotilla-grammar --example mask_time 2>&1 | tail -1
 MODEL=$($FLOTILLA fetch-model)
 SCHEMA=tests/bench/bench-schema.json
 
@@ -24,27 +27,30 @@ wait_ready() { for _ in $(seq 1 600); do curl -sf "$1" >/dev/null && return 0; s
 run() { # name url extra...
   local name=$1 url=$2
   shift 2
-  $FLOTILLA bench --url "$url" --chat --concurrency "$C" --requests "$N" --max-tokens 128 --seed 7 \
+  $FLOTILLA bench --url "$url" --chat --concurrency "$C" --requests "$N" --max-tokens "$MAX_TOKENS" --seed 7 \
     --quiet --label "$name" --json "$OUT/$name.json" "$@" >"$OUT/$name.txt"
   grep -E "requests|output tok/s|TTFT|TPOT" "$OUT/$name.txt" | sed "s/^/[$name] /"
 }
 
-$FLOTILLA serve --model "$MODEL" --threads "$THREADS" --no-auth --port 8421 \
-  --max-num-seqs "$C" ${FLOTILLA_ARGS:-} 2>"$OUT/flotilla-serve.log" &
-PID=$!
+# Each run on a fresh server, so neither rides on the other's prefix cache.
+flotilla_up() {
+  $FLOTILLA serve --model "$MODEL" --threads "$THREADS" --no-auth --port 8421 \
+    --max-num-seqs "$C" ${FLOTILLA_ARGS:-} 2>>"$OUT/flotilla-serve.log" &
+  PID=$!
+  wait_ready http://127.0.0.1:8421/ready
+}
+llama_up() {
+  "$LLAMA_BIN/llama-server" -m "$MODEL" -t "$THREADS" -np "$C" -cb -c $((C * 768)) --port 8422 \
+    >>"$OUT/llama-server.log" 2>&1 &
+  PID=$!
+  wait_ready http://127.0.0.1:8422/health
+}
+down() { kill "$PID"; wait "$PID" 2>/dev/null || true; }
 trap 'kill $PID 2>/dev/null || true' EXIT
-wait_ready http://127.0.0.1:8421/ready
-run flotilla-plain http://127.0.0.1:8421
-run flotilla-schema http://127.0.0.1:8421 --json-schema "$SCHEMA" --ignore-eos false
-kill $PID; wait $PID 2>/dev/null || true
-
-"$LLAMA_BIN/llama-server" -m "$MODEL" -t "$THREADS" -np "$C" -cb -c $((C * 512)) --port 8422 \
-  >"$OUT/llama-server.log" 2>&1 &
-PID=$!
-wait_ready http://127.0.0.1:8422/health
-run llama-plain http://127.0.0.1:8422
-run llama-schema http://127.0.0.1:8422 --json-schema "$SCHEMA" --ignore-eos false
-kill $PID; wait $PID 2>/dev/null || true
+flotilla_up; run flotilla-plain http://127.0.0.1:8421; down
+flotilla_up; run flotilla-schema http://127.0.0.1:8421 --json-schema "$SCHEMA" --ignore-eos false; down
+llama_up; run llama-plain http://127.0.0.1:8422; down
+llama_up; run llama-schema http://127.0.0.1:8422 --json-schema "$SCHEMA" --ignore-eos false; down
 trap - EXIT
 
 echo

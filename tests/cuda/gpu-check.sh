@@ -2,7 +2,7 @@
 # Everything about the CUDA backend that needs a GPU:
 #
 #   tests/cuda/gpu-check.sh [STAGE...]    stages: kernels model bench serve
-#                                         profile, or all (the default)
+#                                         gemma profile, or all (the default)
 #
 # kernels: the device and driver; every kernel through NVRTC for this
 #   device; crates/cuda's tests that need no model file: paged attention
@@ -15,8 +15,12 @@
 #   the backends.
 # bench: the bench example (prefill and decode at batch 1..256, achieved
 #   bandwidth, f16 and int8 KV) beside a device-to-device copy.
-# serve: `flotilla serve --device cuda:0` driven by tests/openai_client.py,
-#   then by `flotilla bench` at 32 and 256 streams (f16 and int8 KV).
+# serve: `flotilla serve --device cuda:0` driven by tests/openai_client.py
+#   and tests/structured_outputs.py, then by `flotilla bench` at 32 and 256
+#   streams and at 32 chat streams plain and under a JSON schema (f16 and
+#   int8 KV).
+# gemma: Gemma 3 270M's greedy tokens against the CPU backend (the model
+#   travels in parts, see pack.sh's GEMMA=1).
 # profile: each kernel's GPU time over a few decode steps (ncu).
 # Every step runs even when an earlier one failed; the summary at the end
 # names each step's result and the exit status is 1 if any failed. A test
@@ -82,6 +86,10 @@ done
 export LD_LIBRARY_PATH="$libs$dirs:${LD_LIBRARY_PATH:-}"
 export FLOTILLA_REQUIRE_GPU=1 FLOTILLA_REQUIRE_NVRTC=1
 
+# Gemma's first part carries the binaries when .gpu-a does not.
+[ -f .gpu-a/bins.tar.xz ] || [ ! -f /tmp/flotilla-gpu-g/bins.tar.xz ] || {
+  mkdir -p .gpu-a && cp /tmp/flotilla-gpu-g/bins.tar.xz /tmp/flotilla-gpu-g/built-at .gpu-a/
+}
 if [ -f .gpu-a/bins.tar.xz ]; then
   bin=/tmp/flotilla-gpu-bins
   if [ ! -x "$bin/gpu" ]; then
@@ -100,7 +108,8 @@ if [ -f .gpu-a/bins.tar.xz ]; then
     return $rc
   }
 else
-  cargo build --release -p flotilla -p flotilla-cuda --examples 2>&1 | tail -3
+  cargo build --release -p flotilla 2>&1 | tail -1
+  cargo build --release -p flotilla-cuda --examples 2>&1 | tail -1
   bin=target/release
   cp target/release/examples/bench target/release/bench
   cuda_tests() { timeout 900 cargo test --release -p flotilla-cuda -- "$@"; }
@@ -188,14 +197,15 @@ if want serve; then
   # The repository's openai-client test, against the default config (API keys on).
   step "serve --device $device (default config) ready" - serve
   client() {
-    OPENAI_BASE_URL="http://127.0.0.1:$port/v1" OPENAI_API_KEY=sk-flotilla-paid-example \
-      python3 tests/openai_client.py && curl -sf "http://127.0.0.1:$port/ready"
+    export OPENAI_BASE_URL="http://127.0.0.1:$port/v1" OPENAI_API_KEY=sk-flotilla-paid-example
+    python3 tests/openai_client.py && python3 tests/structured_outputs.py &&
+      curl -sf "http://127.0.0.1:$port/ready"
   }
   step "openai client" "$out/client.log" client
   stop
   # Serving throughput at 32 and 256 streams, f16 and int8 KV.
   : >"$out/load.md"
-  for dtype in f16 int8; do
+  for dtype in ${KV_DTYPES:-f16 int8}; do
     step "serve --device $device --kv-cache-dtype $dtype ready" - serve --no-auth \
       --kv-cache-dtype $dtype --max-num-seqs 256 --max-num-batched-tokens 4096
     load() {
@@ -206,6 +216,12 @@ if want serve; then
           --requests $((c * 4)) --max-tokens 128 --duration-s 90 --quiet \
           --label "flotilla $device $dtype KV, $c streams" || rc=1
       done
+      echo "### flotilla bench, 32 streams, $dtype KV, chat, plain and under tests/bench/bench-schema.json"
+      for schema in "" tests/bench/bench-schema.json; do
+        "$bin/flotilla" bench --url "http://127.0.0.1:$port" --concurrency 32 --chat \
+          --requests 128 --max-tokens 128 --duration-s 90 --quiet ${schema:+--json-schema $schema} \
+          ${schema:+--ignore-eos false} --label "flotilla $device $dtype KV, 32 chat ${schema:-plain}" || rc=1
+      done
       curl -s "http://127.0.0.1:$port/metrics" | grep -E '^flotilla_(kv_cache|requests_total)'
       return $rc
     }
@@ -213,6 +229,29 @@ if want serve; then
     cat "$out/load.$dtype.md" >>"$out/load.md" && rm "$out/load.$dtype.md"
     stop
   done
+fi
+
+# Gemma 3 270M on the device against the CPU backend (greedy, teacher
+# forced), from the parts pack.sh (GEMMA=1) split it into: each call
+# carries one .gpu-gN; every call with this stage stashes what it has in
+# /tmp/flotilla-gpu-g, and the one that completes the file runs the test.
+if want gemma; then
+  mkdir -p /tmp/flotilla-gpu-g
+  for d in .gpu-g*; do [ -d "$d" ] && cp "$d"/* /tmp/flotilla-gpu-g/; done
+  g=/tmp/flotilla-gpu-g
+  if [ -f $g/gemma.parts ]; then
+    gemma_test() {
+      local n model=/tmp/gemma-3-270m-q4_k_m.gguf
+      n=$(cat $g/gemma.parts)
+      for i in $(seq 1 "$n"); do cat "$g/gemma.part$i"; done >"$model"
+      echo "$(head -1 $g/gemma.sha256 | cut -d' ' -f1)  $model" | sha256sum -c --quiet || return 1
+      FLOTILLA_TEST_GEMMA3=$model cuda_tests --nocapture gemma3_greedy
+    }
+    step "Gemma 3 270M greedy tokens against the CPU backend" "$out/gemma.log" gemma_test
+    step "no gemma test skipped" - no_skips "$out/gemma.log"
+  else
+    echo "gemma: parts stashed: $(ls $g | tr '\n' ' ')"
+  fi
 fi
 
 # Where a decode step's time goes: each kernel's GPU time (Nsight Compute,

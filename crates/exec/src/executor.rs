@@ -170,8 +170,8 @@ pub struct SeqInput<'a> {
     /// What to return.
     pub output: OutputKind,
     /// Added to the sampled position's logits before sampling (and before
-    /// its log-probabilities): `(token, amount)` pairs, a token at most
-    /// once (the request's `logit_bias` with its penalties folded in; see
+    /// its log-probabilities): `(token, amount)` pairs in token order, a
+    /// token at most once (the request's `logit_bias` with its penalties folded in; see
     /// `flotilla_sched`). Empty for nearly every sequence; ignored unless
     /// `output` samples.
     pub bias: &'a [(u32, f32)],

@@ -61,6 +61,18 @@ pub fn sample(
     if bias.is_empty() && allow.is_none() {
         return sample_row(logits, p, position, scratch);
     }
+    let greedy = (p.temperature == 0.0 || p.top_k == 1) && !p.logprobs && p.top_logprobs == 0;
+    if greedy && let Some(words) = allow {
+        // The common constrained draw: the best allowed token, read off the
+        // mask's set bits, with no copy of the row.
+        if let Some(token) = masked_argmax(logits, bias, words) {
+            return Sampled {
+                token,
+                logprob: f32::NAN,
+                top: Vec::new(),
+            };
+        }
+    }
     let mut biased = std::mem::take(&mut scratch.biased);
     biased.clear();
     biased.extend_from_slice(logits);
@@ -70,12 +82,21 @@ pub fn sample(
         }
     }
     if let Some(words) = allow {
+        // Word by word: most words of a mask are all clear.
         let mut any = false;
-        for (i, v) in biased.iter_mut().enumerate() {
-            if flotilla_exec::constraint::allowed(words, i as u32) {
+        for (i, chunk) in biased.chunks_mut(32).enumerate() {
+            let w = words.get(i).copied().unwrap_or(0);
+            if w == u32::MAX {
                 any = true;
+            } else if w == 0 {
+                chunk.fill(f32::NEG_INFINITY);
             } else {
-                *v = f32::NEG_INFINITY;
+                any = true;
+                for (b, v) in chunk.iter_mut().enumerate() {
+                    if w >> b & 1 == 0 {
+                        *v = f32::NEG_INFINITY;
+                    }
+                }
             }
         }
         if !any {
@@ -114,6 +135,30 @@ fn sample_row(
         logprob,
         top,
     }
+}
+
+/// The best token `words` allows by `logits` plus `bias` (the first one on
+/// ties, NaN never), or `None` when it allows none with a value.
+fn masked_argmax(logits: &[f32], bias: &[(u32, f32)], words: &[u32]) -> Option<u32> {
+    let mut best: Option<(u32, f32)> = None;
+    for (i, &w) in words.iter().enumerate() {
+        let mut w = w;
+        while w != 0 {
+            let t = i as u32 * 32 + w.trailing_zeros();
+            w &= w - 1;
+            let Some(&l) = logits.get(t as usize) else {
+                return best.map(|b| b.0);
+            };
+            // Biases are few (a sorted list): look the token up.
+            let v = l + bias
+                .binary_search_by_key(&t, |&(id, _)| id)
+                .map_or(0.0, |k| bias[k].1);
+            if v > best.map_or(f32::NEG_INFINITY, |b| b.1) {
+                best = Some((t, v));
+            }
+        }
+    }
+    best.map(|b| b.0)
 }
 
 /// Index of the largest logit (the first one on ties).
@@ -513,5 +558,15 @@ mod tests {
         let none = vec![0u32; words.len()];
         let plain = sample(&l, &p, &[], None, 0, &mut s).token;
         assert_eq!(sample(&l, &p, &[], Some(&none), 0, &mut s).token, plain);
+        // The greedy fast path (no logprobs: no copy of the row) picks as
+        // the full path does, biases included.
+        let g = SamplingParams::greedy();
+        for bias in [vec![], vec![(5u32, 30.0)], vec![(40, 12.5), (999, -40.0)]] {
+            let fast = sample(&l, &g, &bias, Some(&words), 0, &mut s);
+            let full = sample(&l, &p, &bias, Some(&words), 0, &mut s);
+            assert_eq!(fast.token, full.token, "{bias:?}");
+            assert!(fast.logprob.is_nan());
+        }
+        assert_eq!(sample(&l, &g, &[], Some(&none), 0, &mut s).token, plain);
     }
 }
