@@ -11,6 +11,9 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
+mod common;
+
+use common::{openai_python, run_client_script};
 use futures_util::StreamExt;
 use serde_json::{Value, json};
 
@@ -353,49 +356,17 @@ async fn read_sse_counting(
     (chunks, err, done, text)
 }
 
-fn python() -> Option<String> {
-    if let Ok(p) = std::env::var("FLOTILLA_PYTHON") {
-        return Some(p);
-    }
-    let ok = Command::new("python3")
-        .args(["-c", "import openai"])
-        .status()
-        .is_ok_and(|s| s.success());
-    if !ok {
-        assert!(
-            std::env::var("CI").is_err(),
-            "CI must provide the openai client (FLOTILLA_PYTHON)"
-        );
-        eprintln!("SKIPPED: no python with the openai package (set FLOTILLA_PYTHON)");
-        return None;
-    }
-    Some("python3".into())
-}
-
 /// Runs tests/openai_client.py (the official client's calls) against the
 /// Router at `base`; it must end with ALL OK.
 fn run_openai_client(python: &str, base: &str) {
-    run_script(python, base, "openai_client.py");
-}
-
-/// Runs `tests/{script}` against the Router at `base`; it must end with ALL OK.
-fn run_script(python: &str, base: &str, script: &str) {
-    let script = format!("{}/../../tests/{script}", env!("CARGO_MANIFEST_DIR"));
-    let out = Command::new(python)
-        .arg(&script)
-        .env("OPENAI_BASE_URL", format!("{base}/v1"))
-        .env("OPENAI_API_KEY", PAID_KEY)
-        .output()
-        .unwrap();
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    eprintln!("{stdout}\n{}", String::from_utf8_lossy(&out.stderr));
-    assert!(out.status.success(), "{script} failed");
-    assert!(stdout.contains("ALL OK"), "{stdout}");
+    run_client_script(python, base, PAID_KEY, "openai_client.py");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn openai_client_through_router_and_two_workers() {
-    let Some(python) = python() else { return };
+    let Some(python) = openai_python() else {
+        return;
+    };
     let c = start_cluster();
     wait_for(&c.base, "both workers up", |r| {
         node(r, "worker-1")["up"] == true && node(r, "worker-2")["up"] == true
@@ -871,7 +842,9 @@ async fn gemma3_disaggregated_prefill_and_decode_give_the_colocated_tokens() {
 /// count of each node, and the official OpenAI client's calls all work.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_int8_kv_cluster_migrates_its_blocks_and_serves_the_openai_client() {
-    let Some(python) = python() else { return };
+    let Some(python) = openai_python() else {
+        return;
+    };
     let int8 = "\n[engine]\nkv_cache_dtype = \"int8\"\n";
     let mut c = start_cluster_config(
         &["prefill", "decode"],
@@ -895,7 +868,7 @@ async fn an_int8_kv_cluster_migrates_its_blocks_and_serves_the_openai_client() {
     run_openai_client(&python, &c.base);
     // Structured outputs across the split: the decode node rebuilds each
     // request's matcher from its constraint and the prefill node's token.
-    run_script(&python, &c.base, "structured_outputs.py");
+    run_client_script(&python, &c.base, PAID_KEY, "structured_outputs.py");
     disaggregated_equals_colocated_on(&mut c).await;
 }
 

@@ -6,6 +6,9 @@ use std::io::{BufRead, BufReader};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
+mod common;
+
+use common::{openai_python, run_client_script};
 use futures_util::StreamExt;
 use serde_json::{Value, json};
 
@@ -165,47 +168,11 @@ fn completion(prompt: &str, max_tokens: u32, stream: bool) -> Value {
            "temperature": 0, "ignore_eos": true})
 }
 
-/// The Python interpreter with the `openai` package, or `None` (skip) outside CI.
-fn openai_python() -> Option<String> {
-    match std::env::var("FLOTILLA_PYTHON") {
-        Ok(p) => Some(p),
-        Err(_) => {
-            let ok = Command::new("python3")
-                .args(["-c", "import openai"])
-                .status()
-                .is_ok_and(|s| s.success());
-            if !ok {
-                assert!(
-                    std::env::var("CI").is_err(),
-                    "CI must provide the openai client (FLOTILLA_PYTHON)"
-                );
-                eprintln!("SKIPPED: no python with the openai package (set FLOTILLA_PYTHON)");
-                return None;
-            }
-            Some("python3".to_string())
-        }
-    }
-}
-
 /// Runs tests/openai_client.py, then tests/structured_outputs.py, against `srv`.
 fn run_openai_client(python: &str, srv: &Server) {
-    run_python(python, srv, "openai_client.py");
-    run_python(python, srv, "structured_outputs.py");
-}
-
-/// Runs `tests/{script}` against `srv`; it prints ALL OK when it passes.
-fn run_python(python: &str, srv: &Server, script: &str) {
-    let script = format!("{}/../../tests/{script}", env!("CARGO_MANIFEST_DIR"));
-    let out = Command::new(python)
-        .arg(&script)
-        .env("OPENAI_BASE_URL", format!("{}/v1", srv.base))
-        .env("OPENAI_API_KEY", PAID_KEY)
-        .output()
-        .unwrap();
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    eprintln!("{stdout}\n{}", String::from_utf8_lossy(&out.stderr));
-    assert!(out.status.success(), "{script} failed");
-    assert!(stdout.contains("ALL OK"), "{stdout}");
+    for script in ["openai_client.py", "structured_outputs.py"] {
+        run_client_script(python, &srv.base, PAID_KEY, script);
+    }
 }
 
 /// The same client against Gemma 3 270M: SentencePiece detokenization in
