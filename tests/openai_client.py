@@ -101,12 +101,10 @@ toks = r.choices[0].logprobs.tokens
 assert len(toks) == 4 and len(set(toks)) == 1, toks
 print("logit_bias:", toks)
 
-# Asking for tools, which this server cannot honour yet, is a 400 naming
-# the field rather than a 200 with free text (structured outputs:
-# tests/structured_outputs.py).
+# A field this server does not honour (the legacy `functions`; tools are
+# tests/tool_calls.py) is a 400 naming it rather than a 200 that ignores it.
 for kwargs, param in [
-    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}],
-      "tool_choice": "required"}, "tools"),
+    ({"extra_body": {"functions": [{"name": "f", "parameters": {"type": "object"}}]}}, "functions"),
 ]:
     try:
         client.chat.completions.create(

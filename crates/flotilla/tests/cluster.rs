@@ -866,9 +866,12 @@ async fn an_int8_kv_cluster_migrates_its_blocks_and_serves_the_openai_client() {
     }
     assert_eq!(r["kv_cache_dtype"], "int8", "{r}");
     run_openai_client(&python, &c.base);
-    // Structured outputs across the split: the decode node rebuilds each
-    // request's matcher from its constraint and the prefill node's token.
-    run_client_script(&python, &c.base, PAID_KEY, "structured_outputs.py");
+    // Structured outputs and required tool calls across the split: the
+    // decode node rebuilds each request's matcher from its constraint and
+    // the prefill node's token.
+    for script in ["structured_outputs.py", "tool_calls.py"] {
+        run_client_script(&python, &c.base, PAID_KEY, script);
+    }
     disaggregated_equals_colocated_on(&mut c).await;
 }
 

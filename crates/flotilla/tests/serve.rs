@@ -168,9 +168,10 @@ fn completion(prompt: &str, max_tokens: u32, stream: bool) -> Value {
            "temperature": 0, "ignore_eos": true})
 }
 
-/// Runs tests/openai_client.py, then tests/structured_outputs.py, against `srv`.
+/// Runs tests/openai_client.py, tests/structured_outputs.py and
+/// tests/tool_calls.py against `srv`.
 fn run_openai_client(python: &str, srv: &Server) {
-    for script in ["openai_client.py", "structured_outputs.py"] {
+    for script in ["openai_client.py", "structured_outputs.py", "tool_calls.py"] {
         run_client_script(python, &srv.base, PAID_KEY, script);
     }
 }

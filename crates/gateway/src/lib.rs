@@ -10,6 +10,7 @@ pub mod error;
 pub mod openai;
 pub mod stream;
 pub mod text;
+pub mod tools;
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -222,6 +223,10 @@ impl Gateway {
             include_usage: p.include_usage,
             logprobs: p.sampling.logprobs,
             prompt_tokens,
+            tools: p
+                .tools
+                .as_ref()
+                .map(|t| tools::ToolCallParser::new(t.names(), mix(!n), !t.parallel)),
         };
         let req = EngineRequest {
             tenant,

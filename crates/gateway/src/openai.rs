@@ -15,6 +15,7 @@ use flotilla_text::chat::{ChatError, ChatMessage};
 use serde_json::{Map, Value};
 
 use crate::error::ApiError;
+use crate::tools::{self, Tools};
 
 /// Most stop strings a request may carry.
 pub const STOP_STRINGS_MAX: usize = 16;
@@ -59,9 +60,8 @@ const COMMON_FIELDS: &[&str] = &[
     "guided_regex",
     "guided_grammar",
 ];
-/// Fields only `/v1/chat/completions` reads (`tools` empty, `tool_choice`
-/// `none` or `auto` and `parallel_tool_calls` without tools, `modalities`
-/// `["text"]`: anything else in them is refused).
+/// Fields only `/v1/chat/completions` reads (`modalities` `["text"]`:
+/// anything else in it is refused).
 pub const CHAT_FIELDS: &[&str] = &[
     "messages",
     "max_completion_tokens",
@@ -111,8 +111,12 @@ pub struct Parsed {
     pub sampling: SamplingParams,
     /// `(token, bias)` from `logit_bias`, ids in the vocabulary, each once.
     pub logit_bias: Vec<(u32, f32)>,
-    /// What the output must match (`response_format` and the like).
+    /// What the output must match (`response_format` and the like, or a
+    /// tool call when `tool_choice` requires one).
     pub constraint: Option<Constraint>,
+    /// The tools the model was given (chat), when `tool_choice` is not
+    /// `none`: its text is parsed for calls.
+    pub tools: Option<Tools>,
     /// Stop strings (non-empty each), handled by the gateway.
     pub stop: Vec<String>,
     /// Extra token ids that end the request (vLLM's `stop_token_ids`).
@@ -180,8 +184,38 @@ pub fn parse(endpoint: Endpoint, body: &[u8], ctx: &ParseCtx<'_>) -> Result<Pars
     let (presence_penalty, frequency_penalty) =
         (penalty("presence_penalty")?, penalty("frequency_penalty")?);
     let logit_bias = logit_bias(&obj, ctx.text)?;
-    let constraint = constraint(&obj)?;
-    if let (Some((param, c)), Some(compiler)) = (&constraint, ctx.constraints) {
+    let mut constraint = constraint(&obj)?;
+    let tools = match endpoint {
+        Endpoint::Chat => tools::parse(&obj)?.filter(Tools::active),
+        Endpoint::Completions => None,
+    };
+    if let Some(t) = &tools {
+        // The tools' grammar is compiled even when nothing requires a call,
+        // so a bad parameter schema is a 400 whatever the choice.
+        let mut all = t.clone();
+        all.choice = tools::ToolChoice::Required;
+        let call = all.constraint().expect("required has a grammar");
+        if let Some(compiler) = ctx.constraints {
+            compiler
+                .compile(&call)
+                .map_err(|e| ApiError::invalid("tools", format!("a function's parameters: {e}")))?;
+        }
+        if let Some(c) = t.constraint() {
+            if let Some((param, _)) = &constraint {
+                return Err(ApiError::invalid(
+                    "tool_choice",
+                    format!(
+                        "this tool_choice requires a function call, and {param} asks for \
+                         other output: send one or the other"
+                    ),
+                ));
+            }
+            constraint = Some(("tool_choice", c));
+        }
+    }
+    if let (Some((param, c)), Some(compiler)) = (&constraint, ctx.constraints)
+        && *param != "tool_choice"
+    {
         compiler
             .compile(c)
             .map_err(|e| ApiError::invalid(param, format!("{}: {e}", c.kind())))?;
@@ -257,7 +291,7 @@ pub fn parse(endpoint: Endpoint, body: &[u8], ctx: &ParseCtx<'_>) -> Result<Pars
     };
 
     let (prompt, prompt_param) = match endpoint {
-        Endpoint::Chat => (chat_prompt(&obj, ctx.text)?, "messages"),
+        Endpoint::Chat => (chat_prompt(&obj, ctx.text, tools.as_ref())?, "messages"),
         Endpoint::Completions => (completion_prompt(&obj, ctx.text)?, "prompt"),
     };
     if prompt.is_empty() {
@@ -283,6 +317,7 @@ pub fn parse(endpoint: Endpoint, body: &[u8], ctx: &ParseCtx<'_>) -> Result<Pars
         sampling,
         logit_bias,
         constraint,
+        tools,
         stop,
         stop_token_ids,
         ignore_eos,
@@ -292,8 +327,8 @@ pub fn parse(endpoint: Endpoint, body: &[u8], ctx: &ParseCtx<'_>) -> Result<Pars
 }
 
 /// Refuses every field `endpoint` does not read, and every value of a read
-/// field that asks for something this server does not do (tools, other
-/// modalities), naming the field.
+/// field that asks for something this server does not do (other
+/// modalities, a suffix), naming the field.
 fn unhonoured(endpoint: Endpoint, obj: &Obj) -> Result<(), ApiError> {
     let own = match endpoint {
         Endpoint::Chat => CHAT_FIELDS,
@@ -316,32 +351,6 @@ fn unhonoured(endpoint: Endpoint, obj: &Obj) -> Result<(), ApiError> {
             k,
             format!("Unrecognized request argument supplied: {k}{elsewhere}"),
         ));
-    }
-    let tools = match opt(obj, "tools") {
-        None => 0,
-        Some(Value::Array(t)) => t.len(),
-        Some(_) => return Err(type_error("tools", "a list of tools")),
-    };
-    if tools > 0 {
-        return Err(ApiError::unsupported(
-            "tools",
-            "tool calling is not supported by this server yet: send the request without tools",
-        ));
-    }
-    match opt(obj, "tool_choice") {
-        None => {}
-        Some(Value::String(c)) if c == "none" || c == "auto" => {}
-        Some(_) => {
-            return Err(ApiError::unsupported(
-                "tool_choice",
-                "tool_choice may only be 'none' or 'auto' here: tool calling is not supported yet",
-            ));
-        }
-    }
-    if let Some(p) = opt(obj, "parallel_tool_calls")
-        && !p.is_boolean()
-    {
-        return Err(type_error("parallel_tool_calls", "a boolean"));
     }
     match opt(obj, "modalities") {
         None => {}
@@ -459,7 +468,7 @@ fn constraint(obj: &Obj) -> Result<Option<(&'static str, Constraint)>, ApiError>
 /// admits no properties beyond those it names (`additionalProperties:
 /// false`, which OpenAI requires of strict schemas), through properties,
 /// items, definitions and combinators.
-fn close_objects(v: &mut Value) {
+pub(crate) fn close_objects(v: &mut Value) {
     let Value::Object(o) = v else { return };
     let is_object =
         o.get("type").and_then(Value::as_str) == Some("object") || o.contains_key("properties");
@@ -659,7 +668,7 @@ fn stop_strings(obj: &Obj) -> Result<Vec<String>, ApiError> {
     Ok(list)
 }
 
-fn chat_prompt(obj: &Obj, text: &TextSide) -> Result<Vec<u32>, ApiError> {
+fn chat_prompt(obj: &Obj, text: &TextSide, tools: Option<&Tools>) -> Result<Vec<u32>, ApiError> {
     let Some(Value::Array(items)) = opt(obj, "messages") else {
         return Err(match opt(obj, "messages") {
             None => ApiError::invalid("messages", "'messages' is required"),
@@ -672,6 +681,12 @@ fn chat_prompt(obj: &Obj, text: &TextSide) -> Result<Vec<u32>, ApiError> {
             "'messages' must not be empty",
         ));
     }
+    let Some(template) = &text.chat else {
+        return Err(ApiError::invalid_body(
+            "this model has no chat template; use /v1/completions",
+        ));
+    };
+    let hermes = template.hermes_tools();
     let mut messages = Vec::with_capacity(items.len());
     for (i, m) in items.iter().enumerate() {
         let param = format!("messages[{i}]");
@@ -679,18 +694,22 @@ fn chat_prompt(obj: &Obj, text: &TextSide) -> Result<Vec<u32>, ApiError> {
             return Err(type_error(&param, "an object"));
         };
         let role = match m.get("role") {
-            Some(Value::String(r)) if matches!(r.as_str(), "system" | "user" | "assistant") => {
+            Some(Value::String(r))
+                if matches!(r.as_str(), "system" | "user" | "assistant" | "tool") =>
+            {
                 r.clone()
             }
+            // OpenAI's newer name for the system role.
+            Some(Value::String(r)) if r == "developer" => "system".to_owned(),
             Some(Value::String(r)) => {
                 return Err(ApiError::invalid(
                     &format!("{param}.role"),
-                    format!("unknown role '{r}': use system, user or assistant"),
+                    format!("unknown role '{r}': use system, developer, user, assistant or tool"),
                 ));
             }
             _ => return Err(type_error(&format!("{param}.role"), "a string")),
         };
-        let content = match m.get("content") {
+        let mut content = match m.get("content") {
             Some(Value::String(s)) => s.clone(),
             Some(Value::Array(parts)) => text_parts(parts, &param)?,
             None | Some(Value::Null) if role == "assistant" => String::new(),
@@ -701,17 +720,56 @@ fn chat_prompt(obj: &Obj, text: &TextSide) -> Result<Vec<u32>, ApiError> {
                 ));
             }
         };
-        messages.push(ChatMessage { role, content });
+        let mut tool_calls = None;
+        if let Some(calls) = m.get("tool_calls").filter(|v| !v.is_null()) {
+            if role != "assistant" {
+                return Err(ApiError::invalid(
+                    &format!("{param}.tool_calls"),
+                    "only assistant messages carry tool_calls",
+                ));
+            }
+            let (calls, blocks) = tools::assistant_calls(calls, &format!("{param}.tool_calls"))?;
+            if hermes {
+                tool_calls = Some(calls);
+            } else {
+                // The template has no place for calls: they are its text.
+                if !content.is_empty() {
+                    content.push('\n');
+                }
+                content.push_str(&blocks);
+            }
+        }
+        let tool_call_id = if role == "tool" {
+            match m.get("tool_call_id") {
+                Some(Value::String(id)) => Some(id.clone()),
+                _ => {
+                    return Err(type_error(
+                        &format!("{param}.tool_call_id"),
+                        "a string (the id of the call this answers)",
+                    ));
+                }
+            }
+        } else {
+            None
+        };
+        messages.push(ChatMessage {
+            role,
+            content,
+            tool_calls,
+            tool_call_id,
+        });
     }
-    let Some(template) = &text.chat else {
-        return Err(ApiError::invalid_body(
-            "this model has no chat template; use /v1/completions",
-        ));
+    let (messages, tools_value) = if hermes {
+        (messages, tools.map(|t| &t.raw))
+    } else {
+        (tools::generic_messages(messages, tools), None)
     };
-    let rendered = template.render(&messages, true).map_err(|e| match e {
-        ChatError::Raised(msg) => ApiError::invalid("messages", msg),
-        other => ApiError::invalid("messages", other.to_string()),
-    })?;
+    let rendered = template
+        .render_with_tools(&messages, tools_value, true)
+        .map_err(|e| match e {
+            ChatError::Raised(msg) => ApiError::invalid("messages", msg),
+            other => ApiError::invalid("messages", other.to_string()),
+        })?;
     // The template writes the model's own control tokens; they must become ids.
     text.tokenizer
         .encode(&rendered, true)
@@ -893,6 +951,44 @@ mod tests {
         assert!(r.sampling.logprobs && r.sampling.top_logprobs == 4);
         let prompt = text().tokenizer.decode(&r.prompt, false).unwrap();
         assert!(prompt.contains("be brief"), "{prompt}");
+    }
+
+    #[test]
+    fn a_hermes_template_gets_the_tools_calls_and_answers_in_its_own_markup() {
+        let path = flotilla_hub::test_model_path();
+        let mut t = TextSide::from_gguf(&flotilla_gguf::GgufFile::open(&path).unwrap()).unwrap();
+        let src = include_str!("../../../tests/fixtures/chat_templates/qwen2_5.jinja");
+        t.chat = Some(flotilla_text::chat::ChatTemplate::new(src, "", "<|im_end|>").unwrap());
+        let ctx = ParseCtx {
+            text: &t,
+            model_name: "m",
+            max_model_len: 4096,
+            default_seed: 1,
+            constraints: None,
+        };
+        let body = serde_json::json!({
+            "messages": [
+                {"role": "user", "content": "Weather in Paris?"},
+                {"role": "assistant", "content": null, "tool_calls": [{"id": "call_1",
+                 "type": "function", "function": {"name": "get_weather",
+                 "arguments": "{\"city\":\"Paris\"}"}}]},
+                {"role": "tool", "tool_call_id": "call_1", "content": "21 C"}],
+            "tools": [{"type": "function", "function": {"name": "get_weather",
+                "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}],
+        });
+        let r = parse(Endpoint::Chat, body.to_string().as_bytes(), &ctx).unwrap();
+        let prompt = t.tokenizer.decode(&r.prompt, false).unwrap();
+        for want in [
+            "<tools>\n{\"type\": \"function\", \"function\": {\"name\": \"get_weather\"",
+            "<|im_start|>assistant\n<tool_call>\n{\"name\": \"get_weather\", \"arguments\": \
+             {\"city\": \"Paris\"}}\n</tool_call><|im_end|>",
+            "<|im_start|>user\n<tool_response>\n21 C\n</tool_response><|im_end|>",
+        ] {
+            assert!(prompt.contains(want), "{want:?} not in {prompt}");
+        }
+        // The template's own system prompt, not the generic one.
+        assert!(!prompt.contains("# Tools\n\nYou may call") || prompt.contains("You are Qwen"));
+        assert_eq!(r.tools.unwrap().choice, crate::tools::ToolChoice::Auto);
     }
 
     #[test]

@@ -18,6 +18,7 @@ use serde_json::{Value, json};
 use crate::error::ApiError;
 use crate::openai::Endpoint;
 use crate::text::{Assembler, Delta, TokenLogprob};
+use crate::tools::{ToolCallParser, ToolEvent};
 
 /// A stream with no event for this long gets an SSE comment, so a client
 /// that went away while the request queues is noticed (the write fails).
@@ -39,6 +40,56 @@ pub struct Meta {
     pub logprobs: bool,
     /// Prompt length, tokens.
     pub prompt_tokens: u32,
+    /// Reads tool calls out of the text (chat with tools).
+    pub tools: Option<ToolCallParser>,
+}
+
+/// Why a request ended, as the response says it: `tool_calls` when the
+/// model stopped after calling tools.
+fn finish_str(reason: FinishReason, tools: &Option<ToolCallParser>) -> &'static str {
+    match tools {
+        Some(p) if p.calls() > 0 && reason == FinishReason::Stop => "tool_calls",
+        _ => reason.as_str(),
+    }
+}
+
+/// The calls of a whole response, and its text outside them.
+#[derive(Default)]
+struct Calls {
+    content: String,
+    /// `(id, name, arguments)`.
+    calls: Vec<(String, String, String)>,
+}
+
+impl Calls {
+    fn apply(&mut self, ev: Vec<ToolEvent>) {
+        for e in ev {
+            match e {
+                ToolEvent::Content(t) => self.content.push_str(&t),
+                ToolEvent::Start { id, name, .. } => self.calls.push((id, name, String::new())),
+                ToolEvent::Args { index, text } => {
+                    if let Some(c) = self.calls.get_mut(index) {
+                        c.2.push_str(&text);
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// The text pieces of one token, through the tool parser when there is one.
+fn events(tools: &mut Option<ToolCallParser>, text: &str, last: bool) -> Vec<ToolEvent> {
+    match tools {
+        None if text.is_empty() => Vec::new(),
+        None => vec![ToolEvent::Content(text.to_owned())],
+        Some(p) => {
+            let mut ev = p.push(text);
+            if last {
+                ev.extend(p.finish());
+            }
+            ev
+        }
+    }
 }
 
 /// One step of an accepted request.
@@ -103,37 +154,78 @@ async fn next_step(
     }
 }
 
+/// The end of a request whose tool parser has read the one call allowed:
+/// the rest is not wanted, so the request ends here as a stop string ends it.
+fn tools_done(rs: &mut RequestStream, asm: &Assembler, meta: &Meta) -> Option<Step> {
+    if !meta.tools.as_ref().is_some_and(ToolCallParser::done) {
+        return None;
+    }
+    rs.ended_by_stop_string();
+    Some(Step::Done {
+        last: Delta::default(),
+        reason: FinishReason::Stop,
+        usage: Usage {
+            prompt_tokens: meta.prompt_tokens,
+            completion_tokens: asm.tokens(),
+            cached_tokens: 0,
+        },
+    })
+}
+
 /// Waits for the whole completion and answers with one JSON body.
-pub async fn collect(mut rs: RequestStream, mut asm: Assembler, meta: Meta) -> Response {
-    let mut text = String::new();
+pub async fn collect(mut rs: RequestStream, mut asm: Assembler, mut meta: Meta) -> Response {
+    let mut out = Calls::default();
     let mut lps: Vec<TokenLogprob> = Vec::new();
     loop {
-        match next_step(&mut rs, &mut asm, &meta, None).await {
-            Step::Text(d) => {
-                text.push_str(&d.text);
-                lps.extend(d.logprob);
+        let mut step = next_step(&mut rs, &mut asm, &meta, None).await;
+        if let Step::Text(d) = &step {
+            out.apply(events(&mut meta.tools, &d.text, false));
+            lps.extend(d.logprob.clone());
+            match tools_done(&mut rs, &asm, &meta) {
+                Some(done) => step = done,
+                None => continue,
             }
+        }
+        match step {
+            Step::Text(_) | Step::Idle => {}
             Step::Done {
                 last,
                 reason,
                 usage,
             } => {
                 drop(rs);
-                text.push_str(&last.text);
+                out.apply(events(&mut meta.tools, &last.text, true));
                 lps.extend(last.logprob);
                 let lp = meta.logprobs.then(|| logprobs_json(meta.endpoint, &lps));
+                let finish = finish_str(reason, &meta.tools);
                 let choice = match meta.endpoint {
-                    Endpoint::Chat => json!({
-                        "index": 0,
-                        "message": {"role": "assistant", "content": text},
-                        "logprobs": lp,
-                        "finish_reason": reason.as_str(),
-                    }),
+                    Endpoint::Chat => {
+                        let mut message = json!({"role": "assistant", "content": out.content});
+                        if !out.calls.is_empty() {
+                            if out.content.trim().is_empty() {
+                                message["content"] = Value::Null;
+                            }
+                            message["tool_calls"] = out
+                                .calls
+                                .iter()
+                                .map(|(id, name, args)| {
+                                    json!({"id": id, "type": "function",
+                                           "function": {"name": name, "arguments": args}})
+                                })
+                                .collect();
+                        }
+                        json!({
+                            "index": 0,
+                            "message": message,
+                            "logprobs": lp,
+                            "finish_reason": finish,
+                        })
+                    }
                     Endpoint::Completions => json!({
                         "index": 0,
-                        "text": text,
+                        "text": out.content,
                         "logprobs": lp,
-                        "finish_reason": reason.as_str(),
+                        "finish_reason": finish,
                     }),
                 };
                 let object = match meta.endpoint {
@@ -151,7 +243,6 @@ pub async fn collect(mut rs: RequestStream, mut asm: Assembler, meta: Meta) -> R
                 .into_response();
             }
             Step::Fail(f) => return ApiError::Failed(f).into_response(),
-            Step::Idle => {}
         }
     }
 }
@@ -177,6 +268,18 @@ impl Sse {
         lps: &[TokenLogprob],
         finish: Option<&str>,
     ) -> Value {
+        self.chunk_with(text, None, role, lps, finish)
+    }
+
+    /// A chunk; `call` is a chat delta's `tool_calls` entry.
+    fn chunk_with(
+        &self,
+        text: Option<&str>,
+        call: Option<Value>,
+        role: bool,
+        lps: &[TokenLogprob],
+        finish: Option<&str>,
+    ) -> Value {
         let lp =
             (self.meta.logprobs && !lps.is_empty()).then(|| logprobs_json(self.meta.endpoint, lps));
         let (object, choice) = match self.meta.endpoint {
@@ -187,6 +290,9 @@ impl Sse {
                 }
                 if let Some(t) = text {
                     delta.insert("content".into(), t.into());
+                }
+                if let Some(c) = call {
+                    delta.insert("tool_calls".into(), json!([c]));
                 }
                 (
                     "chat.completion.chunk",
@@ -211,21 +317,47 @@ impl Sse {
         v
     }
 
-    /// A chunk for a token, unless it adds nothing.
-    fn delta(&mut self, d: &Delta) {
-        if d.text.is_empty() && d.logprob.is_none() {
-            return;
+    /// The chunks for a token (its log-probability rides on the first),
+    /// unless it adds nothing.
+    fn delta(&mut self, d: &Delta, last: bool) {
+        let ev = events(&mut self.meta.tools, &d.text, last);
+        let mut lps: Vec<TokenLogprob> = d.logprob.iter().cloned().collect();
+        if ev.is_empty() && !lps.is_empty() {
+            let c = self.chunk_with(Some(""), None, false, &lps, None);
+            self.data(&c);
         }
-        let lps: Vec<TokenLogprob> = d.logprob.iter().cloned().collect();
-        let c = self.chunk(Some(&d.text), false, &lps, None);
-        self.data(&c);
+        for e in ev {
+            let c = match e {
+                ToolEvent::Content(t) => self.chunk_with(Some(&t), None, false, &lps, None),
+                ToolEvent::Start { index, id, name } => {
+                    let call = json!({"index": index, "id": id, "type": "function",
+                                      "function": {"name": name, "arguments": ""}});
+                    self.chunk_with(None, Some(call), false, &lps, None)
+                }
+                ToolEvent::Args { index, text } => {
+                    let call = json!({"index": index, "function": {"arguments": text}});
+                    self.chunk_with(None, Some(call), false, &lps, None)
+                }
+            };
+            lps.clear();
+            self.data(&c);
+        }
     }
 
     /// Queues the next frames; the request ends in `out` with `[DONE]`.
     async fn advance(&mut self) {
         let Some(rs) = self.rs.as_mut() else { return };
-        match next_step(rs, &mut self.asm, &self.meta, Some(KEEPALIVE)).await {
-            Step::Text(d) => self.delta(&d),
+        let mut step = next_step(rs, &mut self.asm, &self.meta, Some(KEEPALIVE)).await;
+        if let Step::Text(d) = &step {
+            self.delta(d, false);
+            let Some(rs) = self.rs.as_mut() else { return };
+            match tools_done(rs, &self.asm, &self.meta) {
+                Some(done) => step = done,
+                None => return,
+            }
+        }
+        match step {
+            Step::Text(_) => {}
             Step::Idle => self.out.push_back(Bytes::from_static(b": keep-alive\n\n")),
             Step::Done {
                 last,
@@ -233,9 +365,10 @@ impl Sse {
                 usage,
             } => {
                 self.rs = None;
-                self.delta(&last);
+                self.delta(&last, true);
                 // Chat's last chunk has an empty delta; completions' an empty text.
-                let fin = self.chunk(None, false, &[], Some(reason.as_str()));
+                let finish = finish_str(reason, &self.meta.tools);
+                let fin = self.chunk(None, false, &[], Some(finish));
                 self.data(&fin);
                 if self.meta.include_usage {
                     let u = json!({

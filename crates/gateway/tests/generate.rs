@@ -347,3 +347,176 @@ async fn client_disconnect_drops_the_request_stream() {
         "non-streaming: the engine never saw the cancel"
     );
 }
+
+fn weather_tools() -> Value {
+    json!([{"type": "function", "function": {"name": "get_weather",
+        "description": "Current weather in a city",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                       "required": ["city"]}}},
+           {"type": "function", "function": {"name": "get_time"}}])
+}
+
+#[tokio::test]
+async fn tool_calls_in_openai_shapes_streamed_and_not() {
+    let s = serve(ClusterConfig::open()).await;
+    let said = "Checking.\n<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \
+                \"Paris\"}}\n</tool_call>\n<tool_call>\n{\"name\": \"get_time\", \"arguments\": \
+                {}}\n</tool_call>";
+    let ids = text().tokenizer.encode(said, false).unwrap();
+    s.fake.set(Mode::Script(ids.clone(), FinishReason::Stop));
+    let body = chat_body(json!({"tools": weather_tools()}));
+    let (st, v) = s.post("/v1/chat/completions", &body).await;
+    assert_eq!(st, 200, "{v}");
+    let choice = &v["choices"][0];
+    assert_eq!(choice["finish_reason"], "tool_calls", "{v}");
+    assert_eq!(choice["message"]["content"], "Checking.");
+    let calls = choice["message"]["tool_calls"].as_array().unwrap();
+    assert_eq!(calls.len(), 2, "{v}");
+    assert_eq!(calls[0]["type"], "function");
+    assert_eq!(calls[0]["function"]["name"], "get_weather");
+    assert_eq!(calls[0]["function"]["arguments"], "{\"city\": \"Paris\"}");
+    assert_eq!(calls[1]["function"]["name"], "get_time");
+    assert!(calls[0]["id"].as_str().unwrap().starts_with("call_"));
+    assert_ne!(calls[0]["id"], calls[1]["id"]);
+    assert_eq!(v["usage"]["completion_tokens"], ids.len() as u64);
+    // auto: nothing constrains the model; a template without a tool format
+    // gets the tools and the format in its system prompt.
+    let (req, _) = s.fake.last();
+    assert_eq!(req.constraint, None);
+    let prompt = text().tokenizer.decode(&req.prompt, false).unwrap();
+    assert!(
+        prompt.starts_with("<|im_start|>system\n# Tools\n") && prompt.contains("\"get_weather\""),
+        "{prompt}"
+    );
+
+    // Streamed: a start chunk per call (id, name, empty arguments), then
+    // argument pieces that join to the arguments.
+    let mut sbody = body.clone();
+    sbody["stream"] = json!(true);
+    let (st, data) = s.post_sse("/v1/chat/completions", &sbody).await;
+    assert_eq!(st, 200);
+    let chunks = parse_chunks(&data);
+    let mut content = String::new();
+    let mut streamed: Vec<(String, String, String)> = Vec::new();
+    for c in &chunks {
+        let d = &c["choices"][0]["delta"];
+        content.push_str(d["content"].as_str().unwrap_or(""));
+        for tc in d["tool_calls"].as_array().into_iter().flatten() {
+            let i = tc["index"].as_u64().unwrap() as usize;
+            if let Some(id) = tc["id"].as_str() {
+                assert_eq!(i, streamed.len());
+                assert_eq!(tc["function"]["arguments"], "");
+                let name = tc["function"]["name"].as_str().unwrap().to_owned();
+                streamed.push((id.to_owned(), name, String::new()));
+            } else {
+                assert!(tc.get("id").is_none() && tc["function"].get("name").is_none());
+                streamed[i]
+                    .2
+                    .push_str(tc["function"]["arguments"].as_str().unwrap());
+            }
+        }
+    }
+    assert_eq!(content, "Checking.");
+    let want: Vec<(String, String, String)> = calls
+        .iter()
+        .map(|c| {
+            let f = &c["function"];
+            let s = |v: &Value| v.as_str().unwrap().to_owned();
+            (s(&c["id"]), s(&f["name"]), s(&f["arguments"]))
+        })
+        .collect();
+    let names_args = |v: &[(String, String, String)]| -> Vec<(String, String)> {
+        v.iter().map(|(_, n, a)| (n.clone(), a.clone())).collect()
+    };
+    assert_eq!(names_args(&streamed), names_args(&want));
+    // Argument pieces arrive as tokens do, not in one piece at the end.
+    let pieces = chunks
+        .iter()
+        .filter(|c| c["choices"][0]["delta"]["tool_calls"][0]["function"]["arguments"] != "")
+        .filter(|c| !c["choices"][0]["delta"]["tool_calls"].is_null())
+        .count();
+    assert!(pieces > 4, "{pieces} argument chunks");
+    let fin = &chunks[chunks.len() - 1];
+    assert_eq!(fin["choices"][0]["finish_reason"], "tool_calls");
+
+    // parallel_tool_calls false: the request ends after the first call.
+    let mut one = body.clone();
+    one["parallel_tool_calls"] = json!(false);
+    let (st, v) = s.post("/v1/chat/completions", &one).await;
+    assert_eq!(st, 200, "{v}");
+    assert_eq!(
+        v["choices"][0]["message"]["tool_calls"]
+            .as_array()
+            .unwrap()
+            .len(),
+        1
+    );
+    assert!(s.fake.last().1.stop_string.load(Ordering::SeqCst));
+
+    // A call of a function that was not listed stays text.
+    let rogue = "<tool_call>\n{\"name\": \"rm\", \"arguments\": {}}\n</tool_call>";
+    s.fake.set(Mode::Script(
+        text().tokenizer.encode(rogue, false).unwrap(),
+        FinishReason::Stop,
+    ));
+    let (_, v) = s.post("/v1/chat/completions", &body).await;
+    assert_eq!(v["choices"][0]["message"]["content"], rogue);
+    assert!(v["choices"][0]["message"].get("tool_calls").is_none());
+    assert_eq!(v["choices"][0]["finish_reason"], "stop");
+
+    // required and a named function constrain generation to call blocks;
+    // none leaves the tools out.
+    for (choice, grammar) in [
+        (json!("required"), Some("get_time")),
+        (
+            json!({"type": "function", "function": {"name": "get_weather"}}),
+            None,
+        ),
+        (json!("none"), None),
+    ] {
+        let mut b = body.clone();
+        b["tool_choice"] = choice.clone();
+        let (st, v) = s.post("/v1/chat/completions", &b).await;
+        assert_eq!(st, 200, "{v}");
+        let (req, _) = s.fake.last();
+        let prompt = text().tokenizer.decode(&req.prompt, false).unwrap();
+        match (&req.constraint, choice.as_str()) {
+            (None, Some("none")) => assert!(!prompt.contains("# Tools"), "{prompt}"),
+            (Some(Constraint::Lark(g)), _) => {
+                assert!(
+                    g.contains("get_weather") && prompt.contains("# Tools"),
+                    "{g}"
+                );
+                assert_eq!(grammar.is_some_and(|n| g.contains(n)), grammar.is_some());
+                if grammar.is_none() {
+                    assert!(!g.contains("get_time"), "{g}");
+                }
+            }
+            other => panic!("{choice}: {other:?}"),
+        }
+    }
+
+    // The next turn: the assistant's calls and the tool's answers render
+    // in the prompt (as text and user turns for this template).
+    let turn = json!({"messages": [
+        {"role": "user", "content": "Weather in Paris?"},
+        {"role": "assistant", "content": null, "tool_calls": [{"id": "call_1",
+         "type": "function", "function": {"name": "get_weather",
+         "arguments": "{\"city\":\"Paris\"}"}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "21 C, sunny"}],
+        "max_tokens": 8});
+    let (st, v) = s.post("/v1/chat/completions", &turn).await;
+    assert_eq!(st, 200, "{v}");
+    let prompt = text()
+        .tokenizer
+        .decode(&s.fake.last().0.prompt, false)
+        .unwrap();
+    assert!(
+        prompt.contains(
+            "<|im_start|>assistant\n<tool_call>\n{\"name\": \"get_weather\", \"arguments\": \
+             {\"city\": \"Paris\"}}\n</tool_call><|im_end|>\n<|im_start|>user\n<tool_response>\n\
+             21 C, sunny\n</tool_response><|im_end|>\n<|im_start|>assistant\n"
+        ),
+        "{prompt}"
+    );
+}

@@ -121,15 +121,50 @@ async fn bad_input_never_reaches_the_engine() {
             "guided_regex",
         ),
         (
-            "tools",
-            chat_body(json!({"tools": [{"type": "function",
-                "function": {"name": "f", "parameters": {"type": "object"}}}]})),
-            "tools",
+            "tool of another type",
+            chat_body(json!({"tools": [{"type": "code_interpreter"}]})),
+            "tools[0].type",
         ),
         (
-            "tool_choice required",
+            "tool name with a space",
+            chat_body(json!({"tools": [{"type": "function",
+                "function": {"name": "get weather"}}]})),
+            "tools[0].function.name",
+        ),
+        (
+            "tool_choice required without tools",
             chat_body(json!({"tool_choice": "required"})),
             "tool_choice",
+        ),
+        (
+            "tool_choice names an unlisted function",
+            chat_body(
+                json!({"tools": [{"type": "function", "function": {"name": "f"}}],
+                             "tool_choice": {"type": "function", "function": {"name": "g"}}}),
+            ),
+            "tool_choice",
+        ),
+        (
+            "a required call and a response_format",
+            chat_body(
+                json!({"tools": [{"type": "function", "function": {"name": "f"}}],
+                             "tool_choice": "required",
+                             "response_format": {"type": "json_object"}}),
+            ),
+            "tool_choice",
+        ),
+        (
+            "tool message without tool_call_id",
+            msgs(json!([{"role": "user", "content": "hi"},
+                        {"role": "tool", "content": "42"}])),
+            "messages[1].tool_call_id",
+        ),
+        (
+            "assistant call with arguments that are not JSON",
+            msgs(json!([{"role": "user", "content": "hi"},
+                        {"role": "assistant", "content": null, "tool_calls": [{"id": "c",
+                         "type": "function", "function": {"name": "f", "arguments": "{x"}}]}])),
+            "messages[1].tool_calls[0].function.arguments",
         ),
         (
             "legacy functions",

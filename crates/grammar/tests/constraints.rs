@@ -119,3 +119,69 @@ fn bad_constraints_are_refused_with_a_message() {
     // JSON object mode compiles.
     assert!(c.compile(&Constraint::JsonObject).is_ok());
 }
+
+#[test]
+fn a_required_tool_call_follows_a_listed_function_and_its_parameters() {
+    let t = text();
+    let c = flotilla_grammar::compiler_for(&t).unwrap();
+    let body = serde_json::json!({
+        "tools": [{"type": "function", "function": {"name": "get_weather",
+            "parameters": {"type": "object", "properties": {
+                "city": {"type": "string"}, "unit": {"enum": ["C", "F"]}},
+                "required": ["city", "unit"]}}},
+            {"type": "function", "function": {"name": "get_time"}}],
+        "tool_choice": "required", "parallel_tool_calls": true});
+    let tools = flotilla_gateway::tools::parse(body.as_object().unwrap())
+        .unwrap()
+        .unwrap();
+    let grammar = tools.constraint().unwrap();
+    let call = "<tool_call>\n{\"name\": \"get_weather\", \"arguments\": \
+                {\"city\":\"Oslo\",\"unit\":\"C\"}}\n</tool_call>";
+    let mut m = c.compile(&grammar).unwrap();
+    let (_, done) = spell(m.as_mut(), &t, call);
+    assert!(!done, "parallel calls: another may follow");
+    // End-of-sequence may end it now, or a second call follow.
+    let eos = t.tokenizer.eos().unwrap();
+    let mut words = Vec::new();
+    m.allowed(&mut words);
+    assert!(allowed(&words, eos));
+    let (_, done) = spell(
+        m.as_mut(),
+        &t,
+        "\n<tool_call>\n{\"name\": \"get_time\", \"arguments\": {}}\n</tool_call>",
+    );
+    assert!(!done);
+    assert!(
+        m.commit(eos).unwrap(),
+        "end-of-sequence completes the calls"
+    );
+
+    // One call only: complete at its closing tag.
+    let mut one = tools.clone();
+    one.parallel = false;
+    let mut m = c.compile(&one.constraint().unwrap()).unwrap();
+    let (_, done) = spell(m.as_mut(), &t, call);
+    assert!(done, "a single call is complete at </tool_call>");
+
+    // Neither a function that is not listed, nor an argument the schema
+    // does not allow, nor text before the call may be written.
+    for (prefix, bad) in [
+        ("<tool_call>\n{\"name\": \"get_", "date"),
+        (
+            "<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\":\"Oslo\",\"unit\":\"",
+            "K",
+        ),
+        ("", "Sure"),
+    ] {
+        let mut m = c.compile(&grammar).unwrap();
+        spell(m.as_mut(), &t, prefix);
+        m.allowed(&mut words);
+        let n = t.tokenizer.vocab_size() as u32;
+        let spelt = (0..n).filter(|&id| allowed(&words, id)).any(|id| {
+            t.tokenizer
+                .token_bytes(id)
+                .is_some_and(|b| !b.is_empty() && bad.as_bytes().starts_with(b))
+        });
+        assert!(!spelt, "{bad:?} may not follow {prefix:?}");
+    }
+}

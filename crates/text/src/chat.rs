@@ -12,22 +12,35 @@
 //! * globals `raise_exception(msg)` (the render fails with
 //!   [`ChatError::Raised`]) and `strftime_now(fmt)` (current UTC time; `%Y %m
 //!   %d %e %H %M %S %y %j %B %b %A %a %%` are supported);
+//! * `tojson` as `transformers` defines it (Python's `json.dumps`: `", "`
+//!   and `": "` separators, non-ASCII kept, `indent` honoured, no HTML
+//!   escaping), so a template's tool list reads as the model saw it in
+//!   training;
 //! * context variables `messages`, `add_generation_prompt`, `bos_token`,
-//!   `eos_token`.
+//!   `eos_token`, and `tools` when the request has tools (OpenAI's list of
+//!   `{"type": "function", "function": {...}}`). Messages carry
+//!   `tool_calls` (arguments as JSON values, as `transformers` passes them)
+//!   and `tool_call_id` when they have them.
 //!
 //! Not supported: `{% break %}`/`{% continue %}` (minijinja's non-default
-//! `loop_controls` feature) and tool-calling variables (`tools`, `documents`),
-//! which render as undefined.
+//! `loop_controls` feature) and `documents`, which renders as undefined.
 
 use minijinja::{Environment, Error, ErrorKind, Value, context};
 
 /// One chat message.
 #[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct ChatMessage {
-    /// `"system"`, `"user"`, `"assistant"`, …
+    /// `"system"`, `"user"`, `"assistant"`, `"tool"`, …
     pub role: String,
     /// The message text.
     pub content: String,
+    /// An assistant turn's calls: `[{"id", "type": "function", "function":
+    /// {"name", "arguments": <JSON value>}}]`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tool_calls: Option<serde_json::Value>,
+    /// A `tool` turn's answer is to this call.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tool_call_id: Option<String>,
 }
 
 impl ChatMessage {
@@ -36,6 +49,8 @@ impl ChatMessage {
         ChatMessage {
             role: role.into(),
             content: content.into(),
+            tool_calls: None,
+            tool_call_id: None,
         }
     }
 }
@@ -66,6 +81,8 @@ pub struct ChatTemplate {
     env: Environment<'static>,
     bos_token: String,
     eos_token: String,
+    /// The template writes tools and reads calls in Hermes' format.
+    hermes_tools: bool,
 }
 
 impl std::fmt::Debug for ChatTemplate {
@@ -90,13 +107,23 @@ impl ChatTemplate {
         env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
         env.add_function("raise_exception", raise_exception);
         env.add_function("strftime_now", strftime_now);
+        env.add_filter("tojson", tojson);
         env.add_template_owned(TEMPLATE_NAME, source.to_owned())
             .map_err(ChatError::Syntax)?;
         Ok(ChatTemplate {
             env,
             bos_token: bos_token.to_owned(),
             eos_token: eos_token.to_owned(),
+            hermes_tools: source.contains("tools") && source.contains("<tool_call>"),
         })
+    }
+
+    /// Whether the template has its own tool-calling format, Hermes' (Qwen
+    /// 2.5 and 3, Hermes, SmolLM3 and others): it lists `tools` in the
+    /// prompt, the model answers with `<tool_call>\n{"name": ..., "arguments":
+    /// ...}\n</tool_call>`, and `tool` messages come back in its own markup.
+    pub fn hermes_tools(&self) -> bool {
+        self.hermes_tools
     }
 
     /// Render the prompt for `messages`. With `add_generation_prompt`, the
@@ -105,6 +132,17 @@ impl ChatTemplate {
     pub fn render(
         &self,
         messages: &[ChatMessage],
+        add_generation_prompt: bool,
+    ) -> Result<String, ChatError> {
+        self.render_with_tools(messages, None, add_generation_prompt)
+    }
+
+    /// [`ChatTemplate::render`] with the request's `tools` (OpenAI's list)
+    /// in the template's context.
+    pub fn render_with_tools(
+        &self,
+        messages: &[ChatMessage],
+        tools: Option<&serde_json::Value>,
         add_generation_prompt: bool,
     ) -> Result<String, ChatError> {
         let tmpl = self
@@ -116,6 +154,7 @@ impl ChatTemplate {
             add_generation_prompt => add_generation_prompt,
             bos_token => self.bos_token.as_str(),
             eos_token => self.eos_token.as_str(),
+            tools => tools.map(Value::from_serialize),
         };
         tmpl.render(ctx).map_err(|e| match raised_message(&e) {
             Some(msg) => ChatError::Raised(msg),
@@ -144,6 +183,60 @@ fn raised_message(e: &Error) -> Option<String> {
         cur = err.source();
     }
     None
+}
+
+/// `tojson(value, indent=None)` as `transformers` defines it: Python's
+/// `json.dumps(value, ensure_ascii=False, indent=indent)`.
+fn tojson(value: Value, kwargs: minijinja::value::Kwargs) -> Result<Value, Error> {
+    let indent: Option<usize> = kwargs.get("indent")?;
+    kwargs.assert_all_used()?;
+    let v = serde_json::to_value(&value)
+        .map_err(|e| Error::new(ErrorKind::InvalidOperation, format!("tojson: {e}")))?;
+    let mut out = String::new();
+    python_json(&v, indent, 0, &mut out);
+    Ok(Value::from_safe_string(out))
+}
+
+/// `v` as Python's `json.dumps` writes it (`", "`/`": "` without indent,
+/// `","`/`": "` and newlines with one).
+pub fn python_json(v: &serde_json::Value, indent: Option<usize>, level: usize, out: &mut String) {
+    use serde_json::Value as J;
+    let newline = |out: &mut String, level: usize| {
+        if let Some(n) = indent {
+            out.push('\n');
+            out.extend(std::iter::repeat_n(' ', n * level));
+        }
+    };
+    let sep = if indent.is_some() { "," } else { ", " };
+    match v {
+        J::Array(items) if !items.is_empty() => {
+            out.push('[');
+            for (i, x) in items.iter().enumerate() {
+                if i > 0 {
+                    out.push_str(sep);
+                }
+                newline(out, level + 1);
+                python_json(x, indent, level + 1, out);
+            }
+            newline(out, level);
+            out.push(']');
+        }
+        J::Object(map) if !map.is_empty() => {
+            out.push('{');
+            for (i, (k, x)) in map.iter().enumerate() {
+                if i > 0 {
+                    out.push_str(sep);
+                }
+                newline(out, level + 1);
+                out.push_str(&serde_json::Value::String(k.clone()).to_string());
+                out.push_str(": ");
+                python_json(x, indent, level + 1, out);
+            }
+            newline(out, level);
+            out.push('}');
+        }
+        other => out.push_str(&other.to_string()),
+    }
 }
 
 /// `strftime_now(format)`: the current UTC time formatted with a subset of
@@ -371,11 +464,78 @@ mod tests {
             .render(&[ChatMessage::new("user", "x\"y")], false)
             .unwrap();
         assert!(
-            out.starts_with(r#"[{"content":"x\"y","role":"user"}]"#)
-                || out.starts_with(r#"[{"role":"user","content":"x\"y"}]"#),
+            out.starts_with(r#"[{"role": "user", "content": "x\"y"}]"#),
             "{out}"
         );
         assert!(out.ends_with("|4"), "{out}");
+    }
+
+    #[test]
+    fn tojson_writes_as_python_json_dumps() {
+        let t = ChatTemplate::new(
+            "{{ x | tojson }}|{{ x | tojson(indent=2) }}|{{ [] | tojson }}",
+            "",
+            "",
+        )
+        .unwrap();
+        let tmpl = t.env.get_template(TEMPLATE_NAME).unwrap();
+        let x = serde_json::json!({"b": [1, 2.5, "é<&>"], "a": {}, "c": null});
+        let out = tmpl
+            .render(context! { x => Value::from_serialize(&x) })
+            .unwrap();
+        assert_eq!(
+            out,
+            "{\"b\": [1, 2.5, \"é<&>\"], \"a\": {}, \"c\": null}|\
+             {\n  \"b\": [\n    1,\n    2.5,\n    \"é<&>\"\n  ],\n  \"a\": {},\n  \"c\": null\n}|[]"
+        );
+    }
+
+    /// Qwen 2.5's template: Hermes' tool format.
+    const QWEN25_TEMPLATE: &str =
+        include_str!("../../../tests/fixtures/chat_templates/qwen2_5.jinja");
+
+    #[test]
+    fn hermes_template_renders_tools_calls_and_answers() {
+        let t = ChatTemplate::new(QWEN25_TEMPLATE, "", "<|im_end|>").unwrap();
+        assert!(t.hermes_tools());
+        assert!(
+            !ChatTemplate::new(SMOLLM2_TEMPLATE, "", "")
+                .unwrap()
+                .hermes_tools()
+        );
+        let tools = serde_json::json!([{"type": "function", "function": {
+            "name": "get_weather", "parameters": {"type": "object",
+            "properties": {"city": {"type": "string"}}}}}]);
+        let mut call = ChatMessage::new("assistant", "");
+        call.tool_calls = Some(serde_json::json!([{"id": "call_1", "type": "function",
+            "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]));
+        let mut answer = ChatMessage::new("tool", "{\"c\": 21}");
+        answer.tool_call_id = Some("call_1".into());
+        let msgs = [ChatMessage::new("user", "Weather in Paris?"), call, answer];
+        let out = t.render_with_tools(&msgs, Some(&tools), true).unwrap();
+        assert!(
+            out.contains(
+                "<tools>\n{\"type\": \"function\", \"function\": {\"name\": \"get_weather\", \
+                 \"parameters\": {\"type\": \"object\", \"properties\": {\"city\": \
+                 {\"type\": \"string\"}}}}}\n</tools>"
+            ),
+            "{out}"
+        );
+        assert!(
+            out.ends_with(
+                "<|im_start|>user\nWeather in Paris?<|im_end|>\n<|im_start|>assistant\n\
+                 <tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\"}}\n\
+                 </tool_call><|im_end|>\n<|im_start|>user\n<tool_response>\n{\"c\": 21}\n\
+                 </tool_response><|im_end|>\n<|im_start|>assistant\n"
+            ),
+            "{out}"
+        );
+        // Without tools the template's plain system prompt is used.
+        let out = t.render(&msgs[..1], true).unwrap();
+        assert!(
+            !out.contains("<tools>") && out.contains("You are Qwen"),
+            "{out}"
+        );
     }
 
     #[test]
