@@ -6,7 +6,11 @@
 # turns it into a grammar; the answer ends when the JSON is complete), and
 # the same load unconstrained (ignore_eos, to max_tokens). Prints output tok/s, TTFT and TPOT of each,
 # the constrained/unconstrained ratio per server, and flotilla's mask
-# computation time per token (crates/grammar's mask_time example).
+# computation time per token (crates/grammar's mask_time example). A
+# constrained answer ends when its JSON does, so it is shorter than an
+# unconstrained one run to max_tokens; flotilla also runs the unconstrained
+# load at the constrained run's mean output length (flotilla-plain-matched),
+# the same work per request, and that ratio is printed too.
 #   usage: tests/bench/structured-outputs.sh [LLAMA_BIN_DIR]
 set -euo pipefail
 cd "$(dirname "$0")/../.."
@@ -49,6 +53,8 @@ down() { kill "$PID"; wait "$PID" 2>/dev/null || true; }
 trap 'kill $PID 2>/dev/null || true' EXIT
 flotilla_up; run flotilla-plain http://127.0.0.1:8421; down
 flotilla_up; run flotilla-schema http://127.0.0.1:8421 --json-schema "$SCHEMA" --ignore-eos false; down
+MEAN=$(python3 -c "import json; r = json.load(open('$OUT/flotilla-schema.json')); print(round(r['output_tokens'] / max(r['requests_ok'], 1)))")
+flotilla_up; MAX_TOKENS=$MEAN run flotilla-plain-matched http://127.0.0.1:8421; down
 llama_up; run llama-plain http://127.0.0.1:8422; down
 llama_up; run llama-schema http://127.0.0.1:8422 --json-schema "$SCHEMA" --ignore-eos false; down
 trap - EXIT
@@ -60,11 +66,13 @@ python3 - "$OUT" "$SCHEMA" <<'PY'
 import json, sys
 out, schema_path = sys.argv[1], sys.argv[2]
 r = {n: json.load(open(f"{out}/{n}.json")) for n in
-     ["flotilla-plain", "flotilla-schema", "llama-plain", "llama-schema"]}
+     ["flotilla-plain", "flotilla-schema", "flotilla-plain-matched", "llama-plain", "llama-schema"]}
 tps = {n: v["output_tokens_per_s"] for n, v in r.items()}
 for n, v in r.items():
     print(f"{n:16} {tps[n]:8.1f} output tok/s, ok {v['requests_ok']}, failed {v['requests_failed']}")
 print(f"constrained / unconstrained: flotilla {tps['flotilla-schema'] / tps['flotilla-plain']:.2f}x, "
       f"llama-server {tps['llama-schema'] / tps['llama-plain']:.2f}x")
+print(f"flotilla constrained / unconstrained at the same mean length: "
+      f"{tps['flotilla-schema'] / tps['flotilla-plain-matched']:.2f}x")
 print(f"flotilla / llama-server, constrained: {tps['flotilla-schema'] / tps['llama-schema']:.2f}x")
 PY

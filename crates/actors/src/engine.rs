@@ -631,10 +631,12 @@ fn pump(myself: &ActorRef<SchedMsg>, st: &mut SchedState, now: Duration) {
     // Every time, not only when a plan is made: a deadline that passes while
     // a step is in flight must fail its request now, and stop being due.
     st.sched.expire(now);
+    let mut masks = Vec::new();
     if !st.busy && st.worker_ok {
         let plan = st.sched.schedule(now);
         if !plan.items.is_empty() {
             st.busy = true;
+            masks = plan.masks();
             if st
                 .worker
                 .cast(WorkerMsg::Step {
@@ -650,6 +652,27 @@ fn pump(myself: &ActorRef<SchedMsg>, st: &mut SchedState, now: Duration) {
         }
     }
     deliver(st);
+    // The step's constrained samples need their masks only once the
+    // forward pass is done: computed beside it, they leave the step's
+    // critical path (the executor computes any not done by then). Not on
+    // this thread: the worker's task was just woken into this thread's
+    // LIFO slot, which no other thread may steal, so work done here
+    // delays the step instead of overlapping it. A current-thread runtime
+    // (the simulator) runs nothing beside anything: there, now.
+    if !masks.is_empty() {
+        let multi = tokio::runtime::Handle::current().runtime_flavor()
+            == tokio::runtime::RuntimeFlavor::MultiThread;
+        let compute = move || {
+            for m in &masks {
+                m.compute();
+            }
+        };
+        if multi {
+            drop(tokio::task::spawn_blocking(compute));
+        } else {
+            compute();
+        }
+    }
     // After `expire` every deadline is in the future; arming one that is not
     // would send Wake after Wake until something else changed.
     if let Some(d) = st.sched.next_deadline()

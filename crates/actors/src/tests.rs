@@ -37,6 +37,8 @@ struct FakeExec {
     gate: std_mpsc::Receiver<()>,
     panic: bool,
     kv: Vec<u8>,
+    /// Set once a step has been entered.
+    in_step: Arc<std::sync::atomic::AtomicBool>,
 }
 
 const BLOCK: usize = 4;
@@ -64,6 +66,8 @@ impl Executor for FakeExec {
     }
 
     fn step(&mut self, batch: &[SeqInput<'_>], out: &mut StepOutputs) -> Result<(), ExecError> {
+        self.in_step
+            .store(true, std::sync::atomic::Ordering::SeqCst);
         let _ = self.entered.send(());
         // Err once the test drops the sender: every later step runs at once.
         let _ = self.gate.recv();
@@ -74,6 +78,11 @@ impl Executor for FakeExec {
             let kv_ok = (0..s.start_pos).all(|p| self.kv[slot(table, p)] != 0);
             for (i, &t) in s.tokens.iter().enumerate() {
                 self.kv[slot(table, s.start_pos + i)] = t as u8;
+            }
+            // A constrained sample reads its mask when it samples, as the
+            // real executors do.
+            if let Some(m) = s.allow {
+                assert!(flotilla_exec::constraint::allowed(&m.words(), 42));
             }
             out.seqs.push(SeqOutput {
                 logits_row: None,
@@ -112,6 +121,8 @@ struct Rig {
     /// A scheduler invariant that broke during the test (checked after
     /// every message the Scheduler handled).
     broken: Arc<std::sync::Mutex<Option<String>>>,
+    /// The executor has entered a step.
+    in_step: Arc<std::sync::atomic::AtomicBool>,
 }
 
 impl Drop for Rig {
@@ -168,8 +179,22 @@ async fn rig(queue_timeout: Duration, panic: bool) -> Rig {
     reason = "the actors run on real timers here, so the clock is the real one"
 )]
 async fn rig_seats(queue_timeout: Duration, panic: bool, seats: usize) -> Rig {
+    rig_with(queue_timeout, panic, seats, None).await
+}
+
+#[allow(
+    clippy::disallowed_methods,
+    reason = "the actors run on real timers here, so the clock is the real one"
+)]
+async fn rig_with(
+    queue_timeout: Duration,
+    panic: bool,
+    seats: usize,
+    constraints: Option<Arc<dyn flotilla_exec::ConstraintCompiler>>,
+) -> Rig {
     let (entered_tx, entered) = mpsc::unbounded_channel();
     let (gate, gate_rx) = std_mpsc::channel();
+    let in_step = Arc::new(std::sync::atomic::AtomicBool::new(false));
     let exec = FakeExec {
         spec: ModelSpec {
             name: "fake".into(),
@@ -187,6 +212,7 @@ async fn rig_seats(queue_timeout: Duration, panic: bool, seats: usize) -> Rig {
         gate: gate_rx,
         panic,
         kv: vec![0; 64 * BLOCK],
+        in_step: in_step.clone(),
     };
     let sched = SchedConfig {
         num_blocks: 64,
@@ -223,7 +249,7 @@ async fn rig_seats(queue_timeout: Duration, panic: bool, seats: usize) -> Rig {
             check_invariants: Some(Arc::new(move |what| {
                 seen.lock().unwrap().get_or_insert(what);
             })),
-            constraints: None,
+            constraints,
         },
         Arc::new(TestClock(Instant::now())),
         Arc::new(Metrics::new().unwrap()),
@@ -235,6 +261,7 @@ async fn rig_seats(queue_timeout: Duration, panic: bool, seats: usize) -> Rig {
         entered,
         gate: Some(gate),
         broken,
+        in_step,
     }
 }
 
@@ -535,4 +562,114 @@ async fn requests_submitted_to_a_sink_get_one_message_per_step() {
     assert!(messages < events, "{messages} messages for {events} events");
     drop((a, b));
     r.engine.stop();
+}
+
+/// Allows only token 42, counting the masks it is asked for; the output is
+/// complete once 42 comes. Asked for a mask, it first waits (up to five
+/// seconds) for the executor to be inside a step, and counts in `.2` the
+/// masks asked for while one was: a mask computed before the step was
+/// sent would wait in vain.
+#[derive(Debug)]
+struct Only42(
+    Arc<std::sync::atomic::AtomicUsize>,
+    Arc<std::sync::atomic::AtomicBool>,
+    Arc<std::sync::atomic::AtomicUsize>,
+);
+
+impl flotilla_exec::TokenConstraint for Only42 {
+    #[allow(
+        clippy::disallowed_methods,
+        reason = "waits on the real executor thread, on the real clock"
+    )]
+    fn allowed(&mut self, words: &mut Vec<u32>) {
+        use std::sync::atomic::Ordering;
+        self.0.fetch_add(1, Ordering::SeqCst);
+        let t0 = Instant::now();
+        while !self.1.load(Ordering::SeqCst) && t0.elapsed() < Duration::from_secs(5) {
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        if self.1.load(Ordering::SeqCst) {
+            self.2.fetch_add(1, Ordering::SeqCst);
+        }
+        words.clear();
+        words.resize(4, 0);
+        words[1] = 1 << (42 - 32);
+    }
+    fn commit(&mut self, token: u32) -> Result<bool, String> {
+        if token == 42 {
+            Ok(true)
+        } else {
+            Err(format!("token {token} is not allowed"))
+        }
+    }
+}
+
+#[derive(Debug)]
+struct Only42Compiler(
+    Arc<std::sync::atomic::AtomicUsize>,
+    Arc<std::sync::atomic::AtomicBool>,
+    Arc<std::sync::atomic::AtomicUsize>,
+);
+
+impl flotilla_exec::ConstraintCompiler for Only42Compiler {
+    fn compile(
+        &self,
+        _c: &flotilla_exec::Constraint,
+    ) -> Result<Box<dyn flotilla_exec::TokenConstraint>, String> {
+        Ok(Box::new(Only42(
+            self.0.clone(),
+            self.1.clone(),
+            self.2.clone(),
+        )))
+    }
+}
+
+#[allow(
+    clippy::disallowed_methods,
+    reason = "the actors run on real timers here, so the clock is the real one"
+)]
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_mask_is_computed_while_its_step_runs() {
+    use std::sync::atomic::Ordering;
+    let asked = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let overlapped = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let in_step = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let compiler = Only42Compiler(asked.clone(), in_step.clone(), overlapped.clone());
+    let mut rig = rig_with(WAIT, false, 1, Some(Arc::new(compiler))).await;
+    // The matcher watches the executor's own flag.
+    let watched = rig.in_step.clone();
+    let bridge = tokio::spawn(async move {
+        while !watched.load(Ordering::SeqCst) {
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
+        in_step.store(true, Ordering::SeqCst);
+    });
+    let mut req = prompt_of(8);
+    req.constraint = Some(flotilla_exec::Constraint::JsonObject);
+    let mut rs = rig.engine.submit(req).await.unwrap();
+    rig.step_started().await;
+    // The executor is held inside the step, before it samples: the mask
+    // is computed meanwhile, by the Scheduler's actor.
+    let t0 = Instant::now();
+    while asked.load(Ordering::SeqCst) == 0 {
+        assert!(
+            t0.elapsed() < WAIT,
+            "the mask was not computed while the step ran"
+        );
+        tokio::time::sleep(Duration::from_millis(1)).await;
+    }
+    rig.open_gate();
+    assert!(matches!(next(&mut rs).await, Some(EngineEvent::Token(s)) if s.token == 42));
+    assert!(matches!(
+        end_of(&mut rs).await,
+        Some(EngineEvent::Finished {
+            reason: flotilla_proto::FinishReason::Stop,
+            ..
+        })
+    ));
+    // Asked once, while the step was in flight; the executor read the
+    // mask computed ahead instead of asking again.
+    assert_eq!(asked.load(Ordering::SeqCst), 1);
+    assert_eq!(overlapped.load(Ordering::SeqCst), 1);
+    bridge.await.unwrap();
 }

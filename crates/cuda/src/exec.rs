@@ -968,11 +968,13 @@ impl CudaExecutor {
                 let row = out.seqs[i].logits_row.expect("sampled rows have logits");
                 let logits = &out.logits[row * vocab..(row + 1) * vocab];
                 let position = (q.start_pos + q.tokens.len()) as u64;
+                // Read only now: the mask was computed while the GPU ran.
+                let mask = q.allow.map(|m| m.words());
                 out.seqs[i].sampled = Some(sample(
                     logits,
                     sp,
                     q.bias,
-                    q.allow,
+                    mask.as_deref(),
                     position,
                     &mut self.sampler,
                 ));

@@ -177,8 +177,10 @@ pub struct SeqInput<'a> {
     pub bias: &'a [(u32, f32)],
     /// The tokens allowed at that sample, a bitmask (see
     /// [`crate::TokenConstraint::allowed`]): a constrained request's grammar
-    /// state. `None` allows every token.
-    pub allow: Option<&'a [u32]>,
+    /// state, possibly still being computed while the forward pass runs
+    /// (read it with [`crate::MaskCell::words`] when sampling, not before).
+    /// `None` allows every token.
+    pub allow: Option<&'a crate::MaskCell>,
 }
 
 /// One sequence's result of a step.

@@ -8,7 +8,9 @@ pub mod constraint;
 pub mod executor;
 pub mod sampling;
 
-pub use constraint::{Constraint, ConstraintCompiler, TokenConstraint};
+pub use constraint::{
+    Constraint, ConstraintCompiler, MaskCell, MaskWords, SharedConstraint, TokenConstraint,
+};
 pub use executor::{
     BatchLimits, ExecError, Executor, KvDtype, KvSpec, ModelSpec, OutputKind, SeqInput, SeqOutput,
     StepOutputs, validate_batch,

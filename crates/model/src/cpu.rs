@@ -343,8 +343,17 @@ impl CpuExecutor {
                     .expect("sampled sequences have a logits row");
                 let logits = &out.logits[row * vocab..(row + 1) * vocab];
                 let position = (q.start_pos + q.tokens.len()) as u64;
-                out.seqs[i].sampled =
-                    Some(sample(logits, p, q.bias, q.allow, position, &mut s.sampler));
+                // Read only now: the mask may have been computed while the
+                // forward pass ran.
+                let mask = q.allow.map(|m| m.words());
+                out.seqs[i].sampled = Some(sample(
+                    logits,
+                    p,
+                    q.bias,
+                    mask.as_deref(),
+                    position,
+                    &mut s.sampler,
+                ));
             }
         }
     }

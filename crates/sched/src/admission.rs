@@ -2,7 +2,7 @@
 
 use std::time::Duration;
 
-use flotilla_exec::{ConstraintCompiler, TokenConstraint};
+use flotilla_exec::{ConstraintCompiler, MaskCell, TokenConstraint};
 use flotilla_proto::{EngineFailure, EngineRequest, FinishReason, Rejection, RequestId};
 
 use crate::Scheduler;
@@ -83,7 +83,7 @@ impl Scheduler {
         // A timeout too long to add never expires in practice: saturate.
         let deadline = now.saturating_add(self.cfg.queue_timeout);
         let mut seq = Seq::new(id, tier, req, now, deadline);
-        seq.constraint = constraint;
+        seq.constraint = constraint.map(MaskCell::share);
         self.seqs.insert(id, seq);
         self.waiting[tenant].push_back(id);
         self.deadlines.insert((deadline, id));

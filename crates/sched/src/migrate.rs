@@ -339,7 +339,7 @@ impl Scheduler {
         let tenant = req.tenant.0 as usize;
         let tier = self.accept(now, tenant);
         let mut seq = Seq::new(id, tier, req, now, now);
-        seq.constraint = constraint;
+        seq.constraint = constraint.map(flotilla_exec::MaskCell::share);
         seq.deadline = None;
         seq.tokens.push(first.token);
         seq.first_scheduled = Some(now);

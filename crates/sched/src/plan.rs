@@ -22,6 +22,11 @@ pub struct Plan {
 }
 
 impl Plan {
+    /// The masks this step's samples need, to compute while it runs.
+    pub fn masks(&self) -> Vec<std::sync::Arc<flotilla_exec::MaskCell>> {
+        self.items.iter().filter_map(|i| i.allow.clone()).collect()
+    }
+
     /// Nothing to run.
     pub fn is_empty(&self) -> bool {
         self.items.is_empty()
@@ -52,8 +57,10 @@ pub struct PlanItem {
     /// not sampling or when the request has neither.
     pub bias: Vec<(u32, f32)>,
     /// The tokens that sample may pick, a bitmask from the request's
-    /// constraint (`None`: any).
-    pub allow: Option<Vec<u32>>,
+    /// constraint (`None`: any), computed while the step runs: by the
+    /// Scheduler's actor right after it sends the plan ([`Plan::masks`]),
+    /// or by the executor when it samples, whichever comes first.
+    pub allow: Option<std::sync::Arc<flotilla_exec::MaskCell>>,
 }
 
 impl PlanItem {
@@ -625,11 +632,11 @@ impl Scheduler {
                     lease.blocks().to_vec(),
                 );
                 let (bias, allow) = if samples {
-                    let allow = seq.constraint.as_mut().map(|c| {
-                        let mut words = Vec::new();
-                        c.allowed(&mut words);
-                        words
-                    });
+                    // Not computed here: see PlanItem::allow.
+                    let allow = seq
+                        .constraint
+                        .as_ref()
+                        .map(|c| std::sync::Arc::new(flotilla_exec::MaskCell::pending(c.clone())));
                     (seq.sample_bias(), allow)
                 } else {
                     (Vec::new(), None)

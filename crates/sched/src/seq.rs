@@ -2,7 +2,6 @@
 
 use std::time::Duration;
 
-use flotilla_exec::TokenConstraint;
 use flotilla_kv::Lease;
 use flotilla_proto::{EngineRequest, RequestId, SamplingParams, TierId};
 
@@ -29,8 +28,9 @@ pub(crate) struct Seq {
     /// for a moved request whose prompt carries what it generated before).
     pub(crate) generated_from: usize,
     /// The request's constraint, matched up to the last token (attached by
-    /// the Scheduler at submission, see `Scheduler::attach_constraint`).
-    pub(crate) constraint: Option<Box<dyn TokenConstraint>>,
+    /// the Scheduler at submission, see `Scheduler::compile_constraint`),
+    /// shared with the mask of the plan in flight.
+    pub(crate) constraint: Option<flotilla_exec::SharedConstraint>,
     pub(crate) ignore_eos: bool,
     pub(crate) stop_token_ids: Vec<u32>,
     /// Present exactly while running.

@@ -43,7 +43,11 @@ impl Scheduler {
             };
             // The constraint takes the token first: a matcher that fails
             // fails the request before the token is sent.
-            let complete = match seq.constraint.as_mut().map(|c| c.commit(token.token)) {
+            let complete = match seq
+                .constraint
+                .as_ref()
+                .map(|c| flotilla_exec::MaskCell::commit(c, token.token))
+            {
                 None | Some(Ok(false)) => false,
                 Some(Ok(true)) => true,
                 Some(Err(e)) => {

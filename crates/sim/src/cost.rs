@@ -8,7 +8,9 @@
 //! own for prefill chunks and for decode tokens. The step takes the larger
 //! of compute and memory time (GPUs overlap them) or their sum (this CPU
 //! backend does not), plus a fixed overhead (launches, sampling, the
-//! scheduler's turn).
+//! scheduler's turn). Constrained samples need a token mask each, computed
+//! on the host while the step runs: the step takes at least their time on
+//! a GPU, and on the CPU backend (the host is the device) it adds up.
 
 use std::time::Duration;
 
@@ -41,6 +43,15 @@ pub struct GpuParams {
     pub overlap: bool,
     /// Device memory, bytes (weights + KV cache + 10% headroom).
     pub mem_bytes: f64,
+    /// Host time to compute one constrained sample's token mask, us
+    /// (llguidance over SmolLM2's 49,152 tokens, 22 JSON schemas: p50 0.7,
+    /// p99 43, mean ~5; docs/BENCHMARKS.md "Issue 23").
+    #[serde(default = "default_mask_us")]
+    pub mask_us: f64,
+}
+
+fn default_mask_us() -> f64 {
+    5.0
 }
 
 impl GpuParams {
@@ -60,6 +71,7 @@ impl GpuParams {
             attn_prefill_flops: None,
             attn_decode_flops: None,
             overlap: true,
+            mask_us: default_mask_us(),
         };
         Some(match name {
             "h100" => gpu("h100", 989e12, 3.35e12, 80.0, 2.0),
@@ -95,6 +107,7 @@ impl GpuParams {
                 attn_prefill_flops: Some(6.3e10),
                 attn_decode_flops: Some(1.3e10),
                 overlap: false,
+                mask_us: default_mask_us(),
             },
             _ => return None,
         })
@@ -245,6 +258,19 @@ pub struct SeqCost {
 
 /// The time of one step.
 pub fn step_time(gpu: &GpuParams, m: &ModelShape, batch: &[SeqCost]) -> Duration {
+    step_time_masked(gpu, m, batch, 0)
+}
+
+/// The time of one step of which `masks` samples are constrained: their
+/// masks are computed on the host while the device runs (the step takes
+/// the longer of the two), or, where the host is the device (`overlap`
+/// off: the CPU backend), after it.
+pub fn step_time_masked(
+    gpu: &GpuParams,
+    m: &ModelShape,
+    batch: &[SeqCost],
+    masks: usize,
+) -> Duration {
     let mut linear = 0.0;
     let mut attn_prefill = 0.0;
     let mut attn_decode = 0.0;
@@ -281,10 +307,11 @@ pub fn step_time(gpu: &GpuParams, m: &ModelShape, batch: &[SeqCost]) -> Duration
         + attn_prefill / gpu.attn_prefill_flops.unwrap_or(gpu.prefill_flops)
         + attn_decode / gpu.attn_decode_flops.unwrap_or(gpu.decode_flops);
     let memory = (m.weight_bytes() + kv_read) / gpu.mem_bw;
+    let masking = masks as f64 * gpu.mask_us * 1e-6;
     let busy = if gpu.overlap {
-        compute.max(memory)
+        compute.max(memory).max(masking)
     } else {
-        compute + memory
+        compute + memory + masking
     };
     Duration::from_secs_f64(gpu.overhead_s + busy)
 }
@@ -295,6 +322,36 @@ mod tests {
 
     fn ms(d: Duration) -> f64 {
         d.as_secs_f64() * 1e3
+    }
+
+    #[test]
+    fn masks_hide_behind_a_gpu_step_and_add_to_a_cpu_one() {
+        let m = ModelShape::preset("smollm2-135m").unwrap();
+        let batch: Vec<SeqCost> = (0..32)
+            .map(|_| SeqCost {
+                start_pos: 200,
+                tokens: 1,
+            })
+            .collect();
+        let cpu = GpuParams::preset("cpu").unwrap();
+        let (plain, masked) = (
+            step_time(&cpu, &m, &batch),
+            step_time_masked(&cpu, &m, &batch, 32),
+        );
+        let added = (masked - plain).as_secs_f64() * 1e6;
+        assert!((added - 32.0 * cpu.mask_us).abs() < 1.0, "{added} us");
+        // An H200 decode step of a 7B model reads 13.5 GB of weights
+        // (~3.5 ms busy, 2 ms overhead): 32 masks of 5 us hide inside it,
+        // 32 of 500 us do not.
+        let m = ModelShape::preset("llama-7b").unwrap();
+        let mut h200 = GpuParams::preset("h200").unwrap();
+        assert_eq!(
+            step_time(&h200, &m, &batch),
+            step_time_masked(&h200, &m, &batch, 32)
+        );
+        h200.mask_us = 500.0;
+        let slow = ms(step_time_masked(&h200, &m, &batch, 32));
+        assert!((slow - (2.0 + 16.0)).abs() < 0.01, "{slow}");
     }
 
     #[test]

@@ -7,7 +7,7 @@ use flotilla_exec::{
     ExecError, Executor, KvSpec, ModelSpec, OutputKind, Sampled, SeqInput, SeqOutput, StepOutputs,
 };
 
-use crate::cost::{GpuParams, ModelShape, SeqCost, step_time};
+use crate::cost::{GpuParams, ModelShape, SeqCost, step_time_masked};
 use crate::rng::Rng;
 
 /// Bytes a simulated KV block carries when it migrates.
@@ -245,7 +245,8 @@ impl Executor for SimExecutor {
                 sampled,
             });
         }
-        self.last = Some(step_time(&self.gpu, &self.shape, &self.costs));
+        let masks = batch.iter().filter(|s| s.allow.is_some()).count();
+        self.last = Some(step_time_masked(&self.gpu, &self.shape, &self.costs, masks));
         Ok(())
     }
 
@@ -310,5 +311,38 @@ mod tests {
         assert_eq!(req, 2);
         assert_eq!((a.node, a.first, a.last), (1, ms(100), ms(120)));
         assert_eq!((b.node, b.first, b.last), (3, ms(105), ms(125)));
+    }
+}
+
+/// Constraints as the simulator has them: its tokens are drawn at random,
+/// so every matcher allows every token and never completes (a constrained
+/// request ends by its length, as any other); what a constraint costs is
+/// its masks' time in the cost model (`GpuParams::mask_us`).
+#[derive(Debug)]
+pub struct SimConstraints {
+    /// Tokens of the model's vocabulary.
+    pub vocab: usize,
+}
+
+#[derive(Debug)]
+struct AnyToken(usize);
+
+impl flotilla_exec::ConstraintCompiler for SimConstraints {
+    fn compile(
+        &self,
+        _c: &flotilla_exec::Constraint,
+    ) -> Result<Box<dyn flotilla_exec::TokenConstraint>, String> {
+        Ok(Box::new(AnyToken(self.vocab)))
+    }
+}
+
+impl flotilla_exec::TokenConstraint for AnyToken {
+    fn allowed(&mut self, words: &mut Vec<u32>) {
+        words.clear();
+        words.resize(self.0.div_ceil(32), u32::MAX);
+    }
+
+    fn commit(&mut self, _token: u32) -> Result<bool, String> {
+        Ok(false)
     }
 }

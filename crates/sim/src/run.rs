@@ -608,9 +608,11 @@ async fn simulate(sc: &Scenario, seed: u64) -> Result<Report, SimError> {
 /// Starts engine node `node`'s engine and bridge at `epoch`.
 async fn start_engine(w: &Arc<World>, node: u32, life: u64) -> Result<(), SimError> {
     let e = &w.sc.engine;
+    let shape = w.sc.model_shape()?;
+    let vocab = shape.vocab;
     let mut exec = SimExecutor::new(
         w.sc.gpu_params()?,
-        w.sc.model_shape()?,
+        shape,
         e.block_size,
         e.max_num_batched_tokens,
         w.rng.split(100 + u64::from(node) * 1000 + life),
@@ -639,7 +641,7 @@ async fn start_engine(w: &Arc<World>, node: u32, life: u64) -> Result<(), SimErr
         EngineOptions {
             sched: w.sched.clone(),
             check_invariants: w.sc.run.check_every_step.then_some(hook.clone()),
-            constraints: None,
+            constraints: Some(Arc::new(crate::exec::SimConstraints { vocab })),
         },
         Arc::new(SimClock(w.t0)),
         metrics,
@@ -918,6 +920,9 @@ async fn one_request(w: &Arc<World>, tenant: usize, rng: &mut Rng) {
     let cancel_after = rng
         .chance(t.cancel_fraction)
         .then(|| rng.range(1, u64::from(max_tokens)));
+    let constraint = rng
+        .chance(t.constrained_fraction)
+        .then_some(flotilla_exec::Constraint::JsonObject);
     let prompt: Vec<u32> = (0..prompt_len)
         .map(|_| rng.range(3, 30_000) as u32)
         .collect();
@@ -939,7 +944,7 @@ async fn one_request(w: &Arc<World>, tenant: usize, rng: &mut Rng) {
         },
         logit_bias: Vec::new(),
         generated: 0,
-        constraint: None,
+        constraint,
         ignore_eos: true,
         stop_token_ids: Vec::new(),
     };

@@ -198,6 +198,11 @@ pub struct TenantSection {
     /// Fraction of requests whose client leaves mid-stream.
     #[serde(default)]
     pub cancel_fraction: f64,
+    /// Fraction of requests under an output constraint (structured
+    /// outputs, required tool calls): each of their samples needs a token
+    /// mask, which costs the accelerator's `mask_us`.
+    #[serde(default)]
+    pub constrained_fraction: f64,
 }
 
 /// An arrival process.

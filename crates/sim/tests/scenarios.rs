@@ -312,8 +312,22 @@ fn closed_clients_stop_after_their_request_count() {
 /// as 7.0 ms): the GpuWorker carries sub-millisecond remainders.
 #[test]
 fn a_lone_stream_decodes_at_the_cost_model_s_step_time() {
+    lone_stream("", 2.0, false);
+}
+
+/// A constrained stream's every decode step also computes its mask: on the
+/// CPU backend (the host is the device) that time adds to the step.
+#[test]
+fn a_constrained_lone_stream_pays_its_masks() {
+    lone_stream("constrained_fraction = 1.0", 2.0, true);
+}
+
+/// One stream of 101 tokens after a 100-token prompt, masks costing
+/// `mask_ms`; its TPOT must be the cost model's mean decode step, plus
+/// `mask_ms` when it is `constrained`.
+fn lone_stream(tenant_extra: &str, mask_ms: f64, constrained: bool) {
     use flotilla_sim::cost::{GpuParams, ModelShape, SeqCost, step_time};
-    let sc = Scenario::parse(
+    let mut sc = Scenario::parse(&format!(
         r#"
 [run]
 duration_s = 1.0
@@ -335,12 +349,17 @@ slo_tpot_ms = 100000
 [[tenants]]
 name = "a"
 tier = "paid"
-arrivals = { kind = "closed", clients = 1, requests = 1 }
-prompt = { kind = "fixed", tokens = 100 }
-output = { kind = "fixed", tokens = 101 }
+arrivals = {{ kind = "closed", clients = 1, requests = 1 }}
+prompt = {{ kind = "fixed", tokens = 100 }}
+output = {{ kind = "fixed", tokens = 101 }}
+{tenant_extra}
 "#,
-    )
+    ))
     .unwrap();
+    // Masks of 2 ms (400 times the default), so their cost stands out.
+    let mut gpu = GpuParams::preset("cpu").unwrap();
+    gpu.mask_us = mask_ms * 1e3;
+    sc.gpu = flotilla_sim::scenario::Named::Gpu(gpu);
     let r = run(&sc, 1).unwrap();
     let tpot = r.tiers[0].tpot_ms.0;
     // Decode steps at contexts 101..200: the mean step.
@@ -362,7 +381,8 @@ output = { kind = "fixed", tokens = 101 }
                 * 1e3
         })
         .sum::<f64>()
-        / 100.0;
+        / 100.0
+        + if constrained { mask_ms } else { 0.0 };
     assert!(
         (tpot - want).abs() < 0.05,
         "TPOT {tpot:.3} ms, step {want:.3} ms"

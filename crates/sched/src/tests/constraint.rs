@@ -84,7 +84,8 @@ fn run(
             .iter()
             .map(|it| {
                 it.sample?;
-                let words = it.allow.as_ref().expect("a constrained sample has a mask");
+                let mask = it.allow.as_ref().expect("a constrained sample has a mask");
+                let words = mask.words();
                 let lowest = (0..128u32)
                     .find(|&t| words[t as usize / 32] >> (t % 32) & 1 == 1)
                     .expect("the mask allows something");
