@@ -509,6 +509,9 @@ impl ToolCallParser {
         let mut ev = Vec::new();
         let rest = std::mem::take(&mut self.buf);
         match self.state {
+            // After a call, held text that could only begin another (a
+            // `<tool` cut short by max_tokens) is not content.
+            State::Text if self.calls > 0 && OPEN.starts_with(&rest) => {}
             State::Text => {
                 self.text(&mut ev, rest);
                 if self.calls == 0 {
@@ -516,8 +519,10 @@ impl ToolCallParser {
                 }
             }
             State::Head | State::Whole => {
-                // Cut short: a complete object still counts as a call.
-                if !self.whole_call(&mut ev, rest.trim()) {
+                // Cut short: a complete object still counts as a call; an
+                // incomplete one after other calls is dropped, and before
+                // any is given back as text.
+                if !self.whole_call(&mut ev, rest.trim()) && self.calls == 0 {
                     content(&mut ev, format!("{OPEN}{rest}"));
                 }
             }
@@ -873,7 +878,8 @@ mod tests {
                     <tool_call>\n{\"name\": \"get_time\", \"arguments\": {}}\n</tool_call> é<tool";
         for step in 1..12 {
             let (content, calls) = run(text, step, false);
-            assert_eq!(content, "Let me check. é<tool", "step {step}");
+            // The trailing `<tool` could only begin another call: dropped.
+            assert_eq!(content, "Let me check. é", "step {step}");
             assert_eq!(calls.len(), 2, "step {step}");
             assert_eq!(calls[0].0, "call_000000000000000700");
             assert_eq!(calls[0].1, "get_weather");
@@ -912,12 +918,18 @@ mod tests {
             let (content, calls) = run(bad, 3, false);
             assert_eq!((content.as_str(), calls.len()), (bad, 0));
         }
-        // Cut short before the arguments: what was held comes back as text.
+        // Cut short before the arguments: what was held comes back as text;
+        // after a call, the start of another cut short is dropped.
         let (content, calls) = run("<tool_call>\n{\"name\": \"get_we", 2, false);
         assert_eq!(
             (content.as_str(), calls.len()),
             ("<tool_call>\n{\"name\": \"get_we", 0)
         );
+        let one = "<tool_call>{\"name\": \"get_time\", \"arguments\": {}}</tool_call>\n";
+        for cut in ["<tool", "<tool_call>\n{\"name\": \"get_we"] {
+            let (content, calls) = run(&format!("{one}{cut}"), 3, false);
+            assert_eq!((content.as_str(), calls.len()), ("", 1), "{cut}");
+        }
         // Cut short inside the arguments: the call stands, arguments partial.
         let (_, calls) = run(
             "<tool_call>{\"name\": \"get_time\", \"arguments\": {\"a",
