@@ -40,9 +40,10 @@ for i, schema in enumerate(SCHEMAS):
     )
     text = r.choices[0].message.content
     if r.choices[0].finish_reason == "length":
-        # A model that loops inside a value the grammar leaves open (the
-        # digits of a number: "1000.000..." is within every bound) runs to
-        # max_tokens: counted, at most two allowed.
+        # Numbers' digits are bounded in the grammar, so no model loops
+        # inside one until max_tokens (SmolLM2 and Gemma 3 give 22 of 22
+        # here); one answer cut elsewhere (a string a model repeats itself
+        # in, on another CPU's rounding) is allowed.
         long.append((i, text[:60]))
         continue
     assert r.choices[0].finish_reason == "stop", (i, r.choices[0].finish_reason, text)
@@ -50,7 +51,7 @@ for i, schema in enumerate(SCHEMAS):
     jsonschema.validate(value, schema)
     ok += 1
 print(f"json_schema: {ok} of {len(SCHEMAS)} answers complete and valid; cut at max_tokens: {long}")
-assert len(long) <= 2, long
+assert len(long) <= 1, long
 
 # Streamed: the same text as the plain answer.
 schema = SCHEMAS[12]

@@ -406,6 +406,7 @@ fn constraint(obj: &Obj) -> Result<Option<(&'static str, Constraint)>, ApiError>
                         if strict {
                             close_objects(&mut v);
                         }
+                        bound_numbers(&mut v);
                         v
                     }
                     Some(_) => {
@@ -433,8 +434,20 @@ fn constraint(obj: &Obj) -> Result<Option<(&'static str, Constraint)>, ApiError>
     }
     match opt(obj, "guided_json") {
         None => {}
-        Some(Value::String(s)) => found.push(("guided_json", Constraint::JsonSchema(s.clone()))),
+        // A schema that is not JSON goes as it came: compiling refuses it.
+        Some(Value::String(s)) => {
+            let schema = match serde_json::from_str::<Value>(s) {
+                Ok(mut v) => {
+                    bound_numbers(&mut v);
+                    v.to_string()
+                }
+                Err(_) => s.clone(),
+            };
+            found.push(("guided_json", Constraint::JsonSchema(schema)))
+        }
         Some(v @ (Value::Object(_) | Value::Bool(_))) => {
+            let mut v = v.clone();
+            bound_numbers(&mut v);
             found.push(("guided_json", Constraint::JsonSchema(v.to_string())))
         }
         Some(_) => return Err(type_error("guided_json", "a JSON Schema")),
@@ -462,6 +475,62 @@ fn constraint(obj: &Obj) -> Result<Option<(&'static str, Constraint)>, ApiError>
         ));
     }
     Ok(found.pop())
+}
+
+/// Largest magnitude a number or integer without bounds of its own may be
+/// generated with: 16 digits before the point.
+pub const NUMBER_MAGNITUDE_MAX: f64 = 1e15;
+/// Most digits after the point a number without a `multipleOf` of its own
+/// may be generated with.
+pub const FRACTION_DIGITS_MAX: u32 = 6;
+
+/// Bounds the digits of every number and integer in `schema` that does not
+/// bound them itself, so a model cannot loop in a number's digits until
+/// `max_tokens` ("1000.0000..." is within every bound and every grammar
+/// that allows any number): magnitudes to [`NUMBER_MAGNITUDE_MAX`] where
+/// no `minimum`/`maximum` says otherwise, fractions to
+/// [`FRACTION_DIGITS_MAX`] digits (a decimal `multipleOf`) where no
+/// `multipleOf` does. Every value still valid under the tightened schema
+/// is valid under the original. Literal values (`const`, `enum`,
+/// `default`, `examples`) are left alone.
+pub fn bound_numbers(schema: &mut Value) {
+    match schema {
+        Value::Array(items) => items.iter_mut().for_each(bound_numbers),
+        Value::Object(o) => {
+            let types: Vec<&str> = match o.get("type") {
+                Some(Value::String(t)) => vec![t.as_str()],
+                Some(Value::Array(ts)) => ts.iter().filter_map(Value::as_str).collect(),
+                _ => Vec::new(),
+            };
+            let (number, integer) = (types.contains(&"number"), types.contains(&"integer"));
+            if number || integer {
+                // Integers' bounds as integers, so they read as such.
+                let bound = |x: f64| {
+                    if integer {
+                        Value::from(x as i64)
+                    } else {
+                        Value::from(x)
+                    }
+                };
+                if !o.contains_key("minimum") && !o.contains_key("exclusiveMinimum") {
+                    o.insert("minimum".into(), bound(-NUMBER_MAGNITUDE_MAX));
+                }
+                if !o.contains_key("maximum") && !o.contains_key("exclusiveMaximum") {
+                    o.insert("maximum".into(), bound(NUMBER_MAGNITUDE_MAX));
+                }
+                if number && !integer && !o.contains_key("multipleOf") {
+                    let step = 10f64.powi(-(FRACTION_DIGITS_MAX as i32));
+                    o.insert("multipleOf".into(), Value::from(step));
+                }
+            }
+            for (k, v) in o.iter_mut() {
+                if !matches!(k.as_str(), "const" | "enum" | "default" | "examples") {
+                    bound_numbers(v);
+                }
+            }
+        }
+        _ => {}
+    }
 }
 
 /// OpenAI's strict mode: an object schema that does not say otherwise
@@ -989,6 +1058,28 @@ mod tests {
         // The template's own system prompt, not the generic one.
         assert!(!prompt.contains("# Tools\n\nYou may call") || prompt.contains("You are Qwen"));
         assert_eq!(r.tools.unwrap().choice, crate::tools::ToolChoice::Auto);
+    }
+
+    #[test]
+    fn numbers_get_bounds_only_where_they_have_none() {
+        let mut v = serde_json::json!({"type": "object", "properties": {
+            "a": {"type": ["number", "null"]},
+            "b": {"type": "integer", "minimum": 0},
+            "c": {"type": "number", "exclusiveMaximum": 1, "multipleOf": 0.25},
+            "d": {"const": {"type": "number"}, "enum": [{"type": "integer"}]},
+            "e": {"type": "array", "items": {"type": "integer"}}}});
+        bound_numbers(&mut v);
+        let p = &v["properties"];
+        assert_eq!(p["a"]["minimum"], -1e15);
+        assert_eq!(p["a"]["multipleOf"], 1e-6);
+        assert_eq!(p["b"]["minimum"], 0);
+        assert_eq!(p["b"]["maximum"], 1_000_000_000_000_000i64);
+        assert!(p["b"].get("multipleOf").is_none());
+        assert_eq!(p["c"]["multipleOf"], 0.25);
+        assert!(p["c"].get("maximum").is_none() && p["c"]["minimum"] == -1e15);
+        assert_eq!(p["d"]["const"], serde_json::json!({"type": "number"}));
+        assert_eq!(p["d"]["enum"], serde_json::json!([{"type": "integer"}]));
+        assert_eq!(p["e"]["items"]["maximum"], 1_000_000_000_000_000i64);
     }
 
     #[test]

@@ -111,6 +111,7 @@ impl Tools {
             // invents arguments until max_tokens.
             let mut schema = t.parameters.clone();
             crate::openai::close_objects(&mut schema);
+            crate::openai::bound_numbers(&mut schema);
             if let Value::Object(o) = &mut schema {
                 o.entry("x-guidance")
                     .or_insert_with(|| json!({"whitespace_flexible": false}));

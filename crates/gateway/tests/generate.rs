@@ -110,6 +110,17 @@ async fn completions_streaming_and_not() {
     let nested_closed = json!({"$defs": {"p": {"properties": {"x": {"type": "integer"}},
                                                "additionalProperties": false}},
                                "type": "array", "items": {"$ref": "#/$defs/p"}});
+    // Numbers' digits bounded, as the gateway passes every schema on.
+    let bounded = |mut v: Value| {
+        flotilla_gateway::openai::bound_numbers(&mut v);
+        v
+    };
+    let (closed, nested_closed) = (bounded(closed), bounded(nested_closed));
+    let plain = bounded(schema.clone());
+    assert_eq!(
+        plain["properties"]["a"]["maximum"],
+        1_000_000_000_000_000i64
+    );
     for (extra, want) in [
         (
             json!({"response_format": {"type": "json_schema",
@@ -119,7 +130,7 @@ async fn completions_streaming_and_not() {
         (
             json!({"response_format": {"type": "json_schema",
                    "json_schema": {"name": "x", "schema": schema}}}),
-            Some(Constraint::JsonSchema(schema.to_string())),
+            Some(Constraint::JsonSchema(plain.to_string())),
         ),
         (
             json!({"response_format": {"type": "json_schema",
@@ -133,7 +144,7 @@ async fn completions_streaming_and_not() {
         (json!({"response_format": {"type": "text"}}), None),
         (
             json!({"guided_json": schema}),
-            Some(Constraint::JsonSchema(schema.to_string())),
+            Some(Constraint::JsonSchema(plain.to_string())),
         ),
         (
             json!({"guided_regex": "[0-9]{3}"}),

@@ -185,3 +185,48 @@ fn a_required_tool_call_follows_a_listed_function_and_its_parameters() {
         assert!(!spelt, "{bad:?} may not follow {prefix:?}");
     }
 }
+
+#[test]
+fn numbers_without_bounds_of_their_own_have_bounded_digits() {
+    // (flotilla_gateway::openai::bound_numbers, compiled here by llguidance)
+    let t = text();
+    let c = flotilla_grammar::compiler_for(&t).unwrap();
+    let mut schema = serde_json::json!({"type": "object", "properties": {
+        "x": {"type": "number"}, "n": {"type": "integer"},
+        "m": {"type": "number", "multipleOf": 0.5}},
+        "required": ["x", "n", "m"], "additionalProperties": false});
+    // As the gateway passes every schema on.
+    flotilla_gateway::openai::bound_numbers(&mut schema);
+    let schema = schema.to_string();
+    let fresh = || c.compile(&Constraint::JsonSchema(schema.clone())).unwrap();
+    let (_, done) = spell(fresh().as_mut(), &t, r#"{"x":-1000.125,"n":42,"m":2.5}"#);
+    assert!(done);
+    // Six digits after the point, then no seventh.
+    let mut m = fresh();
+    spell(m.as_mut(), &t, r#"{"x":1000.000000"#);
+    let mut words = Vec::new();
+    m.allowed(&mut words);
+    let digit = (0..t.tokenizer.vocab_size() as u32)
+        .filter(|&id| allowed(&words, id))
+        .find(|&id| {
+            t.tokenizer
+                .token_bytes(id)
+                .is_some_and(|b| b[0].is_ascii_digit())
+        });
+    assert_eq!(digit, None, "a seventh fraction digit is allowed");
+    // Sixteen digits before the point at most.
+    let mut m = fresh();
+    spell(m.as_mut(), &t, r#"{"x":1,"n":1000000000000000"#);
+    m.allowed(&mut words);
+    let digit = (0..t.tokenizer.vocab_size() as u32)
+        .filter(|&id| allowed(&words, id))
+        .find(|&id| {
+            t.tokenizer
+                .token_bytes(id)
+                .is_some_and(|b| b[0].is_ascii_digit())
+        });
+    assert_eq!(digit, None, "an integer of 16 digits may grow");
+    // A schema's own multipleOf and bounds are its own.
+    let (_, done) = spell(fresh().as_mut(), &t, r#"{"x":0.5,"n":-7,"m":1.5}"#);
+    assert!(done);
+}
