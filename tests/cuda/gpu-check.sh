@@ -15,8 +15,8 @@
 #   the backends.
 # bench: the bench example (prefill and decode at batch 1..256, achieved
 #   bandwidth, f16 and int8 KV) beside a device-to-device copy.
-# serve: `flotilla serve --device cuda:0` driven by tests/openai_client.py
-#   and tests/structured_outputs.py, then by `flotilla bench` at 32 and 256
+# serve: `flotilla serve --device cuda:0` driven by tests/openai_client.py,
+#   tests/structured_outputs.py and tests/tool_calls.py, then by `flotilla bench` at 32 and 256
 #   streams and at 32 chat streams plain and under a JSON schema (f16 and
 #   int8 KV).
 # gemma: Gemma 3 270M's greedy tokens against the CPU backend (the model
@@ -199,6 +199,7 @@ if want serve; then
   client() {
     export OPENAI_BASE_URL="http://127.0.0.1:$port/v1" OPENAI_API_KEY=sk-flotilla-paid-example
     python3 tests/openai_client.py && python3 tests/structured_outputs.py &&
+      python3 tests/tool_calls.py &&
       curl -sf "http://127.0.0.1:$port/ready"
   }
   step "openai client" "$out/client.log" client

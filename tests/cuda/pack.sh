@@ -11,7 +11,7 @@
 #                        fixtures there; gpu-check.sh links it)
 #   .gpu-a/tiny/         the tiny models of tests/reference/tiny.py
 #   .gpu-a/whl/          the openai client, jsonschema and what they need
-#                        (tests/openai_client.py, tests/structured_outputs.py),
+#                        (tests/openai_client.py, tests/structured_outputs.py, tests/tool_calls.py),
 #                        Python 3.12 wheels
 #   .gpu-a/model.part1   the default model's first bytes,
 #   .gpu-b/model.part2   its rest (with model.path, and model.sha256 as the
