@@ -121,8 +121,6 @@ struct Rig {
     /// A scheduler invariant that broke during the test (checked after
     /// every message the Scheduler handled).
     broken: Arc<std::sync::Mutex<Option<String>>>,
-    /// The executor has entered a step.
-    in_step: Arc<std::sync::atomic::AtomicBool>,
 }
 
 impl Drop for Rig {
@@ -179,7 +177,7 @@ async fn rig(queue_timeout: Duration, panic: bool) -> Rig {
     reason = "the actors run on real timers here, so the clock is the real one"
 )]
 async fn rig_seats(queue_timeout: Duration, panic: bool, seats: usize) -> Rig {
-    rig_with(queue_timeout, panic, seats, None).await
+    rig_with(queue_timeout, panic, seats, None, Default::default()).await
 }
 
 #[allow(
@@ -191,10 +189,10 @@ async fn rig_with(
     panic: bool,
     seats: usize,
     constraints: Option<Arc<dyn flotilla_exec::ConstraintCompiler>>,
+    in_step: Arc<std::sync::atomic::AtomicBool>,
 ) -> Rig {
     let (entered_tx, entered) = mpsc::unbounded_channel();
     let (gate, gate_rx) = std_mpsc::channel();
-    let in_step = Arc::new(std::sync::atomic::AtomicBool::new(false));
     let exec = FakeExec {
         spec: ModelSpec {
             name: "fake".into(),
@@ -212,7 +210,7 @@ async fn rig_with(
         gate: gate_rx,
         panic,
         kv: vec![0; 64 * BLOCK],
-        in_step: in_step.clone(),
+        in_step,
     };
     let sched = SchedConfig {
         num_blocks: 64,
@@ -261,7 +259,6 @@ async fn rig_with(
         entered,
         gate: Some(gate),
         broken,
-        in_step,
     }
 }
 
@@ -635,15 +632,8 @@ async fn a_mask_is_computed_while_its_step_runs() {
     let overlapped = Arc::new(std::sync::atomic::AtomicUsize::new(0));
     let in_step = Arc::new(std::sync::atomic::AtomicBool::new(false));
     let compiler = Only42Compiler(asked.clone(), in_step.clone(), overlapped.clone());
-    let mut rig = rig_with(WAIT, false, 1, Some(Arc::new(compiler))).await;
     // The matcher watches the executor's own flag.
-    let watched = rig.in_step.clone();
-    let bridge = tokio::spawn(async move {
-        while !watched.load(Ordering::SeqCst) {
-            tokio::time::sleep(Duration::from_millis(1)).await;
-        }
-        in_step.store(true, Ordering::SeqCst);
-    });
+    let mut rig = rig_with(WAIT, false, 1, Some(Arc::new(compiler)), in_step).await;
     let mut req = prompt_of(8);
     req.constraint = Some(flotilla_exec::Constraint::JsonObject);
     let mut rs = rig.engine.submit(req).await.unwrap();
@@ -671,5 +661,4 @@ async fn a_mask_is_computed_while_its_step_runs() {
     // mask computed ahead instead of asking again.
     assert_eq!(asked.load(Ordering::SeqCst), 1);
     assert_eq!(overlapped.load(Ordering::SeqCst), 1);
-    bridge.await.unwrap();
 }

@@ -192,9 +192,7 @@ pub fn parse(endpoint: Endpoint, body: &[u8], ctx: &ParseCtx<'_>) -> Result<Pars
     if let Some(t) = &tools {
         // The tools' grammar is compiled even when nothing requires a call,
         // so a bad parameter schema is a 400 whatever the choice.
-        let mut all = t.clone();
-        all.choice = tools::ToolChoice::Required;
-        let call = all.constraint().expect("required has a grammar");
+        let call = t.call_grammar(None);
         if let Some(compiler) = ctx.constraints {
             compiler
                 .compile(&call)

@@ -18,7 +18,7 @@ use serde_json::{Value, json};
 use crate::error::ApiError;
 use crate::openai::Endpoint;
 use crate::text::{Assembler, Delta, TokenLogprob};
-use crate::tools::{ToolCallParser, ToolEvent};
+use crate::tools::{Collected, ToolCallParser, ToolEvent};
 
 /// A stream with no event for this long gets an SSE comment, so a client
 /// that went away while the request queues is noticed (the write fails).
@@ -50,30 +50,6 @@ fn finish_str(reason: FinishReason, tools: &Option<ToolCallParser>) -> &'static 
     match tools {
         Some(p) if p.calls() > 0 && reason == FinishReason::Stop => "tool_calls",
         _ => reason.as_str(),
-    }
-}
-
-/// The calls of a whole response, and its text outside them.
-#[derive(Default)]
-struct Calls {
-    content: String,
-    /// `(id, name, arguments)`.
-    calls: Vec<(String, String, String)>,
-}
-
-impl Calls {
-    fn apply(&mut self, ev: Vec<ToolEvent>) {
-        for e in ev {
-            match e {
-                ToolEvent::Content(t) => self.content.push_str(&t),
-                ToolEvent::Start { id, name, .. } => self.calls.push((id, name, String::new())),
-                ToolEvent::Args { index, text } => {
-                    if let Some(c) = self.calls.get_mut(index) {
-                        c.2.push_str(&text);
-                    }
-                }
-            }
-        }
     }
 }
 
@@ -174,7 +150,7 @@ fn tools_done(rs: &mut RequestStream, asm: &Assembler, meta: &Meta) -> Option<St
 
 /// Waits for the whole completion and answers with one JSON body.
 pub async fn collect(mut rs: RequestStream, mut asm: Assembler, mut meta: Meta) -> Response {
-    let mut out = Calls::default();
+    let mut out = Collected::default();
     let mut lps: Vec<TokenLogprob> = Vec::new();
     loop {
         let mut step = next_step(&mut rs, &mut asm, &meta, None).await;

@@ -82,11 +82,16 @@ impl Tools {
     /// newline, each `{"name": NAME, "arguments": ARGS}` with ARGS
     /// matching that function's parameters.
     pub fn constraint(&self) -> Option<Constraint> {
-        let only = match &self.choice {
-            ToolChoice::None | ToolChoice::Auto => return None,
-            ToolChoice::Required => None,
-            ToolChoice::Named(n) => Some(n.as_str()),
-        };
+        match &self.choice {
+            ToolChoice::None | ToolChoice::Auto => None,
+            ToolChoice::Required => Some(self.call_grammar(None)),
+            ToolChoice::Named(n) => Some(self.call_grammar(Some(n))),
+        }
+    }
+
+    /// The grammar of calls of every function (`only`: of that one), as
+    /// [`Tools::constraint`] describes it, whatever the choice.
+    pub fn call_grammar(&self, only: Option<&str>) -> Constraint {
         let mut g = String::new();
         g.push_str(if self.parallel {
             "start: call (\"\\n\" call)*\n"
@@ -122,7 +127,7 @@ impl Tools {
                 schema
             ));
         }
-        Some(Constraint::Lark(g))
+        Constraint::Lark(g)
     }
 
     /// The system-prompt text that describes the tools and the call format
@@ -405,6 +410,33 @@ pub fn generic_messages(messages: Vec<ChatMessage>, tools: Option<&Tools>) -> Ve
         }
     }
     out
+}
+
+/// A whole response's text outside calls, and its calls, from the
+/// parser's events.
+#[derive(Debug, Default)]
+pub struct Collected {
+    /// Text outside any call.
+    pub content: String,
+    /// `(id, name, arguments)`, in order.
+    pub calls: Vec<(String, String, String)>,
+}
+
+impl Collected {
+    /// Adds `ev`, in order.
+    pub fn apply(&mut self, ev: Vec<ToolEvent>) {
+        for e in ev {
+            match e {
+                ToolEvent::Content(t) => self.content.push_str(&t),
+                ToolEvent::Start { id, name, .. } => self.calls.push((id, name, String::new())),
+                ToolEvent::Args { index, text } => {
+                    if let Some(c) = self.calls.get_mut(index) {
+                        c.2.push_str(&text);
+                    }
+                }
+            }
+        }
+    }
 }
 
 /// What the parser found in the model's text, in order.
@@ -857,19 +889,21 @@ mod tests {
             i = j;
         }
         ev.extend(p.finish());
-        let mut content = String::new();
-        let mut calls: Vec<(String, String, String)> = Vec::new();
-        for e in ev {
+        // Calls start in order, and arguments follow their own call's start.
+        let mut started = 0;
+        for e in &ev {
             match e {
-                ToolEvent::Content(t) => content.push_str(&t),
-                ToolEvent::Start { index, id, name } => {
-                    assert_eq!(index, calls.len());
-                    calls.push((id, name, String::new()));
+                ToolEvent::Start { index, .. } => {
+                    assert_eq!(*index, started);
+                    started += 1;
                 }
-                ToolEvent::Args { index, text } => calls[index].2.push_str(&text),
+                ToolEvent::Args { index, .. } => assert!(*index < started),
+                ToolEvent::Content(_) => {}
             }
         }
-        (content, calls)
+        let mut out = Collected::default();
+        out.apply(ev);
+        (out.content, out.calls)
     }
 
     #[test]

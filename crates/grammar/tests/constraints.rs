@@ -186,6 +186,20 @@ fn a_required_tool_call_follows_a_listed_function_and_its_parameters() {
     }
 }
 
+/// A token the constraint allows next that begins with a digit.
+fn digit_allowed(c: &mut dyn flotilla_exec::TokenConstraint, t: &TextSide) -> Option<u32> {
+    let mut words = Vec::new();
+    c.allowed(&mut words);
+    (0..t.tokenizer.vocab_size() as u32)
+        .filter(|&id| allowed(&words, id))
+        .find(|&id| {
+            t.tokenizer
+                .token_bytes(id)
+                .and_then(|b| b.first())
+                .is_some_and(u8::is_ascii_digit)
+        })
+}
+
 #[test]
 fn numbers_without_bounds_of_their_own_have_bounded_digits() {
     // (flotilla_gateway::openai::bound_numbers, compiled here by llguidance)
@@ -204,27 +218,12 @@ fn numbers_without_bounds_of_their_own_have_bounded_digits() {
     // Six digits after the point, then no seventh.
     let mut m = fresh();
     spell(m.as_mut(), &t, r#"{"x":1000.000000"#);
-    let mut words = Vec::new();
-    m.allowed(&mut words);
-    let digit = (0..t.tokenizer.vocab_size() as u32)
-        .filter(|&id| allowed(&words, id))
-        .find(|&id| {
-            t.tokenizer
-                .token_bytes(id)
-                .is_some_and(|b| b[0].is_ascii_digit())
-        });
+    let digit = digit_allowed(m.as_mut(), &t);
     assert_eq!(digit, None, "a seventh fraction digit is allowed");
     // Sixteen digits before the point at most.
     let mut m = fresh();
     spell(m.as_mut(), &t, r#"{"x":1,"n":1000000000000000"#);
-    m.allowed(&mut words);
-    let digit = (0..t.tokenizer.vocab_size() as u32)
-        .filter(|&id| allowed(&words, id))
-        .find(|&id| {
-            t.tokenizer
-                .token_bytes(id)
-                .is_some_and(|b| b[0].is_ascii_digit())
-        });
+    let digit = digit_allowed(m.as_mut(), &t);
     assert_eq!(digit, None, "an integer of 16 digits may grow");
     // A schema's own multipleOf and bounds are its own.
     let (_, done) = spell(fresh().as_mut(), &t, r#"{"x":0.5,"n":-7,"m":1.5}"#);
