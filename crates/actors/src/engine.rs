@@ -712,6 +712,8 @@ fn deliver(st: &mut SchedState) {
                     usage.completion_tokens as u64,
                     usage.cached_tokens as u64,
                 );
+                st.metrics
+                    .speculation(tier, timings.drafted.into(), timings.accepted.into());
                 st.metrics.request_ended(tier, Terminal::Finished);
                 if let Some(l) = st.live.remove(&id) {
                     l.send(id, EngineEvent::Finished { reason, usage }, &mut batches);
@@ -817,8 +819,18 @@ pub async fn spawn_engine(
         layers: u16::try_from(exec.model_spec().n_layer).unwrap_or(u16::MAX),
         bytes_per_block: spec.bytes_per_block as u64,
     };
-    let mut sched =
-        Scheduler::new(opts.sched).map_err(|e| EngineStartError::Config(e.to_string()))?;
+    let mut cfg = opts.sched;
+    // A backend that verifies no drafts (or fewer) bounds speculation.
+    let most = exec.max_draft_tokens();
+    if cfg.speculation.is_on() && cfg.speculation.max_draft > most {
+        if most == 0 {
+            tracing::info!("this backend verifies no draft tokens: speculative decoding is off");
+            cfg.speculation = flotilla_sched::Speculation::OFF;
+        } else {
+            cfg.speculation.max_draft = most;
+        }
+    }
+    let mut sched = Scheduler::new(cfg).map_err(|e| EngineStartError::Config(e.to_string()))?;
     if let Some(c) = opts.constraints {
         sched.set_constraints(c);
     }

@@ -91,6 +91,7 @@ impl Executor for FakeExec {
                     logprob: 0.0,
                     top: Vec::new(),
                 }),
+                accepted: Vec::new(),
             });
         }
         Ok(())
@@ -156,6 +157,7 @@ impl Rig {
                 constraint: None,
                 ignore_eos: true,
                 stop_token_ids: Vec::new(),
+                speculative: true,
             })
             .await
     }
@@ -237,6 +239,7 @@ async fn rig_with(
             kv_blocks_max: None,
             prefix_salt: 0,
         }],
+        speculation: flotilla_sched::Speculation::OFF,
     };
     let broken = Arc::new(std::sync::Mutex::new(None));
     let seen = broken.clone();
@@ -369,6 +372,7 @@ fn prompt_of(max_tokens: u32) -> EngineRequest {
         constraint: None,
         ignore_eos: true,
         stop_token_ids: Vec::new(),
+        speculative: true,
     }
 }
 

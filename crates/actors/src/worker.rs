@@ -6,8 +6,8 @@ use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::sync::Arc;
 use std::time::Duration;
 
-use flotilla_exec::{ExecError, Executor, SeqInput, StepOutputs};
-use flotilla_proto::{KvExport, Sampled};
+use flotilla_exec::{ExecError, Executor, SeqInput, SeqOutput, StepOutputs};
+use flotilla_proto::KvExport;
 use flotilla_sched::Plan;
 use ractor::{Actor, ActorProcessingErr, ActorRef, RpcReplyPort};
 
@@ -41,8 +41,9 @@ pub(crate) enum WorkerMsg {
 /// The result of one step, sent back with its plan.
 pub(crate) struct StepResult {
     pub plan: Plan,
-    /// One entry per plan item: the sampled token where the item asked.
-    pub sampled: Result<Vec<Option<Sampled>>, String>,
+    /// One entry per plan item: its sampled token (after the draft tokens
+    /// it accepted) where the item asked.
+    pub sampled: Result<Vec<SeqOutput>, String>,
     pub elapsed: Duration,
     /// False once the executor can no longer be trusted.
     pub worker_ok: bool,
@@ -149,7 +150,7 @@ impl Actor for GpuWorker {
     }
 }
 
-fn run_step(st: &mut WorkerState, plan: &Plan) -> Result<Vec<Option<Sampled>>, String> {
+fn run_step(st: &mut WorkerState, plan: &Plan) -> Result<Vec<SeqOutput>, String> {
     if let Some(why) = &st.broken {
         return Err(why.clone());
     }
@@ -157,7 +158,7 @@ fn run_step(st: &mut WorkerState, plan: &Plan) -> Result<Vec<Option<Sampled>>, S
     let exec = &mut st.exec;
     let out = &mut st.out;
     match catch_unwind(AssertUnwindSafe(|| exec.step(&inputs, out))) {
-        Ok(Ok(())) => Ok(out.seqs.iter_mut().map(|s| s.sampled.take()).collect()),
+        Ok(Ok(())) => Ok(std::mem::take(&mut out.seqs)),
         // A device error leaves the backend untrusted, as a panic does.
         Ok(Err(e @ ExecError::Backend(_))) => {
             let why = format!("{e}; the engine needs a restart");

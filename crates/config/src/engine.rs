@@ -7,7 +7,7 @@
 use std::time::Duration;
 
 use flotilla_proto::{KvDtype, TierId};
-use flotilla_sched::{Batching, SchedConfig, TenantConfig, TierConfig};
+use flotilla_sched::{Batching, SchedConfig, Speculation, TenantConfig, TierConfig};
 
 use crate::{ClusterConfig, EngineSection, Tenant, check_queue_timeout_s};
 
@@ -17,6 +17,10 @@ pub const MAX_NUM_SEQS: std::ops::RangeInclusive<usize> = 1..=4096;
 pub const MAX_NUM_BATCHED_TOKENS: std::ops::RangeInclusive<usize> = 1..=16384;
 /// Tokens per KV block.
 pub const BLOCK_SIZE: std::ops::RangeInclusive<usize> = 1..=1024;
+/// Draft tokens per sequence per step.
+pub const NUM_SPECULATIVE_TOKENS: std::ops::RangeInclusive<usize> = 1..=64;
+/// Decodes in a step up to which speculation runs.
+pub const SPECULATIVE_MAX_BATCH: std::ops::RangeInclusive<usize> = 1..=4096;
 
 /// What applies where neither a flag nor the file says: a CPU server and
 /// a simulated GPU cluster want different batches.
@@ -30,6 +34,8 @@ pub struct EngineDefaults {
     pub block_size: usize,
     /// Seconds a request may wait in its queue.
     pub queue_timeout_s: f64,
+    /// Speculative decoding where neither a flag nor the file says.
+    pub speculation: Speculation,
 }
 
 impl EngineDefaults {
@@ -40,6 +46,7 @@ impl EngineDefaults {
             max_num_batched_tokens: 512,
             block_size,
             queue_timeout_s: 60.0,
+            speculation: Speculation::ngram(DEFAULT_DRAFT),
         }
     }
 }
@@ -59,7 +66,12 @@ pub struct EngineSettings {
     pub batching: Batching,
     /// Element type of the KV cache.
     pub kv_dtype: KvDtype,
+    /// Speculative decoding.
+    pub speculation: Speculation,
 }
+
+/// Draft tokens per step of `--speculative ngram` unless told otherwise.
+pub const DEFAULT_DRAFT: usize = 8;
 
 /// One number: the flag's (`--{name}`), else the file's (`engine.{key}`),
 /// else the default; with the name of where it came from for errors.
@@ -142,6 +154,7 @@ impl EngineSection {
             }
             (None, None) => KvDtype::default(),
         };
+        let speculation = self.speculation(flags, d)?;
         let batching = match batching {
             "continuous" => Batching::Continuous,
             "static" => Batching::Static,
@@ -158,7 +171,54 @@ impl EngineSection {
             queue_timeout: Duration::from_secs_f64(q),
             batching,
             kv_dtype,
+            speculation,
         })
+    }
+
+    /// `--speculative` (`ngram` or `off`) with its draft length and batch
+    /// bound, each over the file's and the default.
+    fn speculation(
+        &self,
+        flags: &EngineSection,
+        d: &EngineDefaults,
+    ) -> Result<Speculation, String> {
+        let mode = match (&flags.speculative, &self.speculative) {
+            (Some(m), _) => Some((m.as_str(), "--speculative")),
+            (None, Some(m)) => Some((m.as_str(), "engine.speculative")),
+            (None, None) => None,
+        };
+        let mut spec = match mode {
+            None => d.speculation,
+            Some(("off", _)) => return Ok(Speculation::OFF),
+            Some(("ngram", _)) => Speculation::ngram(DEFAULT_DRAFT),
+            Some((other, from)) => {
+                return Err(format!(
+                    "{from}: unknown speculation '{other}' (expected ngram or off)"
+                ));
+            }
+        };
+        if !spec.is_on() {
+            return Ok(spec);
+        }
+        spec.max_draft = in_range(
+            pick(
+                flags.num_speculative_tokens,
+                self.num_speculative_tokens,
+                spec.max_draft,
+                ("num-speculative-tokens", "num_speculative_tokens"),
+            ),
+            NUM_SPECULATIVE_TOKENS,
+        )?;
+        spec.max_batch = in_range(
+            pick(
+                flags.speculative_max_batch,
+                self.speculative_max_batch,
+                spec.max_batch,
+                ("speculative-max-batch", "speculative_max_batch"),
+            ),
+            SPECULATIVE_MAX_BATCH,
+        )?;
+        Ok(spec)
     }
 }
 
@@ -224,6 +284,7 @@ impl ClusterConfig {
                     prefix_salt: t.prefix_salt(),
                 })
                 .collect(),
+            speculation: s.speculation,
         };
         sched.validate().map_err(|e| e.to_string())?;
         Ok(sched)

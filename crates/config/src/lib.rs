@@ -84,6 +84,13 @@ pub struct EngineSection {
     pub kv_cache_dtype: Option<String>,
     /// `--queue-timeout`, seconds.
     pub queue_timeout_s: Option<f64>,
+    /// `--speculative`: `ngram` or `off`.
+    pub speculative: Option<String>,
+    /// `--num-speculative-tokens`: most draft tokens per sequence per step.
+    pub num_speculative_tokens: Option<usize>,
+    /// `--speculative-max-batch`: speculate only in steps with at most this
+    /// many decodes.
+    pub speculative_max_batch: Option<usize>,
 }
 
 /// A service tier.

@@ -918,6 +918,7 @@ impl CudaExecutor {
         let greedy = batch.iter().all(|q| match &q.output {
             OutputKind::None => true,
             OutputKind::Logits => false,
+            OutputKind::Verify { .. } => false,
             OutputKind::Sample(p) => {
                 (p.temperature == 0.0 || p.top_k == 1)
                     && !p.logprobs
@@ -1134,6 +1135,17 @@ impl Executor for CudaExecutor {
             max_tokens: self.max_tokens,
         };
         validate_batch(batch, &limits, &mut self.host.slots)?;
+        // Output rows are sized one per sequence: drafts are not verified
+        // here yet (`max_draft_tokens` is 0, so the engine sends none).
+        if let Some(i) = batch
+            .iter()
+            .position(|q| matches!(q.output, OutputKind::Verify { .. }))
+        {
+            return Err(ExecError::BadSampling {
+                seq: i,
+                reason: "the CUDA backend does not verify draft tokens".into(),
+            });
+        }
         if batch.len() > self.max_seqs {
             return Err(ExecError::TooManySequences {
                 seqs: batch.len(),

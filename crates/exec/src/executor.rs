@@ -155,6 +155,73 @@ pub enum OutputKind {
     Logits,
     /// A token sampled from the last position's logits.
     Sample(SamplingParams),
+    /// Speculative decoding: the last `draft` tokens of the input are a
+    /// guess at what comes next, not yet accepted. The backend samples at
+    /// each of the last `draft + 1` positions in order, as a plain decode
+    /// would (the same draw for the same seed and position), and stops at
+    /// the first sample that differs from the draft token it predicts:
+    /// the samples that matched are [`SeqOutput::accepted`], the one that
+    /// differed (or followed the whole draft) is [`SeqOutput::sampled`].
+    /// Because a matching draft token is exactly what the sequence would
+    /// have sampled, the output is the same token for token as without the
+    /// draft, greedy or not. No bias that changes with the tokens drawn
+    /// (penalties), no constraint.
+    Verify {
+        /// How to sample each position.
+        params: SamplingParams,
+        /// Draft tokens at the end of the input (at least one, fewer than
+        /// the input's tokens).
+        draft: usize,
+    },
+}
+
+impl OutputKind {
+    /// Logit rows this output needs: the last `rows()` positions of the input.
+    pub fn rows(&self) -> usize {
+        match self {
+            OutputKind::None => 0,
+            OutputKind::Logits | OutputKind::Sample(_) => 1,
+            OutputKind::Verify { draft, .. } => draft + 1,
+        }
+    }
+
+    /// The sampling parameters, if it samples.
+    pub fn sampling(&self) -> Option<&SamplingParams> {
+        match self {
+            OutputKind::Sample(p) | OutputKind::Verify { params: p, .. } => Some(p),
+            OutputKind::None | OutputKind::Logits => None,
+        }
+    }
+}
+
+/// Samples one sequence's output rows in order: `sample_at(row, params,
+/// position)` draws the token at `position` from the `row`-th of the
+/// sequence's output rows (0 is the first of [`OutputKind::rows`]). A
+/// plain sample draws once; a draft is accepted while each draw equals
+/// the draft token at its position ([`OutputKind::Verify`]).
+pub fn sample_outputs(
+    q: &SeqInput<'_>,
+    o: &mut SeqOutput,
+    mut sample_at: impl FnMut(usize, &SamplingParams, u64) -> Sampled,
+) {
+    let end = q.start_pos + q.tokens.len();
+    match &q.output {
+        OutputKind::None | OutputKind::Logits => {}
+        OutputKind::Sample(p) => o.sampled = Some(sample_at(0, p, end as u64)),
+        OutputKind::Verify { params, draft } => {
+            let first = end - draft;
+            let guesses = &q.tokens[q.tokens.len() - draft..];
+            for row in 0..=*draft {
+                let s = sample_at(row, params, (first + row) as u64);
+                if guesses.get(row) == Some(&s.token) {
+                    o.accepted.push(s);
+                } else {
+                    o.sampled = Some(s);
+                    break;
+                }
+            }
+        }
+    }
 }
 
 /// One sequence's part of a flat batch: a prefill chunk or one decode token.
@@ -191,8 +258,18 @@ pub struct SeqOutput {
     /// unless the backend picked a greedy token on its device without
     /// reading the logits back.
     pub logits_row: Option<usize>,
-    /// The sampled token.
+    /// The sampled token (after [`SeqOutput::accepted`], if any).
     pub sampled: Option<Sampled>,
+    /// Draft tokens accepted, in order ([`OutputKind::Verify`]): each is
+    /// the sample drawn at its position, which equalled the draft.
+    pub accepted: Vec<Sampled>,
+}
+
+impl SeqOutput {
+    /// Tokens this sequence gained: the accepted draft, then the sample.
+    pub fn tokens(&self) -> impl Iterator<Item = &Sampled> {
+        self.accepted.iter().chain(&self.sampled)
+    }
 }
 
 /// Results of one step, reused across steps to avoid allocation.
@@ -369,9 +446,25 @@ pub fn validate_batch(
                 reason: format!("names block {b}, cache has {}", lim.num_blocks),
             });
         }
-        if let OutputKind::Sample(p) = &s.output {
+        if let Some(p) = s.output.sampling() {
             p.validate()
                 .map_err(|reason| ExecError::BadSampling { seq: i, reason })?;
+        }
+        if let OutputKind::Verify { draft, .. } = s.output {
+            let reason = if draft == 0 || draft >= s.tokens.len() {
+                Some(format!(
+                    "a draft of {draft} tokens in an input of {}: it needs at least one, \
+                     after at least one accepted token",
+                    s.tokens.len()
+                ))
+            } else if s.allow.is_some() {
+                Some("a draft cannot be verified under an output constraint".into())
+            } else {
+                None
+            };
+            if let Some(reason) = reason {
+                return Err(ExecError::BadSampling { seq: i, reason });
+            }
         }
     }
     if total > lim.max_tokens {
@@ -435,6 +528,12 @@ pub trait Executor: Send {
     fn read_block(&self, block: u32, out: &mut [u8]) -> Result<(), ExecError>;
     /// Overwrites one block's raw bytes (KV import for migration).
     fn write_block(&mut self, block: u32, data: &[u8]) -> Result<(), ExecError>;
+    /// Most draft tokens one sequence may carry for verification
+    /// ([`OutputKind::Verify`]); 0: this backend verifies no drafts, and the
+    /// engine does not speculate on it.
+    fn max_draft_tokens(&self) -> usize {
+        0
+    }
     /// How long the last step took on the hardware this backend models,
     /// for a backend that computes no real forward pass (the simulator's
     /// cost model): the GpuWorker waits that long on the runtime's clock

@@ -13,6 +13,6 @@ pub use constraint::{
 };
 pub use executor::{
     BatchLimits, ExecError, Executor, KvDtype, KvSpec, ModelSpec, OutputKind, SeqInput, SeqOutput,
-    StepOutputs, validate_batch,
+    StepOutputs, sample_outputs, validate_batch,
 };
 pub use sampling::{MAX_LOGIT_BIAS, MAX_PENALTY, MAX_TOP_LOGPROBS, Sampled, SamplingParams};

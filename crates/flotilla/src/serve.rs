@@ -67,6 +67,18 @@ pub struct ServeArgs {
     /// Seconds a request may wait in the queue before it fails.
     #[arg(long)]
     pub queue_timeout: Option<f64>,
+    /// Speculative decoding: `ngram` (draft tokens looked up in the
+    /// sequence's own prompt and output, verified in the next step; the
+    /// output is the same token for token) or `off`. Config: `[engine]
+    /// speculative`. Default: ngram.
+    #[arg(long)]
+    pub speculative: Option<String>,
+    /// Most draft tokens per sequence per step (default 8).
+    #[arg(long)]
+    pub num_speculative_tokens: Option<usize>,
+    /// Speculate only in steps with at most this many decodes (default 4).
+    #[arg(long)]
+    pub speculative_max_batch: Option<usize>,
     /// continuous (iteration-level) or static (whole batches, for comparison).
     #[arg(long, default_value = "continuous")]
     pub batching: String,
@@ -191,6 +203,9 @@ pub fn resolve(args: &ServeArgs) -> Result<Resolved> {
         block_size: e.block_size.is_none().then_some(args.model.block_size),
         kv_cache_dtype: args.model.kv_cache_dtype.clone(),
         queue_timeout_s: args.queue_timeout,
+        speculative: args.speculative.clone(),
+        num_speculative_tokens: args.num_speculative_tokens,
+        speculative_max_batch: args.speculative_max_batch,
         ..EngineSection::default()
     };
     let settings = e

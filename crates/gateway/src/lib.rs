@@ -238,6 +238,7 @@ impl Gateway {
             constraint: p.constraint,
             ignore_eos: p.ignore_eos,
             stop_token_ids: p.stop_token_ids,
+            speculative: p.speculative,
         };
         // Admission first: a refusal keeps its status code, even for streams.
         let rs = match self.engine.submit(req).await {

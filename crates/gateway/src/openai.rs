@@ -44,6 +44,7 @@ const COMMON_FIELDS: &[&str] = &[
     "stop",
     "stop_token_ids",
     "ignore_eos",
+    "speculative",
     "n",
     "presence_penalty",
     "frequency_penalty",
@@ -123,6 +124,9 @@ pub struct Parsed {
     pub stop_token_ids: Vec<u32>,
     /// Keep going past end-of-sequence tokens.
     pub ignore_eos: bool,
+    /// Whether the engine may speculate for this request (a Flotilla
+    /// extension, `"speculative": false` opts out; the output is the same).
+    pub speculative: bool,
     /// Answer as server-sent events.
     pub stream: bool,
     /// Send a usage chunk at the end of a stream.
@@ -279,6 +283,7 @@ pub fn parse(endpoint: Endpoint, body: &[u8], ctx: &ParseCtx<'_>) -> Result<Pars
         }
     };
     let ignore_eos = opt_bool(&obj, "ignore_eos")?.unwrap_or(false);
+    let speculative = opt_bool(&obj, "speculative")?.unwrap_or(true);
     let stream = opt_bool(&obj, "stream")?.unwrap_or(false);
     let include_usage = match opt(&obj, "stream_options") {
         None => false,
@@ -319,6 +324,7 @@ pub fn parse(endpoint: Endpoint, body: &[u8], ctx: &ParseCtx<'_>) -> Result<Pars
         stop,
         stop_token_ids,
         ignore_eos,
+        speculative,
         stream,
         include_usage,
     })

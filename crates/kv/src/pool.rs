@@ -225,6 +225,31 @@ impl BlockPool {
         Ok(())
     }
 
+    /// Shrinks `lease` to the blocks that hold its first `num_tokens`
+    /// tokens, giving the rest back: the positions of rejected draft tokens
+    /// (speculative decoding) whose KV was written but is not kept. Blocks
+    /// already registered in the prefix cache stay (they hold committed
+    /// tokens, never rejected ones). Returns the blocks given back.
+    pub fn truncate(&mut self, lease: &mut Lease, num_tokens: usize) -> usize {
+        self.reclaim();
+        self.assert_issued(lease);
+        let want = num_tokens.div_ceil(self.block_size as usize);
+        let rec = self.record_mut(lease.id);
+        let keep = want.max(rec.committed);
+        if keep >= lease.blocks.len() {
+            return 0;
+        }
+        rec.table.truncate(keep);
+        let n = lease.blocks.len() - keep;
+        // Last block first, as `release` does.
+        while lease.blocks.len() > keep {
+            let b = lease.blocks.pop().expect("longer than keep");
+            self.unref(b);
+        }
+        self.uncharge(lease.owner, n);
+        n
+    }
+
     /// Blocks `owner` could get now (free + evictable, less other tiers'
     /// unused reservations, capped by its quota headroom).
     pub fn available(&mut self, owner: Owner) -> u32 {

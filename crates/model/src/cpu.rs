@@ -13,8 +13,8 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 
 use crate::arch::{self, Activation, ModelConfig, Weights};
 use crate::executor::{
-    BatchLimits, ExecError, Executor, KvDtype, KvSpec, ModelSpec, OutputKind, SeqInput, SeqOutput,
-    StepOutputs, validate_batch,
+    BatchLimits, ExecError, Executor, KvDtype, KvSpec, ModelSpec, SeqInput, SeqOutput, StepOutputs,
+    sample_outputs, validate_batch,
 };
 use crate::gguf::{GgufError, GgufFile};
 use crate::kernels::{self, Acts, Kernel, OutPtr, QMatrix, Resolved};
@@ -275,9 +275,11 @@ impl CpuExecutor {
                 s.tok_pos.push(q.start_pos + j);
             }
             let mut o = SeqOutput::default();
-            if !matches!(q.output, OutputKind::None) {
+            let rows = q.output.rows();
+            if rows > 0 {
                 o.logits_row = Some(s.out_tok.len());
-                s.out_tok.push((s.tok.len() - 1) as u32);
+                let end = s.tok.len() as u32;
+                s.out_tok.extend(end - rows as u32..end);
             }
             out.seqs.push(o);
         }
@@ -337,24 +339,28 @@ impl CpuExecutor {
             &acts,
         );
         for (i, q) in batch.iter().enumerate() {
-            if let OutputKind::Sample(p) = &q.output {
-                let row = out.seqs[i]
-                    .logits_row
-                    .expect("sampled sequences have a logits row");
-                let logits = &out.logits[row * vocab..(row + 1) * vocab];
-                let position = (q.start_pos + q.tokens.len()) as u64;
-                // Read only now: the mask may have been computed while the
-                // forward pass ran.
-                let mask = q.allow.map(|m| m.words());
-                out.seqs[i].sampled = Some(sample(
-                    logits,
+            if q.output.sampling().is_none() {
+                continue;
+            }
+            let first = out.seqs[i]
+                .logits_row
+                .expect("sampled sequences have a logits row");
+            // Read only now: the mask may have been computed while the
+            // forward pass ran.
+            let mask = q.allow.map(|m| m.words());
+            let logits = &out.logits;
+            let sampler = &mut s.sampler;
+            sample_outputs(q, &mut out.seqs[i], |r, p, position| {
+                let row = first + r;
+                sample(
+                    &logits[row * vocab..(row + 1) * vocab],
                     p,
                     q.bias,
                     mask.as_deref(),
                     position,
-                    &mut s.sampler,
-                ));
-            }
+                    sampler,
+                )
+            });
         }
     }
 
@@ -710,6 +716,12 @@ impl Executor for CpuExecutor {
 
     fn max_batch_tokens(&self) -> usize {
         self.max_tokens
+    }
+
+    /// Every output row is a row of the step's activations: a draft only
+    /// has to fit the step.
+    fn max_draft_tokens(&self) -> usize {
+        self.max_tokens.saturating_sub(1)
     }
 
     fn step(&mut self, batch: &[SeqInput<'_>], out: &mut StepOutputs) -> Result<(), ExecError> {

@@ -22,7 +22,7 @@ pub use cpu::{CpuConfig, CpuExecutor, LoadError};
 pub use flotilla_exec::executor;
 pub use flotilla_exec::{
     BatchLimits, ExecError, Executor, KvDtype, KvSpec, ModelSpec, OutputKind, SeqInput, SeqOutput,
-    StepOutputs, validate_batch,
+    StepOutputs, sample_outputs, validate_batch,
 };
 /// The GGUF reader; its paths stay valid here.
 pub use flotilla_gguf as gguf;

@@ -67,6 +67,10 @@ pub struct EngineRequest {
     pub ignore_eos: bool,
     /// Token ids that end the request besides the model's own stop tokens.
     pub stop_token_ids: Vec<u32>,
+    /// Whether the engine may speculate for it (draft tokens verified in
+    /// its steps, where the engine has speculation on); the output is the
+    /// same either way, only its speed differs.
+    pub speculative: bool,
 }
 
 /// Why a request ended normally.

@@ -87,6 +87,7 @@ fn seeds(r: &mut Rng) -> Vec<Message> {
                 constraint: None,
                 ignore_eos: false,
                 stop_token_ids: vec![2],
+                speculative: true,
             },
         }),
         Message::Refused {

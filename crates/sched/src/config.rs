@@ -48,6 +48,54 @@ pub enum Batching {
     Static,
 }
 
+/// Speculative decoding: draft tokens proposed from the sequence's own
+/// text (n-gram prompt lookup) and verified in the next step beside
+/// everything else (see [`crate::Scheduler::schedule`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Speculation {
+    /// Most draft tokens per sequence per step; 0 turns speculation off.
+    pub max_draft: usize,
+    /// Longest n-gram (the sequence's last tokens) looked up earlier in it.
+    pub ngram_max: usize,
+    /// Shortest n-gram tried when no longer one matches (at least 1).
+    pub ngram_min: usize,
+    /// Speculate only in steps with at most this many decodes: above it a
+    /// step is no longer bound by reading the weights, and verify
+    /// positions cost nearly as much as the tokens they might save.
+    pub max_batch: usize,
+}
+
+impl Speculation {
+    /// No speculation.
+    pub const OFF: Speculation = Speculation {
+        max_draft: 0,
+        ngram_max: 0,
+        ngram_min: 0,
+        max_batch: 0,
+    };
+
+    /// N-gram prompt lookup with `max_draft` tokens per step.
+    pub fn ngram(max_draft: usize) -> Speculation {
+        Speculation {
+            max_draft,
+            ngram_max: 4,
+            ngram_min: 2,
+            max_batch: 4,
+        }
+    }
+
+    /// Whether it is on.
+    pub fn is_on(&self) -> bool {
+        self.max_draft > 0
+    }
+}
+
+impl Default for Speculation {
+    fn default() -> Self {
+        Speculation::OFF
+    }
+}
+
 /// Everything the scheduler of one engine needs, validated by [`SchedConfig::validate`].
 #[derive(Clone, Debug, PartialEq)]
 pub struct SchedConfig {
@@ -71,6 +119,8 @@ pub struct SchedConfig {
     pub tiers: Vec<TierConfig>,
     /// Tenants; `TenantId(i)` is `tenants[i]`.
     pub tenants: Vec<TenantConfig>,
+    /// Speculative decoding (off by default).
+    pub speculation: Speculation,
 }
 
 /// Why a scheduler config was refused.
@@ -128,6 +178,9 @@ pub enum ConfigError {
         /// Tiers configured.
         tiers: usize,
     },
+    /// Speculation settings that cannot work.
+    #[error("speculative decoding: {0}")]
+    Speculation(String),
     /// The KV pool refused its part of the config.
     #[error("KV pool: {0}")]
     Pool(#[from] flotilla_kv::ConfigError),
@@ -151,6 +204,19 @@ impl SchedConfig {
             return Err(ConfigError::TierCount {
                 count: self.tiers.len(),
             });
+        }
+        let spec = &self.speculation;
+        if spec.is_on() && (spec.ngram_min == 0 || spec.ngram_min > spec.ngram_max) {
+            return Err(ConfigError::Speculation(format!(
+                "n-gram sizes must satisfy 1 <= min <= max, got {}..={}",
+                spec.ngram_min, spec.ngram_max
+            )));
+        }
+        if spec.is_on() && spec.max_draft >= self.max_num_batched_tokens {
+            return Err(ConfigError::Speculation(format!(
+                "{} draft tokens do not fit a step of {} tokens with their decode",
+                spec.max_draft, self.max_num_batched_tokens
+            )));
         }
         if u32::try_from(self.tenants.len()).is_err() {
             return Err(ConfigError::TenantCount {
@@ -275,6 +341,7 @@ pub(crate) mod tests {
             stop_tokens: vec![2],
             tiers: vec![tier("free", 1, 0), tier("paid", 3, 10)],
             tenants: vec![tenant("a", 0), tenant("b", 0), tenant("p", 1)],
+            speculation: Speculation::OFF,
         }
     }
 
@@ -307,6 +374,17 @@ pub(crate) mod tests {
         let mut c = two_tiers(64, 16);
         c.tenants[0].requests_per_minute = Some(0);
         assert!(matches!(c.validate(), Err(ConfigError::TenantField { .. })));
+        let mut c = two_tiers(64, 16);
+        c.speculation = Speculation {
+            ngram_min: 3,
+            ngram_max: 2,
+            ..Speculation::ngram(4)
+        };
+        assert!(matches!(c.validate(), Err(ConfigError::Speculation(_))));
+        c.speculation = Speculation::ngram(256);
+        assert!(matches!(c.validate(), Err(ConfigError::Speculation(_))));
+        c.speculation = Speculation::ngram(255);
+        assert_eq!(c.validate(), Ok(()));
     }
 
     #[test]

@@ -82,6 +82,10 @@ pub struct Timings {
     pub prompt_tokens: u32,
     /// Tokens generated.
     pub output_tokens: u32,
+    /// Draft tokens verified for it (speculative decoding).
+    pub drafted: u32,
+    /// Draft tokens accepted: output tokens that cost no step of their own.
+    pub accepted: u32,
 }
 
 /// Totals since start, for metrics.
@@ -111,4 +115,8 @@ pub struct Counters {
     /// Running requests stopped here with their KV held for a move to
     /// another node ([`crate::Scheduler::detach`]).
     pub detached: u64,
+    /// Draft tokens verified (speculative decoding).
+    pub drafted_tokens: u64,
+    /// Draft tokens accepted.
+    pub accepted_tokens: u64,
 }

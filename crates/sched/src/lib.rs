@@ -21,6 +21,7 @@ mod invariants;
 mod migrate;
 mod plan;
 mod seq;
+mod spec;
 mod step;
 
 #[cfg(test)]
@@ -34,7 +35,7 @@ use flotilla_proto::{
     EngineFailure, EngineStatus, FinishReason, KvUsage, RequestId, TierStatus, Usage,
 };
 
-pub use config::{Batching, ConfigError, SchedConfig, TenantConfig, TierConfig};
+pub use config::{Batching, ConfigError, SchedConfig, Speculation, TenantConfig, TierConfig};
 pub use event::{Counters, SchedEvent, Timings};
 pub use plan::{Plan, PlanItem};
 

@@ -61,6 +61,10 @@ pub struct PlanItem {
     /// Scheduler's actor right after it sends the plan ([`Plan::masks`]),
     /// or by the executor when it samples, whichever comes first.
     pub allow: Option<std::sync::Arc<flotilla_exec::MaskCell>>,
+    /// Draft tokens at the end of `tokens` (speculative decoding), verified
+    /// by the step ([`OutputKind::Verify`]); 0 for every other item. They
+    /// are not the sequence's tokens until the executor accepts them.
+    pub draft: usize,
 }
 
 impl PlanItem {
@@ -70,7 +74,11 @@ impl PlanItem {
             tokens: &self.tokens,
             start_pos: self.start_pos,
             block_table: &self.block_table,
-            output: self.sample.map_or(OutputKind::None, OutputKind::Sample),
+            output: match (self.sample, self.draft) {
+                (None, _) => OutputKind::None,
+                (Some(p), 0) => OutputKind::Sample(p),
+                (Some(params), draft) => OutputKind::Verify { params, draft },
+            },
             bias: &self.bias,
             allow: self.allow.as_deref(),
         }
@@ -80,10 +88,13 @@ impl PlanItem {
 /// The step being planned: chunks chosen so far and the budget left. Tokens
 /// and block tables are copied only at the end, once preemptions are settled.
 #[derive(Debug)]
-struct Draft {
+pub(crate) struct Draft {
     /// `(request, start position, tokens, tier charged for prefill tokens)`.
-    chunks: Vec<(RequestId, usize, usize, Option<usize>)>,
-    budget: usize,
+    pub(crate) chunks: Vec<(RequestId, usize, usize, Option<usize>)>,
+    /// Draft tokens guessed for some decodes (speculative decoding), whose
+    /// positions the leases already cover.
+    pub(crate) guesses: Vec<(RequestId, Vec<u32>)>,
+    pub(crate) budget: usize,
     /// Prefill tokens each tier may still add this step (see
     /// [`Scheduler::prefill_caps`]).
     prefill_left: Vec<usize>,
@@ -158,6 +169,7 @@ impl Scheduler {
         self.expire(now);
         let mut draft = Draft {
             chunks: Vec::with_capacity(self.cfg.max_num_seqs),
+            guesses: Vec::new(),
             budget: self.cfg.max_num_batched_tokens,
             prefill_left: self.prefill_caps(),
         };
@@ -170,6 +182,8 @@ impl Scheduler {
         if admit {
             self.admit_waiting(now, &mut draft);
         }
+        // Last: a draft takes only what no decode, prompt or admission wanted.
+        self.add_drafts(&mut draft);
         self.finalize(draft)
     }
 
@@ -609,7 +623,7 @@ impl Scheduler {
     }
 
     /// Copies tokens and block tables into the plan and marks it in flight.
-    fn finalize(&mut self, draft: Draft) -> Plan {
+    fn finalize(&mut self, mut draft: Draft) -> Plan {
         let step = self.next_step;
         assert!(draft.chunks.len() <= self.cfg.max_num_seqs);
         let mut total = 0;
@@ -621,16 +635,21 @@ impl Scheduler {
                 let lease = seq.lease.as_ref().expect("planned sequence is running");
                 assert_eq!(start, seq.num_computed);
                 assert!(len > 0 && start + len <= seq.tokens.len());
+                let guess = match draft.guesses.iter().position(|g| g.0 == id) {
+                    Some(i) => std::mem::take(&mut draft.guesses[i].1),
+                    None => Vec::new(),
+                };
                 assert!(
-                    lease.capacity_tokens() >= start + len,
+                    lease.capacity_tokens() >= start + len + guess.len(),
                     "lease too small for chunk"
                 );
-                total += len;
+                total += len + guess.len();
                 let samples = start + len == seq.tokens.len();
-                let (tokens, block_table) = (
-                    seq.tokens[start..start + len].to_vec(),
-                    lease.blocks().to_vec(),
-                );
+                assert!(guess.is_empty() || samples, "a draft after a prefill chunk");
+                let mut tokens = Vec::with_capacity(len + guess.len());
+                tokens.extend_from_slice(&seq.tokens[start..start + len]);
+                tokens.extend_from_slice(&guess);
+                let block_table = lease.blocks().to_vec();
                 let (bias, allow) = if samples {
                     // Not computed here: see PlanItem::allow.
                     let allow = seq
@@ -649,6 +668,7 @@ impl Scheduler {
                     sample: samples.then_some(seq.sampling),
                     bias,
                     allow,
+                    draft: guess.len(),
                 }
             })
             .collect();

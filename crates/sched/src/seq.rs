@@ -56,6 +56,27 @@ pub(crate) struct Seq {
     /// Blocks holding KV imported from a prefill node, while it waits for a
     /// seat: its first admission takes this lease instead of a new one.
     pub(crate) parked: Option<Lease>,
+    /// Speculation for this request: allowed, and how it has gone.
+    pub(crate) spec: SpecState,
+}
+
+/// One request's speculation: whether it may, when it may draft next, and
+/// its totals.
+#[derive(Debug, Default)]
+pub(crate) struct SpecState {
+    /// The request allows it (and nothing in it forbids it: see
+    /// `Scheduler::may_speculate`).
+    pub(crate) allowed: bool,
+    /// No draft before the sequence has this many tokens: after a draft
+    /// that was wholly rejected, the next waits `backoff` tokens.
+    pub(crate) skip_until: usize,
+    /// Tokens to wait after the next wholly rejected draft (doubles each
+    /// time, up to a bound; a draft with any token accepted resets it).
+    pub(crate) backoff: usize,
+    /// Draft tokens verified.
+    pub(crate) drafted: u32,
+    /// Draft tokens accepted.
+    pub(crate) accepted: u32,
 }
 
 impl Seq {
@@ -123,6 +144,10 @@ impl Seq {
             prompt_charged: 0,
             hold_for: None,
             parked: None,
+            spec: SpecState {
+                allowed: req.speculative,
+                ..SpecState::default()
+            },
         }
     }
 
@@ -170,6 +195,8 @@ impl Seq {
             tpot: (output_tokens > 1).then(|| decode / (output_tokens - 1)),
             prompt_tokens: self.prompt_len as u32,
             output_tokens,
+            drafted: self.spec.drafted,
+            accepted: self.spec.accepted,
         }
     }
 }
@@ -195,6 +222,7 @@ mod tests {
             constraint: None,
             ignore_eos: false,
             stop_token_ids: Vec::new(),
+            speculative: true,
         };
         Seq::new(RequestId(1), 0, req, Duration::ZERO, Duration::from_secs(1))
     }

@@ -3,18 +3,25 @@
 
 use std::time::Duration;
 
-use flotilla_proto::{EngineFailure, FinishReason, Sampled};
+use flotilla_exec::SeqOutput;
+use flotilla_proto::{EngineFailure, FinishReason, RequestId};
 
 use crate::{Plan, SchedEvent, Scheduler};
 
+/// Longest wait, in tokens, between drafts of a sequence whose drafts keep
+/// failing.
+const MAX_BACKOFF: usize = 64;
+
 impl Scheduler {
-    /// Applies the executor's results of `plan`: `sampled[i]` is item `i`'s
-    /// token (`None` for items that did not sample). Items of requests
-    /// cancelled since `schedule` are skipped.
-    pub fn complete(&mut self, now: Duration, plan: &Plan, sampled: &[Option<Sampled>]) {
-        assert_eq!(sampled.len(), plan.items.len(), "one result per plan item");
+    /// Applies the executor's results of `plan`: `outs[i]` is item `i`'s
+    /// output (its sampled token, after the draft tokens it accepted, if
+    /// any). Items of requests cancelled since `schedule` are skipped. A
+    /// draft's rejected positions are given back: the lease shrinks to the
+    /// tokens kept.
+    pub fn complete(&mut self, now: Duration, plan: &Plan, outs: &[SeqOutput]) {
+        assert_eq!(outs.len(), plan.items.len(), "one result per plan item");
         self.end_step(plan);
-        for (item, out) in plan.items.iter().zip(sampled) {
+        for (item, out) in plan.items.iter().zip(outs) {
             let Some(seq) = self.seqs.get_mut(&item.id) else {
                 continue;
             };
@@ -24,7 +31,8 @@ impl Scheduler {
                 "{} completed out of order",
                 item.id
             );
-            seq.num_computed += item.tokens.len();
+            let known = item.tokens.len() - item.draft;
+            seq.num_computed += known;
             assert!(seq.num_computed <= seq.tokens.len());
             self.counters.computed_tokens += item.tokens.len() as u64;
             let salt = self.cfg.tenants[seq.tenant].prefix_salt;
@@ -36,11 +44,58 @@ impl Scheduler {
                 continue;
             }
             assert_eq!(seq.num_computed, seq.tokens.len(), "sampled before the end");
-            let Some(token) = out else {
+            let guess = &item.tokens[known..];
+            let accepted = out.accepted.len();
+            if accepted > guess.len() || out.accepted.iter().zip(guess).any(|(s, &g)| s.token != g)
+            {
+                let failure =
+                    EngineFailure::Internal("the executor accepted tokens it was not given".into());
+                self.fail(now, item.id, failure);
+                continue;
+            }
+            if out.sampled.is_none() {
                 let failure = EngineFailure::Internal("the executor returned no token".into());
                 self.fail(now, item.id, failure);
                 continue;
-            };
+            }
+            if item.draft > 0 {
+                self.counters.drafted_tokens += item.draft as u64;
+                self.counters.accepted_tokens += accepted as u64;
+                seq.spec.drafted += item.draft as u32;
+                seq.spec.accepted += accepted as u32;
+                if accepted == 0 {
+                    // Wholly rejected: wait before the next draft, longer
+                    // each time, so a sequence whose text does not repeat
+                    // stops paying for verify positions.
+                    seq.spec.backoff = (seq.spec.backoff * 2).clamp(1, MAX_BACKOFF);
+                    seq.spec.skip_until = seq.tokens.len() + seq.spec.backoff;
+                } else {
+                    seq.spec.backoff = 0;
+                }
+            }
+            if !self.take_tokens(now, item.id, out) || item.draft == 0 {
+                continue;
+            }
+            // Still running: the rejected positions' blocks go back, and
+            // the accepted ones' full blocks enter the prefix cache.
+            let seq = self.seqs.get_mut(&item.id).expect("still running");
+            let lease = seq.lease.as_mut().expect("running sequence has a lease");
+            self.pool.truncate(lease, seq.tokens.len());
+            self.pool
+                .commit(lease, salt, &seq.tokens[..seq.num_computed]);
+        }
+    }
+
+    /// Appends one item's tokens (accepted draft tokens, then its sample)
+    /// to its sequence, emitting each, until one ends it; false if it ended.
+    fn take_tokens(&mut self, now: Duration, id: RequestId, out: &SeqOutput) -> bool {
+        for (j, token) in out.tokens().enumerate() {
+            let seq = self.seqs.get_mut(&id).expect("running sequence");
+            if j > 0 {
+                // The token before was an accepted draft token: its KV was
+                // written by this step.
+                seq.num_computed += 1;
+            }
             // The constraint takes the token first: a matcher that fails
             // fails the request before the token is sent.
             let complete = match seq
@@ -52,8 +107,8 @@ impl Scheduler {
                 Some(Ok(true)) => true,
                 Some(Err(e)) => {
                     let failure = EngineFailure::Internal(format!("the output constraint: {e}"));
-                    self.fail(now, item.id, failure);
-                    continue;
+                    self.fail(now, id, failure);
+                    return false;
                 }
             };
             seq.tokens.push(token.token);
@@ -66,15 +121,18 @@ impl Scheduler {
             let (tier, tenant) = (seq.tier, seq.tenant);
             self.charge(tier, tenant, 1);
             self.events.push(SchedEvent::Token {
-                id: item.id,
+                id,
                 token: token.clone(),
             });
             if stop {
-                self.finish(now, item.id, FinishReason::Stop);
+                self.finish(now, id, FinishReason::Stop);
+                return false;
             } else if length {
-                self.finish(now, item.id, FinishReason::Length);
+                self.finish(now, id, FinishReason::Length);
+                return false;
             }
         }
+        true
     }
 
     /// The executor refused `plan`: every request in it fails with

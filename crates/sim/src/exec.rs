@@ -202,6 +202,10 @@ impl Executor for SimExecutor {
         self.max_batch_tokens
     }
 
+    fn max_draft_tokens(&self) -> usize {
+        self.max_batch_tokens.saturating_sub(1)
+    }
+
     fn step(&mut self, batch: &[SeqInput<'_>], out: &mut StepOutputs) -> Result<(), ExecError> {
         let tokens: usize = batch.iter().map(|s| s.tokens.len()).sum();
         if tokens > self.max_batch_tokens {
@@ -229,21 +233,26 @@ impl Executor for SimExecutor {
                 start_pos: s.start_pos,
                 tokens: s.tokens.len(),
             });
-            if let (Some(tap), OutputKind::Sample(p), 1) = (&self.tap, s.output, s.tokens.len()) {
+            let decode = match s.output {
+                OutputKind::Sample(p) if s.tokens.len() == 1 => Some(p),
+                OutputKind::Verify { params, .. } => Some(params),
+                _ => None,
+            };
+            if let (Some(tap), Some(p)) = (&self.tap, decode) {
                 let at = tokio::time::Instant::now().saturating_duration_since(tap.t0);
                 tap.log.note(p.seed, tap.node, at);
             }
             // Ids 0..3 are the usual specials: never drawn, so a request
-            // ends by its length.
-            let sampled = matches!(s.output, OutputKind::Sample(_)).then(|| Sampled {
-                token: self.rng.range(3, self.shape.vocab as u64 - 1) as u32,
+            // ends by its length. A draft is verified like any other (its
+            // positions are charged above); a random draw seldom equals it.
+            let mut o = SeqOutput::default();
+            let (rng, vocab) = (&mut self.rng, self.shape.vocab as u64);
+            flotilla_exec::sample_outputs(s, &mut o, |_, _, _| Sampled {
+                token: rng.range(3, vocab - 1) as u32,
                 logprob: 0.0,
                 top: Vec::new(),
             });
-            out.seqs.push(SeqOutput {
-                logits_row: None,
-                sampled,
-            });
+            out.seqs.push(o);
         }
         let masks = batch.iter().filter(|s| s.allow.is_some()).count();
         self.last = Some(step_time_masked(&self.gpu, &self.shape, &self.costs, masks));

@@ -633,6 +633,7 @@ mod tests {
                     constraint: None,
                     ignore_eos: false,
                     stop_token_ids: vec![],
+                    speculative: true,
                 },
             });
             router.send(1, 5, submit.clone()).unwrap();

@@ -947,6 +947,7 @@ async fn one_request(w: &Arc<World>, tenant: usize, rng: &mut Rng) {
         constraint,
         ignore_eos: true,
         stop_token_ids: Vec::new(),
+        speculative: true,
     };
     let mut out = Outcome {
         tier,

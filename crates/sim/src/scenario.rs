@@ -99,6 +99,10 @@ pub struct EngineSection {
     /// KV cache element type (`f16`, `int8`, `f32`): the block count per
     /// GPU, the bytes a transfer moves and attention reads follow from it.
     pub kv_cache_dtype: String,
+    /// `ngram` or `off` (the default: the simulator's tokens are random,
+    /// so a draft almost never matches; on, it charges the verify
+    /// positions of whatever drafts the lookup finds).
+    pub speculative: String,
 }
 
 impl Default for EngineSection {
@@ -111,6 +115,7 @@ impl Default for EngineSection {
             batching: "continuous".into(),
             queue_timeout_s: 60.0,
             kv_cache_dtype: "f16".into(),
+            speculative: "off".into(),
         }
     }
 }
@@ -379,6 +384,7 @@ impl Scenario {
             block_size: Some(e.block_size),
             queue_timeout_s: Some(e.queue_timeout_s),
             kv_cache_dtype: Some(e.kv_cache_dtype.clone()),
+            speculative: Some(e.speculative.clone()),
             ..EngineSection::default()
         };
         let tiers = self

@@ -73,6 +73,8 @@ pub struct Metrics {
     tokens_in: Counter<u64>,
     tokens_out: Counter<u64>,
     cached_tokens: Counter<u64>,
+    draft_tokens: Counter<u64>,
+    accepted_tokens: Counter<u64>,
     kv_blocks: Gauge<u64>,
     kv_cache: Gauge<u64>,
     queued: Gauge<u64>,
@@ -176,6 +178,20 @@ impl Metrics {
                 .u64_counter("flotilla_prefix_cache_hit_tokens")
                 .with_description("Prompt tokens served from the prefix cache")
                 .build(),
+            draft_tokens: m
+                .u64_counter("flotilla_spec_draft_tokens")
+                .with_description(
+                    "Draft tokens verified (speculative decoding), by tier, counted when \
+                     their request ends",
+                )
+                .build(),
+            accepted_tokens: m
+                .u64_counter("flotilla_spec_accepted_tokens")
+                .with_description(
+                    "Draft tokens accepted (output tokens that cost no step of their own), \
+                     by tier; the acceptance rate is this over flotilla_spec_draft_tokens",
+                )
+                .build(),
             kv_blocks: m
                 .u64_gauge("flotilla_kv_blocks")
                 .with_description("KV cache blocks by state (used, free, cached)")
@@ -255,6 +271,16 @@ impl Metrics {
         self.tokens_in.add(prompt, &a);
         self.tokens_out.add(generated, &a);
         self.cached_tokens.add(cached, &a);
+    }
+
+    /// Draft tokens verified for one request and how many were accepted.
+    pub fn speculation(&self, tier: &str, drafted: u64, accepted: u64) {
+        if !self.enabled || drafted == 0 {
+            return;
+        }
+        let a = [KeyValue::new("tier", tier.to_string())];
+        self.draft_tokens.add(drafted, &a);
+        self.accepted_tokens.add(accepted, &a);
     }
 
     /// One sequence preempted.

@@ -117,6 +117,7 @@ fn submit(req: u64) -> Message {
             constraint: None,
             ignore_eos: false,
             stop_token_ids: vec![],
+            speculative: true,
         },
     })
 }

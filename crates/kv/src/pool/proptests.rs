@@ -52,6 +52,12 @@ enum Op {
     Commit {
         lease: Index,
     },
+    /// Speculative rollback: the last `n` written tokens (never into a
+    /// committed block) were rejected drafts; the lease shrinks to the rest.
+    Rollback {
+        lease: Index,
+        n: usize,
+    },
     Fork {
         lease: Index,
         who: usize,
@@ -122,6 +128,7 @@ fn op() -> impl Strategy<Value = Op> {
         ),
         5 => (any::<Index>(), tokens(10)).prop_map(|(lease, tokens)| Op::Write { lease, tokens }),
         3 => any::<Index>().prop_map(|lease| Op::Commit { lease }),
+        2 => (any::<Index>(), 1usize..8).prop_map(|(lease, n)| Op::Rollback { lease, n }),
         1 => (any::<Index>(), 0..OWNERS.len()).prop_map(|(lease, who)| Op::Fork { lease, who }),
         3 => any::<Index>().prop_map(|lease| Op::Drop { lease }),
         1 => any::<Index>().prop_map(|lease| Op::Free { lease }),
@@ -148,6 +155,9 @@ struct Seq {
     tokens: Vec<u32>,
     /// Leading tokens whose KV is written.
     written: usize,
+    /// Leading tokens last committed to the prefix cache (a rollback never
+    /// goes below them).
+    committed: usize,
     origin: Vec<Origin>,
     /// `Model::clears` when it started.
     epoch: u32,
@@ -227,6 +237,7 @@ impl Model {
                     let s = &mut self.seqs[i];
                     self.pool
                         .commit(&mut s.lease, s.salt, &s.tokens[..s.written]);
+                    s.committed = s.written;
                 }
             }
             Op::Write { lease, tokens } => {
@@ -240,6 +251,12 @@ impl Model {
                     let s = &mut self.seqs[i];
                     self.pool
                         .commit(&mut s.lease, s.salt, &s.tokens[..s.written]);
+                    s.committed = s.committed.max(s.written);
+                }
+            }
+            Op::Rollback { lease, n } => {
+                if !self.seqs.is_empty() {
+                    self.rollback(lease.index(self.seqs.len()), n);
                 }
             }
             Op::Fork { lease, who } => {
@@ -306,6 +323,7 @@ impl Model {
                     salt,
                     tokens: prompt,
                     written: hit,
+                    committed: hit,
                     origin: vec![Origin::Cache; n],
                     epoch: self.clears,
                 });
@@ -390,6 +408,38 @@ impl Model {
         s.written = target;
     }
 
+    /// Un-writes the last `n` tokens of sequence `i` (not below what it
+    /// committed, nor into a block another lease shares): the pool gives
+    /// back exactly the blocks past the rest, and nothing else moves.
+    fn rollback(&mut self, i: usize, n: usize) {
+        let bs = self.bs();
+        let s = &mut self.seqs[i];
+        let floor = s.committed.max(s.written.saturating_sub(n));
+        // A rollback only ever follows the step that wrote those positions
+        // into the sequence's own fresh blocks.
+        let first = floor / bs;
+        if s.lease.blocks()[first.min(s.lease.blocks().len())..]
+            .iter()
+            .zip(&s.origin[first.min(s.origin.len())..])
+            .any(|(&b, &o)| o != Origin::Fresh || self.pool.ref_count(b) != 1)
+        {
+            return;
+        }
+        let before = s.lease.blocks().len();
+        let owner = s.lease.owner();
+        let (usage, held) = (self.pool.usage(), self.pool.tenant_blocks(owner.tenant));
+        let gone = self.pool.truncate(&mut s.lease, floor);
+        let s = &mut self.seqs[i];
+        assert_eq!(s.lease.blocks().len(), floor.div_ceil(bs));
+        assert_eq!(gone, before - s.lease.blocks().len());
+        assert_eq!(self.pool.tenant_blocks(owner.tenant), held - gone as u32);
+        assert_eq!(self.pool.usage().used, usage.used - gone as u32);
+        s.written = floor;
+        s.tokens.truncate(floor);
+        s.origin.truncate(s.lease.blocks().len());
+        self.stats.rollbacks += u32::from(gone > 0);
+    }
+
     fn fork(&mut self, i: usize, owner: Owner) {
         let s = &self.seqs[i];
         match self.pool.fork(&s.lease, owner) {
@@ -403,6 +453,7 @@ impl Model {
                     salt: s.salt,
                     tokens: s.tokens.clone(),
                     written: s.written,
+                    committed: s.committed,
                     epoch: s.epoch,
                 };
                 self.seqs.push(seq);
@@ -472,6 +523,7 @@ struct Stats {
     forks: u32,
     quota_refusals: u32,
     no_block_refusals: u32,
+    rollbacks: u32,
 }
 
 #[test]
@@ -505,6 +557,7 @@ fn random_operations_keep_every_invariant() {
         all.forks += s.forks;
         all.quota_refusals += s.quota_refusals;
         all.no_block_refusals += s.no_block_refusals;
+        all.rollbacks += s.rollbacks;
         Ok(())
     });
     if let Err(e) = result {
@@ -519,6 +572,7 @@ fn random_operations_keep_every_invariant() {
         s.forks,
         s.quota_refusals,
         s.no_block_refusals,
+        s.rollbacks,
     ];
     eprintln!("{s:?}");
     assert!(

@@ -79,17 +79,19 @@ fn run(
     for step in 0..20 {
         now += Duration::from_millis(10);
         let plan = s.schedule(now);
-        let outs: Vec<Option<Sampled>> = plan
+        let outs: Vec<flotilla_exec::SeqOutput> = plan
             .items
             .iter()
-            .map(|it| {
-                it.sample?;
-                let mask = it.allow.as_ref().expect("a constrained sample has a mask");
-                let words = mask.words();
-                let lowest = (0..128u32)
-                    .find(|&t| words[t as usize / 32] >> (t % 32) & 1 == 1)
-                    .expect("the mask allows something");
-                sampled(pick(step).unwrap_or(lowest))
+            .map(|it| flotilla_exec::SeqOutput {
+                sampled: it.sample.and_then(|_| {
+                    let mask = it.allow.as_ref().expect("a constrained sample has a mask");
+                    let words = mask.words();
+                    let lowest = (0..128u32)
+                        .find(|&t| words[t as usize / 32] >> (t % 32) & 1 == 1)
+                        .expect("the mask allows something");
+                    sampled(pick(step).unwrap_or(lowest))
+                }),
+                ..Default::default()
             })
             .collect();
         s.complete(now, &plan, &outs);

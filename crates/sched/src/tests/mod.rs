@@ -5,6 +5,7 @@ mod basic;
 mod constraint;
 mod migrate;
 mod prop;
+mod spec;
 mod tiers;
 
 use std::collections::{BTreeMap, BTreeSet};
@@ -14,6 +15,8 @@ use flotilla_proto::{
     EngineFailure, EngineRequest, FinishReason, Rejection, RequestId, Sampled, SamplingParams,
     TenantId, Usage,
 };
+
+use flotilla_exec::SeqOutput;
 
 use crate::{Plan, SchedConfig, SchedEvent, Scheduler, Timings};
 
@@ -106,6 +109,7 @@ impl Sim {
             constraint: None,
             ignore_eos: false,
             stop_token_ids: Vec::new(),
+            speculative: true,
         }
     }
 
@@ -253,20 +257,32 @@ impl Sim {
             t.first_planned_step.get_or_insert(self.steps);
             let full: Vec<u32> = t.prompt.iter().chain(&t.out).copied().collect();
             let (start, end) = (item.start_pos, item.start_pos + item.tokens.len());
+            // Draft tokens are guesses after the known ones.
+            let known = end - item.draft;
             assert!(!item.tokens.is_empty(), "empty item");
-            assert!(end <= full.len(), "{} computes unknown tokens", item.id);
+            assert!(known <= full.len(), "{} computes unknown tokens", item.id);
             assert_eq!(
-                item.tokens,
-                full[start..end],
+                item.tokens[..item.tokens.len() - item.draft],
+                full[start..known],
                 "{} computes wrong tokens",
                 item.id
             );
             assert_eq!(
                 item.sample.is_some(),
-                end == full.len(),
+                known == full.len(),
                 "{} samples wrongly",
                 item.id
             );
+            assert!(
+                item.draft == 0 || (item.sample.is_some() && known > start),
+                "{} has a draft but no decode to verify it",
+                item.id
+            );
+            let full: Vec<u32> = full
+                .iter()
+                .chain(&item.tokens[item.tokens.len() - item.draft..])
+                .copied()
+                .collect();
             assert!(
                 item.block_table.len() * self.bs >= end,
                 "{} table too short",
@@ -305,13 +321,15 @@ impl Sim {
         }
     }
 
-    fn run_executor(&mut self, plan: &Plan) -> Vec<Option<Sampled>> {
+    fn run_executor(&mut self, plan: &Plan) -> Vec<SeqOutput> {
         plan.items
             .iter()
             .map(|item| {
                 let t = &self.reqs[&item.id];
                 let mut full: Vec<u32> = t.prompt.iter().chain(&t.out).copied().collect();
-                full.truncate(item.start_pos + item.tokens.len());
+                let known = item.start_pos + item.tokens.len() - item.draft;
+                full.truncate(known);
+                full.extend_from_slice(&item.tokens[item.tokens.len() - item.draft..]);
                 let hashes = prefix_hashes(&full);
                 for (p, &h) in hashes.iter().enumerate().skip(item.start_pos) {
                     let slot = item.block_table[p / self.bs] as usize * self.bs + p % self.bs;
@@ -319,11 +337,15 @@ impl Sim {
                 }
                 let t = self.reqs.get_mut(&item.id).unwrap();
                 t.computed += item.tokens.len();
-                item.sample.map(|_| Sampled {
-                    token: tok(item.id, full.len()),
+                // The fake model's sample at each output position, as the
+                // real executors draw them.
+                let mut out = SeqOutput::default();
+                flotilla_exec::sample_outputs(&item.seq_input(), &mut out, |_, _, pos| Sampled {
+                    token: tok(item.id, pos as usize),
                     logprob: 0.0,
                     top: Vec::new(),
-                })
+                });
+                out
             })
             .collect()
     }

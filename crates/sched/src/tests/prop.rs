@@ -7,7 +7,7 @@ use proptest::prelude::*;
 
 use super::{Sim, tok};
 use crate::config::tests::two_tiers;
-use crate::{Batching, SchedConfig};
+use crate::{Batching, SchedConfig, Speculation};
 
 #[derive(Clone, Debug)]
 enum Op {
@@ -18,6 +18,9 @@ enum Op {
         /// Prompt taken from one of a few shared texts (prefix cache hits).
         shared: Option<u8>,
         stop: bool,
+        /// The prompt ends with a copy of what the fake model will say next
+        /// (speculation's drafts find it), corrupted part way when true.
+        echo: Option<bool>,
     },
     Cancel(usize),
     Step,
@@ -33,8 +36,8 @@ enum Op {
 
 fn op() -> impl Strategy<Value = Op> {
     prop_oneof![
-        10 => (0..3usize, 1..40usize, 1..20u32, proptest::option::of(0..3u8), proptest::bool::weighted(0.2))
-            .prop_map(|(tenant, prompt, max_tokens, shared, stop)| Op::Submit { tenant, prompt, max_tokens, shared, stop }),
+        10 => (0..3usize, 1..40usize, 1..20u32, proptest::option::of(0..3u8), proptest::bool::weighted(0.2), proptest::option::of(any::<bool>()))
+            .prop_map(|(tenant, prompt, max_tokens, shared, stop, echo)| Op::Submit { tenant, prompt, max_tokens, shared, stop, echo }),
         2 => (0..1000usize).prop_map(Op::Cancel),
         16 => Just(Op::Step),
         2 => (0..1000usize).prop_map(Op::CancelMid),
@@ -59,13 +62,18 @@ fn config() -> impl Strategy<Value = SchedConfig> {
             proptest::option::of(6..20u32),
             any::<bool>(),
         ),
-        (1..5u64, 0..4u32, proptest::option::of(5..60u32)),
+        (
+            1..5u64,
+            0..4u32,
+            proptest::option::of(5..60u32),
+            proptest::option::of((1..6usize, 1..4usize, 1..6usize)),
+        ),
     )
         .prop_map(
             |(
                 (blocks, bs, seqs, budget),
                 (stat, reserved, quota, salted),
-                (timeout, conc, rpm),
+                (timeout, conc, rpm, spec),
             )| {
                 let mut c = two_tiers(blocks, bs);
                 c.max_num_seqs = seqs;
@@ -82,9 +90,35 @@ fn config() -> impl Strategy<Value = SchedConfig> {
                 c.queue_timeout = Duration::from_secs(timeout);
                 c.tenants[0].max_concurrent = conc;
                 c.tenants[1].requests_per_minute = rpm;
+                if let Some((max_draft, ngram_min, max_batch)) = spec
+                    && max_draft < budget
+                {
+                    c.speculation = Speculation {
+                        max_draft,
+                        ngram_min,
+                        ngram_max: 4,
+                        max_batch,
+                    };
+                }
                 c
             },
         )
+}
+
+/// Eleven tokens to end a prompt of `len` tokens with: a marker, then the
+/// nine tokens the fake model will say after it (one of them wrong when
+/// `corrupt`), then the marker again, so that the first decode's last two
+/// tokens (marker, first output) occur earlier, followed by a draft.
+pub(crate) fn echo_tail(id: flotilla_proto::RequestId, len: usize, corrupt: bool) -> Vec<u32> {
+    const MARK: u32 = 9;
+    let first = len + 11;
+    let mut t = vec![MARK];
+    t.extend((0..9).map(|i| tok(id, first + i)));
+    if corrupt {
+        t[5] = 8;
+    }
+    t.push(MARK);
+    t
 }
 
 fn live(sim: &Sim, idx: usize) -> Option<flotilla_proto::RequestId> {
@@ -111,11 +145,17 @@ fn run(cfg: SchedConfig, ops: Vec<Op>) {
                 max_tokens,
                 shared,
                 stop,
+                echo,
             } => {
-                let tokens = match shared {
+                let mut tokens = match shared {
                     Some(k) => texts[usize::from(k)][..prompt].to_vec(),
                     None => sim.unique_prompt(prompt),
                 };
+                if let Some(corrupt) = echo {
+                    let id = flotilla_proto::RequestId(sim.next_id);
+                    tokens.extend(echo_tail(id, tokens.len(), corrupt));
+                }
+                let prompt = tokens.len();
                 let mut req = Sim::request(tenant, tokens, max_tokens);
                 if stop {
                     let id = flotilla_proto::RequestId(sim.next_id);

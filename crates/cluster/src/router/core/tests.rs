@@ -136,6 +136,7 @@ impl H {
             constraint: None,
             ignore_eos: false,
             stop_token_ids: vec![],
+            speculative: true,
         };
         self.input(RouterInput::Submit { id, req })
     }

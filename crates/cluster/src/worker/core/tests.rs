@@ -236,6 +236,7 @@ fn request(tenant: u32, prompt_len: u32) -> EngineRequest {
         constraint: None,
         ignore_eos: false,
         stop_token_ids: vec![],
+        speculative: true,
     }
 }
 

@@ -1,0 +1,117 @@
+//! Speculative decoding in the scheduler: drafts found in the sequence's own
+//! text, verified by the step, the same tokens as without, fewer steps, and
+//! every block of a rejected draft given back.
+
+use super::prop::echo_tail;
+use super::{End, Sim};
+use crate::Speculation;
+use crate::config::tests::two_tiers;
+use flotilla_proto::RequestId;
+
+/// Three requests whose prompts end with what the fake model will say next
+/// (one copy corrupted), each run with speculation off and on.
+fn run(spec: Speculation) -> (Sim, Vec<RequestId>) {
+    let mut cfg = two_tiers(64, 4);
+    cfg.speculation = spec;
+    let mut sim = Sim::new(cfg);
+    let mut ids = Vec::new();
+    for (k, corrupt) in [false, true, false].into_iter().enumerate() {
+        let id = RequestId(sim.next_id);
+        let mut prompt = sim.unique_prompt(6 + k);
+        let len = prompt.len();
+        prompt.extend(echo_tail(id, len, corrupt));
+        // 120 tokens: the fake model's text repeats every 50, so later
+        // drafts come from the output itself.
+        let req = Sim::request(k % 3, prompt, 120);
+        ids.push(sim.submit_req(req).expect("accepted"));
+    }
+    sim.run_until_idle(1000);
+    sim.assert_all_done();
+    (sim, ids)
+}
+
+#[test]
+fn drafts_give_the_same_tokens_in_fewer_steps_and_return_their_blocks() {
+    let (off, ids) = run(Speculation::OFF);
+    let (on, ids_on) = run(Speculation::ngram(4));
+    assert_eq!(ids, ids_on);
+    for id in &ids {
+        assert_eq!(on.reqs[id].out, off.reqs[id].out, "{id}: tokens differ");
+        assert_eq!(on.reqs[id].out.len(), 120);
+    }
+    let c = on.s.counters();
+    assert_eq!(off.s.counters().drafted_tokens, 0);
+    assert!(c.accepted_tokens > 0, "no draft accepted: {c:?}");
+    assert!(
+        c.accepted_tokens < c.drafted_tokens,
+        "the corrupted copy must have cost a rejection: {c:?}"
+    );
+    // Every accepted draft token is a token without a step of its own.
+    assert!(
+        on.steps < off.steps,
+        "{} steps with speculation, {} without, {} accepted",
+        on.steps,
+        off.steps,
+        c.accepted_tokens
+    );
+    // Per request, in the finish event's timings.
+    let mut drafted = 0;
+    for id in &ids {
+        let Some(End::Finished(_, _, t)) = &on.reqs[id].end else {
+            panic!("{id} did not finish");
+        };
+        assert!(t.accepted <= t.drafted);
+        drafted += u64::from(t.drafted);
+    }
+    assert_eq!(drafted, c.drafted_tokens);
+}
+
+#[test]
+fn a_request_that_opts_out_or_has_penalties_gets_no_draft() {
+    for opt_out in [true, false] {
+        let mut cfg = two_tiers(64, 4);
+        cfg.speculation = Speculation::ngram(4);
+        let mut sim = Sim::new(cfg);
+        let id = RequestId(sim.next_id);
+        let mut prompt = sim.unique_prompt(6);
+        prompt.extend(echo_tail(id, 6, false));
+        let mut req = Sim::request(0, prompt, 60);
+        if opt_out {
+            req.speculative = false;
+        } else {
+            req.sampling.presence_penalty = 0.5;
+        }
+        sim.submit_req(req).expect("accepted");
+        sim.run_until_idle(1000);
+        sim.assert_all_done();
+        assert_eq!(sim.s.counters().drafted_tokens, 0);
+        assert_eq!(sim.reqs[&id].out.len(), 60);
+    }
+}
+
+#[test]
+fn no_draft_in_a_step_with_more_decodes_than_the_bound() {
+    let mut cfg = two_tiers(256, 4);
+    cfg.speculation = Speculation {
+        max_batch: 2,
+        ..Speculation::ngram(4)
+    };
+    let mut sim = Sim::new(cfg);
+    for _ in 0..3 {
+        let id = RequestId(sim.next_id);
+        let mut prompt = sim.unique_prompt(6);
+        prompt.extend(echo_tail(id, 6, false));
+        sim.submit_req(Sim::request(0, prompt, 30))
+            .expect("accepted");
+    }
+    // All three decode together from the second step on: never a draft.
+    for _ in 0..10 {
+        let plan = sim.step();
+        let decodes = plan.items.iter().filter(|i| i.sample.is_some()).count();
+        if decodes > 2 {
+            assert!(plan.items.iter().all(|i| i.draft == 0), "{plan:?}");
+        }
+    }
+    sim.run_until_idle(1000);
+    sim.assert_all_done();
+}
