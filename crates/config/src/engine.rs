@@ -71,7 +71,7 @@ pub struct EngineSettings {
 }
 
 /// Draft tokens per step of `--speculative ngram` unless told otherwise.
-pub const DEFAULT_DRAFT: usize = 8;
+pub const DEFAULT_DRAFT: usize = 4;
 
 /// One number: the flag's (`--{name}`), else the file's (`engine.{key}`),
 /// else the default; with the name of where it came from for errors.

@@ -73,10 +73,13 @@ pub struct ServeArgs {
     /// speculative`. Default: ngram.
     #[arg(long)]
     pub speculative: Option<String>,
-    /// Most draft tokens per sequence per step (default 8).
+    /// Most draft tokens per sequence per step (default 4).
     #[arg(long)]
     pub num_speculative_tokens: Option<usize>,
-    /// Speculate only in steps with at most this many decodes (default 4).
+    /// Speculate only in steps with at most this many decodes (default 2:
+    /// on a CPU each verify position costs nearly a token's compute, so
+    /// beyond a couple of streams the step is no longer bound by reading
+    /// the weights).
     #[arg(long)]
     pub speculative_max_batch: Option<usize>,
     /// continuous (iteration-level) or static (whole batches, for comparison).

@@ -133,6 +133,9 @@ pub struct CpuExecutor {
     /// Per RoPE base: `base^(-2i/head_dim) / factor_i` in f64.
     inv_freq: Vec<Vec<f64>>,
     s: Scratch,
+    /// Run only this many layers before the final norm and head (an
+    /// early-exit self-draft's forward pass); `None`: all of them.
+    exit_after: Option<usize>,
 }
 
 impl std::fmt::Debug for CpuExecutor {
@@ -241,7 +244,18 @@ impl CpuExecutor {
             spec,
             kv,
             s,
+            exit_after: None,
         })
+    }
+
+    /// Makes every later step run only the first `layers` layers, then the
+    /// final norm and head: the forward pass of a self-draft that exits
+    /// early (its logits predict the next token from a shallower model).
+    /// Layers past it neither run nor write KV. `None` restores the whole
+    /// model. For measuring what such a draft would be worth
+    /// (`tests/speculation.rs`); the engine never sets it.
+    pub fn set_exit_layer(&mut self, layers: Option<usize>) {
+        self.exit_after = layers.map(|l| l.min(self.cfg.n_layer));
     }
 
     /// The model's hyper-parameters.
@@ -310,7 +324,7 @@ impl CpuExecutor {
                 }
             });
         }
-        for l in 0..self.cfg.n_layer {
+        for l in 0..self.exit_after.unwrap_or(self.cfg.n_layer) {
             self.attention_block(l, batch, t_all);
             self.ffn_block(l, t_all);
         }

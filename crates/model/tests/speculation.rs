@@ -174,3 +174,63 @@ fn bad_drafts_are_refused() {
         assert!(e.to_string().contains("draft"), "{e}");
     }
 }
+
+/// What a self-draft that exits early would be worth: how often the next
+/// token predicted from the first `l` layers (then the final norm and head)
+/// equals the whole model's greedy token, over 100 tokens of the model's own
+/// text. Printed per depth; only the whole depth must agree everywhere.
+#[test]
+fn early_exit_agreement_with_the_whole_model() {
+    let mut e = exec(KvDtype::F16);
+    let table: Vec<u32> = (0..16).collect();
+    let reference = plain(&mut e, SamplingParams::greedy(), 100, &table);
+    let ids: Vec<u32> = PROMPT.iter().chain(&reference).copied().collect();
+    let n_layer = e.config().n_layer;
+    let mut picks = |layers: usize| -> Vec<usize> {
+        e.set_exit_layer(Some(layers));
+        let mut out = StepOutputs::default();
+        let batch = [SeqInput {
+            tokens: &ids,
+            start_pos: 0,
+            block_table: &table,
+            output: OutputKind::Verify {
+                params: SamplingParams::greedy(),
+                draft: ids.len() - 1,
+            },
+            bias: &[],
+            allow: None,
+        }];
+        e.step(&batch, &mut out).unwrap();
+        out.logits
+            .chunks_exact(out.vocab)
+            .skip(PROMPT.len() - 1)
+            .take(reference.len())
+            .map(|row| {
+                row.iter()
+                    .enumerate()
+                    .fold(0, |b, (i, &x)| if x > row[b] { i } else { b })
+            })
+            .collect()
+    };
+    let full = picks(n_layer);
+    assert_eq!(
+        full.iter().map(|&t| t as u32).collect::<Vec<_>>(),
+        reference,
+        "the whole model in one pass predicts its own greedy text"
+    );
+    let mut rates = Vec::new();
+    for l in [n_layer / 4, n_layer / 2, 3 * n_layer / 4, n_layer - 2] {
+        let early = picks(l);
+        let agree = early.iter().zip(&full).filter(|(a, b)| a == b).count();
+        let rate = agree as f64 / full.len() as f64;
+        eprintln!(
+            "exit after {l} of {n_layer} layers: {agree} of {} tokens agree ({rate:.2})",
+            full.len()
+        );
+        rates.push(rate);
+    }
+    assert!(
+        rates[0] < 1.0,
+        "a quarter of the model predicts like all of it"
+    );
+}

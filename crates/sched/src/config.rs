@@ -80,7 +80,7 @@ impl Speculation {
             max_draft,
             ngram_max: 4,
             ngram_min: 2,
-            max_batch: 4,
+            max_batch: 2,
         }
     }
 

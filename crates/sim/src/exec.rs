@@ -284,6 +284,49 @@ mod tests {
         Duration::from_millis(v)
     }
 
+    /// A verify item is charged for every position, and yields at most its
+    /// draft plus one token.
+    #[test]
+    fn verify_positions_are_charged() {
+        let mut e = SimExecutor::new(
+            GpuParams::preset("h100").unwrap(),
+            crate::cost::ModelShape::preset("llama3-8b").unwrap(),
+            16,
+            4096,
+            Rng::new(3),
+        )
+        .unwrap();
+        let table: Vec<u32> = (0..8).collect();
+        let tokens = [5u32, 6, 7, 8, 9, 10, 11, 12, 13];
+        let mut time = |draft: usize| {
+            let p = flotilla_exec::SamplingParams::greedy();
+            let output = match draft {
+                0 => OutputKind::Sample(p),
+                draft => OutputKind::Verify { params: p, draft },
+            };
+            // 32 sequences at 1,000 tokens of context: the step is no longer
+            // only the weights' read.
+            let batch: Vec<SeqInput<'_>> = (0..32)
+                .map(|_| SeqInput {
+                    tokens: &tokens[..=draft],
+                    start_pos: 100,
+                    block_table: &table,
+                    output,
+                    bias: &[],
+                    allow: None,
+                })
+                .collect();
+            let mut out = StepOutputs::default();
+            e.step(&batch, &mut out).unwrap();
+            for o in &out.seqs {
+                assert!(o.sampled.is_some() && o.accepted.len() <= draft);
+            }
+            e.simulated_step_time().unwrap()
+        };
+        let (plain, verify) = (time(0), time(8));
+        assert!(verify > plain, "{verify:?} <= {plain:?}");
+    }
+
     #[test]
     fn the_decode_log_finds_a_request_decoding_on_two_engines_at_once() {
         let log = DecodeLog::default();

@@ -1,0 +1,93 @@
+#!/usr/bin/env python3
+"""Speculative decoding benchmark: streams chat requests at a fixed
+concurrency to an OpenAI-compatible server and reports output tokens/s
+(all streams together, first request sent to last token) and per-stream
+decode speed (tokens after the first over the time after the first).
+
+  speculation.py URL TASK CONCURRENCY REQUESTS [MAX_TOKENS]
+
+TASK is `copy` (repeat a ~1,000-token text given in the prompt: a
+copy-heavy edit task) or `natural` (open questions). Greedy, no
+ignore_eos: each answer is what the model says."""
+import json, sys, threading, time, urllib.request
+
+url, task, conc, nreq = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+max_tokens = int(sys.argv[5]) if len(sys.argv) > 5 else 256
+here = __file__.rsplit("/", 1)[0]
+SOURCE = open(f"{here}/../../docs/ARCHITECTURE.md").read().split()
+
+def prompt(i):
+    if task == "copy":
+        text = " ".join(SOURCE[200 + 40 * i: 900 + 40 * i])
+        return ("Here is a text:\n\n" + text +
+                "\n\nRepeat the text above word for word, fixing nothing.")
+    topics = ["the history of bread", "how rivers form", "why the sky is blue",
+              "the rules of chess", "how vaccines work", "the life of bees",
+              "what makes a good story", "how computers add numbers"]
+    return f"Write a short essay about {topics[i % len(topics)]}."
+
+with urllib.request.urlopen(url + "/v1/models", timeout=30) as r:
+    MODEL = json.load(r)["data"][0]["id"]
+
+results, lock = [], threading.Lock()
+queue = list(range(nreq))
+
+def worker():
+    while True:
+        with lock:
+            if not queue:
+                return
+            i = queue.pop(0)
+        body = json.dumps({"model": MODEL, "stream": True, "temperature": 0,
+                           "max_tokens": max_tokens,
+                           "messages": [{"role": "user", "content": prompt(i)}]}).encode()
+        req = urllib.request.Request(url + "/v1/chat/completions", body,
+                                     {"Content-Type": "application/json"})
+        t0 = time.time(); first = None; n = 0
+        with urllib.request.urlopen(req, timeout=600) as r:
+            for line in r:
+                line = line.strip()
+                if not line.startswith(b"data: ") or line == b"data: [DONE]":
+                    continue
+                d = json.loads(line[6:])
+                if d.get("choices") and d["choices"][0]["delta"].get("content"):
+                    n += 1
+                    if first is None:
+                        first = time.time()
+        t1 = time.time()
+        with lock:
+            results.append((t0, first or t1, t1, n))
+
+def spec_counts():
+    """(drafted, accepted) from a Flotilla server's /metrics; None elsewhere."""
+    try:
+        with urllib.request.urlopen(url + "/metrics", timeout=10) as r:
+            text = r.read().decode()
+    except Exception:
+        return None
+    got = {"draft": 0.0, "accepted": 0.0}
+    for line in text.splitlines():
+        for k in got:
+            if line.startswith(f"flotilla_spec_{k}_tokens_total"):
+                got[k] += float(line.rsplit(" ", 1)[1])
+    return got["draft"], got["accepted"]
+
+before = spec_counts()
+start = time.time()
+ts = [threading.Thread(target=worker) for _ in range(conc)]
+for t in ts: t.start()
+for t in ts: t.join()
+end = time.time()
+chunks = sum(r[3] for r in results)
+decode = [(r[3] - 1) / (r[2] - r[1]) for r in results if r[3] > 1 and r[2] > r[1]]
+decode.sort()
+after = spec_counts()
+acceptance = None
+if before and after and after[0] > before[0]:
+    acceptance = {"drafted": int(after[0] - before[0]), "accepted": int(after[1] - before[1]),
+                  "rate": round((after[1] - before[1]) / (after[0] - before[0]), 3)}
+print(json.dumps({"task": task, "concurrency": conc, "requests": len(results),
+                  "chunks": chunks, "wall_s": round(end - start, 2),
+                  "chunks_per_s": round(chunks / (end - start), 1),
+                  "stream_decode_chunks_per_s_p50": round(decode[len(decode) // 2], 1) if decode else None,
+                  "speculation": acceptance}))

@@ -1,0 +1,51 @@
+#!/usr/bin/env bash
+# Speculative decoding, same machine, same run: flotilla with --speculative
+# off and ngram, llama-server without speculation and with its n-gram
+# lookup (--spec-type ngram-simple, and ngram-map-k), on the default model's
+# GGUF file. Tasks (tests/bench/speculation.py): `copy` (repeat a ~1,000-token
+# text) and `natural` (short essays), greedy, at 1, 8 and 32 streams.
+#   usage: tests/bench/speculation.sh [LLAMA_BIN_DIR]
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+LLAMA_BIN=${1:-$HOME/.cache/flotilla-peers/llama.cpp/build/bin}
+FLOTILLA=target/release/flotilla
+THREADS=$(nproc)
+MODEL=$($FLOTILLA fetch-model)
+OUT=target/bench-spec
+mkdir -p "$OUT"
+grep -m1 'model name' /proc/cpuinfo
+grep -o -w 'avx2\|avx512f\|avx512_vnni\|avx512_bf16\|avx512_fp16' /proc/cpuinfo | sort -u | tr '\n' ' '; echo
+
+levels() {
+  local name=$1 url=$2
+  for spec in "copy 1 3 256" "natural 1 3 256" "copy 2 4 256" "natural 2 6 256" "natural 4 8 256" "copy 8 16 128" "natural 8 16 128" "natural 32 32 128"; do
+    set -- $spec
+    printf '%-22s ' "$name"
+    python3 tests/bench/speculation.py "$url" "$1" "$2" "$3" "$4" | tee -a "$OUT/$name.jsonl"
+  done
+}
+wait_up() {
+  for _ in $(seq 1 120); do curl -sf "$1" >/dev/null && return 0; sleep 0.5; done
+  echo "server at $1 did not start" >&2; exit 1
+}
+rm -f "$OUT"/*.jsonl
+for mode in off ngram; do
+  $FLOTILLA serve --no-auth --port 8413 --speculative "$mode" >"$OUT/flotilla-$mode.log" 2>&1 &
+  pid=$!
+  wait_up http://127.0.0.1:8413/ready
+  levels "flotilla-$mode" http://127.0.0.1:8413
+  curl -s http://127.0.0.1:8413/metrics | grep -E '^flotilla_spec_' || true
+  kill $pid; wait $pid 2>/dev/null || true
+done
+# llama-server at one stream (one slot): its speculation is per slot.
+for mode in none ngram-simple ngram-map-k; do
+  "$LLAMA_BIN/llama-server" -m "$MODEL" -t "$THREADS" -np 1 -c 4096 --port 8414 \
+    --spec-type "$mode" >"$OUT/llama-$mode.log" 2>&1 &
+  pid=$!
+  wait_up http://127.0.0.1:8414/health
+  for task in copy natural; do
+    printf '%-22s ' "llama-$mode"
+    python3 tests/bench/speculation.py http://127.0.0.1:8414 "$task" 1 3 256 | tee -a "$OUT/llama-$mode.jsonl"
+  done
+  kill $pid; wait $pid 2>/dev/null || true
+done
