@@ -53,6 +53,28 @@ pub(crate) async fn discover(
     model_from_listing(listing.as_ref(), wanted)
 }
 
+/// The server's speculative decoding counters from its `/metrics`, if it
+/// has them (Flotilla); `None` for any other server or an unreachable one.
+pub(crate) async fn spec_counts(
+    client: &reqwest::Client,
+    base: &str,
+    api_key: Option<&str>,
+) -> Option<crate::report::SpecCounts> {
+    let mut req = client.get(format!("{base}/metrics"));
+    if let Some(k) = api_key {
+        req = req.bearer_auth(k);
+    }
+    let text = async {
+        let resp = req.send().await.ok()?.error_for_status().ok()?;
+        resp.text().await.ok()
+    };
+    let text = tokio::time::timeout(DISCOVER_TIMEOUT_MAX, text)
+        .await
+        .ok()
+        .flatten()?;
+    crate::report::SpecCounts::from_metrics(&text)
+}
+
 /// Picks the model out of a `/v1/models` answer (pure, for tests).
 pub(crate) fn model_from_listing(listing: Option<&Value>, wanted: Option<&str>) -> ServerModel {
     let entries = listing

@@ -27,7 +27,7 @@ use indicatif::{ProgressBar, ProgressStyle};
 use thiserror::Error;
 use tokio::task::JoinSet;
 
-pub use report::{Flags, Ratio, Report, compare, render};
+pub use report::{Flags, Ratio, Report, SpecCounts, compare, render};
 pub use request::ErrorKind;
 pub use stats::{Summary, percentile};
 
@@ -300,6 +300,7 @@ pub async fn run(args: &BenchArgs) -> Result<Report, BenchError> {
         progress: progress_bar(args.requests, args.quiet),
     });
 
+    let spec_before = client::spec_counts(&pool.client, base, args.api_key.as_deref()).await;
     let start = Instant::now();
     // A JoinSet aborts its tasks when shut down or dropped: nothing outlives the run.
     let mut set = JoinSet::new();
@@ -330,7 +331,13 @@ pub async fn run(args: &BenchArgs) -> Result<Report, BenchError> {
     let started = pool.started();
     assert!(outcomes.len() <= started && started <= args.requests);
     let cancelled = (started - outcomes.len()) as u64;
-    Ok(Report::build(meta, &outcomes, cancelled, wall))
+    let mut report = Report::build(meta, &outcomes, cancelled, wall);
+    // Counted when each request ends: every one has.
+    let spec_after = client::spec_counts(&pool.client, base, args.api_key.as_deref()).await;
+    report.speculation = spec_before
+        .zip(spec_after)
+        .map(|(b, a)| report::SpecCounts::between(b, a));
+    Ok(report)
 }
 
 /// Prints the report as a table to stdout, with new/old ratios against

@@ -75,6 +75,59 @@ pub struct Report {
     pub itl_ms: Option<Summary>,
     /// Send to end of stream.
     pub e2e_ms: Option<Summary>,
+    /// Draft tokens the server verified and accepted during the run (from
+    /// its `/metrics`, Flotilla's speculative decoding); `null` for a
+    /// server that does not report them.
+    #[serde(default)]
+    pub speculation: Option<SpecCounts>,
+}
+
+/// Speculative decoding over one run.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct SpecCounts {
+    /// Draft tokens verified.
+    pub drafted: u64,
+    /// Of them, accepted.
+    pub accepted: u64,
+}
+
+impl SpecCounts {
+    /// What the server's counters moved by between `before` and `after`.
+    pub fn between(before: SpecCounts, after: SpecCounts) -> SpecCounts {
+        SpecCounts {
+            drafted: after.drafted.saturating_sub(before.drafted),
+            accepted: after.accepted.saturating_sub(before.accepted),
+        }
+    }
+
+    /// Accepted over drafted, when anything was drafted.
+    pub fn rate(&self) -> Option<f64> {
+        (self.drafted > 0).then(|| self.accepted as f64 / self.drafted as f64)
+    }
+
+    /// The totals in a Prometheus text exposition (every tier summed);
+    /// `None` when it has no such series.
+    pub fn from_metrics(text: &str) -> Option<SpecCounts> {
+        let (mut drafted, mut accepted, mut seen) = (0u64, 0u64, false);
+        for line in text.lines() {
+            let total = |name: &str| -> Option<u64> {
+                let rest = line.strip_prefix(name)?;
+                if !(rest.starts_with('{') || rest.starts_with(' ')) {
+                    return None;
+                }
+                let v: f64 = rest.rsplit(' ').next()?.parse().ok()?;
+                Some(v as u64)
+            };
+            if let Some(v) = total("flotilla_spec_draft_tokens_total") {
+                drafted += v;
+                seen = true;
+            } else if let Some(v) = total("flotilla_spec_accepted_tokens_total") {
+                accepted += v;
+                seen = true;
+            }
+        }
+        seen.then_some(SpecCounts { drafted, accepted })
+    }
 }
 
 /// What a run knows before any request is sent.
@@ -151,6 +204,7 @@ impl Report {
             tpot_ms: Summary::of(&mut tpot),
             itl_ms: Summary::of(&mut itl),
             e2e_ms: Summary::of(&mut e2e),
+            speculation: None,
         }
     }
 }
@@ -294,6 +348,18 @@ pub fn render(r: &Report, baseline: Option<&Report>) -> String {
         "  throughput  {:.2} output tok/s, {:.3} req/s ({} output tokens, {} prompt tokens by usage)",
         r.output_tokens_per_s, r.requests_per_s, r.output_tokens, r.prompt_tokens,
     );
+    if let Some(c) = r.speculation {
+        let _ = writeln!(
+            s,
+            "  speculation {} drafted, {} accepted ({})",
+            c.drafted,
+            c.accepted,
+            c.rate().map_or_else(
+                || "nothing drafted".into(),
+                |r| format!("{:.1}%", 100.0 * r)
+            ),
+        );
+    }
     let _ = writeln!(s);
     let _ = writeln!(
         s,
@@ -411,6 +477,34 @@ mod tests {
             Err(ErrorKind::Timeout),
         ];
         Report::build(meta(), &outcomes, 0, Duration::from_secs(2))
+    }
+
+    #[test]
+    fn speculation_counts_come_from_the_servers_metrics() {
+        let text = "# HELP flotilla_spec_draft_tokens_total Draft tokens\n\
+            flotilla_spec_draft_tokens_total{tier=\"paid\"} 40\n\
+            flotilla_spec_draft_tokens_total{tier=\"free\"} 2\n\
+            flotilla_spec_accepted_tokens_total{tier=\"paid\"} 30\n\
+            flotilla_spec_draft_tokens_total_extra 999\n";
+        let after = SpecCounts::from_metrics(text).unwrap();
+        assert_eq!(
+            after,
+            SpecCounts {
+                drafted: 42,
+                accepted: 30
+            }
+        );
+        let before = SpecCounts {
+            drafted: 2,
+            accepted: 0,
+        };
+        let run = SpecCounts::between(before, after);
+        assert_eq!(run.rate(), Some(0.75));
+        // A server without the series (llama-server): no figure at all.
+        assert_eq!(SpecCounts::from_metrics("llamacpp:tokens 5\n"), None);
+        let mut r = report();
+        r.speculation = Some(run);
+        assert!(render(&r, None).contains("speculation 40 drafted, 30 accepted (75.0%)"));
     }
 
     #[test]

@@ -529,3 +529,77 @@ async fn logit_bias_and_frequency_penalty_steer_the_real_engine() {
         "the penalty never took the bias away: {penalised:?}"
     );
 }
+
+/// Speculative decoding through the whole server: a prompt that repeats
+/// itself gets drafts accepted (the server's /metrics says so), and the text
+/// is the same token for token as with speculation off for the request
+/// (`"speculative": false`), greedy and sampled with a seed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn speculative_decoding_changes_speed_not_text() {
+    let srv = start(&config(4, 8), &["--max-model-len", "1024"]);
+    let c = client();
+    let url = format!("{}/v1/completions", srv.base);
+    let text = "The quick brown fox jumps over the lazy dog. ".repeat(12);
+    let run = |speculative: bool, sampling: Value| {
+        let (c, url, text) = (c.clone(), url.clone(), text.clone());
+        async move {
+            let mut body = json!({"prompt": text, "max_tokens": 96, "ignore_eos": true,
+                                  "logprobs": 0, "speculative": speculative});
+            body.as_object_mut()
+                .unwrap()
+                .extend(sampling.as_object().unwrap().clone());
+            let r = c
+                .post(&url)
+                .header("authorization", format!("Bearer {PAID_KEY}"))
+                .json(&body)
+                .send()
+                .await
+                .unwrap();
+            assert_eq!(r.status(), 200);
+            let v: Value = r.json().await.unwrap();
+            assert_eq!(v["usage"]["completion_tokens"], 96, "{v}");
+            (
+                v["choices"][0]["text"].clone(),
+                v["choices"][0]["logprobs"]["tokens"].clone(),
+            )
+        }
+    };
+    let counts = || async {
+        let m = client()
+            .get(format!("{}/metrics", srv.base))
+            .send()
+            .await
+            .unwrap()
+            .text()
+            .await
+            .unwrap();
+        let total = |name: &str| -> u64 {
+            m.lines()
+                .filter(|l| l.starts_with(name))
+                .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+                .sum::<f64>() as u64
+        };
+        (
+            total("flotilla_spec_draft_tokens_total"),
+            total("flotilla_spec_accepted_tokens_total"),
+        )
+    };
+    for sampling in [
+        json!({"temperature": 0}),
+        json!({"temperature": 0.8, "top_p": 0.95, "seed": 5}),
+    ] {
+        let before = counts().await;
+        let off = run(false, sampling.clone()).await;
+        assert_eq!(counts().await, before, "an opted-out request drafted");
+        let on = run(true, sampling.clone()).await;
+        let after = counts().await;
+        assert_eq!(on, off, "{sampling}: speculation changed the text");
+        let (drafted, accepted) = (after.0 - before.0, after.1 - before.1);
+        assert!(
+            accepted > 0 && accepted <= drafted,
+            "{sampling}: {accepted} of {drafted} draft tokens accepted"
+        );
+    }
+    let r = settle(&srv.base).await;
+    assert_eq!(r["kv_blocks"]["used"], 0, "{r}");
+}

@@ -75,6 +75,7 @@ pub struct Metrics {
     cached_tokens: Counter<u64>,
     draft_tokens: Counter<u64>,
     accepted_tokens: Counter<u64>,
+    acceptance: Histogram<f64>,
     kv_blocks: Gauge<u64>,
     kv_cache: Gauge<u64>,
     queued: Gauge<u64>,
@@ -185,6 +186,13 @@ impl Metrics {
                      their request ends",
                 )
                 .build(),
+            acceptance: m
+                .f64_histogram("flotilla_spec_acceptance")
+                .with_description(
+                    "Per request that drafted: its accepted over drafted tokens, by tier",
+                )
+                .with_boundaries(vec![0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 1.0])
+                .build(),
             accepted_tokens: m
                 .u64_counter("flotilla_spec_accepted_tokens")
                 .with_description(
@@ -281,6 +289,7 @@ impl Metrics {
         let a = [KeyValue::new("tier", tier.to_string())];
         self.draft_tokens.add(drafted, &a);
         self.accepted_tokens.add(accepted, &a);
+        self.acceptance.record(accepted as f64 / drafted as f64, &a);
     }
 
     /// One sequence preempted.
@@ -386,6 +395,9 @@ mod tests {
         m.request_rejected("free", "queue_full");
         m.kv(3, 10, 2);
         m.tokens("paid", 12, 5, 4);
+        m.speculation("paid", 8, 6);
+        // A request that drafted nothing adds no acceptance sample.
+        m.speculation("paid", 0, 0);
         let text = m.render();
         for want in [
             "flotilla_time_to_first_token_seconds_bucket{tier=\"paid\",le=\"0.3\"} 1",
@@ -395,6 +407,11 @@ mod tests {
             "flotilla_rejections_total{reason=\"queue_full\",tier=\"free\"} 1",
             "flotilla_kv_blocks{state=\"free\"} 10",
             "flotilla_generation_tokens_total{tier=\"paid\"} 5",
+            "flotilla_spec_draft_tokens_total{tier=\"paid\"} 8",
+            "flotilla_spec_accepted_tokens_total{tier=\"paid\"} 6",
+            "flotilla_spec_acceptance_bucket{tier=\"paid\",le=\"0.7\"} 0",
+            "flotilla_spec_acceptance_bucket{tier=\"paid\",le=\"0.8\"} 1",
+            "flotilla_spec_acceptance_count{tier=\"paid\"} 1",
         ] {
             assert!(text.contains(want), "missing {want} in\n{text}");
         }
