@@ -10,7 +10,7 @@ use crate::config::tests::two_tiers;
 use crate::{Batching, SchedConfig, Speculation};
 
 #[derive(Clone, Debug)]
-enum Op {
+pub(crate) enum Op {
     Submit {
         tenant: usize,
         prompt: usize,
@@ -34,7 +34,7 @@ enum Op {
     FailAll(bool),
 }
 
-fn op() -> impl Strategy<Value = Op> {
+pub(crate) fn op() -> impl Strategy<Value = Op> {
     prop_oneof![
         10 => (0..3usize, 1..40usize, 1..20u32, proptest::option::of(0..3u8), proptest::bool::weighted(0.2), proptest::option::of(any::<bool>()))
             .prop_map(|(tenant, prompt, max_tokens, shared, stop, echo)| Op::Submit { tenant, prompt, max_tokens, shared, stop, echo }),
@@ -48,7 +48,7 @@ fn op() -> impl Strategy<Value = Op> {
     ]
 }
 
-fn config() -> impl Strategy<Value = SchedConfig> {
+pub(crate) fn config() -> impl Strategy<Value = SchedConfig> {
     (
         (
             12..48u32,
@@ -131,7 +131,9 @@ fn live(sim: &Sim, idx: usize) -> Option<flotilla_proto::RequestId> {
     (!live.is_empty()).then(|| live[idx % live.len()])
 }
 
-fn run(cfg: SchedConfig, ops: Vec<Op>) {
+/// Applies `ops`, runs to idle and checks that everything ended; returns
+/// the scheduler's counters.
+pub(crate) fn run(cfg: SchedConfig, ops: Vec<Op>) -> crate::Counters {
     let mut sim = Sim::new(cfg);
     sim.tick = Duration::from_millis(50);
     let texts: Vec<Vec<u32>> = (0..3)
@@ -213,6 +215,7 @@ fn run(cfg: SchedConfig, ops: Vec<Op>) {
     }
     sim.run_until_idle(20_000);
     sim.assert_all_done();
+    sim.s.counters()
 }
 
 proptest! {

@@ -118,3 +118,46 @@ fn no_draft_in_a_step_with_more_decodes_than_the_bound() {
     sim.run_until_idle(1000);
     sim.assert_all_done();
 }
+
+/// The random interleavings of `prop` (cancels mid-step, failed steps,
+/// expiries, preemptions on small pools, quotas) with speculation always
+/// on: every invariant holds after every operation, every output equals
+/// the fake model's, every block comes back, and drafts were both accepted
+/// and rejected along the way (the paths were exercised, not skipped).
+#[test]
+fn random_interleavings_with_speculation_keep_every_invariant() {
+    use proptest::prelude::*;
+    use proptest::test_runner::{Config, TestRunner};
+
+    let strategy = (
+        super::prop::config().prop_filter("speculation fits the step", |c| {
+            c.max_num_batched_tokens > 4
+        }),
+        proptest::collection::vec(super::prop::op(), 1..120),
+        1..5usize,
+    );
+    let mut runner = TestRunner::new(Config {
+        cases: 300,
+        ..Config::default()
+    });
+    let totals = std::cell::Cell::new((0u64, 0u64));
+    runner
+        .run(&strategy, |(mut cfg, ops, max_draft)| {
+            cfg.speculation = Speculation {
+                max_draft: max_draft.min(cfg.max_num_batched_tokens - 1),
+                max_batch: 8,
+                ..Speculation::ngram(4)
+            };
+            let c = super::prop::run(cfg, ops);
+            let (d, a) = totals.get();
+            totals.set((d + c.drafted_tokens, a + c.accepted_tokens));
+            Ok(())
+        })
+        .unwrap();
+    let (drafted, accepted) = totals.get();
+    eprintln!("{accepted} of {drafted} draft tokens accepted over 300 cases");
+    assert!(
+        accepted > 0 && accepted < drafted,
+        "drafts never accepted or never rejected: {accepted} of {drafted}"
+    );
+}
