@@ -163,6 +163,22 @@ async fn settle(base: &str) -> Value {
     }
 }
 
+/// `body` with `extra`'s fields over it, sent to `/v1/completions` as the
+/// paid tenant; the answer of a 200.
+async fn paid_completion(c: &reqwest::Client, base: &str, mut body: Value, extra: &Value) -> Value {
+    let fields = body.as_object_mut().unwrap();
+    fields.extend(extra.as_object().unwrap().clone());
+    let r = c
+        .post(format!("{base}/v1/completions"))
+        .header("authorization", format!("Bearer {PAID_KEY}"))
+        .json(&body)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    r.json().await.unwrap()
+}
+
 fn completion(prompt: &str, max_tokens: u32, stream: bool) -> Value {
     json!({"prompt": prompt, "max_tokens": max_tokens, "stream": stream,
            "temperature": 0, "ignore_eos": true})
@@ -487,25 +503,12 @@ async fn bad_input_gets_4xx_and_the_server_keeps_serving() {
 async fn logit_bias_and_frequency_penalty_steer_the_real_engine() {
     let srv = start(&config(4, 8), &["--max-model-len", "256"]);
     let c = client();
-    let url = format!("{}/v1/completions", srv.base);
     let tokens = |extra: Value| {
-        let c = c.clone();
-        let url = url.clone();
+        let (c, base) = (c.clone(), srv.base.clone());
         async move {
-            let mut body = json!({"prompt": [1, 504, 3458, 282, 4649, 314], "max_tokens": 24,
-                                  "temperature": 0, "ignore_eos": true, "logprobs": 0});
-            body.as_object_mut()
-                .unwrap()
-                .extend(extra.as_object().unwrap().clone());
-            let r = c
-                .post(&url)
-                .header("authorization", format!("Bearer {PAID_KEY}"))
-                .json(&body)
-                .send()
-                .await
-                .unwrap();
-            assert_eq!(r.status(), 200);
-            let v: Value = r.json().await.unwrap();
+            let body = json!({"prompt": [1, 504, 3458, 282, 4649, 314], "max_tokens": 24,
+                              "temperature": 0, "ignore_eos": true, "logprobs": 0});
+            let v = paid_completion(&c, &base, body, &extra).await;
             let t: Vec<String> = v["choices"][0]["logprobs"]["tokens"]
                 .as_array()
                 .unwrap()
@@ -538,25 +541,13 @@ async fn logit_bias_and_frequency_penalty_steer_the_real_engine() {
 async fn speculative_decoding_changes_speed_not_text() {
     let srv = start(&config(4, 8), &["--max-model-len", "1024"]);
     let c = client();
-    let url = format!("{}/v1/completions", srv.base);
     let text = "The quick brown fox jumps over the lazy dog. ".repeat(12);
     let run = |speculative: bool, sampling: Value| {
-        let (c, url, text) = (c.clone(), url.clone(), text.clone());
+        let (c, base, text) = (c.clone(), srv.base.clone(), text.clone());
         async move {
-            let mut body = json!({"prompt": text, "max_tokens": 96, "ignore_eos": true,
-                                  "logprobs": 0, "speculative": speculative});
-            body.as_object_mut()
-                .unwrap()
-                .extend(sampling.as_object().unwrap().clone());
-            let r = c
-                .post(&url)
-                .header("authorization", format!("Bearer {PAID_KEY}"))
-                .json(&body)
-                .send()
-                .await
-                .unwrap();
-            assert_eq!(r.status(), 200);
-            let v: Value = r.json().await.unwrap();
+            let body = json!({"prompt": text, "max_tokens": 96, "ignore_eos": true,
+                              "logprobs": 0, "speculative": speculative});
+            let v = paid_completion(&c, &base, body, &sampling).await;
             assert_eq!(v["usage"]["completion_tokens"], 96, "{v}");
             (
                 v["choices"][0]["text"].clone(),
