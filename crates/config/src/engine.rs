@@ -401,4 +401,55 @@ mod tests {
         // The Scheduler's own check runs: no blocks is refused.
         assert!(cfg.sched_config(&s, 2048, 0, vec![]).is_err());
     }
+
+    #[test]
+    fn speculation_from_flag_file_or_default_with_its_source_named() {
+        let d = EngineDefaults::serve(16);
+        let none = EngineSection::default;
+        let resolve = |flags: EngineSection, file: EngineSection| {
+            file.resolve(&flags, "continuous", &d)
+                .map(|s| s.speculation)
+        };
+        // The default: n-gram lookup, 4 tokens, at most 2 decoding streams.
+        assert_eq!(
+            resolve(none(), none()),
+            Ok(Speculation::ngram(DEFAULT_DRAFT))
+        );
+        assert_eq!(Speculation::ngram(DEFAULT_DRAFT).max_batch, 2);
+        let file = EngineSection {
+            speculative: Some("off".into()),
+            ..none()
+        };
+        assert_eq!(resolve(none(), file.clone()), Ok(Speculation::OFF));
+        // The flag wins over the file, and its numbers over both.
+        let flags = EngineSection {
+            speculative: Some("ngram".into()),
+            num_speculative_tokens: Some(6),
+            speculative_max_batch: Some(3),
+            ..none()
+        };
+        let s = resolve(flags, file).unwrap();
+        assert_eq!((s.max_draft, s.max_batch), (6, 3));
+        let e = resolve(
+            EngineSection {
+                speculative: Some("eagle".into()),
+                ..none()
+            },
+            none(),
+        )
+        .unwrap_err();
+        assert_eq!(
+            e,
+            "--speculative: unknown speculation 'eagle' (expected ngram or off)"
+        );
+        let e = resolve(
+            none(),
+            EngineSection {
+                num_speculative_tokens: Some(0),
+                ..none()
+            },
+        )
+        .unwrap_err();
+        assert_eq!(e, "engine.num_speculative_tokens 0 must be in 1..=64");
+    }
 }
