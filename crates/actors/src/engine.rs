@@ -820,14 +820,15 @@ pub async fn spawn_engine(
         bytes_per_block: spec.bytes_per_block as u64,
     };
     let mut cfg = opts.sched;
-    // A backend that verifies no drafts (or fewer) bounds speculation.
+    // The backend's output rows bound the draft tokens of a step.
     let most = exec.max_draft_tokens();
-    if cfg.speculation.is_on() && cfg.speculation.max_draft > most {
+    if cfg.speculation.is_on() {
         if most == 0 {
             tracing::info!("this backend verifies no draft tokens: speculative decoding is off");
             cfg.speculation = flotilla_sched::Speculation::OFF;
         } else {
-            cfg.speculation.max_draft = most;
+            cfg.speculation.max_draft = cfg.speculation.max_draft.min(most);
+            cfg.speculation.max_step = cfg.speculation.max_step.min(most);
         }
     }
     let mut sched = Scheduler::new(cfg).map_err(|e| EngineStartError::Config(e.to_string()))?;

@@ -52,7 +52,7 @@ use flotilla_model::arch::{self, Activation, ModelConfig, RopeStyle};
 use flotilla_model::sampling::{Sampled, SamplerScratch, sample};
 use flotilla_model::{
     BatchLimits, ExecError, Executor, KvDtype, KvSpec, ModelSpec, OutputKind, SeqInput, SeqOutput,
-    StepOutputs, validate_batch,
+    StepOutputs, sample_outputs, validate_batch,
 };
 
 use crate::kernels::{self, CompileError, SOURCES};
@@ -269,6 +269,9 @@ pub struct CudaExecutor {
     max_blocks: usize,
     max_tokens: usize,
     max_seqs: usize,
+    /// Output rows one step may have (logits, picks): sequences plus
+    /// verified draft positions.
+    max_rows: usize,
     b: Bufs,
     host: Host,
     sampler: SamplerScratch,
@@ -407,6 +410,10 @@ impl CudaExecutor {
         let qkv_w = qd + 2 * kvd;
         let t = c.max_batch_tokens;
         let s = c.max_seqs.min(t);
+        // Output rows: one per sequence, and as many again for the draft
+        // positions a step verifies (speculative decoding); every row is an
+        // input position, so never more than the step's tokens.
+        let o = (2 * s).min(t);
         let max_blocks = cfg.ctx_len.div_ceil(c.block_size);
         // Weights and buffers first, then check what is left.
         let weight_elems = vocab * d
@@ -525,15 +532,15 @@ impl CudaExecutor {
             att: z32(t * qd)?,
             gate: z32(t * ff)?,
             up: z32(t * ff)?,
-            xs: z32(s * d)?,
-            hs16: stream.alloc_zeros::<u16>(s * d).map_err(drv)?,
-            logits: z32(s * vocab)?,
-            picks: stream.alloc_zeros::<u32>(s).map_err(drv)?,
-            pick_vals: z32(s)?,
+            xs: z32(o * d)?,
+            hs16: stream.alloc_zeros::<u16>(o * d).map_err(drv)?,
+            logits: z32(o * vocab)?,
+            picks: stream.alloc_zeros::<u32>(o).map_err(drv)?,
+            pick_vals: z32(o)?,
             tokens: stream.alloc_zeros::<u32>(t).map_err(drv)?,
             tok_seq: zi(t)?,
             tok_pos: zi(t)?,
-            rows: zi(s)?,
+            rows: zi(o)?,
             tables: zi(s * max_blocks)?,
         };
 
@@ -601,6 +608,7 @@ impl CudaExecutor {
             max_blocks,
             max_tokens: t,
             max_seqs: s,
+            max_rows: o,
             b,
             host: Host::default(),
         })
@@ -703,9 +711,11 @@ impl CudaExecutor {
             h.tables
                 .extend(std::iter::repeat_n(0, self.max_blocks - need));
             let mut o = SeqOutput::default();
-            if !matches!(q.output, OutputKind::None) {
+            let n = q.output.rows();
+            if n > 0 {
                 o.logits_row = Some(h.rows.len());
-                h.rows.push(h.tokens.len() as i32 - 1);
+                let end = h.tokens.len() as i32;
+                h.rows.extend(end - n as i32..end);
             }
             out.seqs.push(o);
         }
@@ -918,8 +928,7 @@ impl CudaExecutor {
         let greedy = batch.iter().all(|q| match &q.output {
             OutputKind::None => true,
             OutputKind::Logits => false,
-            OutputKind::Verify { .. } => false,
-            OutputKind::Sample(p) => {
+            OutputKind::Sample(p) | OutputKind::Verify { params: p, .. } => {
                 (p.temperature == 0.0 || p.top_k == 1)
                     && !p.logprobs
                     && p.top_logprobs == 0
@@ -945,11 +954,11 @@ impl CudaExecutor {
             st.synchronize().map_err(exec_err)?;
             out.logits.clear();
             for (i, q) in batch.iter().enumerate() {
-                if let OutputKind::Sample(_) = q.output
-                    && let Some(row) = out.seqs[i].logits_row.take()
+                if q.output.sampling().is_some()
+                    && let Some(first) = out.seqs[i].logits_row.take()
                 {
-                    out.seqs[i].sampled = Some(Sampled {
-                        token: picks[row],
+                    sample_outputs(q, &mut out.seqs[i], |r, _, _| Sampled {
+                        token: picks[first + r],
                         logprob: f32::NAN,
                         top: Vec::new(),
                     });
@@ -965,21 +974,24 @@ impl CudaExecutor {
         // sampler's draws are a function of (seed, position), so a request
         // samples alike on either backend.
         for (i, q) in batch.iter().enumerate() {
-            if let OutputKind::Sample(sp) = &q.output {
-                let row = out.seqs[i].logits_row.expect("sampled rows have logits");
-                let logits = &out.logits[row * vocab..(row + 1) * vocab];
-                let position = (q.start_pos + q.tokens.len()) as u64;
-                // Read only now: the mask was computed while the GPU ran.
-                let mask = q.allow.map(|m| m.words());
-                out.seqs[i].sampled = Some(sample(
-                    logits,
+            if q.output.sampling().is_none() {
+                continue;
+            }
+            let first = out.seqs[i].logits_row.expect("sampled rows have logits");
+            // Read only now: the mask was computed while the GPU ran.
+            let mask = q.allow.map(|m| m.words());
+            let (logits, sampler) = (&out.logits, &mut self.sampler);
+            sample_outputs(q, &mut out.seqs[i], |r, sp, position| {
+                let row = first + r;
+                sample(
+                    &logits[row * vocab..(row + 1) * vocab],
                     sp,
                     q.bias,
                     mask.as_deref(),
                     position,
-                    &mut self.sampler,
-                ));
-            }
+                    sampler,
+                )
+            });
         }
         Ok(())
     }
@@ -1126,6 +1138,11 @@ impl Executor for CudaExecutor {
         self.max_tokens
     }
 
+    /// The output rows past one per sequence.
+    fn max_draft_tokens(&self) -> usize {
+        self.max_rows - self.max_seqs
+    }
+
     fn step(&mut self, batch: &[SeqInput<'_>], out: &mut StepOutputs) -> Result<(), ExecError> {
         let limits = BatchLimits {
             vocab: self.cfg.vocab,
@@ -1135,15 +1152,15 @@ impl Executor for CudaExecutor {
             max_tokens: self.max_tokens,
         };
         validate_batch(batch, &limits, &mut self.host.slots)?;
-        // Output rows are sized one per sequence: drafts are not verified
-        // here yet (`max_draft_tokens` is 0, so the engine sends none).
-        if let Some(i) = batch
-            .iter()
-            .position(|q| matches!(q.output, OutputKind::Verify { .. }))
-        {
+        let rows: usize = batch.iter().map(|q| q.output.rows()).sum();
+        if rows > self.max_rows {
             return Err(ExecError::BadSampling {
-                seq: i,
-                reason: "the CUDA backend does not verify draft tokens".into(),
+                seq: 0,
+                reason: format!(
+                    "{rows} output rows (samples and verified draft positions) exceed \
+                     the {} this backend holds",
+                    self.max_rows
+                ),
             });
         }
         if batch.len() > self.max_seqs {

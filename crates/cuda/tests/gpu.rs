@@ -1016,3 +1016,126 @@ fn argmax_rows_matches_the_host_rule() {
     }
     eprintln!("argmax_rows: 7 vocabularies x 6 rows x 2 block sizes equal to the host rule");
 }
+
+/// Speculative decoding's verify step on the GPU: drafts taken from plain
+/// decoding's own tokens (every third one wrong) give back exactly those
+/// tokens, greedy (picked on the device) and sampled (on the host), with
+/// both KV dtypes; a step with more output rows than the backend holds is
+/// refused, not run.
+#[test]
+fn verified_drafts_give_the_tokens_of_plain_decoding() {
+    if gpu_or_skip().is_none() {
+        return;
+    }
+    const PROMPT: [u32; 12] = [
+        504, 3458, 282, 4649, 314, 7042, 30, 378, 3458, 282, 4649, 314,
+    ];
+    let table: Vec<u32> = (0..16).collect();
+    fn one<'a>(
+        tokens: &'a [u32],
+        start_pos: usize,
+        output: OutputKind,
+        table: &'a [u32],
+    ) -> [SeqInput<'a>; 1] {
+        [SeqInput {
+            tokens,
+            start_pos,
+            block_table: table,
+            output,
+            bias: &[],
+            allow: None,
+        }]
+    }
+    for kv_dtype in [KvDtype::F16, KvDtype::Int8] {
+        let mut e = cuda_kv(128, kv_dtype);
+        assert!(e.max_draft_tokens() > 0);
+        let mut out = StepOutputs::default();
+        for p in [
+            SamplingParams::greedy(),
+            SamplingParams {
+                temperature: 0.9,
+                top_p: 0.95,
+                seed: 7,
+                ..SamplingParams::greedy()
+            },
+        ] {
+            // Plain decoding, one token a step.
+            let mut ids = PROMPT.to_vec();
+            let mut start = 0;
+            while ids.len() < PROMPT.len() + 40 {
+                e.step(
+                    &one(&ids[start..], start, OutputKind::Sample(p), &table),
+                    &mut out,
+                )
+                .unwrap();
+                start = ids.len();
+                ids.push(out.token_of(0).unwrap());
+            }
+            let reference = ids[PROMPT.len()..].to_vec();
+            // The same with drafts of up to 4 tokens.
+            e.step(&one(&PROMPT, 0, OutputKind::Sample(p), &table), &mut out)
+                .unwrap();
+            let mut ids = PROMPT.to_vec();
+            ids.push(out.token_of(0).unwrap());
+            let (mut guesses, mut accepted, mut drafted) = (0, 0, 0);
+            while ids.len() < PROMPT.len() + reference.len() {
+                let done = ids.len() - PROMPT.len();
+                let room = 4.min(reference.len() - done - 1);
+                let mut tokens = vec![*ids.last().unwrap()];
+                for g in &reference[done..done + room] {
+                    guesses += 1;
+                    tokens.push(if guesses % 3 == 0 {
+                        (g + 1) % 49152
+                    } else {
+                        *g
+                    });
+                }
+                let draft = tokens.len() - 1;
+                let output = if draft == 0 {
+                    OutputKind::Sample(p)
+                } else {
+                    OutputKind::Verify { params: p, draft }
+                };
+                e.step(&one(&tokens, ids.len() - 1, output, &table), &mut out)
+                    .unwrap();
+                let got: Vec<u32> = out.seqs[0].tokens().map(|s| s.token).collect();
+                assert_eq!(&got[..got.len() - 1], &tokens[1..got.len()]);
+                drafted += draft;
+                accepted += got.len() - 1;
+                ids.extend(got);
+            }
+            ids.truncate(PROMPT.len() + reference.len());
+            assert_eq!(&ids[PROMPT.len()..], &reference[..], "{kv_dtype} {p:?}");
+            assert!(
+                accepted > 0 && accepted < drafted,
+                "{accepted} of {drafted}"
+            );
+        }
+    }
+    // More output rows than the backend holds: refused before running.
+    let c = CudaConfig {
+        max_batch_tokens: 64,
+        max_seqs: 2,
+        kv_cache_fraction: 0.2,
+        ..Default::default()
+    };
+    let mut e = CudaExecutor::load(&model_path(), &c).unwrap();
+    assert_eq!(e.max_draft_tokens(), 2);
+    let tokens: Vec<u32> = PROMPT[..5].to_vec();
+    let mut out = StepOutputs::default();
+    let err = e
+        .step(
+            &one(
+                &tokens,
+                0,
+                OutputKind::Verify {
+                    params: SamplingParams::greedy(),
+                    draft: 4,
+                },
+                &table,
+            ),
+            &mut out,
+        )
+        .unwrap_err();
+    assert!(err.to_string().contains("output rows"), "{err}");
+}

@@ -63,6 +63,10 @@ pub struct Speculation {
     /// step is no longer bound by reading the weights, and verify
     /// positions cost nearly as much as the tokens they might save.
     pub max_batch: usize,
+    /// Most draft tokens in one step, all sequences together: the
+    /// backend's output rows past one per sequence
+    /// (`Executor::max_draft_tokens`, set by the engine).
+    pub max_step: usize,
 }
 
 impl Speculation {
@@ -72,6 +76,7 @@ impl Speculation {
         ngram_max: 0,
         ngram_min: 0,
         max_batch: 0,
+        max_step: 0,
     };
 
     /// N-gram prompt lookup with `max_draft` tokens per step.
@@ -81,6 +86,7 @@ impl Speculation {
             ngram_max: 4,
             ngram_min: 2,
             max_batch: 2,
+            max_step: usize::MAX,
         }
     }
 

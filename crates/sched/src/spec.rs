@@ -66,9 +66,10 @@ impl Scheduler {
             return;
         }
         let bs = self.cfg.block_size as usize;
+        let mut step_left = spec.max_step;
         let mut guess = Vec::new();
         for c in 0..draft.chunks.len() {
-            if draft.budget == 0 {
+            if draft.budget == 0 || step_left == 0 {
                 break;
             }
             let (id, start, len, _) = draft.chunks[c];
@@ -85,6 +86,7 @@ impl Scheduler {
             let room = spec
                 .max_draft
                 .min(draft.budget)
+                .min(step_left)
                 .min(seq.max_tokens.saturating_sub(seq.generated() + 1))
                 .min(self.cfg.max_model_len.saturating_sub(seq.tokens.len() + 1));
             if room == 0 {
@@ -118,6 +120,7 @@ impl Scheduler {
                 continue;
             }
             draft.budget -= guess.len();
+            step_left -= guess.len();
             draft.guesses.push((id, std::mem::take(&mut guess)));
         }
     }

@@ -98,6 +98,8 @@ pub(crate) fn config() -> impl Strategy<Value = SchedConfig> {
                         ngram_min,
                         ngram_max: 4,
                         max_batch,
+                        // Below what the seats could draft, at times.
+                        max_step: 1 + max_draft * max_batch / 2,
                     };
                 }
                 c

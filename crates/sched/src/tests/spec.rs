@@ -161,3 +161,30 @@ fn random_interleavings_with_speculation_keep_every_invariant() {
         "drafts never accepted or never rejected: {accepted} of {drafted}"
     );
 }
+
+#[test]
+fn a_step_carries_at_most_the_backends_draft_rows() {
+    let mut cfg = two_tiers(256, 4);
+    cfg.speculation = Speculation {
+        max_batch: 4,
+        max_step: 3,
+        ..Speculation::ngram(4)
+    };
+    let mut sim = Sim::new(cfg);
+    for _ in 0..2 {
+        let id = RequestId(sim.next_id);
+        let mut prompt = sim.unique_prompt(6);
+        prompt.extend(echo_tail(id, 6, false));
+        sim.submit_req(Sim::request(0, prompt, 40))
+            .expect("accepted");
+    }
+    let mut most = 0;
+    while !sim.s.is_idle() {
+        let plan = sim.step();
+        let drafted: usize = plan.items.iter().map(|i| i.draft).sum();
+        assert!(drafted <= 3, "{drafted} draft tokens in one step: {plan:?}");
+        most = most.max(drafted);
+    }
+    assert_eq!(most, 3, "the cap was never reached");
+    sim.assert_all_done();
+}
