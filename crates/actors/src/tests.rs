@@ -570,7 +570,7 @@ async fn requests_submitted_to_a_sink_get_one_message_per_step() {
 /// seconds) for the executor to be inside a step, and counts in `.2` the
 /// masks asked for while one was: a mask computed before the step was
 /// sent would wait in vain.
-#[derive(Debug)]
+#[derive(Clone, Debug)]
 struct Only42(
     Arc<std::sync::atomic::AtomicUsize>,
     Arc<std::sync::atomic::AtomicBool>,
@@ -605,23 +605,16 @@ impl flotilla_exec::TokenConstraint for Only42 {
     }
 }
 
+/// Gives every constrained request a matcher sharing its prototype's counters.
 #[derive(Debug)]
-struct Only42Compiler(
-    Arc<std::sync::atomic::AtomicUsize>,
-    Arc<std::sync::atomic::AtomicBool>,
-    Arc<std::sync::atomic::AtomicUsize>,
-);
+struct Only42Compiler(Only42);
 
 impl flotilla_exec::ConstraintCompiler for Only42Compiler {
     fn compile(
         &self,
         _c: &flotilla_exec::Constraint,
     ) -> Result<Box<dyn flotilla_exec::TokenConstraint>, String> {
-        Ok(Box::new(Only42(
-            self.0.clone(),
-            self.1.clone(),
-            self.2.clone(),
-        )))
+        Ok(Box::new(self.0.clone()))
     }
 }
 
@@ -635,7 +628,7 @@ async fn a_mask_is_computed_while_its_step_runs() {
     let asked = Arc::new(std::sync::atomic::AtomicUsize::new(0));
     let overlapped = Arc::new(std::sync::atomic::AtomicUsize::new(0));
     let in_step = Arc::new(std::sync::atomic::AtomicBool::new(false));
-    let compiler = Only42Compiler(asked.clone(), in_step.clone(), overlapped.clone());
+    let compiler = Only42Compiler(Only42(asked.clone(), in_step.clone(), overlapped.clone()));
     // The matcher watches the executor's own flag.
     let mut rig = rig_with(WAIT, false, 1, Some(Arc::new(compiler)), in_step).await;
     let mut req = prompt_of(8);

@@ -15,7 +15,7 @@ use flotilla_cuda::kernels::{self, SOURCES};
 use flotilla_cuda::{CudaConfig, CudaError, CudaExecutor, driver_present, probe};
 use flotilla_hub::test_model_path as model_path;
 use flotilla_model::kernels::Kernel;
-use flotilla_model::testutil::rnd;
+use flotilla_model::testutil::{decode_with_drafts, one_seq, plain_decode, rnd};
 use flotilla_model::{
     CpuConfig, CpuExecutor, Executor, KvDtype, OutputKind, SamplingParams, SeqInput, StepOutputs,
 };
@@ -1031,25 +1031,9 @@ fn verified_drafts_give_the_tokens_of_plain_decoding() {
         504, 3458, 282, 4649, 314, 7042, 30, 378, 3458, 282, 4649, 314,
     ];
     let table: Vec<u32> = (0..16).collect();
-    fn one<'a>(
-        tokens: &'a [u32],
-        start_pos: usize,
-        output: OutputKind,
-        table: &'a [u32],
-    ) -> [SeqInput<'a>; 1] {
-        [SeqInput {
-            tokens,
-            start_pos,
-            block_table: table,
-            output,
-            bias: &[],
-            allow: None,
-        }]
-    }
     for kv_dtype in [KvDtype::F16, KvDtype::Int8] {
         let mut e = cuda_kv(128, kv_dtype);
         assert!(e.max_draft_tokens() > 0);
-        let mut out = StepOutputs::default();
         for p in [
             SamplingParams::greedy(),
             SamplingParams {
@@ -1059,56 +1043,12 @@ fn verified_drafts_give_the_tokens_of_plain_decoding() {
                 ..SamplingParams::greedy()
             },
         ] {
-            // Plain decoding, one token a step.
-            let mut ids = PROMPT.to_vec();
-            let mut start = 0;
-            while ids.len() < PROMPT.len() + 40 {
-                e.step(
-                    &one(&ids[start..], start, OutputKind::Sample(p), &table),
-                    &mut out,
-                )
-                .unwrap();
-                start = ids.len();
-                ids.push(out.token_of(0).unwrap());
-            }
-            let reference = ids[PROMPT.len()..].to_vec();
-            // The same with drafts of up to 4 tokens.
-            e.step(&one(&PROMPT, 0, OutputKind::Sample(p), &table), &mut out)
-                .unwrap();
-            let mut ids = PROMPT.to_vec();
-            ids.push(out.token_of(0).unwrap());
-            let (mut guesses, mut accepted, mut drafted) = (0, 0, 0);
-            while ids.len() < PROMPT.len() + reference.len() {
-                let done = ids.len() - PROMPT.len();
-                let room = 4.min(reference.len() - done - 1);
-                let mut tokens = vec![*ids.last().unwrap()];
-                for g in &reference[done..done + room] {
-                    guesses += 1;
-                    tokens.push(if guesses % 3 == 0 {
-                        (g + 1) % 49152
-                    } else {
-                        *g
-                    });
-                }
-                let draft = tokens.len() - 1;
-                let output = if draft == 0 {
-                    OutputKind::Sample(p)
-                } else {
-                    OutputKind::Verify { params: p, draft }
-                };
-                e.step(&one(&tokens, ids.len() - 1, output, &table), &mut out)
-                    .unwrap();
-                let got: Vec<u32> = out.seqs[0].tokens().map(|s| s.token).collect();
-                assert_eq!(&got[..got.len() - 1], &tokens[1..got.len()]);
-                drafted += draft;
-                accepted += got.len() - 1;
-                ids.extend(got);
-            }
-            ids.truncate(PROMPT.len() + reference.len());
-            assert_eq!(&ids[PROMPT.len()..], &reference[..], "{kv_dtype} {p:?}");
+            let reference = plain_decode(&mut e, &PROMPT, p, 40, &table);
+            let (drafted, accepted) =
+                decode_with_drafts(&mut e, &PROMPT, p, &reference, (4, 3), &table);
             assert!(
                 accepted > 0 && accepted < drafted,
-                "{accepted} of {drafted}"
+                "{kv_dtype} {p:?}: {accepted} of {drafted}"
             );
         }
     }
@@ -1125,7 +1065,7 @@ fn verified_drafts_give_the_tokens_of_plain_decoding() {
     let mut out = StepOutputs::default();
     let err = e
         .step(
-            &one(
+            &one_seq(
                 &tokens,
                 0,
                 OutputKind::Verify {

@@ -9,6 +9,7 @@ use std::time::{Duration, Instant};
 mod common;
 
 use common::{openai_python, run_client_script};
+use flotilla_bench::SpecCounts;
 use futures_util::StreamExt;
 use serde_json::{Value, json};
 
@@ -163,6 +164,12 @@ async fn settle(base: &str) -> Value {
     }
 }
 
+/// The server's `/metrics` page.
+async fn metrics_text(c: &reqwest::Client, base: &str) -> String {
+    let r = c.get(format!("{base}/metrics")).send().await.unwrap();
+    r.text().await.unwrap()
+}
+
 /// `body` with `extra`'s fields over it, sent to `/v1/completions` as the
 /// paid tenant; the answer of a 200.
 async fn paid_completion(c: &reqwest::Client, base: &str, mut body: Value, extra: &Value) -> Value {
@@ -287,14 +294,7 @@ async fn dropped_streams_give_back_every_block() {
     let free = after["kv_blocks"]["free"].as_u64().unwrap();
     let cached = after["kv_blocks"]["cached"].as_u64().unwrap();
     assert_eq!(free + cached, total, "{after}");
-    let metrics = c
-        .get(format!("{base}/metrics"))
-        .send()
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
+    let metrics = metrics_text(&c, &base).await;
     assert!(
         metrics.contains("flotilla_requests_total{state=\"cancelled\",tier=\"paid\"}"),
         "cancellations not counted:\n{metrics}"
@@ -555,25 +555,14 @@ async fn speculative_decoding_changes_speed_not_text() {
             )
         }
     };
+    // The server's totals, read as `flotilla bench` reads them; none
+    // before anything was drafted.
     let counts = || async {
-        let m = client()
-            .get(format!("{}/metrics", srv.base))
-            .send()
-            .await
-            .unwrap()
-            .text()
-            .await
-            .unwrap();
-        let total = |name: &str| -> u64 {
-            m.lines()
-                .filter(|l| l.starts_with(name))
-                .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
-                .sum::<f64>() as u64
-        };
-        (
-            total("flotilla_spec_draft_tokens_total"),
-            total("flotilla_spec_accepted_tokens_total"),
-        )
+        let m = metrics_text(&client(), &srv.base).await;
+        SpecCounts::from_metrics(&m).unwrap_or(SpecCounts {
+            drafted: 0,
+            accepted: 0,
+        })
     };
     for sampling in [
         json!({"temperature": 0}),
@@ -585,7 +574,7 @@ async fn speculative_decoding_changes_speed_not_text() {
         let on = run(true, sampling.clone()).await;
         let after = counts().await;
         assert_eq!(on, off, "{sampling}: speculation changed the text");
-        let (drafted, accepted) = (after.0 - before.0, after.1 - before.1);
+        let SpecCounts { drafted, accepted } = SpecCounts::between(before, after);
         assert!(
             accepted > 0 && accepted <= drafted,
             "{sampling}: {accepted} of {drafted} draft tokens accepted"

@@ -6,7 +6,22 @@ use super::prop::echo_tail;
 use super::{End, Sim};
 use crate::Speculation;
 use crate::config::tests::two_tiers;
-use flotilla_proto::RequestId;
+use flotilla_proto::{EngineRequest, RequestId};
+
+/// The next request `sim` will accept: `len` unique prompt tokens, then the
+/// fake model's own next tokens (one corrupted when `corrupt`), so that its
+/// first decode finds a draft.
+fn echo_request(
+    sim: &Sim,
+    tenant: usize,
+    len: usize,
+    corrupt: bool,
+    max_tokens: u32,
+) -> EngineRequest {
+    let mut prompt = sim.unique_prompt(len);
+    prompt.extend(echo_tail(RequestId(sim.next_id), len, corrupt));
+    Sim::request(tenant, prompt, max_tokens)
+}
 
 /// Three requests whose prompts end with what the fake model will say next
 /// (one copy corrupted), each run with speculation off and on.
@@ -16,13 +31,9 @@ fn run(spec: Speculation) -> (Sim, Vec<RequestId>) {
     let mut sim = Sim::new(cfg);
     let mut ids = Vec::new();
     for (k, corrupt) in [false, true, false].into_iter().enumerate() {
-        let id = RequestId(sim.next_id);
-        let mut prompt = sim.unique_prompt(6 + k);
-        let len = prompt.len();
-        prompt.extend(echo_tail(id, len, corrupt));
         // 120 tokens: the fake model's text repeats every 50, so later
         // drafts come from the output itself.
-        let req = Sim::request(k % 3, prompt, 120);
+        let req = echo_request(&sim, k % 3, 6 + k, corrupt, 120);
         ids.push(sim.submit_req(req).expect("accepted"));
     }
     sim.run_until_idle(1000);
@@ -76,9 +87,7 @@ fn a_request_that_opts_out_or_has_penalties_gets_no_draft() {
         cfg.speculation = Speculation::ngram(4);
         let mut sim = Sim::new(cfg);
         let id = RequestId(sim.next_id);
-        let mut prompt = sim.unique_prompt(6);
-        prompt.extend(echo_tail(id, 6, false));
-        let mut req = Sim::request(0, prompt, 60);
+        let mut req = echo_request(&sim, 0, 6, false, 60);
         if opt_out {
             req.speculative = false;
         } else {
@@ -101,11 +110,8 @@ fn no_draft_in_a_step_with_more_decodes_than_the_bound() {
     };
     let mut sim = Sim::new(cfg);
     for _ in 0..3 {
-        let id = RequestId(sim.next_id);
-        let mut prompt = sim.unique_prompt(6);
-        prompt.extend(echo_tail(id, 6, false));
-        sim.submit_req(Sim::request(0, prompt, 30))
-            .expect("accepted");
+        let req = echo_request(&sim, 0, 6, false, 30);
+        sim.submit_req(req).expect("accepted");
     }
     // All three decode together from the second step on: never a draft.
     for _ in 0..10 {
@@ -172,11 +178,8 @@ fn a_step_carries_at_most_the_backends_draft_rows() {
     };
     let mut sim = Sim::new(cfg);
     for _ in 0..2 {
-        let id = RequestId(sim.next_id);
-        let mut prompt = sim.unique_prompt(6);
-        prompt.extend(echo_tail(id, 6, false));
-        sim.submit_req(Sim::request(0, prompt, 40))
-            .expect("accepted");
+        let req = echo_request(&sim, 0, 6, false, 40);
+        sim.submit_req(req).expect("accepted");
     }
     let mut most = 0;
     while !sim.s.is_idle() {
