@@ -125,6 +125,9 @@ pub struct EngineOptions {
     /// Compiles requests' output constraints (structured output); `None`
     /// refuses constrained requests.
     pub constraints: Option<Arc<dyn flotilla_exec::ConstraintCompiler>>,
+    /// A file to hold the KV offload tier (`sched.offload_blocks` slots),
+    /// mapped into memory; `None`: host memory.
+    pub offload_path: Option<std::path::PathBuf>,
 }
 
 struct Live {
@@ -199,6 +202,47 @@ struct SchedState {
     check: Option<InvariantHook>,
     /// Messages handled, for the full check's period.
     handled: u64,
+    /// What a block's move between tiers and a token's recompute cost, as
+    /// measured: whether the offload tier pays.
+    offload_cost: OffloadCost,
+    /// The tier's counters as last put in /metrics.
+    offload_seen: flotilla_proto::KvOffload,
+}
+
+/// Measured costs that decide whether the KV offload tier pays: a block
+/// moved between tiers against its tokens recomputed by a prefill.
+#[derive(Debug, Default)]
+struct OffloadCost {
+    /// Seconds per block moved (moving average).
+    per_block: Option<f64>,
+    /// Seconds per token of a prefill-sized step (moving average).
+    per_token: Option<f64>,
+}
+
+impl OffloadCost {
+    /// Steps of at least this many tokens measure the recompute cost (a
+    /// step of a few decodes is bound by reading weights, not by tokens).
+    const PREFILL_TOKENS: usize = 64;
+    /// Weight of a new measurement.
+    const ALPHA: f64 = 0.2;
+
+    fn observe(&mut self, moved: u32, move_time: Duration, tokens: usize, elapsed: Duration) {
+        let avg =
+            |old: Option<f64>, new: f64| Some(old.map_or(new, |o| o + Self::ALPHA * (new - o)));
+        if moved > 0 {
+            self.per_block = avg(self.per_block, move_time.as_secs_f64() / f64::from(moved));
+        }
+        if tokens >= Self::PREFILL_TOKENS {
+            let compute = elapsed.saturating_sub(move_time).as_secs_f64();
+            self.per_token = avg(self.per_token, compute / tokens as f64);
+        }
+    }
+
+    /// Whether a move costs less than recomputing a block's tokens; `None`
+    /// until both are measured.
+    fn pays(&self, block_size: u32) -> Option<bool> {
+        Some(self.per_block? < self.per_token? * f64::from(block_size))
+    }
 }
 
 struct SchedArgs {
@@ -211,6 +255,7 @@ struct SchedArgs {
     bytes_per_block: u64,
     kv_dtype: KvDtype,
     check: Option<InvariantHook>,
+    offload: Option<flotilla_exec::OffloadTier>,
 }
 
 impl Actor for SchedulerActor {
@@ -230,6 +275,7 @@ impl Actor for SchedulerActor {
             WorkerArgs {
                 exec: a.exec,
                 clock: a.clock.clone(),
+                offload: a.offload,
             },
             myself.get_cell(),
         )
@@ -252,6 +298,8 @@ impl Actor for SchedulerActor {
             kv_dtype: a.kv_dtype,
             check: a.check,
             handled: 0,
+            offload_cost: OffloadCost::default(),
+            offload_seen: Default::default(),
         };
         // The pool's shape and occupancy show in /metrics from the start.
         record_load(&mut st);
@@ -307,6 +355,7 @@ impl Actor for SchedulerActor {
                     let _ = reply.send(Err(format!("no KV is held for {id}")));
                 }
                 Some((blocks, tokens)) => {
+                    flush_moves(st);
                     let read = WorkerMsg::ReadBlocks {
                         blocks,
                         tokens: tokens as u32,
@@ -400,10 +449,17 @@ impl Actor for SchedulerActor {
                     plan,
                     sampled,
                     elapsed,
+                    moved,
+                    move_time,
                     worker_ok,
                 } = *r;
                 st.busy = false;
                 st.metrics.step_time(elapsed.as_secs_f64());
+                st.offload_cost
+                    .observe(moved, move_time, plan.num_tokens(), elapsed);
+                if let Some(pays) = st.offload_cost.pays(st.sched.config().block_size) {
+                    st.sched.set_offload_pays(pays);
+                }
                 let error = match sampled {
                     Ok(s) => {
                         st.sched.complete(now, &plan, &s);
@@ -603,6 +659,7 @@ fn start_import(
         );
         return refuse(st, p, Rejection::Invalid(why));
     }
+    flush_moves(st);
     let write = WorkerMsg::WriteBlocks {
         blocks,
         data,
@@ -614,6 +671,18 @@ fn start_import(
         // import fail, and `worker_lost` gives every reservation back.
         let now = st.clock.now();
         worker_lost(st, now, "the GPU worker has stopped".into());
+    }
+}
+
+/// Sends the worker the tier moves decided since the last message to it:
+/// called before every block read or write, so that those (and the steps
+/// after them) see the blocks where the pool says they are.
+fn flush_moves(st: &mut SchedState) {
+    if st.sched.has_block_moves() {
+        // A worker that is gone fails everything at its next message.
+        let _ = st
+            .worker
+            .cast(WorkerMsg::Moves(st.sched.take_block_moves()));
     }
 }
 
@@ -641,6 +710,7 @@ fn pump(myself: &ActorRef<SchedMsg>, st: &mut SchedState, now: Duration) {
                 .worker
                 .cast(WorkerMsg::Step {
                     plan,
+                    moves: st.sched.take_block_moves(),
                     reply: myself.clone(),
                 })
                 .is_err()
@@ -651,6 +721,10 @@ fn pump(myself: &ActorRef<SchedMsg>, st: &mut SchedState, now: Duration) {
             }
         }
     }
+    // Moves decided with no step to carry them (an admission that gave its
+    // blocks back, a reservation) go now: nothing may write those blocks
+    // before them.
+    flush_moves(st);
     deliver(st);
     // The step's constrained samples need their masks only once the
     // forward pass is done: computed beside it, they leave the step's
@@ -765,6 +839,22 @@ fn record_load(st: &mut SchedState) {
         .kv(s.kv.used as u64, s.kv.free as u64, s.kv.cached as u64);
     st.metrics
         .kv_cache(st.kv_dtype.name(), s.kv.total as u64, st.bytes_per_block);
+    let (o, seen) = (s.kv.offload, st.offload_seen);
+    if o.total > 0 {
+        st.metrics.kv_offload(
+            [o.held, o.total - o.held],
+            [
+                o.spilled - seen.spilled,
+                o.restored - seen.restored,
+                o.dropped - seen.dropped,
+            ],
+            [
+                o.hits - seen.hits,
+                (o.lookups - o.hits) - (seen.lookups - seen.hits),
+            ],
+        );
+        st.offload_seen = o;
+    }
     for t in &s.tiers {
         st.metrics
             .tier_load(&t.name, t.queued as u64, t.running as u64);
@@ -831,6 +921,17 @@ pub async fn spawn_engine(
             cfg.speculation.max_step = cfg.speculation.max_step.min(most);
         }
     }
+    let offload = match cfg.offload_blocks {
+        0 => None,
+        slots => Some(
+            flotilla_exec::OffloadTier::new(
+                slots,
+                exec.offload_bytes_per_block(),
+                opts.offload_path.as_deref(),
+            )
+            .map_err(EngineStartError::Config)?,
+        ),
+    };
     let mut sched = Scheduler::new(cfg).map_err(|e| EngineStartError::Config(e.to_string()))?;
     if let Some(c) = opts.constraints {
         sched.set_constraints(c);
@@ -848,6 +949,7 @@ pub async fn spawn_engine(
             bytes_per_block: layout.bytes_per_block,
             kv_dtype: spec.dtype,
             check: opts.check_invariants,
+            offload,
         },
     )
     .await

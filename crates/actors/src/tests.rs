@@ -240,6 +240,7 @@ async fn rig_with(
             prefix_salt: 0,
         }],
         speculation: flotilla_sched::Speculation::OFF,
+        offload_blocks: 0,
     };
     let broken = Arc::new(std::sync::Mutex::new(None));
     let seen = broken.clone();
@@ -251,6 +252,7 @@ async fn rig_with(
                 seen.lock().unwrap().get_or_insert(what);
             })),
             constraints,
+            offload_path: None,
         },
         Arc::new(TestClock(Instant::now())),
         Arc::new(Metrics::new().unwrap()),

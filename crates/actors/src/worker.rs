@@ -6,7 +6,8 @@ use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::sync::Arc;
 use std::time::Duration;
 
-use flotilla_exec::{ExecError, Executor, SeqInput, SeqOutput, StepOutputs};
+use flotilla_exec::{ExecError, Executor, OffloadTier, SeqInput, SeqOutput, StepOutputs};
+use flotilla_kv::BlockMove;
 use flotilla_proto::KvExport;
 use flotilla_sched::Plan;
 use ractor::{Actor, ActorProcessingErr, ActorRef, RpcReplyPort};
@@ -16,12 +17,21 @@ use crate::engine::{PendingImport, SchedMsg};
 
 /// What the worker is asked to do. Messages run in the order sent, so a
 /// block read or write sent before a step happens before it.
+///
+/// The worker is the one owner of the KV bytes: steps, migration reads and
+/// writes and the moves between KV tiers all run here, one at a time, in
+/// the order the Scheduler actor decided them; none can race another.
 pub(crate) enum WorkerMsg {
-    /// Run one step and send `SchedMsg::StepDone` back.
+    /// Perform `moves` (between the KV tiers, in order), then run one step
+    /// and send `SchedMsg::StepDone` back.
     Step {
         plan: Plan,
+        moves: Vec<BlockMove>,
         reply: ActorRef<SchedMsg>,
     },
+    /// Perform moves between the KV tiers decided outside a step (before a
+    /// block read or write, or when no step follows).
+    Moves(Vec<BlockMove>),
     /// Read held blocks out for export (`tokens` tokens of KV).
     ReadBlocks {
         blocks: Vec<u32>,
@@ -45,6 +55,10 @@ pub(crate) struct StepResult {
     /// it accepted) where the item asked.
     pub sampled: Result<Vec<SeqOutput>, String>,
     pub elapsed: Duration,
+    /// Tier moves performed since the last step's result (this step's
+    /// included) and their time (within `elapsed` for this step's).
+    pub moved: u32,
+    pub move_time: Duration,
     /// False once the executor can no longer be trusted.
     pub worker_ok: bool,
 }
@@ -62,11 +76,17 @@ pub(crate) struct WorkerState {
     /// milliseconds, so each step sleeps the whole milliseconds it owes
     /// and carries the rest, rather than rounding every step up.
     owed: std::time::Duration,
+    /// The KV offload tier's bytes, if the pool has a tier.
+    offload: Option<OffloadTier>,
+    /// Moves performed since the last step result, and their time.
+    moved: u32,
+    move_time: Duration,
 }
 
 pub(crate) struct WorkerArgs {
     pub exec: Box<dyn Executor>,
     pub clock: Arc<dyn Clock>,
+    pub offload: Option<OffloadTier>,
 }
 
 impl Actor for GpuWorker {
@@ -85,6 +105,9 @@ impl Actor for GpuWorker {
             clock: args.clock,
             broken: None,
             owed: std::time::Duration::ZERO,
+            offload: args.offload,
+            moved: 0,
+            move_time: Duration::ZERO,
         })
     }
 
@@ -94,8 +117,12 @@ impl Actor for GpuWorker {
         msg: WorkerMsg,
         st: &mut WorkerState,
     ) -> Result<(), ActorProcessingErr> {
-        let (plan, reply) = match msg {
-            WorkerMsg::Step { plan, reply } => (plan, reply),
+        let (plan, moves, reply) = match msg {
+            WorkerMsg::Step { plan, moves, reply } => (plan, moves, reply),
+            WorkerMsg::Moves(moves) => {
+                perform_moves(st, &moves);
+                return Ok(());
+            }
             WorkerMsg::ReadBlocks {
                 blocks,
                 tokens,
@@ -116,6 +143,7 @@ impl Actor for GpuWorker {
             }
         };
         let t0 = st.clock.now();
+        perform_moves(st, &moves);
         // The step is seconds of CPU work at worst: run it on this thread
         // but let tokio move its other tasks (HTTP, the scheduler) elsewhere.
         // A current-thread runtime (the simulator) has nowhere to move them.
@@ -144,6 +172,8 @@ impl Actor for GpuWorker {
             plan,
             sampled,
             elapsed,
+            moved: std::mem::take(&mut st.moved),
+            move_time: std::mem::take(&mut st.move_time),
             worker_ok: st.broken.is_none(),
         })));
         Ok(())
@@ -172,6 +202,42 @@ fn run_step(st: &mut WorkerState, plan: &Plan) -> Result<Vec<SeqOutput>, String>
             Err(why)
         }
     }
+}
+
+/// Performs moves between the KV tiers, in order, timing them. A move
+/// that fails leaves a registered block without its bytes: the executor is
+/// no longer trusted, as after a device error.
+fn perform_moves(st: &mut WorkerState, moves: &[BlockMove]) {
+    if moves.is_empty() || st.broken.is_some() {
+        return;
+    }
+    let t0 = st.clock.now();
+    let exec = &mut st.exec;
+    let result = match st.offload.as_mut() {
+        None => Err("block moves without an offload tier".to_string()),
+        Some(tier) => moves.iter().try_for_each(|m| match *m {
+            BlockMove::Spill { block, slot } => {
+                let dst = tier.slot_mut(slot)?;
+                exec.spill_block(block, dst).map_err(|e| e.to_string())
+            }
+            BlockMove::Restore { slot, block } => {
+                let src = tier.slot(slot)?;
+                exec.restore_block(src, block).map_err(|e| e.to_string())
+            }
+        }),
+    };
+    if let Err(e) = result {
+        st.broken = Some(format!(
+            "moving KV blocks between tiers: {e}; the engine needs a restart"
+        ));
+        return;
+    }
+    let n = moves.len() as u32;
+    st.moved += n;
+    st.move_time += match st.exec.simulated_offload_time() {
+        Some(per_block) => per_block * n,
+        None => st.clock.now().saturating_sub(t0),
+    };
 }
 
 /// Copies `blocks` out of the executor's KV cache, in order.

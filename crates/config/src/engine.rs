@@ -68,6 +68,10 @@ pub struct EngineSettings {
     pub kv_dtype: KvDtype,
     /// Speculative decoding.
     pub speculation: Speculation,
+    /// Bytes of the KV offload tier (0: none).
+    pub kv_offload_bytes: u64,
+    /// File that holds the offload tier, if not RAM.
+    pub kv_offload_path: Option<std::path::PathBuf>,
 }
 
 /// Draft tokens per step of `--speculative ngram` unless told otherwise.
@@ -155,6 +159,26 @@ impl EngineSection {
             (None, None) => KvDtype::default(),
         };
         let speculation = self.speculation(flags, d)?;
+        let (kv_offload_bytes, _) = pick(
+            flags.kv_offload_bytes,
+            self.kv_offload_bytes,
+            0,
+            ("kv-offload-bytes", "kv_offload_bytes"),
+        );
+        let kv_offload_path = match (&flags.kv_offload_path, &self.kv_offload_path) {
+            (Some(p), _) | (None, Some(p)) => Some(std::path::PathBuf::from(p)),
+            (None, None) => None,
+        };
+        if kv_offload_path.is_some() && kv_offload_bytes == 0 {
+            let from = if flags.kv_offload_path.is_some() {
+                "--kv-offload-path"
+            } else {
+                "engine.kv_offload_path"
+            };
+            return Err(format!(
+                "{from} needs a tier size: set --kv-offload-bytes (engine.kv_offload_bytes)"
+            ));
+        }
         let batching = match batching {
             "continuous" => Batching::Continuous,
             "static" => Batching::Static,
@@ -172,6 +196,8 @@ impl EngineSection {
             batching,
             kv_dtype,
             speculation,
+            kv_offload_bytes,
+            kv_offload_path,
         })
     }
 
@@ -242,16 +268,24 @@ impl Tenant {
 impl ClusterConfig {
     /// The Scheduler's config: the engine's settings, this config's tiers
     /// and tenants, and what the model and memory decided (its length, the
-    /// blocks the cache holds, its stop tokens). The one place a
-    /// `SchedConfig` is built outside tests; checked as a whole.
+    /// blocks the cache holds and their size, its stop tokens). The one
+    /// place a `SchedConfig` is built outside tests; checked as a whole.
     pub fn sched_config(
         &self,
         s: &EngineSettings,
         max_model_len: usize,
-        num_blocks: u32,
+        (num_blocks, bytes_per_block): (u32, u64),
         stop_tokens: Vec<u32>,
     ) -> Result<SchedConfig, String> {
+        let offload_blocks = s.kv_offload_bytes / bytes_per_block.max(1);
+        if s.kv_offload_bytes > 0 && offload_blocks == 0 {
+            return Err(format!(
+                "--kv-offload-bytes {} holds no KV block ({bytes_per_block} bytes each)",
+                s.kv_offload_bytes
+            ));
+        }
         let sched = SchedConfig {
+            offload_blocks: offload_blocks.min(u64::from(u32::MAX / 2)) as u32,
             num_blocks,
             block_size: s.block_size as u32,
             max_num_seqs: s.max_num_seqs,
@@ -385,7 +419,7 @@ mod tests {
                 &EngineDefaults::serve(16),
             )
             .unwrap();
-        let sc = cfg.sched_config(&s, 2048, 100, vec![2]).unwrap();
+        let sc = cfg.sched_config(&s, 2048, (100, 4096), vec![2]).unwrap();
         assert_eq!(sc.batching, Batching::Static);
         assert_eq!(sc.tiers[0].priority, 2);
         assert_eq!(sc.tenants[1].tier, TierId(1));
@@ -399,7 +433,7 @@ mod tests {
         assert_ne!(isolated("a").prefix_salt(), isolated("b").prefix_salt());
         assert_ne!(isolated("").prefix_salt(), 0);
         // The Scheduler's own check runs: no blocks is refused.
-        assert!(cfg.sched_config(&s, 2048, 0, vec![]).is_err());
+        assert!(cfg.sched_config(&s, 2048, (0, 4096), vec![]).is_err());
     }
 
     #[test]

@@ -91,6 +91,11 @@ pub struct EngineSection {
     /// `--speculative-max-batch`: speculate only in steps with at most this
     /// many decodes.
     pub speculative_max_batch: Option<usize>,
+    /// `--kv-offload-bytes`: size of the KV offload tier (0: none).
+    pub kv_offload_bytes: Option<u64>,
+    /// `--kv-offload-path`: a file on local disk to hold the offload tier
+    /// (mapped into memory) instead of RAM.
+    pub kv_offload_path: Option<String>,
 }
 
 /// A service tier.

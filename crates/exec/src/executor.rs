@@ -528,6 +528,27 @@ pub trait Executor: Send {
     fn read_block(&self, block: u32, out: &mut [u8]) -> Result<(), ExecError>;
     /// Overwrites one block's raw bytes (KV import for migration).
     fn write_block(&mut self, block: u32, data: &[u8]) -> Result<(), ExecError>;
+    /// Copies hot block `block` into an offload slot's bytes (`dst`, of
+    /// [`Executor::offload_bytes_per_block`] bytes). By default the block's
+    /// raw bytes, as [`Executor::read_block`] gives them.
+    fn spill_block(&mut self, block: u32, dst: &mut [u8]) -> Result<(), ExecError> {
+        self.read_block(block, dst)
+    }
+    /// Copies an offload slot's bytes back into hot block `block`.
+    fn restore_block(&mut self, src: &[u8], block: u32) -> Result<(), ExecError> {
+        self.write_block(block, src)
+    }
+    /// Bytes of one offload slot: a block's bytes, or 0 for a backend that
+    /// moves none (the simulator models the copy's time instead).
+    fn offload_bytes_per_block(&self) -> usize {
+        self.kv_spec().bytes_per_block
+    }
+    /// Modelled time of one block's move between tiers, for a backend whose
+    /// time is modelled (the simulator, which adds it to its next step);
+    /// `None`: the move's own wall time is its time.
+    fn simulated_offload_time(&self) -> Option<std::time::Duration> {
+        None
+    }
     /// Most draft tokens one sequence may carry for verification
     /// ([`OutputKind::Verify`]); 0: this backend verifies no drafts, and the
     /// engine does not speculate on it.

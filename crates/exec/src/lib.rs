@@ -6,6 +6,7 @@
 
 pub mod constraint;
 pub mod executor;
+pub mod offload;
 pub mod sampling;
 
 pub use constraint::{
@@ -15,4 +16,5 @@ pub use executor::{
     BatchLimits, ExecError, Executor, KvDtype, KvSpec, ModelSpec, OutputKind, SeqInput, SeqOutput,
     StepOutputs, sample_outputs, validate_batch,
 };
+pub use offload::OffloadTier;
 pub use sampling::{MAX_LOGIT_BIAS, MAX_PENALTY, MAX_TOP_LOGPROBS, Sampled, SamplingParams};

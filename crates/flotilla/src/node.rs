@@ -242,6 +242,7 @@ pub fn run(args: NodeArgs) -> Result<()> {
                     sched: r.sched,
                     check_invariants: None,
                     constraints: Some(constraints),
+                    offload_path: r.offload_path.clone(),
                 },
                 clock,
                 metrics,

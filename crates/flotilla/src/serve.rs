@@ -82,6 +82,18 @@ pub struct ServeArgs {
     /// the weights).
     #[arg(long)]
     pub speculative_max_batch: Option<usize>,
+    /// Bytes of host memory (or of --kv-offload-path) for the KV offload
+    /// tier: prefix blocks evicted from the KV cache (a preempted
+    /// sequence's among them) spill there and come back on a hit instead
+    /// of being recomputed. Config: `[engine] kv_offload_bytes`. Default 0
+    /// (no tier).
+    #[arg(long)]
+    pub kv_offload_bytes: Option<u64>,
+    /// Keep the offload tier in this file (mapped into memory; created or
+    /// truncated; on local disk) so that it can exceed RAM. Config:
+    /// `[engine] kv_offload_path`.
+    #[arg(long)]
+    pub kv_offload_path: Option<String>,
     /// continuous (iteration-level) or static (whole batches, for comparison).
     #[arg(long, default_value = "continuous")]
     pub batching: String,
@@ -136,6 +148,8 @@ pub struct Resolved {
     pub max_model_len: usize,
     pub kv_bytes: u64,
     pub config_origin: String,
+    /// File of the KV offload tier (`--kv-offload-path`), if not RAM.
+    pub offload_path: Option<std::path::PathBuf>,
 }
 
 /// What the Router needs of the model: its text side and its length, not
@@ -209,6 +223,8 @@ pub fn resolve(args: &ServeArgs) -> Result<Resolved> {
         speculative: args.speculative.clone(),
         num_speculative_tokens: args.num_speculative_tokens,
         speculative_max_batch: args.speculative_max_batch,
+        kv_offload_bytes: args.kv_offload_bytes,
+        kv_offload_path: args.kv_offload_path.clone(),
         ..EngineSection::default()
     };
     let settings = e
@@ -296,7 +312,7 @@ pub fn resolve(args: &ServeArgs) -> Result<Resolved> {
         .sched_config(
             &settings,
             max_model_len,
-            num_blocks,
+            (num_blocks, bytes_per_block),
             text.stop_tokens.clone(),
         )
         .map_err(|m| anyhow::anyhow!("the engine's settings: {m}"))?;
@@ -309,6 +325,7 @@ pub fn resolve(args: &ServeArgs) -> Result<Resolved> {
         max_model_len,
         kv_bytes: num_blocks as u64 * bytes_per_block,
         config_origin,
+        offload_path: settings.kv_offload_path.clone(),
     })
 }
 
@@ -349,6 +366,7 @@ async fn serve(r: Resolved, addr: SocketAddr, max_body_bytes: usize) -> Result<(
             sched: r.sched,
             check_invariants: None,
             constraints: Some(constraints.clone()),
+            offload_path: r.offload_path.clone(),
         },
         clock,
         metrics.clone(),

@@ -88,7 +88,12 @@ fn start_model(model: &std::path::Path, config_text: &str, extra: &[&str]) -> Se
         .arg(model)
         .arg("--config")
         .arg(&cfg)
-        .args(["--port", "0", "--kv-cache-bytes", "200000000"])
+        .args(["--port", "0"])
+        .args(if extra.contains(&"--kv-cache-bytes") {
+            &[][..]
+        } else {
+            &["--kv-cache-bytes", "200000000"][..]
+        })
         .args(extra)
         .stderr(Stdio::piped())
         .stdout(Stdio::null())
@@ -582,4 +587,108 @@ async fn speculative_decoding_changes_speed_not_text() {
     }
     let r = settle(&srv.base).await;
     assert_eq!(r["kv_blocks"]["used"], 0, "{r}");
+}
+
+/// The KV offload tier through the whole server, on a KV cache of 40
+/// blocks (640 tokens) with a tier of 200. A second long prompt evicts the
+/// first's cached blocks into the tier; the first prompt's next turn
+/// restores them (`/ready` and `/metrics` count them) and its greedy text
+/// is the one computed the first time. Then three long streams at once
+/// preempt one another over the small cache; the preempted ones come back
+/// through the tier, each with the text it gets alone.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_offload_tier_restores_evicted_prefixes_with_the_same_text() {
+    // f16 KV of SmolLM2-135M: 368,640 bytes a block of 16 tokens.
+    let block = 368_640u64;
+    let (cache, tier) = ((40 * block).to_string(), (200 * block).to_string());
+    let srv = start(
+        &config(4, 8),
+        &[
+            "--max-model-len",
+            "512",
+            "--kv-cache-bytes",
+            &cache,
+            "--kv-offload-bytes",
+            &tier,
+            "--speculative",
+            "off",
+        ],
+    );
+    let c = client();
+    let r = ready(&srv.base).await;
+    assert_eq!(r["kv_blocks"]["total"], 40, "{r}");
+    assert_eq!(r["kv_offload"]["total"], 200, "{r}");
+    let greedy = json!({"temperature": 0});
+    let complete = |prompt: String, max_tokens: u32| {
+        let (c, base, greedy) = (c.clone(), srv.base.clone(), greedy.clone());
+        async move {
+            let body = json!({"prompt": prompt, "max_tokens": max_tokens, "ignore_eos": true});
+            let v = paid_completion(&c, &base, body, &greedy).await;
+            assert_eq!(v["usage"]["completion_tokens"], max_tokens, "{v}");
+            v["choices"][0]["text"].as_str().unwrap().to_string()
+        }
+    };
+    let chat = (0..34)
+        .map(|i| format!("Turn {i}: the harbour master logs ship {i}."))
+        .collect::<Vec<_>>()
+        .join(" ");
+    let other = (0..34)
+        .map(|i| format!("Line {i}: a gardener plants row {i} of beans."))
+        .collect::<Vec<_>>()
+        .join(" ");
+    let first = complete(chat.clone(), 8).await;
+    let offload = |r: &Value, k: &str| r["kv_offload"][k].as_u64().unwrap();
+    let before = settle(&srv.base).await;
+    assert_eq!(offload(&before, "spilled"), 0, "{before}");
+    complete(other, 8).await;
+    let between = settle(&srv.base).await;
+    assert!(
+        offload(&between, "spilled") > 0,
+        "nothing spilled: {between}"
+    );
+    let again = complete(chat, 8).await;
+    let after = settle(&srv.base).await;
+    assert!(offload(&after, "restored") > 0, "nothing restored: {after}");
+    assert_eq!(again, first, "a restored prefix changed the text");
+    let m = metrics_text(&c, &srv.base).await;
+    assert!(
+        m.lines()
+            .any(|l| l.starts_with("flotilla_kv_offload_blocks_total{")
+                && l.contains("move=\"restored\"")
+                && !l.ends_with(" 0")),
+        "{m}"
+    );
+
+    // Preemption: three streams of 150 + 200 tokens (22 blocks each) on
+    // 40 blocks.
+    let prompts: Vec<String> = (0..3)
+        .map(|k| {
+            (0..12)
+                .map(|i| format!("Story {k}, part {i}: a lantern is lit on hill {i}."))
+                .collect::<Vec<_>>()
+                .join(" ")
+        })
+        .collect();
+    let mut alone = Vec::new();
+    for p in &prompts {
+        alone.push(complete(p.clone(), 200).await);
+    }
+    let preempted = settle(&srv.base).await["preemptions"].as_u64().unwrap();
+    let restored = offload(&settle(&srv.base).await, "restored");
+    let together =
+        futures_util::future::join_all(prompts.iter().map(|p| complete(p.clone(), 200))).await;
+    let end = settle(&srv.base).await;
+    assert!(
+        end["preemptions"].as_u64().unwrap() > preempted,
+        "no stream was preempted: {end}"
+    );
+    assert!(
+        offload(&end, "restored") > restored,
+        "no preempted stream came back through the tier: {end}"
+    );
+    assert_eq!(
+        together, alone,
+        "preemption through the tier changed a text"
+    );
+    assert_eq!(end["kv_blocks"]["used"], 0, "{end}");
 }

@@ -395,6 +395,13 @@ async fn ready(State(gw): Shared) -> Response {
             "held_for_transfer": s.kv.held, "reserved_for_import": s.kv.reserved,
         },
         "kv_cache_dtype": s.kv.dtype.name(),
+        "kv_offload": {
+            "total": s.kv.offload.total, "held": s.kv.offload.held,
+            "active": s.kv.offload.active,
+            "spilled": s.kv.offload.spilled, "restored": s.kv.offload.restored,
+            "dropped": s.kv.offload.dropped,
+            "lookups": s.kv.offload.lookups, "hits": s.kv.offload.hits,
+        },
         "preemptions": s.preemptions,
         "nodes": s.nodes.iter().map(|n| json!({
             "name": n.name, "up": n.up, "epoch": n.epoch, "in_flight": n.in_flight,

@@ -16,6 +16,18 @@
 //!
 //! `free + used + cached == total` holds after every call.
 //!
+//! A pool may have a second tier of `offload_blocks` slots (host memory or
+//! a file beside the hot blocks): a cached block evicted from the hot tier
+//! is spilled to a slot, keeping its prefix registration, and a later
+//! prefix hit on it is restored into a hot block. The tier has its own LRU
+//! order and drops its least recently spilled block when full. Every slot
+//! is free or holds exactly one registered block (`free + spilled ==
+//! slots`); a block is in one tier at a time. The pool only decides: the
+//! bytes move when the executor performs [`BlockMove`]s, which the pool
+//! hands out in the order it made them ([`BlockPool::take_moves`]); the
+//! owner of the executor performs them, in that order, before anything else
+//! touches those blocks.
+//!
 //! A dropped [`Lease`] cannot reach the pool, so it queues its blocks on a
 //! channel the pool shares with it; every `&mut self` method of
 //! [`BlockPool`] reclaims that queue before doing anything else.
@@ -30,6 +42,48 @@ pub use pool::BlockPool;
 
 /// A physical block index, as the executor's block tables use it.
 pub type BlockId = u32;
+
+/// A block's bytes moving between the hot tier and the offload tier.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum BlockMove {
+    /// Hot block `block` is copied to offload slot `slot` (before the hot
+    /// block is reused).
+    Spill {
+        /// Hot block.
+        block: BlockId,
+        /// Offload slot.
+        slot: u32,
+    },
+    /// Offload slot `slot` is copied into hot block `block` (before a step
+    /// reads it).
+    Restore {
+        /// Offload slot.
+        slot: u32,
+        /// Hot block.
+        block: BlockId,
+    },
+}
+
+/// The offload tier's size and what it has done since the pool was built.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct OffloadStats {
+    /// Slots in the tier (0: no tier).
+    pub slots: u32,
+    /// Slots holding a spilled block.
+    pub held: u32,
+    /// Blocks spilled from the hot tier.
+    pub spilled: u64,
+    /// Blocks restored into the hot tier on a prefix hit.
+    pub restored: u64,
+    /// Spilled blocks dropped to make room (least recently spilled first),
+    /// or replaced by a hot copy of the same contents.
+    pub dropped: u64,
+    /// Prefix lookups that went past the hot tier's hits into the tier
+    /// (the hot tier missed while the prompt had more full blocks).
+    pub lookups: u64,
+    /// Of those, the lookups that restored at least one block.
+    pub hits: u64,
+}
 
 /// Who holds a lease: charged against the tenant's quota; the tier decides
 /// which reservations it may use.
@@ -54,6 +108,8 @@ pub struct PoolConfig {
     /// Blocks kept for each tier, by tier index: other tiers cannot take the
     /// last blocks a tier has reserved and not yet used. Sum < num_blocks.
     pub tier_reserved_blocks: Vec<u32>,
+    /// Slots of the offload tier (0: none).
+    pub offload_blocks: u32,
 }
 
 /// Why a pool could not be built.

@@ -9,7 +9,9 @@ use std::sync::Arc;
 use crate::lease::{ReturnQueue, Returned, drain_returns};
 use crate::lru::LruList;
 use crate::prefix_cache::{Link, PrefixCache};
-use crate::{AllocError, BlockId, ConfigError, Lease, Owner, PoolConfig, Usage};
+use crate::{
+    AllocError, BlockId, BlockMove, ConfigError, Lease, OffloadStats, Owner, PoolConfig, Usage,
+};
 
 mod invariants;
 mod limits;
@@ -82,6 +84,18 @@ pub struct BlockPool {
     returns: ReturnQueue,
     /// Reused by `reclaim` so that it allocates nothing in steady state.
     reclaim_buf: Vec<Returned>,
+    /// The offload tier: free slots (popped from the end) and spilled
+    /// blocks, least recently spilled first. A spilled block is registered
+    /// in the prefix cache under key `blocks.len() + slot`.
+    slot_free: Vec<u32>,
+    slot_lru: LruList,
+    /// Whether spilling and restoring pay (the owner's measured copy cost
+    /// against recompute); while false, evicted blocks are dropped and
+    /// spilled ones are not restored.
+    offload_pays: bool,
+    /// Moves decided and not yet taken by the owner, in order.
+    moves: Vec<BlockMove>,
+    offload: OffloadStats,
 }
 
 fn saturate(n: u64) -> u32 {
@@ -117,13 +131,25 @@ impl BlockPool {
             free: (0..n).rev().collect(),
             lru: LruList::new(n),
             used: 0,
-            cache: PrefixCache::new(n, cfg.block_size),
+            cache: PrefixCache::new(
+                n.checked_add(cfg.offload_blocks)
+                    .ok_or(ConfigError::Empty)?,
+                cfg.block_size,
+            ),
             leases: BTreeMap::new(),
             next_lease_id: 0,
             tenant_held: BTreeMap::new(),
             tier_held: vec![0; TIERS],
             returns: Arc::default(),
             reclaim_buf: Vec::new(),
+            slot_free: (0..cfg.offload_blocks).rev().collect(),
+            slot_lru: LruList::new(cfg.offload_blocks),
+            offload_pays: cfg.offload_blocks > 0,
+            moves: Vec::new(),
+            offload: OffloadStats {
+                slots: cfg.offload_blocks,
+                ..OffloadStats::default()
+            },
         })
     }
 
@@ -141,6 +167,10 @@ impl BlockPool {
     /// Taking an unheld cached block uses up a block like an allocation, so
     /// the prefix stops short rather than eat into other tiers'
     /// reservations; that shortens the hit, it never fails.
+    ///
+    /// Blocks of the prefix found in the offload tier are restored into hot
+    /// blocks ([`BlockMove::Restore`]) while restoring pays, and count as
+    /// allocations; otherwise the prefix ends at the first of them.
     pub fn start(
         &mut self,
         owner: Owner,
@@ -150,15 +180,23 @@ impl BlockPool {
     ) -> Result<(Lease, usize), AllocError> {
         self.reclaim();
         let bs = self.block_size as usize;
+        let n = self.blocks.len() as u32;
         let limit = (tokens.len() / bs).min(max_prefix_blocks);
         let mut unheld_budget = self.physical_available(owner.tier);
         let mut hits = Vec::with_capacity(limit);
         let mut link = Link::ROOT;
+        let mut hot_missed = false;
         for block_tokens in tokens.chunks_exact(bs).take(limit) {
             let Some((b, next)) = self.cache.lookup(link, salt, block_tokens) else {
+                hot_missed = true;
                 break;
             };
-            if self.blocks[b as usize].state == State::Cached {
+            let spilled = b >= n;
+            hot_missed |= spilled;
+            if spilled && !self.offload_pays {
+                break;
+            }
+            if spilled || self.blocks[b as usize].state == State::Cached {
                 if unheld_budget == 0 {
                     break;
                 }
@@ -168,8 +206,29 @@ impl BlockPool {
             link = next;
         }
         self.check_quota(owner, hits.len() as u64)?;
+        // Hot hits are held first and spilled ones taken out of the tier's
+        // LRU order, so the allocations that restore cannot evict them.
         for &b in &hits {
-            self.take_ref(b, SHARED_PREFIX);
+            if b < n {
+                self.take_ref(b, SHARED_PREFIX);
+            } else {
+                self.slot_lru.remove(b - n);
+            }
+        }
+        let mut restored = 0;
+        for b in hits.iter_mut().filter(|b| **b >= n) {
+            let slot = *b - n;
+            let hot = self.alloc();
+            self.cache.relocate(*b, hot);
+            self.moves.push(BlockMove::Restore { slot, block: hot });
+            self.slot_free.push(slot);
+            *b = hot;
+            restored += 1;
+        }
+        if self.offload.slots > 0 && hot_missed {
+            self.offload.lookups += 1;
+            self.offload.hits += u64::from(restored > 0);
+            self.offload.restored += restored;
         }
         self.charge(owner, hits.len());
         let prefix_tokens = hits.len() * bs;
@@ -182,12 +241,16 @@ impl BlockPool {
     /// `salt` (for routing and admission estimates; changes nothing).
     pub fn cached_prefix_blocks(&mut self, salt: u64, tokens: &[u32]) -> usize {
         self.reclaim();
+        let hot = self.blocks.len() as u32;
         let mut link = Link::ROOT;
         let mut n = 0;
         for block_tokens in tokens.chunks_exact(self.block_size as usize) {
-            let Some((_, next)) = self.cache.lookup(link, salt, block_tokens) else {
+            let Some((b, next)) = self.cache.lookup(link, salt, block_tokens) else {
                 break;
             };
+            if b >= hot && !self.offload_pays {
+                break;
+            }
             link = next;
             n += 1;
         }
@@ -383,6 +446,9 @@ impl BlockPool {
             blk.state = State::Free;
             self.free.push(b);
         }
+        while let Some(slot) = self.slot_lru.pop_front() {
+            self.drop_spilled(slot);
+        }
         for b in self.cache.registered_blocks() {
             self.cache.unregister(b);
         }
@@ -400,6 +466,40 @@ impl BlockPool {
             used: self.used,
             cached: self.lru.len(),
         }
+    }
+
+    /// The offload tier's occupancy and counters.
+    pub fn offload_stats(&mut self) -> OffloadStats {
+        self.reclaim();
+        OffloadStats {
+            held: self.slot_lru.len(),
+            ..self.offload
+        }
+    }
+
+    /// Whether moving blocks through the offload tier pays (the owner's
+    /// measured copy cost of a block below its recompute cost). While it
+    /// does not, evicted blocks are dropped as without a tier and spilled
+    /// ones are treated as misses (they stay until the tier drops them).
+    pub fn set_offload_pays(&mut self, pays: bool) {
+        self.offload_pays = pays && self.offload.slots > 0;
+    }
+
+    /// Whether the offload tier is in use now.
+    pub fn offload_pays(&self) -> bool {
+        self.offload_pays
+    }
+
+    /// The block moves decided since the last call, in the order they must
+    /// run: the caller performs them before any step or block write that
+    /// follows this call.
+    pub fn take_moves(&mut self) -> Vec<BlockMove> {
+        std::mem::take(&mut self.moves)
+    }
+
+    /// Whether moves are waiting to be taken.
+    pub fn has_moves(&self) -> bool {
+        !self.moves.is_empty()
     }
 
     /// Blocks a tenant holds now (a block shared by two of its leases
@@ -491,12 +591,18 @@ impl BlockPool {
                 return Some(self.cache.link(holder));
             }
             // Same hash, other contents: a collision, or an entry whose parent
-            // was evicted and re-registered. An unheld one is worth less than
-            // ours; a held one stays, and our chain ends here.
-            if self.blocks[holder as usize].state != State::Cached {
+            // was evicted and re-registered. An unheld one (cached or
+            // spilled) is worth less than ours; a held one stays, and our
+            // chain ends here.
+            let hot = self.blocks.len() as u32;
+            if holder >= hot {
+                self.slot_lru.remove(holder - hot);
+                self.drop_spilled(holder - hot);
+            } else if self.blocks[holder as usize].state != State::Cached {
                 return None;
+            } else {
+                self.uncache(holder);
             }
-            self.uncache(holder);
         }
         if self.cache.is_registered(b) {
             // Already the prefix block of other contents: two commits
@@ -521,6 +627,37 @@ impl BlockPool {
         self.free.push(b);
     }
 
+    /// A cached block leaves the hot tier: spilled to an offload slot
+    /// (keeping its registration) while that pays, else unregistered.
+    fn evict(&mut self, b: BlockId) {
+        let slot = if self.offload_pays {
+            self.slot_free.pop().or_else(|| {
+                let oldest = self.slot_lru.pop_front()?;
+                self.drop_spilled(oldest);
+                self.slot_free.pop()
+            })
+        } else {
+            None
+        };
+        match slot {
+            Some(slot) => {
+                self.cache.relocate(b, self.blocks.len() as u32 + slot);
+                self.slot_lru.push_back(slot);
+                self.moves.push(BlockMove::Spill { block: b, slot });
+                self.offload.spilled += 1;
+            }
+            None => self.cache.unregister(b),
+        }
+    }
+
+    /// A spilled block (already out of the tier's LRU order) is dropped:
+    /// its slot becomes free.
+    fn drop_spilled(&mut self, slot: u32) {
+        self.cache.unregister(self.blocks.len() as u32 + slot);
+        self.slot_free.push(slot);
+        self.offload.dropped += 1;
+    }
+
     /// Takes a free block, else evicts the least recently used cached one.
     /// The caller has checked that one is available.
     fn alloc(&mut self) -> BlockId {
@@ -531,7 +668,7 @@ impl BlockPool {
                     .lru
                     .pop_front()
                     .expect("alloc: caller checked that a block is available");
-                self.cache.unregister(b);
+                self.evict(b);
                 (b, State::Cached)
             }
         };

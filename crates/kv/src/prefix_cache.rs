@@ -199,6 +199,33 @@ impl PrefixCache {
         Link { hash, node }
     }
 
+    /// Moves `from`'s registration (entry, tokens, hash slot) to `to`,
+    /// which must be unregistered: the block's bytes moved between tiers.
+    /// Its chain position (hash, node) is unchanged, so the blocks after it
+    /// still find it.
+    pub(crate) fn relocate(&mut self, from: BlockId, to: BlockId) {
+        let e = self.entries[from as usize]
+            .take()
+            .unwrap_or_else(|| panic!("block {from} relocated but not registered"));
+        assert!(
+            self.entries[to as usize].is_none(),
+            "block {from} relocated onto registered {to}"
+        );
+        let bs = self.block_size;
+        let (f, t) = (from as usize, to as usize);
+        if self.tokens.len() < (t + 1) * bs {
+            self.tokens.resize((t + 1) * bs, 0);
+        }
+        self.tokens.copy_within(f * bs..(f + 1) * bs, t * bs);
+        self.entries[t] = Some(e);
+        let prev = self.map.insert(e.hash, to);
+        assert_eq!(
+            prev,
+            Some(from),
+            "hash map entry of block {from} points elsewhere"
+        );
+    }
+
     /// Removes `b`'s registration.
     pub(crate) fn unregister(&mut self, b: BlockId) {
         let e = self.entries[b as usize]

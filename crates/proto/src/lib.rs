@@ -222,6 +222,46 @@ pub struct KvUsage {
     /// Element type of the blocks (the Router pairs nodes for a KV
     /// transfer only when theirs agree).
     pub dtype: KvDtype,
+    /// The offload tier (all zero without one).
+    pub offload: KvOffload,
+}
+
+/// The KV pool's offload tier: blocks evicted from the cache spill there
+/// and come back on a prefix hit.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Archive, Serialize, Deserialize)]
+pub struct KvOffload {
+    /// Slots in the tier.
+    pub total: u32,
+    /// Slots holding a spilled block.
+    pub held: u32,
+    /// Blocks spilled since start.
+    pub spilled: u64,
+    /// Blocks restored on a prefix hit since start.
+    pub restored: u64,
+    /// Spilled blocks dropped for room since start.
+    pub dropped: u64,
+    /// Prefix lookups that reached past the hot tier's hits.
+    pub lookups: u64,
+    /// Of those, lookups that restored at least one block.
+    pub hits: u64,
+    /// Whether the tier is in use now (it pays, as measured).
+    pub active: bool,
+}
+
+impl KvOffload {
+    /// Two nodes' tiers together (a cluster's total; active if either is).
+    pub fn plus(&self, o: &KvOffload) -> KvOffload {
+        KvOffload {
+            total: self.total + o.total,
+            held: self.held + o.held,
+            spilled: self.spilled + o.spilled,
+            restored: self.restored + o.restored,
+            dropped: self.dropped + o.dropped,
+            lookups: self.lookups + o.lookups,
+            hits: self.hits + o.hits,
+            active: self.active || o.active,
+        }
+    }
 }
 
 /// Per-tier queue figures.

@@ -29,7 +29,7 @@ use crate::{EngineEvent, EngineRequest, EngineStatus, KvDtype, Rejection, Role, 
 /// First four bytes of every frame.
 pub const MAGIC: [u8; 4] = *b"FLTL";
 /// The protocol this build speaks; a peer with another one is refused.
-pub const PROTOCOL_VERSION: u16 = 11;
+pub const PROTOCOL_VERSION: u16 = 12;
 /// Bytes of the envelope before the payload.
 pub const HEADER_LEN: usize = 32;
 /// Smallest frame cap a config may set (a load report must fit).
@@ -639,6 +639,7 @@ mod tests {
                     held: 3,
                     reserved: 1,
                     dtype: Default::default(),
+                    offload: Default::default(),
                 },
                 preemptions: 1,
                 orphans: 0,

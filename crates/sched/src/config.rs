@@ -127,6 +127,10 @@ pub struct SchedConfig {
     pub tenants: Vec<TenantConfig>,
     /// Speculative decoding (off by default).
     pub speculation: Speculation,
+    /// Blocks of the KV pool's offload tier (0: none): evicted prefix
+    /// blocks (a preempted sequence's among them) spill there and come
+    /// back on a hit.
+    pub offload_blocks: u32,
 }
 
 /// Why a scheduler config was refused.
@@ -287,6 +291,7 @@ impl SchedConfig {
             block_size: self.block_size,
             tenant_blocks_max: self.tenants.iter().map(|t| t.kv_blocks_max).collect(),
             tier_reserved_blocks: self.tiers.iter().map(|t| t.kv_reserved_blocks).collect(),
+            offload_blocks: self.offload_blocks,
         }
     }
 
@@ -348,6 +353,7 @@ pub(crate) mod tests {
             tiers: vec![tier("free", 1, 0), tier("paid", 3, 10)],
             tenants: vec![tenant("a", 0), tenant("b", 0), tenant("p", 1)],
             speculation: Speculation::OFF,
+            offload_blocks: 0,
         }
     }
 

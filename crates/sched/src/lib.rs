@@ -32,7 +32,7 @@ use std::time::Duration;
 
 use flotilla_kv::{BlockPool, Lease, Owner};
 use flotilla_proto::{
-    EngineFailure, EngineStatus, FinishReason, KvUsage, RequestId, TierStatus, Usage,
+    EngineFailure, EngineStatus, FinishReason, KvOffload, KvUsage, RequestId, TierStatus, Usage,
 };
 
 pub use config::{Batching, ConfigError, SchedConfig, Speculation, TenantConfig, TierConfig};
@@ -184,6 +184,19 @@ impl Scheduler {
                 // The scheduler counts blocks; the engine, which owns the
                 // executor, names their element type.
                 dtype: Default::default(),
+                offload: {
+                    let o = self.pool.offload_stats();
+                    KvOffload {
+                        total: o.slots,
+                        held: o.held,
+                        spilled: o.spilled,
+                        restored: o.restored,
+                        dropped: o.dropped,
+                        lookups: o.lookups,
+                        hits: o.hits,
+                        active: self.pool.offload_pays(),
+                    }
+                },
             },
             preemptions: self.counters.preemptions,
             orphans: 0,
@@ -200,6 +213,30 @@ impl Scheduler {
     /// KV occupancy now.
     pub fn kv_usage(&mut self) -> flotilla_kv::Usage {
         self.pool.usage()
+    }
+
+    /// The offload tier's occupancy and counters.
+    pub fn offload_stats(&mut self) -> flotilla_kv::OffloadStats {
+        self.pool.offload_stats()
+    }
+
+    /// Block moves between the KV tiers decided since the last call, in
+    /// order: the engine has the executor perform them before the next
+    /// step, block read or block write it sends.
+    pub fn take_block_moves(&mut self) -> Vec<flotilla_kv::BlockMove> {
+        self.pool.take_moves()
+    }
+
+    /// Whether block moves wait to be taken.
+    pub fn has_block_moves(&self) -> bool {
+        self.pool.has_moves()
+    }
+
+    /// Whether the offload tier pays (the engine's measured copy cost of a
+    /// block against recomputing its tokens); while it does not, evicted
+    /// blocks are dropped and spilled ones count as misses.
+    pub fn set_offload_pays(&mut self, pays: bool) {
+        self.pool.set_offload_pays(pays);
     }
 
     /// Nothing queued or running, and no blocks held or reserved.

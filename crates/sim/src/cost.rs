@@ -48,10 +48,19 @@ pub struct GpuParams {
     /// p99 43, mean ~5; docs/BENCHMARKS.md "Issue 23").
     #[serde(default = "default_mask_us")]
     pub mask_us: f64,
+    /// Bytes/s between device memory and the KV offload tier in host
+    /// memory (PCIe; for the CPU backend, a memory copy).
+    #[serde(default = "default_host_link_bw")]
+    pub host_link_bw: f64,
 }
 
 fn default_mask_us() -> f64 {
     5.0
+}
+
+/// Sustained PCIe 4.0 x16 transfers of whole KV blocks (of 32 GB/s peak).
+fn default_host_link_bw() -> f64 {
+    2.5e10
 }
 
 impl GpuParams {
@@ -72,6 +81,7 @@ impl GpuParams {
             attn_decode_flops: None,
             overlap: true,
             mask_us: default_mask_us(),
+            host_link_bw: default_host_link_bw(),
         };
         Some(match name {
             "h100" => gpu("h100", 989e12, 3.35e12, 80.0, 2.0),
@@ -108,6 +118,8 @@ impl GpuParams {
                 attn_decode_flops: Some(1.3e10),
                 overlap: false,
                 mask_us: default_mask_us(),
+                // A block's copy between two regions of host memory.
+                host_link_bw: 1.0e10,
             },
             _ => return None,
         })

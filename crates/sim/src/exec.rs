@@ -123,6 +123,8 @@ pub struct SimExecutor {
     last: Option<Duration>,
     costs: Vec<SeqCost>,
     tap: Option<DecodeTap>,
+    /// Offload-tier moves since the last step, charged to the next one.
+    moves: u32,
 }
 
 impl SimExecutor {
@@ -178,6 +180,7 @@ impl SimExecutor {
             rng,
             last: None,
             costs: Vec::new(),
+            moves: 0,
             tap: None,
         })
     }
@@ -255,7 +258,9 @@ impl Executor for SimExecutor {
             out.seqs.push(o);
         }
         let masks = batch.iter().filter(|s| s.allow.is_some()).count();
-        self.last = Some(step_time_masked(&self.gpu, &self.shape, &self.costs, masks));
+        let moves = self.simulated_offload_time().unwrap_or_default() * self.moves;
+        self.moves = 0;
+        self.last = Some(step_time_masked(&self.gpu, &self.shape, &self.costs, masks) + moves);
         Ok(())
     }
 
@@ -273,6 +278,28 @@ impl Executor for SimExecutor {
 
     fn simulated_step_time(&self) -> Option<Duration> {
         self.last
+    }
+
+    // The tier holds no bytes here: a move costs the block's real size
+    // over the host link, charged to the next step (the worker performs
+    // moves just before it).
+    fn spill_block(&mut self, _block: u32, _dst: &mut [u8]) -> Result<(), ExecError> {
+        self.moves += 1;
+        Ok(())
+    }
+
+    fn restore_block(&mut self, _src: &[u8], _block: u32) -> Result<(), ExecError> {
+        self.moves += 1;
+        Ok(())
+    }
+
+    fn offload_bytes_per_block(&self) -> usize {
+        0
+    }
+
+    fn simulated_offload_time(&self) -> Option<Duration> {
+        let bytes = (self.kv.block_size * self.shape.kv_bytes_per_token()) as f64;
+        Some(Duration::from_secs_f64(bytes / self.gpu.host_link_bw))
     }
 }
 

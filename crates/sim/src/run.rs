@@ -90,6 +90,8 @@ pub struct Report {
     pub kv_util: f64,
     /// Preemptions on engines alive at the end.
     pub preemptions: u64,
+    /// The KV offload tiers of the engines alive at the end, together.
+    pub offload: flotilla_proto::KvOffload,
     /// Faults that fired.
     pub faults: FaultCounts,
     /// Orphaned leases the nodes found and gave back, all while a link
@@ -163,6 +165,15 @@ impl std::fmt::Display for Report {
             100.0 * self.kv_util,
             self.preemptions
         )?;
+        let o = &self.offload;
+        if o.total > 0 {
+            writeln!(
+                f,
+                "KV offload: {} slots, {} held at the end; spilled {}, restored {}, dropped {}; \
+                 {} of {} lookups past the cache restored blocks",
+                o.total, o.held, o.spilled, o.restored, o.dropped, o.hits, o.lookups
+            )?;
+        }
         let x = &self.faults;
         writeln!(
             f,
@@ -363,7 +374,10 @@ async fn simulate(sc: &Scenario, seed: u64) -> Result<Report, SimError> {
         .sched_config(
             &settings,
             e.max_model_len,
-            probe.kv_spec().num_blocks as u32,
+            (
+                probe.kv_spec().num_blocks as u32,
+                (e.block_size * shape.kv_bytes_per_token()) as u64,
+            ),
             Vec::new(),
         )
         .map_err(invalid)?;
@@ -536,7 +550,7 @@ async fn simulate(sc: &Scenario, seed: u64) -> Result<Report, SimError> {
     let nodes = world.router.status().await.nodes;
     let moved: u64 = nodes.iter().map(|n| n.moved_away).sum();
     let moved_by_kv: u64 = nodes.iter().map(|n| n.moved_by_kv).sum();
-    let preemptions = check_engines(&world, true).await;
+    let (preemptions, offload) = check_engines(&world, true).await;
     check_single_dispatch(&world);
     let engines: Vec<LocalEngine> = lock(&world.engines).iter().flatten().cloned().collect();
     for e in engines {
@@ -585,6 +599,7 @@ async fn simulate(sc: &Scenario, seed: u64) -> Result<Report, SimError> {
             .sum(),
         kv_util: kv_sum / kv_n.max(1) as f64,
         preemptions,
+        offload,
         faults,
         orphans: *lock(&world.orphans),
         moved,
@@ -642,6 +657,7 @@ async fn start_engine(w: &Arc<World>, node: u32, life: u64) -> Result<(), SimErr
             sched: w.sched.clone(),
             check_invariants: w.sc.run.check_every_step.then_some(hook.clone()),
             constraints: Some(Arc::new(crate::exec::SimConstraints { vocab })),
+            offload_path: None,
         },
         Arc::new(SimClock(w.t0)),
         metrics,
@@ -1041,18 +1057,20 @@ async fn one_request(w: &Arc<World>, tenant: usize, rng: &mut Rng) {
 
 /// Checks every live engine: KV accounting adds up, queues within their
 /// caps; at the end also nothing leased, queued or running. Returns the
-/// engines' preemptions.
-async fn check_engines(w: &Arc<World>, at_end: bool) -> u64 {
+/// engines' preemptions and offload tiers.
+async fn check_engines(w: &Arc<World>, at_end: bool) -> (u64, flotilla_proto::KvOffload) {
     let engines: Vec<(usize, LocalEngine)> = lock(&w.engines)
         .iter()
         .enumerate()
         .filter_map(|(i, e)| e.clone().map(|e| (i, e)))
         .collect();
     let mut preemptions = 0;
+    let mut offload = flotilla_proto::KvOffload::default();
     for (i, e) in engines {
         let s = e.status().await;
         let kv = s.kv;
         preemptions += s.preemptions;
+        offload = offload.plus(&kv.offload);
         let mut broken = Vec::new();
         if u64::from(kv.free) + u64::from(kv.used) + u64::from(kv.cached) != u64::from(kv.total)
             && kv.total > 0
@@ -1087,11 +1105,20 @@ async fn check_engines(w: &Arc<World>, at_end: bool) -> u64 {
             k.0 += f64::from(kv.used) / f64::from(kv.total);
             k.1 += 1;
         }
+        if kv.offload.held > kv.offload.total
+            || kv
+                .offload
+                .spilled
+                .checked_sub(kv.offload.restored + kv.offload.dropped)
+                != Some(u64::from(kv.offload.held))
+        {
+            broken.push(format!("KV offload accounting: {:?}", kv.offload));
+        }
         for b in broken {
             lock(&w.trace).violate(format!("engine-{i}: {b}"));
         }
     }
-    preemptions
+    (preemptions, offload)
 }
 
 fn percentile(v: &mut [f64], p: f64) -> f64 {

@@ -103,6 +103,10 @@ pub struct EngineSection {
     /// so a draft almost never matches; on, it charges the verify
     /// positions of whatever drafts the lookup finds).
     pub speculative: String,
+    /// Bytes of host memory per engine for the KV offload tier (0: none):
+    /// evicted prefix blocks spill there and come back on a hit, each move
+    /// charged at `[gpu] host_link_bw`.
+    pub kv_offload_bytes: u64,
 }
 
 impl Default for EngineSection {
@@ -116,6 +120,7 @@ impl Default for EngineSection {
             queue_timeout_s: 60.0,
             kv_cache_dtype: "f16".into(),
             speculative: "off".into(),
+            kv_offload_bytes: 0,
         }
     }
 }
@@ -385,6 +390,7 @@ impl Scenario {
             queue_timeout_s: Some(e.queue_timeout_s),
             kv_cache_dtype: Some(e.kv_cache_dtype.clone()),
             speculative: Some(e.speculative.clone()),
+            kv_offload_bytes: Some(e.kv_offload_bytes),
             ..EngineSection::default()
         };
         let tiers = self

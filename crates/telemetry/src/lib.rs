@@ -78,6 +78,9 @@ pub struct Metrics {
     acceptance: Histogram<f64>,
     kv_blocks: Gauge<u64>,
     kv_cache: Gauge<u64>,
+    offload_slots: Gauge<u64>,
+    offload_moves: Counter<u64>,
+    offload_lookups: Counter<u64>,
     queued: Gauge<u64>,
     running: Gauge<u64>,
 }
@@ -203,6 +206,22 @@ impl Metrics {
             kv_blocks: m
                 .u64_gauge("flotilla_kv_blocks")
                 .with_description("KV cache blocks by state (used, free, cached)")
+                .build(),
+            offload_slots: m
+                .u64_gauge("flotilla_kv_offload_slots")
+                .with_description("KV offload tier slots by state (held, free)")
+                .build(),
+            offload_moves: m
+                .u64_counter("flotilla_kv_offload_blocks")
+                .with_description(
+                    "KV blocks moved by the offload tier (spilled, restored, dropped)",
+                )
+                .build(),
+            offload_lookups: m
+                .u64_counter("flotilla_kv_offload_lookups")
+                .with_description(
+                    "Prefix lookups past the KV cache's hits, by whether the offload tier restored blocks (hit, miss)",
+                )
                 .build(),
             kv_cache: m
                 .u64_gauge("flotilla_kv_cache_blocks")
@@ -345,6 +364,26 @@ impl Metrics {
         let a = [KeyValue::new("tier", tier.to_string())];
         self.queued.record(queued, &a);
         self.running.record(running, &a);
+    }
+
+    /// The KV offload tier: slots `[held, free]`, blocks moved since the
+    /// last call `[spilled, restored, dropped]`, lookups since the last
+    /// call `[hit, miss]`.
+    pub fn kv_offload(&self, slots: [u32; 2], moved: [u64; 3], lookups: [u64; 2]) {
+        if !self.enabled {
+            return;
+        }
+        for (n, state) in slots.into_iter().zip(["held", "free"]) {
+            self.offload_slots
+                .record(u64::from(n), &[KeyValue::new("state", state)]);
+        }
+        for (n, kind) in moved.into_iter().zip(["spilled", "restored", "dropped"]) {
+            self.offload_moves.add(n, &[KeyValue::new("move", kind)]);
+        }
+        for (n, result) in lookups.into_iter().zip(["hit", "miss"]) {
+            self.offload_lookups
+                .add(n, &[KeyValue::new("result", result)]);
+        }
     }
 
     /// Everything in Prometheus text exposition format.

@@ -433,6 +433,7 @@ impl RouterCore {
                 reserved: s.kv.reserved + l.kv.reserved,
                 // Nodes of one cluster should agree; each node's line says its own.
                 dtype: l.kv.dtype,
+                offload: s.kv.offload.plus(&l.kv.offload),
             };
             for t in &l.tiers {
                 match tiers.iter_mut().find(|x| x.name == t.name) {

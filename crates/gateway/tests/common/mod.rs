@@ -181,6 +181,7 @@ impl Engine for Fake {
                     held: 4,
                     reserved: 2,
                     dtype: Default::default(),
+                    offload: Default::default(),
                 },
                 preemptions: 2,
                 orphans: 0,

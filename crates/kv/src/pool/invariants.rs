@@ -134,6 +134,34 @@ impl BlockPool {
             }
         }
 
+        // The offload tier: every slot free or holding one registered block.
+        let slots = self.offload.slots as usize;
+        assert_eq!(
+            self.slot_free.len() + self.slot_lru.len() as usize,
+            slots,
+            "invariant free + spilled == slots broken in the offload tier"
+        );
+        let mut slot_seen = vec![false; slots];
+        for &s in &self.slot_free {
+            let i = s as usize;
+            assert!(i < slots, "free slot {s} beyond the offload tier");
+            assert!(!slot_seen[i], "slot {s} is twice in the free list");
+            slot_seen[i] = true;
+            assert!(
+                !self.cache.is_registered(n as u32 + s),
+                "free slot {s} is registered in the prefix cache"
+            );
+        }
+        for s in self.slot_lru.checked_order() {
+            let i = s as usize;
+            assert!(!slot_seen[i], "slot {s} is both free and spilled");
+            slot_seen[i] = true;
+            assert!(
+                self.cache.is_registered(n as u32 + s),
+                "spilled slot {s} is not registered in the prefix cache"
+            );
+        }
+
         self.cache.check();
     }
 }

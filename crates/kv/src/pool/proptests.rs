@@ -2,7 +2,10 @@
 //! small pool, with prompts from a tiny alphabet so prefixes (and, with a
 //! narrowed hash, hash buckets) collide often. A model tracks every lease's
 //! tokens and what each block holds, so a prefix hit that hands out the
-//! wrong KV is caught, not just a broken count.
+//! wrong KV is caught, not just a broken count. With an offload tier, the
+//! model performs the pool's block moves on its own copy of every block's
+//! and slot's contents, so a spill or restore that moves the wrong bytes
+//! (or in the wrong order) shows as a prefix hit holding other KV.
 
 use std::cell::RefCell;
 use std::collections::BTreeMap;
@@ -12,7 +15,7 @@ use proptest::sample::Index;
 use proptest::test_runner::TestRunner;
 
 use super::BlockPool;
-use crate::{AllocError, BlockId, Lease, Owner, PoolConfig};
+use crate::{AllocError, BlockId, BlockMove, Lease, Owner, PoolConfig};
 
 /// Tenants 0..3 may have quotas; tenant 7 and tier 5 are past the tables
 /// (no quota, no reservation).
@@ -30,6 +33,7 @@ struct Setup {
     quotas: Vec<Option<u32>>,
     reserved: Vec<u32>,
     hash_mask: u64,
+    offload_blocks: u32,
 }
 
 #[derive(Clone, Debug)]
@@ -75,6 +79,8 @@ enum Op {
         who: usize,
         blocks: usize,
     },
+    /// The owner's measurements say the offload tier pays, or not.
+    OffloadPays(bool),
 }
 
 fn setup() -> impl Strategy<Value = Setup> {
@@ -84,15 +90,17 @@ fn setup() -> impl Strategy<Value = Setup> {
         prop::collection::vec(prop::option::of(2u32..24), 3),
         prop::collection::vec(0u32..6, 2),
         prop_oneof![Just(u64::MAX), Just(0xf), Just(0x3)],
+        prop_oneof![Just(0u32), 1u32..12],
     )
         .prop_map(
-            |(num_blocks, block_size, quotas, reserved, hash_mask)| Setup {
+            |(num_blocks, block_size, quotas, reserved, hash_mask, offload_blocks)| Setup {
                 // Reservations must leave part of the pool unreserved.
                 num_blocks: num_blocks.max(reserved.iter().sum::<u32>() + 2),
                 block_size,
                 quotas,
                 reserved,
                 hash_mask,
+                offload_blocks,
             },
         )
 }
@@ -134,6 +142,7 @@ fn op() -> impl Strategy<Value = Op> {
         1 => any::<Index>().prop_map(|lease| Op::Free { lease }),
         1 => Just(Op::ClearCache),
         1 => (0..OWNERS.len(), 1usize..10).prop_map(|(who, blocks)| Op::Pressure { who, blocks }),
+        1 => prop::bool::weighted(0.7).prop_map(Op::OffloadPays),
     ]
 }
 
@@ -170,6 +179,9 @@ struct Model {
     /// What each block's KV is of: the sequence prefix up to the end of the
     /// block's written part. `None` after a fresh allocation.
     contents: Vec<Option<Vec<u32>>>,
+    /// The same for the offload tier's slots (what the last spill into
+    /// each copied).
+    slot_contents: Vec<Option<Vec<u32>>>,
     /// `clear_cache` calls so far.
     clears: u32,
     stats: Stats,
@@ -182,11 +194,13 @@ impl Model {
             block_size: setup.block_size,
             tenant_blocks_max: setup.quotas.clone(),
             tier_reserved_blocks: setup.reserved.clone(),
+            offload_blocks: setup.offload_blocks,
         };
         let mut pool = BlockPool::new(cfg).unwrap();
         pool.cache.set_hash_mask(setup.hash_mask);
         Model {
             contents: vec![None; setup.num_blocks as usize],
+            slot_contents: vec![None; setup.offload_blocks as usize],
             pool,
             setup,
             seqs: Vec::new(),
@@ -197,6 +211,23 @@ impl Model {
 
     fn bs(&self) -> usize {
         self.setup.block_size as usize
+    }
+
+    /// Performs the pool's block moves on the model's contents, in order,
+    /// as the executor's owner would before anything writes a block.
+    fn perform_moves(&mut self) {
+        for m in self.pool.take_moves() {
+            match m {
+                BlockMove::Spill { block, slot } => {
+                    self.stats.spills += 1;
+                    self.slot_contents[slot as usize] = self.contents[block as usize].clone();
+                }
+                BlockMove::Restore { slot, block } => {
+                    self.stats.restores += 1;
+                    self.contents[block as usize] = self.slot_contents[slot as usize].clone();
+                }
+            }
+        }
     }
 
     fn quota(&self, tenant: u32) -> Option<u32> {
@@ -279,7 +310,9 @@ impl Model {
                 self.pool.clear_cache();
                 self.clears += 1;
                 assert_eq!(self.pool.usage().cached, 0);
+                assert_eq!(self.pool.offload_stats().held, 0);
             }
+            Op::OffloadPays(pays) => self.pool.set_offload_pays(pays),
             Op::Pressure { who, blocks } => {
                 assert!(
                     self.start(OWNERS[who], 0, Vec::new(), 0),
@@ -296,7 +329,9 @@ impl Model {
         let bs = self.bs();
         let max_prefix = max_prefix.min(prompt.len().saturating_sub(1) / bs);
         let cached = self.pool.cached_prefix_blocks(salt, &prompt);
-        match self.pool.start(owner, salt, &prompt, max_prefix) {
+        let started = self.pool.start(owner, salt, &prompt, max_prefix);
+        self.perform_moves();
+        match started {
             Err(e) => {
                 self.check_quota_error(&e, owner);
                 false
@@ -344,7 +379,10 @@ impl Model {
         if !s.written.is_multiple_of(bs) {
             // The next token lands in the last (partial) block.
             let last = *s.lease.blocks().last().unwrap();
-            match self.pool.make_last_private(&mut s.lease) {
+            let private = self.pool.make_last_private(&mut s.lease);
+            self.perform_moves();
+            let s = &mut self.seqs[i];
+            match private {
                 Ok(Some((src, dst))) => {
                     assert_eq!(src, last);
                     assert_eq!(*s.lease.blocks().last().unwrap(), dst);
@@ -363,7 +401,10 @@ impl Model {
         let available = self.pool.available(owner);
         let before = (self.pool.usage(), self.pool.tenant_blocks(owner.tenant));
         let have = s.lease.blocks().len();
-        match self.pool.grow(&mut s.lease, target) {
+        let grown = self.pool.grow(&mut s.lease, target);
+        self.perform_moves();
+        let s = &mut self.seqs[i];
+        match grown {
             Ok(()) => {
                 assert!(need as u64 <= u64::from(available), "grew past available()");
                 let cached_before = before.0.cached;
@@ -463,7 +504,12 @@ impl Model {
 
     /// Everything that must hold between operations.
     fn check(&mut self) {
+        assert!(!self.pool.has_moves(), "a move was left unperformed");
         self.pool.check_invariants();
+        let o = self.pool.offload_stats();
+        assert_eq!(o.slots, self.setup.offload_blocks);
+        assert!(o.held <= o.slots);
+        assert_eq!(u64::from(o.held), o.spilled - o.restored - o.dropped);
         let u = self.pool.usage();
         assert_eq!(u.total, self.setup.num_blocks);
         assert_eq!(u.free + u.used + u.cached, u.total);
@@ -524,6 +570,8 @@ struct Stats {
     quota_refusals: u32,
     no_block_refusals: u32,
     rollbacks: u32,
+    spills: u32,
+    restores: u32,
 }
 
 #[test]
@@ -558,6 +606,8 @@ fn random_operations_keep_every_invariant() {
         all.quota_refusals += s.quota_refusals;
         all.no_block_refusals += s.no_block_refusals;
         all.rollbacks += s.rollbacks;
+        all.spills += s.spills;
+        all.restores += s.restores;
         Ok(())
     });
     if let Err(e) = result {
@@ -573,6 +623,8 @@ fn random_operations_keep_every_invariant() {
         s.quota_refusals,
         s.no_block_refusals,
         s.rollbacks,
+        s.spills,
+        s.restores,
     ];
     eprintln!("{s:?}");
     assert!(

@@ -10,6 +10,7 @@ fn config(num_blocks: u32, block_size: u32) -> PoolConfig {
         block_size,
         tenant_blocks_max: Vec::new(),
         tier_reserved_blocks: Vec::new(),
+        offload_blocks: 0,
     }
 }
 
@@ -466,4 +467,116 @@ fn a_lease_from_another_pool_is_refused() {
     let mut other = pool(4, 1);
     let (lease, _) = one.start(A, 0, &[], 0).unwrap();
     other.free(lease);
+}
+
+fn offload_pool(num_blocks: u32, block_size: u32, slots: u32) -> BlockPool {
+    BlockPool::new(PoolConfig {
+        offload_blocks: slots,
+        ..config(num_blocks, block_size)
+    })
+    .unwrap()
+}
+
+#[test]
+fn an_evicted_prefix_is_spilled_and_restored_on_its_next_hit() {
+    use crate::BlockMove;
+    let mut pool = offload_pool(4, 2, 4);
+    let chat = [1, 2, 3, 4, 5];
+    let (first, _) = prefill(&mut pool, A, 0, &chat);
+    let held = first.blocks().to_vec();
+    drop(first);
+    assert!(
+        pool.take_moves().is_empty(),
+        "nothing moves while blocks are free"
+    );
+    // Another sequence takes the whole hot tier: the two cached blocks of
+    // the chat are evicted into the tier, the tail first.
+    let (other, _) = prefill(&mut pool, B, 0, &[9, 9, 9, 9, 9, 9, 9, 9]);
+    let spilled = pool.take_moves();
+    assert_eq!(
+        spilled,
+        vec![
+            BlockMove::Spill {
+                block: held[1],
+                slot: 0
+            },
+            BlockMove::Spill {
+                block: held[0],
+                slot: 1
+            },
+        ]
+    );
+    assert_eq!(pool.usage().cached, 0);
+    assert_eq!(pool.offload_stats().held, 2);
+    drop(other);
+    // The next turn finds both blocks in the tier and restores them.
+    assert_eq!(pool.cached_prefix_blocks(0, &chat), 2);
+    let (lease, hit) = pool.start(A, 0, &chat, 2).unwrap();
+    assert_eq!(hit, 4);
+    let moves = pool.take_moves();
+    let restored: Vec<(u32, u32)> = moves
+        .iter()
+        .filter_map(|m| match *m {
+            BlockMove::Restore { slot, block } => Some((slot, block)),
+            BlockMove::Spill { .. } => None,
+        })
+        .collect();
+    assert_eq!(restored.len(), 2);
+    assert_eq!(
+        restored[0].0, 1,
+        "the first block comes from the slot it went to"
+    );
+    assert_eq!(restored[1].0, 0);
+    assert_eq!(lease.blocks(), &[restored[0].1, restored[1].1]);
+    let stats = pool.offload_stats();
+    assert_eq!((stats.spilled, stats.restored, stats.held), (4, 2, 2));
+    // Three starts went past the hot tier's hits (the chat's first turn,
+    // the other sequence, the second turn); one of them restored.
+    assert_eq!((stats.lookups, stats.hits), (3, 1));
+    pool.check_invariants();
+}
+
+#[test]
+fn a_tier_that_does_not_pay_drops_evictions_and_misses_spilled_blocks() {
+    let mut pool = offload_pool(3, 2, 4);
+    let chat = [1, 2, 3, 4, 5];
+    drop(prefill(&mut pool, A, 0, &chat).0);
+    drop(prefill(&mut pool, B, 0, &[7, 7, 7, 7, 7, 7]).0);
+    assert_eq!(pool.offload_stats().held, 2);
+    pool.take_moves();
+    pool.set_offload_pays(false);
+    assert!(!pool.offload_pays());
+    assert_eq!(pool.cached_prefix_blocks(0, &chat), 0);
+    let (lease, hit) = pool.start(A, 0, &chat, 2).unwrap();
+    assert_eq!(
+        hit, 0,
+        "a spilled block is a miss while restoring does not pay"
+    );
+    drop(lease);
+    drop(prefill(&mut pool, B, 0, &[8, 8, 8, 8, 8, 8]).0);
+    assert!(
+        pool.take_moves().is_empty(),
+        "no spill while it does not pay"
+    );
+    assert_eq!(pool.offload_stats().spilled, 2);
+    pool.check_invariants();
+}
+
+#[test]
+fn a_full_tier_drops_its_least_recently_spilled_block() {
+    use crate::BlockMove;
+    let mut pool = offload_pool(2, 2, 2);
+    for t in 0..4u32 {
+        drop(prefill(&mut pool, A, 0, &[t, t, 0]).0);
+    }
+    // Blocks of t = 0, 1, 2 were spilled in turn; t = 0's was dropped for 2's.
+    let stats = pool.offload_stats();
+    assert_eq!((stats.spilled, stats.dropped, stats.held), (3, 1, 2));
+    assert_eq!(pool.cached_prefix_blocks(0, &[0, 0, 0]), 0);
+    assert_eq!(pool.cached_prefix_blocks(0, &[1, 1, 0]), 1);
+    assert_eq!(pool.cached_prefix_blocks(0, &[2, 2, 0]), 1);
+    assert_eq!(pool.cached_prefix_blocks(0, &[3, 3, 0]), 1, "hot");
+    let moves = pool.take_moves();
+    assert_eq!(moves.last(), Some(&BlockMove::Spill { block: 0, slot: 0 }));
+    pool.check_invariants();
 }
