@@ -26,7 +26,7 @@ use ractor::{Actor, ActorProcessingErr, ActorRef, RpcReplyPort, SupervisionEvent
 use tokio::sync::mpsc;
 
 use crate::Clock;
-use crate::worker::{GpuWorker, StepResult, WorkerArgs, WorkerMsg};
+use crate::worker::{GpuWorker, Offload, StepResult, WorkerArgs, WorkerMsg};
 
 /// Messages of the Scheduler actor.
 pub(crate) enum SchedMsg {
@@ -255,7 +255,7 @@ struct SchedArgs {
     bytes_per_block: u64,
     kv_dtype: KvDtype,
     check: Option<InvariantHook>,
-    offload: Option<flotilla_exec::OffloadTier>,
+    offload: Option<Offload>,
 }
 
 impl Actor for SchedulerActor {
@@ -889,7 +889,7 @@ pub enum EngineStartError {
 
 /// Starts the Scheduler actor of one engine, which starts its GpuWorker.
 pub async fn spawn_engine(
-    exec: Box<dyn Executor>,
+    mut exec: Box<dyn Executor>,
     opts: EngineOptions,
     clock: Arc<dyn Clock>,
     metrics: Arc<Metrics>,
@@ -923,14 +923,24 @@ pub async fn spawn_engine(
     }
     let offload = match cfg.offload_blocks {
         0 => None,
-        slots => Some(
+        // A file-backed tier stays with the worker; otherwise the backend
+        // may keep the tier where it moves fastest.
+        slots
+            if opts.offload_path.is_none()
+                && exec.attach_offload(slots).map_err(|e| {
+                    EngineStartError::Config(format!("the KV offload tier: {e}"))
+                })? =>
+        {
+            Some(Offload::Executor)
+        }
+        slots => Some(Offload::Host(
             flotilla_exec::OffloadTier::new(
                 slots,
                 exec.offload_bytes_per_block(),
                 opts.offload_path.as_deref(),
             )
             .map_err(EngineStartError::Config)?,
-        ),
+        )),
     };
     let mut sched = Scheduler::new(cfg).map_err(|e| EngineStartError::Config(e.to_string()))?;
     if let Some(c) = opts.constraints {

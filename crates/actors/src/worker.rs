@@ -76,8 +76,8 @@ pub(crate) struct WorkerState {
     /// milliseconds, so each step sleeps the whole milliseconds it owes
     /// and carries the rest, rather than rounding every step up.
     owed: std::time::Duration,
-    /// The KV offload tier's bytes, if the pool has a tier.
-    offload: Option<OffloadTier>,
+    /// The KV offload tier, if the pool has a tier.
+    offload: Option<Offload>,
     /// Moves performed since the last step result, and their time.
     moved: u32,
     move_time: Duration,
@@ -86,7 +86,15 @@ pub(crate) struct WorkerState {
 pub(crate) struct WorkerArgs {
     pub exec: Box<dyn Executor>,
     pub clock: Arc<dyn Clock>,
-    pub offload: Option<OffloadTier>,
+    pub offload: Option<Offload>,
+}
+
+/// Where the KV offload tier's bytes are.
+pub(crate) enum Offload {
+    /// Here, beside the executor (RAM or a mapped file).
+    Host(OffloadTier),
+    /// In the executor (`Executor::attach_offload` kept them).
+    Executor,
 }
 
 impl Actor for GpuWorker {
@@ -215,7 +223,14 @@ fn perform_moves(st: &mut WorkerState, moves: &[BlockMove]) {
     let exec = &mut st.exec;
     let result = match st.offload.as_mut() {
         None => Err("block moves without an offload tier".to_string()),
-        Some(tier) => moves.iter().try_for_each(|m| match *m {
+        Some(Offload::Executor) => moves.iter().try_for_each(|m| {
+            match *m {
+                BlockMove::Spill { block, slot } => exec.spill_to_slot(block, slot),
+                BlockMove::Restore { slot, block } => exec.restore_from_slot(slot, block),
+            }
+            .map_err(|e| e.to_string())
+        }),
+        Some(Offload::Host(tier)) => moves.iter().try_for_each(|m| match *m {
             BlockMove::Spill { block, slot } => {
                 let dst = tier.slot_mut(slot)?;
                 exec.spill_block(block, dst).map_err(|e| e.to_string())

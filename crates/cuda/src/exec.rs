@@ -45,7 +45,8 @@ use std::sync::Arc;
 use cudarc::cublas::CudaBlas;
 use cudarc::cublas::sys::{cublasComputeType_t, cublasGemmAlgo_t, cublasOperation_t, cudaDataType};
 use cudarc::driver::{
-    CudaContext, CudaFunction, CudaSlice, CudaStream, DevicePtr, LaunchConfig, PushKernelArg,
+    CudaContext, CudaFunction, CudaSlice, CudaStream, DevicePtr, DevicePtrMut, LaunchConfig,
+    PinnedHostSlice, PushKernelArg,
 };
 use flotilla_gguf::{GgmlType, GgufError, GgufFile};
 use flotilla_model::arch::{self, Activation, ModelConfig, RopeStyle};
@@ -275,6 +276,12 @@ pub struct CudaExecutor {
     b: Bufs,
     host: Host,
     sampler: SamplerScratch,
+    /// The KV offload tier in page-locked host memory (`attach_offload`),
+    /// with its base pointer: blocks move by asynchronous copies on the
+    /// step's stream, so a spill is ordered before any later kernel that
+    /// overwrites its block and a restore before the step that reads its
+    /// block, and the host never reads or writes these bytes itself.
+    offload: Option<(PinnedHostSlice<u8>, *mut u8, u32)>,
 }
 
 // SAFETY: the executor is used by one thread at a time (the GpuWorker
@@ -589,6 +596,7 @@ impl CudaExecutor {
         };
         Ok(CudaExecutor {
             sampler: SamplerScratch::with_capacity(vocab),
+            offload: None,
             cfg,
             spec,
             ctx,
@@ -996,6 +1004,19 @@ impl CudaExecutor {
         Ok(())
     }
 
+    /// The offload tier's base pointer and `slot`'s byte offset in it.
+    fn slot_at(&self, slot: u32) -> Result<(*mut u8, usize), ExecError> {
+        match &self.offload {
+            Some((_, base, slots)) if slot < *slots => {
+                Ok((*base, slot as usize * self.bytes_per_block))
+            }
+            Some((_, _, slots)) => Err(ExecError::Backend(format!(
+                "offload slot {slot} of {slots}"
+            ))),
+            None => Err(ExecError::Backend("no offload tier attached".into())),
+        }
+    }
+
     fn block_range(&self, block: u32) -> Result<std::ops::Range<usize>, ExecError> {
         let b = block as usize;
         if b >= self.num_blocks {
@@ -1222,5 +1243,51 @@ impl Executor for CudaExecutor {
             .map_err(exec_err)?;
         self.stream.synchronize().map_err(exec_err)?;
         Ok(())
+    }
+
+    fn attach_offload(&mut self, slots: u32) -> Result<bool, ExecError> {
+        self.ctx.bind_to_thread().map_err(exec_err)?;
+        let len = slots as usize * self.bytes_per_block;
+        // SAFETY: the bytes are unset until a spill writes a slot, and the
+        // pool restores only slots a spill wrote. Flags 0: plain page-locked
+        // memory (write-combined memory would be slow to read back).
+        let mut tier =
+            unsafe { self.ctx.alloc_pinned_with_flags::<u8>(len, 0) }.map_err(exec_err)?;
+        // No copy has used the slice's event yet, so this does not wait.
+        let base = tier.as_mut_ptr().map_err(exec_err)?;
+        self.offload = Some((tier, base, slots));
+        Ok(true)
+    }
+
+    fn spill_to_slot(&mut self, block: u32, slot: u32) -> Result<(), ExecError> {
+        let r = self.block_range(block)?;
+        let (base, at) = self.slot_at(slot)?;
+        self.ctx.bind_to_thread().map_err(exec_err)?;
+        let src = self.kv.slice(r);
+        let (ptr, _record) = src.device_ptr(&self.stream);
+        // SAFETY: `at..at + bytes_per_block` lies inside the pinned
+        // allocation (slot_at); the copy is queued on the step's stream, so
+        // it reads the block before any later kernel writes it, and only
+        // later copies on the same stream touch that slot.
+        unsafe {
+            let dst = std::slice::from_raw_parts_mut(base.add(at), self.bytes_per_block);
+            cudarc::driver::result::memcpy_dtoh_async(dst, ptr, self.stream.cu_stream())
+        }
+        .map_err(exec_err)
+    }
+
+    fn restore_from_slot(&mut self, slot: u32, block: u32) -> Result<(), ExecError> {
+        let r = self.block_range(block)?;
+        let (base, at) = self.slot_at(slot)?;
+        self.ctx.bind_to_thread().map_err(exec_err)?;
+        let mut dst = self.kv.slice_mut(r);
+        let (ptr, _record) = dst.device_ptr_mut(&self.stream);
+        // SAFETY: as in `spill_to_slot`; the copy lands before the step
+        // queued after it on the same stream reads the block.
+        unsafe {
+            let src = std::slice::from_raw_parts(base.add(at).cast_const(), self.bytes_per_block);
+            cudarc::driver::result::memcpy_htod_async(ptr, src, self.stream.cu_stream())
+        }
+        .map_err(exec_err)
     }
 }

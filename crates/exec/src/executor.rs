@@ -538,6 +538,32 @@ pub trait Executor: Send {
     fn restore_block(&mut self, src: &[u8], block: u32) -> Result<(), ExecError> {
         self.write_block(block, src)
     }
+    /// Keeps an offload tier of `slots` blocks itself, where this backend
+    /// has a better place for it than the worker's host buffer (a GPU:
+    /// page-locked host memory, moved by asynchronous copies on the step's
+    /// stream, so they are ordered with the steps that write and read
+    /// those blocks and the host does not wait). `false`: it keeps none;
+    /// the worker holds the bytes and moves them with `spill_block` and
+    /// `restore_block`.
+    fn attach_offload(&mut self, slots: u32) -> Result<bool, ExecError> {
+        let _ = slots;
+        Ok(false)
+    }
+    /// Copies hot block `block` to slot `slot` of this backend's own tier
+    /// (after `attach_offload` kept one).
+    fn spill_to_slot(&mut self, block: u32, slot: u32) -> Result<(), ExecError> {
+        let _ = (block, slot);
+        Err(ExecError::Backend(
+            "this backend keeps no offload tier".into(),
+        ))
+    }
+    /// Copies slot `slot` of this backend's own tier into hot block `block`.
+    fn restore_from_slot(&mut self, slot: u32, block: u32) -> Result<(), ExecError> {
+        let _ = (slot, block);
+        Err(ExecError::Backend(
+            "this backend keeps no offload tier".into(),
+        ))
+    }
     /// Bytes of one offload slot: a block's bytes, or 0 for a backend that
     /// moves none (the simulator models the copy's time instead).
     fn offload_bytes_per_block(&self) -> usize {

@@ -388,3 +388,83 @@ output = {{ kind = "fixed", tokens = 101 }}
         "TPOT {tpot:.3} ms, step {want:.3} ms"
     );
 }
+
+/// 24 closed-loop streams of ~1,200 tokens (600 prompt, 600 output) on one
+/// engine of the CPU preset whose KV cache holds 600 blocks (9,600
+/// tokens, 8 such streams): they preempt one another. `offload_bytes` of
+/// host memory for the KV offload tier (0: none).
+fn overload(offload_bytes: u64) -> flotilla_sim::Report {
+    let sc = Scenario::parse(&format!(
+        r#"
+[run]
+duration_s = 600.0
+drain_s = 600.0
+
+[model]
+preset = "smollm2-135m"
+
+[gpu]
+name = "cpu-small-kv"
+prefill_flops = 2.9e11
+decode_flops = 2.4e11
+mem_bw = 3.0e10
+overhead_s = 0.0003
+attn_prefill_flops = 6.3e10
+attn_decode_flops = 1.3e10
+overlap = false
+# 98 MB of weights and 600 blocks of 368,640 bytes, over 0.9.
+mem_bytes = 355e6
+host_link_bw = 1.0e10
+
+[engine]
+max_num_seqs = 24
+max_num_batched_tokens = 512
+max_model_len = 2048
+queue_timeout_s = 600
+kv_offload_bytes = {offload_bytes}
+
+[cluster]
+engines = 1
+
+[[tiers]]
+name = "paid"
+slo_ttft_ms = 60000
+slo_tpot_ms = 1000
+
+[[tenants]]
+name = "app"
+tier = "paid"
+arrivals = {{ kind = "closed", clients = 24, requests = 48 }}
+prompt = {{ kind = "fixed", tokens = 600 }}
+output = {{ kind = "fixed", tokens = 600 }}
+"#
+    ))
+    .unwrap();
+    run(&sc, 1).unwrap_or_else(|e| panic!("{e}"))
+}
+
+/// The simulator models the offload tier: under preemption the tier's
+/// restores (charged at the host link's bandwidth) replace recomputation,
+/// so the same 48 requests finish sooner; without a tier nothing moves.
+#[test]
+fn the_offload_tier_turns_preemption_recompute_into_restores() {
+    let without = overload(0);
+    let with = overload(2_000 * 368_640);
+    for r in [&without, &with] {
+        assert_eq!(r.tiers[0].finished, 48, "{r}");
+        assert!(r.preemptions > 0, "no preemption: {r}");
+    }
+    assert_eq!(without.offload, Default::default(), "{without}");
+    assert_eq!(with.offload.total, 2_000, "{with}");
+    assert!(
+        with.offload.spilled > 0 && with.offload.restored > 0 && with.offload.hits > 0,
+        "{with}"
+    );
+    assert!(
+        with.sim_s < without.sim_s,
+        "restoring was not faster than recomputing: {:.1} s with the tier, {:.1} s without",
+        with.sim_s,
+        without.sim_s
+    );
+    eprintln!("without a tier: {without}\nwith a tier: {with}");
+}

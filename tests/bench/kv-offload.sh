@@ -1,0 +1,74 @@
+#!/usr/bin/env bash
+# KV offload tier, same machine, same run (tests/bench/multiturn.py):
+#  1. multi-turn: 16 chat sessions x 5 turns of ~400 new tokens each,
+#     round-robin, 4 requests at once, on a KV cache that holds about 4
+#     sessions' final histories: flotilla without a tier, with a tier in RAM,
+#     with a tier in a file; llama-server with 4 slots and its host prompt
+#     cache (--cache-ram, on by default) on the same script.
+#  2. overload: 48 single-turn streams at once into a KV cache for 16:
+#     flotilla recompute-only vs with the tier.
+#   usage: tests/bench/kv-offload.sh [LLAMA_BIN_DIR]
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+LLAMA_BIN=${1:-$HOME/.cache/flotilla-peers/llama.cpp/build/bin}
+FLOTILLA=target/release/flotilla
+THREADS=$(nproc)
+MODEL=$($FLOTILLA fetch-model)
+OUT=target/bench-offload
+mkdir -p "$OUT"
+rm -f "$OUT"/*.jsonl
+grep -m1 'model name' /proc/cpuinfo
+grep -o -w 'avx2\|avx512f\|avx512_vnni\|avx512_bf16\|avx512_fp16' /proc/cpuinfo | sort -u | tr '\n' ' '; echo
+# f16 KV of the default model: 368,640 bytes a block of 16 tokens. A
+# session's last turn holds ~5 x (400 + 32) + template tokens: ~2,300.
+BLOCK=368640
+HOT=$((4 * 2300 / 16 * BLOCK))
+TIER=$((20 * 2300 / 16 * BLOCK))
+SESSIONS=${SESSIONS:-16}
+TURNS=${TURNS:-5}
+wait_up() {
+  for _ in $(seq 1 240); do curl -sf "$1" >/dev/null && return 0; sleep 0.5; done
+  echo "server at $1 did not start" >&2; exit 1
+}
+flotilla() {
+  local name=$1; shift
+  $FLOTILLA serve --no-auth --port 8415 --max-model-len 4096 --speculative off "$@" \
+    >"$OUT/$name.log" 2>&1 &
+  pid=$!
+  wait_up http://127.0.0.1:8415/ready
+}
+stop() { kill "$pid"; wait "$pid" 2>/dev/null || true; }
+
+for mode in off ram file; do
+  case $mode in
+    off) args=(--kv-cache-bytes "$HOT") ;;
+    ram) args=(--kv-cache-bytes "$HOT" --kv-offload-bytes "$TIER") ;;
+    file) args=(--kv-cache-bytes "$HOT" --kv-offload-bytes "$TIER" --kv-offload-path "$OUT/tier.bin") ;;
+  esac
+  flotilla "flotilla-$mode" "${args[@]}"
+  printf '%-22s ' "multiturn flotilla-$mode"
+  python3 tests/bench/multiturn.py http://127.0.0.1:8415 "$SESSIONS" "$TURNS" 4 400 32 | tee -a "$OUT/multiturn.jsonl"
+  stop
+done
+rm -f "$OUT/tier.bin"
+# llama-server: 4 slots of 2,300+ tokens (the same hot KV) and its host
+# prompt cache at its default size.
+"$LLAMA_BIN/llama-server" -m "$MODEL" -t "$THREADS" -np 4 -c $((4 * 2400)) --port 8416 \
+  >"$OUT/llama.log" 2>&1 &
+pid=$!
+wait_up http://127.0.0.1:8416/health
+printf '%-22s ' "multiturn llama-server"
+python3 tests/bench/multiturn.py http://127.0.0.1:8416 "$SESSIONS" "$TURNS" 4 400 32 | tee -a "$OUT/multiturn.jsonl"
+stop
+
+# Overload: 48 streams of ~200 prompt + 256 output tokens (~29 blocks
+# each) into a cache for 16 of them, 48 seats.
+OVER=$((16 * 29 * BLOCK))
+for mode in off ram; do
+  args=(--kv-cache-bytes "$OVER" --max-num-seqs 48)
+  [ "$mode" = ram ] && args+=(--kv-offload-bytes "$TIER")
+  flotilla "overload-$mode" "${args[@]}"
+  printf '%-22s ' "overload flotilla-$mode"
+  python3 tests/bench/multiturn.py http://127.0.0.1:8415 48 1 48 200 256 | tee -a "$OUT/overload.jsonl"
+  stop
+done
