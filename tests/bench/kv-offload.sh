@@ -51,9 +51,10 @@ for mode in off ram file; do
   stop
 done
 rm -f "$OUT/tier.bin"
-# llama-server: 4 slots of 2,300+ tokens (the same hot KV) and its host
-# prompt cache at its default size.
-"$LLAMA_BIN/llama-server" -m "$MODEL" -t "$THREADS" -np 4 -c $((4 * 2400)) --port 8416 \
+# llama-server: 4 slots of 4,096 tokens (its last turns reach ~3,500
+# tokens; 16,384 tokens of KV in all, 1.8x flotilla's 9,200) and its host
+# prompt cache (--cache-ram) at its default size.
+"$LLAMA_BIN/llama-server" -m "$MODEL" -t "$THREADS" -np 4 -c $((4 * 4096)) --port 8416 \
   >"$OUT/llama.log" 2>&1 &
 pid=$!
 wait_up http://127.0.0.1:8416/health

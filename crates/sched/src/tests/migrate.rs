@@ -27,7 +27,8 @@ impl Sim {
     }
 
     /// The KV-slot contents of `blocks` (what `read_block` would export).
-    fn read_blocks(&self, blocks: &[u32]) -> Vec<u64> {
+    fn read_blocks(&mut self, blocks: &[u32]) -> Vec<u64> {
+        self.perform_moves();
         blocks
             .iter()
             .flat_map(|&b| {
@@ -39,6 +40,7 @@ impl Sim {
 
     /// Writes exported slots into `blocks` (what `write_block` does).
     fn write_blocks(&mut self, blocks: &[u32], data: &[u64]) {
+        self.perform_moves();
         assert_eq!(data.len(), blocks.len() * self.bs);
         for (&b, chunk) in blocks.iter().zip(data.chunks(self.bs)) {
             let s = b as usize * self.bs;

@@ -66,6 +66,8 @@ pub(crate) struct Sim {
     bs: usize,
     /// Prefix hash of the token each KV slot holds (0 = never written).
     kv: Vec<u64>,
+    /// The same for the offload tier's slots, block by block.
+    tier: Vec<u64>,
 }
 
 /// Hash of every prefix of `tokens`: slot `p` must hold `prefix_hashes[p]`.
@@ -84,6 +86,7 @@ impl Sim {
     pub(crate) fn new(cfg: SchedConfig) -> Sim {
         let bs = cfg.block_size as usize;
         let kv = vec![0; cfg.num_blocks as usize * bs];
+        let tier = vec![0; cfg.offload_blocks as usize * bs];
         Sim {
             s: Scheduler::new(cfg).expect("valid config"),
             now: Duration::from_secs(1000),
@@ -94,6 +97,26 @@ impl Sim {
             next_id: 1,
             bs,
             kv,
+            tier,
+        }
+    }
+
+    /// Performs the tier moves the pool decided, in order, on the model's
+    /// KV contents (what the GpuWorker does before the next step or block
+    /// read or write).
+    pub(crate) fn perform_moves(&mut self) {
+        let bs = self.bs;
+        for m in self.s.take_block_moves() {
+            match m {
+                flotilla_kv::BlockMove::Spill { block, slot } => {
+                    let (b, s) = (block as usize * bs, slot as usize * bs);
+                    self.tier[s..s + bs].copy_from_slice(&self.kv[b..b + bs]);
+                }
+                flotilla_kv::BlockMove::Restore { slot, block } => {
+                    let (b, s) = (block as usize * bs, slot as usize * bs);
+                    self.kv[b..b + bs].copy_from_slice(&self.tier[s..s + bs]);
+                }
+            }
         }
     }
 
@@ -194,6 +217,7 @@ impl Sim {
     pub(crate) fn plan(&mut self) -> Plan {
         self.now += self.tick;
         let plan = self.s.schedule(self.now);
+        self.perform_moves();
         self.collect();
         self.check_plan(&plan);
         plan

@@ -61,6 +61,7 @@ pub(crate) fn config() -> impl Strategy<Value = SchedConfig> {
             0..4u32,
             proptest::option::of(6..20u32),
             any::<bool>(),
+            prop_oneof![Just(0u32), 1..24u32],
         ),
         (
             1..5u64,
@@ -72,7 +73,7 @@ pub(crate) fn config() -> impl Strategy<Value = SchedConfig> {
         .prop_map(
             |(
                 (blocks, bs, seqs, budget),
-                (stat, reserved, quota, salted),
+                (stat, reserved, quota, salted, offload),
                 (timeout, conc, rpm, spec),
             )| {
                 let mut c = two_tiers(blocks, bs);
@@ -87,6 +88,7 @@ pub(crate) fn config() -> impl Strategy<Value = SchedConfig> {
                 c.tiers[1].kv_reserved_blocks = reserved;
                 c.tenants[1].kv_blocks_max = quota;
                 c.tenants[2].prefix_salt = if salted { 5 } else { 0 };
+                c.offload_blocks = offload;
                 c.queue_timeout = Duration::from_secs(timeout);
                 c.tenants[0].max_concurrent = conc;
                 c.tenants[1].requests_per_minute = rpm;

@@ -301,3 +301,38 @@ fn free_prompts_get_their_share_of_a_step_while_paid_has_work() {
     sim.run_until_idle(3000);
     sim.assert_all_done();
 }
+
+/// The same preemption with an offload tier: the preempted sequence's
+/// blocks are cached when it is preempted, spill when the others take them,
+/// and are restored when it comes back (the model checks their contents at
+/// every step), so it recomputes only its last partial block; without the
+/// tier it recomputes everything it had.
+#[test]
+fn preempted_sequences_come_back_through_the_offload_tier() {
+    let run = |offload_blocks: u32| {
+        let mut c = two_tiers(10, 4);
+        c.offload_blocks = offload_blocks;
+        let mut sim = Sim::new(c);
+        sim.tick = Duration::from_millis(100);
+        let ids = [
+            sim.submit(0, 8, 20).unwrap(),
+            sim.submit(1, 8, 20).unwrap(),
+            sim.submit(2, 8, 12).unwrap(),
+        ];
+        sim.run_until_idle(300);
+        assert!(!sim.preempt_log.is_empty(), "the pool was meant to run out");
+        sim.assert_all_done();
+        let computed: usize = ids.iter().map(|id| sim.reqs[id].computed).sum();
+        (computed, sim.s.offload_stats())
+    };
+    let (recomputed, none) = run(0);
+    let (restored, tier) = run(16);
+    assert_eq!(none, flotilla_kv::OffloadStats::default());
+    assert!(tier.spilled > 0 && tier.restored > 0, "{tier:?}");
+    // Work: 8 + 20 (less the last sample) per request, plus what
+    // preemption made it compute again.
+    assert!(
+        restored < recomputed,
+        "{restored} tokens computed with the tier, {recomputed} without"
+    );
+}
