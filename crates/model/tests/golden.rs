@@ -454,6 +454,53 @@ fn block_export_import_round_trips_with(kv_dtype: KvDtype) {
     assert_eq!(a, b, "{kv_dtype}");
     assert!(e.write_block(0, &buf[1..]).is_err());
     assert!(e.read_block(10_000, &mut buf).is_err());
+
+    // Through the KV offload tier (in RAM, then in a file): spilled out of
+    // the blocks the prefix was computed in, overwritten there by another
+    // prompt, restored into other blocks, the prefix gives the logits of
+    // the one computed in place.
+    let file = std::env::temp_dir().join(format!("flotilla-golden-tier-{}", std::process::id()));
+    for path in [None, Some(file.as_path())] {
+        let mut tier =
+            flotilla_exec::OffloadTier::new(n as u32, e.offload_bytes_per_block(), path).unwrap();
+        for (slot, &a) in src.iter().enumerate() {
+            e.spill_block(a, tier.slot_mut(slot as u32).unwrap())
+                .unwrap();
+        }
+        let other: Vec<u32> = c.ids[..k].iter().rev().copied().collect();
+        e.step(
+            &[SeqInput {
+                tokens: &other,
+                start_pos: 0,
+                block_table: &src,
+                output: OutputKind::None,
+                bias: &[],
+                allow: None,
+            }],
+            &mut out,
+        )
+        .unwrap();
+        assert_ne!(
+            last(&src, &mut e, &mut out),
+            a,
+            "the prefix's blocks were overwritten"
+        );
+        let back: Vec<u32> = (70..70 + n as u32).collect();
+        for (slot, &b) in back.iter().enumerate() {
+            e.restore_block(tier.slot(slot as u32).unwrap(), b).unwrap();
+        }
+        assert_eq!(
+            last(&back, &mut e, &mut out),
+            a,
+            "{kv_dtype}, file {path:?}"
+        );
+        // The computed prefix back in `src` for the next round.
+        for (&s, &b) in src.iter().zip(&back) {
+            e.read_block(b, &mut buf).unwrap();
+            e.write_block(s, &buf).unwrap();
+        }
+    }
+    let _ = std::fs::remove_file(&file);
 }
 
 /// The chat template from the file, rendered and tokenized by this crate,
