@@ -496,6 +496,12 @@ impl Actor for SchedulerActor {
                 let mut s = st.sched.status();
                 s.ready = st.worker_ok;
                 s.kv.dtype = st.kv_dtype;
+                if s.kv.offload.total > 0 {
+                    let ns = |secs: Option<f64>| secs.map_or(0, |v| (v * 1e9) as u64);
+                    let bs = f64::from(st.sched.config().block_size);
+                    s.kv.offload.move_ns = ns(st.offload_cost.per_block);
+                    s.kv.offload.recompute_ns = ns(st.offload_cost.per_token.map(|t| t * bs));
+                }
                 let _ = reply.send(s);
             }
         }

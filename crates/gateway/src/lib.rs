@@ -401,6 +401,8 @@ async fn ready(State(gw): Shared) -> Response {
             "spilled": s.kv.offload.spilled, "restored": s.kv.offload.restored,
             "dropped": s.kv.offload.dropped,
             "lookups": s.kv.offload.lookups, "hits": s.kv.offload.hits,
+            "move_us_per_block": s.kv.offload.move_ns as f64 / 1e3,
+            "recompute_us_per_block": s.kv.offload.recompute_ns as f64 / 1e3,
         },
         "preemptions": s.preemptions,
         "nodes": s.nodes.iter().map(|n| json!({

@@ -246,6 +246,12 @@ pub struct KvOffload {
     pub hits: u64,
     /// Whether the tier is in use now (it pays, as measured).
     pub active: bool,
+    /// Measured time of one block's move between tiers, ns (0 until
+    /// measured).
+    pub move_ns: u64,
+    /// Measured time to recompute one block's tokens in a prefill, ns (0
+    /// until measured).
+    pub recompute_ns: u64,
 }
 
 impl KvOffload {
@@ -260,6 +266,9 @@ impl KvOffload {
             lookups: self.lookups + o.lookups,
             hits: self.hits + o.hits,
             active: self.active || o.active,
+            // Per node: a cluster's total shows the slowest.
+            move_ns: self.move_ns.max(o.move_ns),
+            recompute_ns: self.recompute_ns.max(o.recompute_ns),
         }
     }
 }

@@ -195,6 +195,9 @@ impl Scheduler {
                         lookups: o.lookups,
                         hits: o.hits,
                         active: self.pool.offload_pays(),
+                        // The engine, which measures them, fills these in.
+                        move_ns: 0,
+                        recompute_ns: 0,
                     }
                 },
             },
