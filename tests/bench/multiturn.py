@@ -14,6 +14,9 @@ With TURNS = 1 and CONC = SESSIONS it is the overload case instead: all
 sessions' single turns at once (preemption when the KV cache is short)."""
 import json, sys, threading, time, urllib.request
 
+sys.path.insert(0, __file__.rsplit("/", 1)[0])
+from benchlib import model_id, stream_chat
+
 url = sys.argv[1]
 sessions, turns, conc = int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
 add = int(sys.argv[5]) if len(sys.argv) > 5 else 400
@@ -21,8 +24,7 @@ max_tokens = int(sys.argv[6]) if len(sys.argv) > 6 else 32
 here = __file__.rsplit("/", 1)[0]
 WORDS = open(f"{here}/../../docs/ARCHITECTURE.md").read().split()
 
-with urllib.request.urlopen(url + "/v1/models", timeout=30) as r:
-    MODEL = json.load(r)["data"][0]["id"]
+MODEL = model_id(url)
 
 def user_text(s, t):
     # About `add` tokens (~0.75 words a token), distinct per session and turn.
@@ -40,26 +42,11 @@ results, lock = [], threading.Condition()
 def run_turn(s, t):
     msgs = history[s] + [{"role": "user", "content": user_text(s, t)}]
     # The overload case runs every stream to its length.
-    body = json.dumps({"model": MODEL, "stream": True, "temperature": 0,
-                       "max_tokens": max_tokens, "ignore_eos": turns == 1,
-                       "messages": msgs}).encode()
-    req = urllib.request.Request(url + "/v1/chat/completions", body,
-                                 {"Content-Type": "application/json"})
-    t0 = time.time(); first = None; n = 0; text = []
-    with urllib.request.urlopen(req, timeout=1200) as r:
-        for line in r:
-            line = line.strip()
-            if not line.startswith(b"data: ") or line == b"data: [DONE]":
-                continue
-            d = json.loads(line[6:])
-            if d.get("choices") and d["choices"][0]["delta"].get("content"):
-                n += 1
-                text.append(d["choices"][0]["delta"]["content"])
-                if first is None:
-                    first = time.time()
-    t1 = time.time()
-    history[s] = msgs + [{"role": "assistant", "content": "".join(text)}]
-    return t0, first or t1, t1, n
+    t0, first, t1, n, text = stream_chat(url, {
+        "model": MODEL, "stream": True, "temperature": 0, "max_tokens": max_tokens,
+        "ignore_eos": turns == 1, "messages": msgs})
+    history[s] = msgs + [{"role": "assistant", "content": text}]
+    return t0, first, t1, n
 
 def worker():
     while True:

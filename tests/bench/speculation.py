@@ -11,6 +11,9 @@ copy-heavy edit task) or `natural` (open questions). Greedy, no
 ignore_eos: each answer is what the model says."""
 import json, sys, threading, time, urllib.request
 
+sys.path.insert(0, __file__.rsplit("/", 1)[0])
+from benchlib import model_id, stream_chat
+
 url, task, conc, nreq = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
 max_tokens = int(sys.argv[5]) if len(sys.argv) > 5 else 256
 here = __file__.rsplit("/", 1)[0]
@@ -26,8 +29,7 @@ def prompt(i):
               "what makes a good story", "how computers add numbers"]
     return f"Write a short essay about {topics[i % len(topics)]}."
 
-with urllib.request.urlopen(url + "/v1/models", timeout=30) as r:
-    MODEL = json.load(r)["data"][0]["id"]
+MODEL = model_id(url)
 
 results, lock = [], threading.Lock()
 queue = list(range(nreq))
@@ -38,25 +40,11 @@ def worker():
             if not queue:
                 return
             i = queue.pop(0)
-        body = json.dumps({"model": MODEL, "stream": True, "temperature": 0,
-                           "max_tokens": max_tokens,
-                           "messages": [{"role": "user", "content": prompt(i)}]}).encode()
-        req = urllib.request.Request(url + "/v1/chat/completions", body,
-                                     {"Content-Type": "application/json"})
-        t0 = time.time(); first = None; n = 0
-        with urllib.request.urlopen(req, timeout=600) as r:
-            for line in r:
-                line = line.strip()
-                if not line.startswith(b"data: ") or line == b"data: [DONE]":
-                    continue
-                d = json.loads(line[6:])
-                if d.get("choices") and d["choices"][0]["delta"].get("content"):
-                    n += 1
-                    if first is None:
-                        first = time.time()
-        t1 = time.time()
+        t0, first, t1, n, _ = stream_chat(url, {
+            "model": MODEL, "stream": True, "temperature": 0, "max_tokens": max_tokens,
+            "messages": [{"role": "user", "content": prompt(i)}]}, timeout=600)
         with lock:
-            results.append((t0, first or t1, t1, n))
+            results.append((t0, first, t1, n))
 
 def spec_counts():
     """(drafted, accepted) from a Flotilla server's /metrics; None elsewhere."""

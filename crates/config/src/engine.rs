@@ -486,4 +486,68 @@ mod tests {
         .unwrap_err();
         assert_eq!(e, "engine.num_speculative_tokens 0 must be in 1..=64");
     }
+
+    #[test]
+    fn the_offload_tier_is_sized_from_flag_or_file_and_checked() {
+        let d = EngineDefaults::serve(16);
+        let none = EngineSection::default;
+        let cfg = ClusterConfig::open();
+        // The file's size and path; the flag's size wins.
+        let file = EngineSection {
+            kv_offload_bytes: Some(10 * 4096),
+            kv_offload_path: Some("/var/tmp/tier.bin".into()),
+            ..none()
+        };
+        let s = file.resolve(&none(), "continuous", &d).unwrap();
+        assert_eq!(s.kv_offload_bytes, 10 * 4096);
+        assert_eq!(
+            s.kv_offload_path.as_deref(),
+            Some(std::path::Path::new("/var/tmp/tier.bin"))
+        );
+        let sc = cfg.sched_config(&s, 2048, (100, 4096), vec![2]).unwrap();
+        assert_eq!(sc.offload_blocks, 10);
+        let flags = EngineSection {
+            kv_offload_bytes: Some(3 * 4096 + 100),
+            ..none()
+        };
+        let s = file.resolve(&flags, "continuous", &d).unwrap();
+        let sc = cfg.sched_config(&s, 2048, (100, 4096), vec![2]).unwrap();
+        assert_eq!(sc.offload_blocks, 3, "whole blocks only");
+        // No tier by default.
+        let s = none().resolve(&none(), "continuous", &d).unwrap();
+        assert_eq!(
+            cfg.sched_config(&s, 2048, (100, 4096), vec![])
+                .unwrap()
+                .offload_blocks,
+            0
+        );
+        // A path without a size, a size that holds no block: errors that
+        // name the flag.
+        let e = none()
+            .resolve(
+                &EngineSection {
+                    kv_offload_path: Some("tier.bin".into()),
+                    ..none()
+                },
+                "continuous",
+                &d,
+            )
+            .unwrap_err();
+        assert!(e.starts_with("--kv-offload-path needs a tier size"), "{e}");
+        let s = none()
+            .resolve(
+                &EngineSection {
+                    kv_offload_bytes: Some(4095),
+                    ..none()
+                },
+                "continuous",
+                &d,
+            )
+            .unwrap();
+        let e = cfg.sched_config(&s, 2048, (100, 4096), vec![]).unwrap_err();
+        assert_eq!(
+            e,
+            "--kv-offload-bytes 4095 holds no KV block (4096 bytes each)"
+        );
+    }
 }
