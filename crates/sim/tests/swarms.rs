@@ -195,3 +195,17 @@ fn a_swarm_reports_every_failing_seed_not_only_the_first() {
     let failed: Vec<u64> = s.failures().map(|r| r.seed).collect();
     assert_eq!(failed, [1, 2, 3]);
 }
+
+/// The KV offload tier under faults (crash and restart, partition, a lossy
+/// network, cancellations) while preemption sends streams through it:
+/// every invariant holds in every seed, the engines' tier accounting
+/// included, and the tier did its work (blocks restored in every seed).
+#[test]
+fn a_swarm_of_the_offload_tier_under_faults_holds() {
+    let s = swarm_of("kv-offload-faults.toml", 1000);
+    for r in &s.seeds {
+        let r = r.result.as_ref().unwrap();
+        assert!(r.faults.crashes == 1 && r.faults.restarts == 1, "{r}");
+        assert!(r.preemptions > 0 && r.offload.restored > 0, "{r}");
+    }
+}
