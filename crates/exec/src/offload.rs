@@ -7,15 +7,10 @@
 use std::fs::OpenOptions;
 use std::path::Path;
 
-/// Where the slots live.
-enum Store {
-    Memory(Vec<u8>),
-    File(memmap2::MmapMut),
-}
-
-/// The tier's slots.
+/// The tier's slots: one mapping, anonymous (RAM, zeroed lazily by the
+/// kernel) or of a file.
 pub struct OffloadTier {
-    store: Store,
+    map: memmap2::MmapMut,
     slots: u32,
     bytes_per_slot: usize,
 }
@@ -23,7 +18,8 @@ pub struct OffloadTier {
 impl OffloadTier {
     /// `slots` slots of `bytes_per_slot` bytes: in memory, or in a file at
     /// `path` (created or truncated to size, on local disk). A backend that
-    /// moves no bytes (the simulator) asks for 0 bytes per slot.
+    /// moves no bytes (the simulator) asks for 0 bytes per slot. A size the
+    /// system cannot map is an error naming the flag, not an abort.
     pub fn new(
         slots: u32,
         bytes_per_slot: usize,
@@ -31,11 +27,16 @@ impl OffloadTier {
     ) -> Result<OffloadTier, String> {
         let len = (slots as usize)
             .checked_mul(bytes_per_slot)
-            .ok_or_else(|| format!("{slots} offload slots of {bytes_per_slot} bytes overflow"))?;
-        let store = match path {
-            // Nothing to store (no slots, or a backend that moves no bytes).
-            _ if len == 0 => Store::Memory(Vec::new()),
-            None => Store::Memory(vec![0; len]),
+            .ok_or_else(|| {
+                format!("--kv-offload-bytes: {slots} slots of {bytes_per_slot} bytes overflow")
+            })?;
+        let map = match path {
+            None => memmap2::MmapMut::map_anon(len).map_err(|e| {
+                format!(
+                    "--kv-offload-bytes: cannot map {len} bytes of host memory for \
+                         {slots} KV blocks: {e}"
+                )
+            })?,
             Some(p) => {
                 let file = OpenOptions::new()
                     .read(true)
@@ -52,40 +53,15 @@ impl OffloadTier {
                 })?;
                 // SAFETY: the file was just created (truncated) by this
                 // process for its own use; nothing else maps or writes it.
-                let map = unsafe { memmap2::MmapMut::map_mut(&file) }
-                    .map_err(|e| format!("--kv-offload-path {}: mapping: {e}", p.display()))?;
-                Store::File(map)
+                unsafe { memmap2::MmapMut::map_mut(&file) }
+                    .map_err(|e| format!("--kv-offload-path {}: mapping: {e}", p.display()))?
             }
         };
         Ok(OffloadTier {
-            store,
+            map,
             slots,
             bytes_per_slot,
         })
-    }
-
-    /// Slots in the tier.
-    pub fn slots(&self) -> u32 {
-        self.slots
-    }
-
-    /// Whether the slots live in a mapped file.
-    pub fn is_file_backed(&self) -> bool {
-        matches!(self.store, Store::File(_))
-    }
-
-    fn bytes(&self) -> &[u8] {
-        match &self.store {
-            Store::Memory(v) => v,
-            Store::File(m) => m,
-        }
-    }
-
-    fn bytes_mut(&mut self) -> &mut [u8] {
-        match &mut self.store {
-            Store::Memory(v) => v,
-            Store::File(m) => m,
-        }
     }
 
     fn range(&self, slot: u32) -> Result<std::ops::Range<usize>, String> {
@@ -99,13 +75,13 @@ impl OffloadTier {
     /// One slot's bytes.
     pub fn slot(&self, slot: u32) -> Result<&[u8], String> {
         let r = self.range(slot)?;
-        Ok(&self.bytes()[r])
+        Ok(&self.map[r])
     }
 
     /// One slot's bytes, to fill.
     pub fn slot_mut(&mut self, slot: u32) -> Result<&mut [u8], String> {
         let r = self.range(slot)?;
-        Ok(&mut self.bytes_mut()[r])
+        Ok(&mut self.map[r])
     }
 }
 
@@ -120,7 +96,6 @@ mod tests {
         let path = dir.join("tier.bin");
         for path in [None, Some(path.as_path())] {
             let mut t = OffloadTier::new(3, 8, path).unwrap();
-            assert_eq!(t.is_file_backed(), path.is_some());
             t.slot_mut(1).unwrap().copy_from_slice(&[7; 8]);
             t.slot_mut(2).unwrap().copy_from_slice(&[9; 8]);
             assert_eq!(t.slot(0).unwrap(), &[0; 8]);
@@ -133,5 +108,10 @@ mod tests {
         let bad = Path::new("/nonexistent-dir/tier.bin");
         let err = OffloadTier::new(1, 8, Some(bad)).err().unwrap();
         assert!(err.contains("/nonexistent-dir/tier.bin"), "{err}");
+        // No bytes (the simulator's backend), and more than any machine maps.
+        let mut none = OffloadTier::new(4, 0, None).unwrap();
+        assert!(none.slot_mut(3).unwrap().is_empty());
+        let err = OffloadTier::new(1 << 20, 1 << 30, None).err().unwrap();
+        assert!(err.starts_with("--kv-offload-bytes: cannot map"), "{err}");
     }
 }

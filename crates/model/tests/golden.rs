@@ -6,6 +6,7 @@ use std::path::PathBuf;
 
 use flotilla_model::generate::{Driver, Request};
 use flotilla_model::kernels::Kernel;
+use flotilla_model::testutil::one_seq;
 use flotilla_model::{
     CpuConfig, CpuExecutor, Executor, KvDtype, OutputKind, SamplingParams, SeqInput, StepOutputs,
 };
@@ -411,18 +412,8 @@ fn block_export_import_round_trips_with(kv_dtype: KvDtype) {
     let dst: Vec<u32> = (50..50 + n as u32).collect();
     let k = c.ids.len() - 1;
     let mut out = StepOutputs::default();
-    e.step(
-        &[SeqInput {
-            tokens: &c.ids[..k],
-            start_pos: 0,
-            block_table: &src,
-            output: OutputKind::None,
-            bias: &[],
-            allow: None,
-        }],
-        &mut out,
-    )
-    .unwrap();
+    e.step(&one_seq(&c.ids[..k], 0, OutputKind::None, &src), &mut out)
+        .unwrap();
     let bytes = e.kv_spec().bytes_per_block;
     assert_eq!(
         bytes,
@@ -435,18 +426,8 @@ fn block_export_import_round_trips_with(kv_dtype: KvDtype) {
         e.write_block(b, &buf).unwrap();
     }
     let last = |table: &[u32], e: &mut CpuExecutor, out: &mut StepOutputs| {
-        e.step(
-            &[SeqInput {
-                tokens: &c.ids[k..],
-                start_pos: k,
-                block_table: table,
-                output: OutputKind::Logits,
-                bias: &[],
-                allow: None,
-            }],
-            out,
-        )
-        .unwrap();
+        e.step(&one_seq(&c.ids[k..], k, OutputKind::Logits, table), out)
+            .unwrap();
         out.logits_of(0).unwrap().to_vec()
     };
     let a = last(&src, &mut e, &mut out);
@@ -468,18 +449,8 @@ fn block_export_import_round_trips_with(kv_dtype: KvDtype) {
                 .unwrap();
         }
         let other: Vec<u32> = c.ids[..k].iter().rev().copied().collect();
-        e.step(
-            &[SeqInput {
-                tokens: &other,
-                start_pos: 0,
-                block_table: &src,
-                output: OutputKind::None,
-                bias: &[],
-                allow: None,
-            }],
-            &mut out,
-        )
-        .unwrap();
+        e.step(&one_seq(&other, 0, OutputKind::None, &src), &mut out)
+            .unwrap();
         assert_ne!(
             last(&src, &mut e, &mut out),
             a,
