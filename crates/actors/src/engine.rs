@@ -21,11 +21,12 @@ use flotilla_proto::{
     TenantId, TierId,
 };
 use flotilla_sched::{SchedConfig, SchedEvent, Scheduler, Timings};
-use flotilla_telemetry::{Metrics, PhaseTimes, Terminal};
+use flotilla_telemetry::{Metrics, PhaseTimes, Terminal, Tracing};
 use ractor::{Actor, ActorProcessingErr, ActorRef, RpcReplyPort, SupervisionEvent};
 use tokio::sync::mpsc;
 
 use crate::Clock;
+use crate::trace::{End, Entry, Traces};
 use crate::worker::{GpuWorker, Offload, StepResult, WorkerArgs, WorkerMsg};
 
 /// Messages of the Scheduler actor.
@@ -128,6 +129,10 @@ pub struct EngineOptions {
     /// A file to hold the KV offload tier (`sched.offload_blocks` slots),
     /// mapped into memory; `None`: host memory.
     pub offload_path: Option<std::path::PathBuf>,
+    /// Exports the spans of traced requests (those whose
+    /// `EngineRequest::trace` is set); `None`: tracing is off and nothing
+    /// is recorded. Its clock must be the engine's.
+    pub tracing: Option<Tracing>,
 }
 
 struct Live {
@@ -176,6 +181,14 @@ impl Live {
 
 struct SchedulerActor;
 
+/// A traced request's fields, taken at submission.
+struct TraceHead {
+    parent: flotilla_proto::TraceContext,
+    tenant: u32,
+    prompt_tokens: u32,
+    max_tokens: u32,
+}
+
 struct SchedState {
     sched: Scheduler,
     worker: ActorRef<WorkerMsg>,
@@ -207,6 +220,9 @@ struct SchedState {
     offload_cost: OffloadCost,
     /// The tier's counters as last put in /metrics.
     offload_seen: flotilla_proto::KvOffload,
+    tracing: Option<Tracing>,
+    /// Timelines of the traced requests here.
+    traces: Traces,
 }
 
 /// Measured costs that decide whether the KV offload tier pays: a block
@@ -256,6 +272,7 @@ struct SchedArgs {
     kv_dtype: KvDtype,
     check: Option<InvariantHook>,
     offload: Option<Offload>,
+    tracing: Option<Tracing>,
 }
 
 impl Actor for SchedulerActor {
@@ -300,6 +317,8 @@ impl Actor for SchedulerActor {
             handled: 0,
             offload_cost: OffloadCost::default(),
             offload_seen: Default::default(),
+            tracing: a.tracing,
+            traces: Traces::default(),
         };
         // The pool's shape and occupancy show in /metrics from the start.
         record_load(&mut st);
@@ -325,9 +344,11 @@ impl Actor for SchedulerActor {
                 let answer = if !st.worker_ok {
                     Err(Rejection::Unavailable)
                 } else {
-                    st.sched
-                        .submit(now, id, req)
-                        .map(|()| open_stream(&myself, st, id, tier, sink))
+                    let traced = st.trace_head(&req);
+                    st.sched.submit(now, id, req).map(|()| {
+                        st.trace_start(id, traced, Entry::Whole, tier, now);
+                        open_stream(&myself, st, id, tier, sink)
+                    })
                 };
                 // The caller may have given up waiting; then the stream it
                 // would have got is dropped here and cancels itself.
@@ -344,9 +365,11 @@ impl Actor for SchedulerActor {
                 let answer = if !st.worker_ok {
                     Err(Rejection::Unavailable)
                 } else {
-                    st.sched
-                        .submit_held(now, id, req, hold_for)
-                        .map(|()| open_stream(&myself, st, id, tier, None))
+                    let traced = st.trace_head(&req);
+                    st.sched.submit_held(now, id, req, hold_for).map(|()| {
+                        st.trace_start(id, traced, Entry::PrefillForDecode, tier, now);
+                        open_stream(&myself, st, id, tier, None)
+                    })
                 };
                 let _ = reply.send(answer);
             }
@@ -368,6 +391,9 @@ impl Actor for SchedulerActor {
             },
             SchedMsg::Detach { id, hold, reply } => {
                 let answer = st.sched.detach(now, id, hold);
+                if answer.is_ok() {
+                    st.traces.end(&st.tracing, id, End::Moved, now);
+                }
                 if answer.is_ok()
                     && let Some(l) = st.live.remove(&id)
                 {
@@ -417,16 +443,21 @@ impl Actor for SchedulerActor {
                     }
                     Ok(()) => {
                         let tier = st.tier_of(req.tenant);
+                        let traced = st.trace_head(&req);
                         // Live before the first token is delivered below.
                         st.sched
                             .submit_imported(now, reservation, req, first)
-                            .map(|()| open_stream(&myself, st, reservation, tier, sink))
+                            .map(|()| {
+                                st.trace_start(reservation, traced, Entry::Imported, tier, now);
+                                open_stream(&myself, st, reservation, tier, sink)
+                            })
                     }
                 };
                 let _ = reply.send(answer);
             }
             SchedMsg::Cancel(id) => {
                 let live = st.live.remove(&id);
+                st.traces.end(&st.tracing, id, End::Cancelled, now);
                 if st.sched.cancel(now, id)
                     && let Some(l) = live
                 {
@@ -454,6 +485,7 @@ impl Actor for SchedulerActor {
                     worker_ok,
                 } = *r;
                 st.busy = false;
+                st.traces.step_done(&plan.items, now);
                 st.metrics.step_time(elapsed.as_secs_f64());
                 st.offload_cost
                     .observe(moved, move_time, plan.num_tokens(), elapsed);
@@ -486,6 +518,7 @@ impl Actor for SchedulerActor {
             SchedMsg::DropOrphan { id, reply } => {
                 let live = st.live.remove(&id);
                 let dropped = st.sched.drop_orphan(now, id);
+                st.traces.end(&st.tracing, id, End::Other("orphan"), now);
                 if dropped && let Some(l) = live {
                     st.metrics
                         .request_ended(&st.tier_names[l.tier], Terminal::Cancelled);
@@ -564,7 +597,7 @@ impl Actor for SchedulerActor {
         // Clients get a 503 they may retry elsewhere, not a stream cut short.
         let now = st.clock.now();
         st.sched.fail_all(now, EngineFailure::ShuttingDown);
-        deliver(st);
+        deliver(st, now);
         let mut batches = SinkBatches::default();
         for (id, l) in std::mem::take(&mut st.live) {
             l.send(
@@ -580,6 +613,42 @@ impl Actor for SchedulerActor {
 }
 
 impl SchedState {
+    /// What a traced request's timeline starts from, taken before the
+    /// request moves into the scheduler; `None` when it is not traced
+    /// here (no trace context, or tracing off).
+    fn trace_head(&self, req: &EngineRequest) -> Option<TraceHead> {
+        self.tracing.as_ref()?;
+        Some(TraceHead {
+            parent: req.trace.clone()?,
+            tenant: req.tenant.0,
+            prompt_tokens: req.prompt.len() as u32,
+            max_tokens: req.max_tokens,
+        })
+    }
+
+    fn trace_start(
+        &mut self,
+        id: RequestId,
+        head: Option<TraceHead>,
+        entry: Entry,
+        tier: usize,
+        now: Duration,
+    ) {
+        let Some(h) = head else { return };
+        let tier = self.tier_names.get(tier).map_or("unknown", |s| s.as_str());
+        self.traces.start(
+            &self.tracing,
+            id,
+            Some(&h.parent),
+            entry,
+            tier,
+            h.tenant,
+            h.prompt_tokens,
+            h.max_tokens,
+            now,
+        );
+    }
+
     /// The tier index of a tenant (0 for an unknown one, which `submit` refuses).
     fn tier_of(&self, tenant: TenantId) -> usize {
         self.tenant_tier
@@ -711,6 +780,7 @@ fn pump(myself: &ActorRef<SchedMsg>, st: &mut SchedState, now: Duration) {
         let plan = st.sched.schedule(now);
         if !plan.items.is_empty() {
             st.busy = true;
+            st.traces.step_planned(&plan.items, now);
             masks = plan.masks();
             if st
                 .worker
@@ -731,7 +801,7 @@ fn pump(myself: &ActorRef<SchedMsg>, st: &mut SchedState, now: Duration) {
     // blocks back, a reservation) go now: nothing may write those blocks
     // before them.
     flush_moves(st);
-    deliver(st);
+    deliver(st, now);
     // The step's constrained samples need their masks only once the
     // forward pass is done: computed beside it, they leave the step's
     // critical path (the executor computes any not done by then). Not on
@@ -764,7 +834,7 @@ fn pump(myself: &ActorRef<SchedMsg>, st: &mut SchedState, now: Duration) {
     }
 }
 
-fn deliver(st: &mut SchedState) {
+fn deliver(st: &mut SchedState, now: Duration) {
     // Reuse one buffer: the state machine's event queue is borrowed while
     // draining, and delivery needs the rest of the state.
     let mut events = std::mem::take(&mut st.events);
@@ -774,6 +844,7 @@ fn deliver(st: &mut SchedState) {
     for ev in events.drain(..) {
         match ev {
             SchedEvent::Token { id, token } => {
+                st.traces.token(id, now);
                 if let Some(l) = st.live.get(&id) {
                     l.send(id, EngineEvent::Token(token), &mut batches);
                 }
@@ -795,6 +866,12 @@ fn deliver(st: &mut SchedState) {
                 st.metrics
                     .speculation(tier, timings.drafted.into(), timings.accepted.into());
                 st.metrics.request_ended(tier, Terminal::Finished);
+                let end = End::Finished {
+                    reason: reason.as_str(),
+                    output_tokens: usage.completion_tokens,
+                    cached_tokens: usage.cached_tokens,
+                };
+                st.traces.end(&st.tracing, id, end, now);
                 if let Some(l) = st.live.remove(&id) {
                     l.send(id, EngineEvent::Finished { reason, usage }, &mut batches);
                 }
@@ -810,11 +887,14 @@ fn deliver(st: &mut SchedState) {
                     _ => Terminal::Error,
                 };
                 st.metrics.request_ended(tier, state);
+                st.traces
+                    .end(&st.tracing, id, End::Failed(failure.to_string()), now);
                 if let Some(l) = st.live.remove(&id) {
                     l.send(id, EngineEvent::Failed(failure), &mut batches);
                 }
             }
-            SchedEvent::Preempted { tier, .. } => {
+            SchedEvent::Preempted { id, tier } => {
+                st.traces.preempted(id, now);
                 st.metrics.preempted(tier_name(&st.tier_names, tier));
             }
         }
@@ -966,6 +1046,7 @@ pub async fn spawn_engine(
             kv_dtype: spec.dtype,
             check: opts.check_invariants,
             offload,
+            tracing: opts.tracing,
         },
     )
     .await

@@ -13,6 +13,7 @@
 //! KvBlockPool actor earns its mailbox.
 
 mod engine;
+mod trace;
 mod worker;
 
 #[cfg(test)]

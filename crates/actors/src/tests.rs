@@ -158,6 +158,7 @@ impl Rig {
                 ignore_eos: true,
                 stop_token_ids: Vec::new(),
                 speculative: true,
+                trace: None,
             })
             .await
     }
@@ -253,6 +254,7 @@ async fn rig_with(
             })),
             constraints,
             offload_path: None,
+            tracing: None,
         },
         Arc::new(TestClock(Instant::now())),
         Arc::new(Metrics::new().unwrap()),
@@ -375,6 +377,7 @@ fn prompt_of(max_tokens: u32) -> EngineRequest {
         ignore_eos: true,
         stop_token_ids: Vec::new(),
         speculative: true,
+        trace: None,
     }
 }
 

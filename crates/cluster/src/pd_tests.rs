@@ -434,6 +434,7 @@ fn req(prompt_len: u32, max_tokens: u32, tag: u32) -> EngineRequest {
         ignore_eos: false,
         stop_token_ids: vec![],
         speculative: true,
+        trace: None,
     }
 }
 

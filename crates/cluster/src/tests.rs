@@ -151,6 +151,7 @@ fn req(first_token_ms: u32, prompt_len: usize, max_tokens: u32, tag: u64) -> Eng
         ignore_eos: false,
         stop_token_ids: vec![],
         speculative: true,
+        trace: None,
     }
 }
 

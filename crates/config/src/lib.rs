@@ -146,7 +146,21 @@ pub struct ClusterConfig {
     /// The nodes of a multi-node cluster; `None` when the file has no
     /// `[cluster]` and no `[[nodes]]`.
     pub cluster: Option<ClusterSection>,
+    /// Traces (`[telemetry]`); flags override it.
+    pub telemetry: TelemetrySection,
     keys: HashMap<String, usize>,
+}
+
+/// `[telemetry]`: where traces go. Flags (`--otlp-endpoint`,
+/// `--otlp-sample-ratio`) override it.
+#[derive(Clone, Debug, Default, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct TelemetrySection {
+    /// `--otlp-endpoint`: base URL of an OTLP/HTTP receiver (spans go to
+    /// `URL/v1/traces`); none: tracing is off.
+    pub otlp_endpoint: Option<String>,
+    /// `--otlp-sample-ratio`: fraction of new traces kept (default 1).
+    pub otlp_sample_ratio: Option<f64>,
 }
 
 #[derive(Deserialize)]
@@ -161,6 +175,8 @@ struct RawFile {
     cluster: Option<toml::Spanned<cluster::RawCluster>>,
     #[serde(default)]
     nodes: Vec<toml::Spanned<cluster::RawNode>>,
+    #[serde(default)]
+    telemetry: TelemetrySection,
 }
 
 #[derive(Deserialize)]
@@ -406,6 +422,14 @@ impl ClusterConfig {
         {
             return Err(invalid(0, format!("engine.kv_cache_dtype: {why}")));
         }
+        if let Some(r) = raw.telemetry.otlp_sample_ratio
+            && !(0.0..=1.0).contains(&r)
+        {
+            return Err(invalid(
+                0,
+                format!("telemetry.otlp_sample_ratio {r}: expected a number in 0..=1"),
+            ));
+        }
         let cluster = cluster::validate(raw.cluster.as_ref(), &raw.nodes, &invalid)?;
         if let Some(c) = &cluster
             && c.admin_keys.iter().any(|k| keys.contains_key(k))
@@ -422,6 +446,7 @@ impl ClusterConfig {
             tiers,
             tenants,
             cluster,
+            telemetry: raw.telemetry,
             keys,
         })
     }
@@ -461,6 +486,7 @@ impl ClusterConfig {
             tiers,
             tenants,
             cluster: None,
+            telemetry: TelemetrySection::default(),
             keys: HashMap::new(),
         })
     }
@@ -479,6 +505,7 @@ impl ClusterConfig {
             }],
             tenants: vec![Tenant::open_default(0)],
             cluster: None,
+            telemetry: TelemetrySection::default(),
             keys: HashMap::new(),
         }
     }

@@ -182,10 +182,13 @@ pub fn run(args: NodeArgs) -> Result<()> {
         delay: Duration::from_millis(args.fault_delay_ms),
         loss_one_in: args.fault_loss_one_in,
     };
+    let clock: Arc<dyn Clock> = Arc::new(MonotonicClock(Instant::now()));
+    let tracing = serve::tracing_from(&args.serve, &cfg, &node.name, clock.as_ref())?;
+    let tracing_end = tracing.clone();
     let rt = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()?;
-    rt.block_on(async move {
+    let ran = rt.block_on(async move {
         if node.role == Role::Router {
             let f = serve::front(&args.serve)?;
             let (t, inbound) = QuicTransport::start(quic_options(&cl, id, faults), &certs)
@@ -224,13 +227,13 @@ pub fn run(args: NodeArgs) -> Result<()> {
                     constraints: Some(flotilla_grammar::compiler_for(&f.text).map_err(|e| {
                         anyhow::anyhow!("structured output over this tokenizer: {e}")
                     })?),
+                    tracing: tracing.clone(),
                 };
             let metrics = Arc::new(Metrics::new()?);
             serve_http(Arc::new(engine), f.text, metrics, gw, http, &what).await
         } else {
             let r = serve::resolve(&args.serve)?;
             let metrics = Arc::new(Metrics::new()?);
-            let clock: Arc<dyn Clock> = Arc::new(MonotonicClock(Instant::now()));
             let blocks = r.sched.num_blocks;
             let dtype = r.exec.kv_spec().dtype;
             let exec: Box<dyn Executor> = r.exec;
@@ -243,6 +246,7 @@ pub fn run(args: NodeArgs) -> Result<()> {
                     check_invariants: None,
                     constraints: Some(constraints),
                     offload_path: r.offload_path.clone(),
+                    tracing: tracing.clone(),
                 },
                 clock,
                 metrics,
@@ -276,6 +280,7 @@ pub fn run(args: NodeArgs) -> Result<()> {
             let (drain_tx, drain_rx) = tokio::sync::watch::channel(None);
             let opts = WorkerOptions {
                 drain: Some(drain_rx),
+                tracing: tracing.clone(),
                 ..opts
             };
             let mut term =
@@ -317,7 +322,11 @@ pub fn run(args: NodeArgs) -> Result<()> {
             engine.stop();
             Ok(())
         }
-    })
+    });
+    if let Some(t) = tracing_end {
+        t.shutdown();
+    }
+    ran
 }
 
 /// Creates the CA and any missing node certificates for a local try-out.

@@ -100,6 +100,38 @@ pub struct ServeArgs {
     /// Largest request body, bytes.
     #[arg(long, default_value_t = 1 << 20)]
     pub max_body_bytes: usize,
+    /// Export a trace of each request (HTTP front, queue, prefill chunks,
+    /// KV transfer, decode steps) to this OTLP/HTTP receiver (protobuf,
+    /// posted to URL/v1/traces), e.g. http://127.0.0.1:4318. Config:
+    /// `[telemetry] otlp_endpoint`. Default: off (nothing is recorded).
+    #[arg(long)]
+    pub otlp_endpoint: Option<String>,
+    /// Fraction of requests traced (a client's sampled `traceparent` is
+    /// always followed). Config: `[telemetry] otlp_sample_ratio`. Default 1.
+    #[arg(long)]
+    pub otlp_sample_ratio: Option<f64>,
+}
+
+/// The process's trace exporter from flags over `[telemetry]`; `None` when
+/// no endpoint is given. `instance` names the process in its spans
+/// (`service.instance.id`); `clock` is the one its spans are measured in.
+pub fn tracing_from(
+    args: &ServeArgs,
+    cfg: &ClusterConfig,
+    instance: &str,
+    clock: &dyn Clock,
+) -> Result<Option<flotilla_telemetry::Tracing>> {
+    let t = &cfg.telemetry;
+    let Some(endpoint) = args.otlp_endpoint.as_ref().or(t.otlp_endpoint.as_ref()) else {
+        return Ok(None);
+    };
+    let ratio = args
+        .otlp_sample_ratio
+        .or(t.otlp_sample_ratio)
+        .unwrap_or(1.0);
+    let epoch = std::time::SystemTime::now() - clock.now();
+    let tr = flotilla_telemetry::Tracing::otlp(endpoint, ratio, "flotilla", instance, epoch)?;
+    Ok(Some(tr))
 }
 
 pub struct MonotonicClock(pub Instant);
@@ -130,9 +162,10 @@ fn load_config(args: &ServeArgs) -> Result<(ClusterConfig, String)> {
         ),
     };
     if args.no_auth {
-        let engine = cfg.engine.clone();
+        let (engine, telemetry) = (cfg.engine.clone(), cfg.telemetry.clone());
         cfg = ClusterConfig::open();
         cfg.engine = engine;
+        cfg.telemetry = telemetry;
     }
     Ok((cfg, origin))
 }
@@ -348,12 +381,23 @@ pub fn run(args: ServeArgs) -> Result<()> {
     let rt = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()?;
-    rt.block_on(serve(r, addr, args.max_body_bytes))
+    let clock: Arc<dyn Clock> = Arc::new(MonotonicClock(Instant::now()));
+    let tracing = tracing_from(&args, &r.cluster, "serve", clock.as_ref())?;
+    let served = rt.block_on(serve(r, addr, args.max_body_bytes, clock, tracing.clone()));
+    if let Some(t) = tracing {
+        t.shutdown();
+    }
+    served
 }
 
-async fn serve(r: Resolved, addr: SocketAddr, max_body_bytes: usize) -> Result<()> {
+async fn serve(
+    r: Resolved,
+    addr: SocketAddr,
+    max_body_bytes: usize,
+    clock: Arc<dyn Clock>,
+    tracing: Option<flotilla_telemetry::Tracing>,
+) -> Result<()> {
     let metrics = Arc::new(Metrics::new()?);
-    let clock: Arc<dyn Clock> = Arc::new(MonotonicClock(Instant::now()));
     let num_blocks = r.sched.num_blocks;
     let tiers: Vec<String> = r.sched.tiers.iter().map(|t| t.name.clone()).collect();
     let kv_dtype = r.exec.kv_spec().dtype;
@@ -367,6 +411,7 @@ async fn serve(r: Resolved, addr: SocketAddr, max_body_bytes: usize) -> Result<(
             check_invariants: None,
             constraints: Some(constraints.clone()),
             offload_path: r.offload_path.clone(),
+            tracing: tracing.clone(),
         },
         clock,
         metrics.clone(),
@@ -391,6 +436,7 @@ async fn serve(r: Resolved, addr: SocketAddr, max_body_bytes: usize) -> Result<(
         body_limit_bytes: max_body_bytes,
         cluster: r.cluster.clone(),
         constraints: Some(constraints.clone()),
+        tracing,
     };
     serve_http(Arc::new(engine.clone()), r.text, metrics, gw, addr, &what).await?;
     engine.stop();

@@ -1019,3 +1019,180 @@ fn the_cluster_command_takes_its_nodes_down_on_sigterm() {
         std::thread::sleep(Duration::from_millis(50));
     }
 }
+
+/// Union of the intervals `[s, e)`, in the same unit.
+fn covered(mut iv: Vec<(u64, u64)>) -> u64 {
+    iv.sort();
+    let (mut total, mut cur): (u64, Option<(u64, u64)>) = (0, None);
+    for (s, e) in iv {
+        cur = match cur {
+            Some((cs, ce)) if s <= ce => Some((cs, ce.max(e))),
+            Some((cs, ce)) => {
+                total += ce - cs;
+                Some((s, e))
+            }
+            None => Some((s, e)),
+        };
+    }
+    total + cur.map_or(0, |(s, e)| e - s)
+}
+
+/// One traced request through a Router, a prefill node and a decode node,
+/// each exporting to a real OTLP/HTTP receiver (`[telemetry]` in the
+/// config): one trace (the client's, from its `traceparent`), the Router's
+/// server span with the spans of both nodes under it, the phases in
+/// order, the KV transfer with its bytes, and the phase spans covering at
+/// least 95 % of the request's wall time. The prompt's text is in no span.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_trace_follows_a_request_through_router_prefill_and_decode_nodes() {
+    let rx = common::OtlpReceiver::start().await;
+    let more = format!(
+        "\n[telemetry]\notlp_endpoint = \"{}\"\notlp_sample_ratio = 0.0\n",
+        rx.endpoint
+    );
+    let c = start_cluster_config(
+        &["prefill", "decode"],
+        &flotilla_hub::test_model_path(),
+        &[],
+        &more,
+    );
+    wait_for(&c.base, "both nodes up", |r| {
+        node(r, "worker-1")["up"] == true && node(r, "worker-2")["up"] == true
+    })
+    .await;
+    // Not sampled (ratio 0, no traceparent): nothing is exported.
+    let prompt = "Seventeen quiet harbours listened to the tide";
+    let (n, err, done) = read_sse(post(&c.base, &completion(prompt, 8, true)).await).await;
+    assert_eq!((n, err, done), (8, None, true));
+    // A client's sampled traceparent is followed whatever the ratio.
+    let trace_hex = "4bf92f3577b34da6a3ce929d0e0e4736";
+    let resp = client()
+        .post(format!("{}/v1/completions", c.base))
+        .bearer_auth(PAID_KEY)
+        .header("traceparent", format!("00-{trace_hex}-00f067aa0ba902b7-01"))
+        .header("tracestate", "congo=t61rcWkgMzE")
+        .json(&completion(prompt, 24, true))
+        .send()
+        .await
+        .unwrap();
+    let (n, err, done) = read_sse(resp).await;
+    assert_eq!((n, err, done), (24, None, true));
+    let names = |s: &[common::Got], name: &str| s.iter().filter(|g| g.name == name).count();
+    let spans = rx
+        .wait_for("the request's spans from all three nodes", |s| {
+            names(s, "POST /v1/completions") == 1
+                && names(s, "engine.request") == 2
+                && names(s, "kv.transfer") == 1
+                && names(s, "engine.decode") == 1
+        })
+        .await;
+    let trace: Vec<u8> = (0..16)
+        .map(|i| u8::from_str_radix(&trace_hex[2 * i..2 * i + 2], 16).unwrap())
+        .collect();
+    assert!(
+        spans.iter().all(|g| g.trace_id == trace),
+        "one trace, the client's: {spans:#?}"
+    );
+    let one = |name: &str, inst: &str| -> common::Got {
+        let v: Vec<_> = spans
+            .iter()
+            .filter(|g| g.name == name && g.instance == inst)
+            .collect();
+        assert_eq!(v.len(), 1, "{name} on {inst}: {spans:#?}");
+        v[0].clone()
+    };
+    let root = one("POST /v1/completions", "router");
+    assert_eq!(
+        root.parent,
+        vec![0x00, 0xf0, 0x67, 0xaa, 0x0b, 0xa9, 0x02, 0xb7]
+    );
+    assert_eq!(root.attr("gen_ai.usage.output_tokens"), Some("24"));
+    assert_eq!(root.attr("flotilla.tier"), Some("paid"));
+    assert!(root.events.contains(&"first_token".to_string()));
+    let prep = one("gateway.prepare", "router");
+    let pf = one("engine.request", "worker-1");
+    let kv = one("kv.transfer", "worker-1");
+    let dec = one("engine.request", "worker-2");
+    for g in [&prep, &pf, &kv, &dec] {
+        assert_eq!(g.parent, root.span_id, "{} hangs under the request", g.name);
+        assert!(!g.error, "{g:?}");
+    }
+    assert_eq!(pf.attr("flotilla.engine.entry"), Some("prefill_for_decode"));
+    assert_eq!(dec.attr("flotilla.engine.entry"), Some("imported"));
+    assert!(
+        kv.attr("flotilla.kv.bytes")
+            .unwrap()
+            .parse::<u64>()
+            .unwrap()
+            > 0
+    );
+    assert_eq!(kv.attr("flotilla.kv.acked"), Some("true"));
+    assert_eq!(kv.events, ["export", "send", "sent"]);
+    // Each node's phases under its request span, in order.
+    let child = |parent: &common::Got, name: &str| -> common::Got {
+        let v: Vec<_> = spans
+            .iter()
+            .filter(|g| g.name == name && g.parent == parent.span_id)
+            .collect();
+        assert_eq!(v.len(), 1, "{name} under {}: {spans:#?}", parent.name);
+        v[0].clone()
+    };
+    let (pq, pp) = (child(&pf, "engine.queue"), child(&pf, "engine.prefill"));
+    assert!(pq.end_ns <= pp.start_ns);
+    let chunks: Vec<_> = spans
+        .iter()
+        .filter(|g| g.name == "engine.prefill.chunk" && g.parent == pp.span_id)
+        .collect();
+    assert!(!chunks.is_empty());
+    let dq = child(&dec, "engine.queue");
+    let dd = child(&dec, "engine.decode");
+    assert!(dq.end_ns <= dd.start_ns);
+    assert!(
+        dd.events.iter().filter(|e| *e == "step").count() >= 20,
+        "a step event per decode step: {dd:?}"
+    );
+    let ms = |ns: u64| ns as f64 / 1e6;
+    assert!(prep.end_ns <= pf.start_ns, "prepare, then the prefill");
+    assert!(
+        pf.end_ns <= kv.start_ns + 5_000_000,
+        "prefill, then the transfer"
+    );
+    assert!(
+        kv.start_ns <= dec.start_ns && dec.start_ns <= kv.end_ns,
+        "import within the transfer"
+    );
+    assert!(dec.end_ns <= root.end_ns + 5_000_000);
+    // The phases account for the request's time.
+    let kids: Vec<(u64, u64)> = spans
+        .iter()
+        .filter(|g| g.parent == root.span_id)
+        .map(|g| (g.start_ns.max(root.start_ns), g.end_ns.min(root.end_ns)))
+        .filter(|(s, e)| s < e)
+        .collect();
+    let share = covered(kids) as f64 / root.dur_ns() as f64;
+    eprintln!(
+        "request {:.1} ms: prepare {:.1}, prefill node {:.1}, KV transfer {:.1} ({} bytes), \
+         decode node {:.1}; phases cover {:.1} %",
+        ms(root.dur_ns()),
+        ms(prep.dur_ns()),
+        ms(pf.dur_ns()),
+        ms(kv.dur_ns()),
+        kv.attr("flotilla.kv.bytes").unwrap(),
+        ms(dec.dur_ns()),
+        share * 100.0
+    );
+    assert!(
+        share >= 0.95,
+        "phases cover {:.1} % of the request",
+        share * 100.0
+    );
+    // Never the prompt or the output text.
+    for g in &spans {
+        for (k, v) in &g.attrs {
+            assert!(!v.contains("harbours"), "{k} carries the prompt");
+        }
+    }
+    // Only the traced request: the unsampled one left nothing.
+    assert_eq!(names(&spans, "POST /v1/completions"), 1);
+    drop(c);
+}

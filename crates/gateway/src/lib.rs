@@ -55,6 +55,9 @@ pub struct GatewayConfig {
     /// request leaves the gateway, so a bad schema is a 400 here wherever
     /// the request would run; `None` leaves that to the engine.
     pub constraints: Option<Arc<dyn flotilla_proto::ConstraintCompiler>>,
+    /// Traces requests (a server span per request, its context passed to
+    /// the engines); `None`: tracing is off.
+    pub tracing: Option<flotilla_telemetry::Tracing>,
 }
 
 impl GatewayConfig {
@@ -70,6 +73,7 @@ impl GatewayConfig {
             body_limit_bytes: BODY_LIMIT_BYTES_DEFAULT,
             cluster,
             constraints: None,
+            tracing: None,
         }
     }
 }
@@ -171,6 +175,55 @@ impl Gateway {
         })
     }
 
+    /// The server span of a parsed request, if tracing is on and it is
+    /// sampled: a child of the client's `traceparent`, if it sent one.
+    #[allow(clippy::too_many_arguments)]
+    fn server_span(
+        &self,
+        endpoint: Endpoint,
+        headers: &HeaderMap,
+        arrival: SystemTime,
+        p: &openai::Parsed,
+        tenant: TenantId,
+        tier: &str,
+        n: u64,
+    ) -> Option<stream::ReqSpan> {
+        use flotilla_telemetry::KeyValue;
+        let tr = self.cfg.tracing.as_ref()?;
+        let header = |name: &str| headers.get(name).and_then(|v| v.to_str().ok());
+        let (path, op, id) = match endpoint {
+            Endpoint::Chat => ("/v1/chat/completions", "chat", format!("chatcmpl-{n}")),
+            Endpoint::Completions => ("/v1/completions", "text_completion", format!("cmpl-{n}")),
+        };
+        let attrs = vec![
+            KeyValue::new("http.request.method", "POST"),
+            KeyValue::new("http.route", path),
+            KeyValue::new("gen_ai.operation.name", op),
+            KeyValue::new("gen_ai.request.model", self.cfg.model_name.clone()),
+            KeyValue::new("gen_ai.request.max_tokens", i64::from(p.max_tokens)),
+            KeyValue::new(
+                "gen_ai.request.temperature",
+                f64::from(p.sampling.temperature),
+            ),
+            KeyValue::new("gen_ai.request.top_p", f64::from(p.sampling.top_p)),
+            KeyValue::new("gen_ai.response.id", id),
+            KeyValue::new("gen_ai.request.stream", p.stream),
+            KeyValue::new("flotilla.tier", tier.to_owned()),
+            KeyValue::new("flotilla.tenant", i64::from(tenant.0)),
+        ];
+        let span = tr.server_span(
+            format!("POST {path}"),
+            header("traceparent"),
+            header("tracestate"),
+            arrival,
+            attrs,
+        )?;
+        Some(stream::ReqSpan {
+            span,
+            first_sent: false,
+        })
+    }
+
     fn tier_name(&self, tenant: TenantId) -> &str {
         let c = &self.cfg.cluster;
         c.tenants
@@ -185,6 +238,7 @@ impl Gateway {
         headers: HeaderMap,
         body: Result<Bytes, BytesRejection>,
     ) -> Response {
+        let arrival = SystemTime::now();
         let tenant = match self.authenticate(&headers) {
             Ok(t) => t,
             Err(e) => return self.refuse(TIER_UNKNOWN, e),
@@ -207,6 +261,7 @@ impl Gateway {
             Err(e) => return self.refuse(tier, e),
         };
         let prompt_tokens = p.prompt.len() as u32;
+        let mut span = self.server_span(endpoint, &headers, arrival, &p, tenant, tier, n);
         let mut hidden = self.text.stop_tokens.clone();
         hidden.extend(&p.stop_token_ids);
         let asm = Assembler::new(self.text.clone(), hidden, p.stop, p.sampling.logprobs);
@@ -227,6 +282,7 @@ impl Gateway {
                 .tools
                 .as_ref()
                 .map(|t| tools::ToolCallParser::new(t.names(), mix(!n), !t.parallel)),
+            span: None,
         };
         let req = EngineRequest {
             tenant,
@@ -239,12 +295,40 @@ impl Gateway {
             ignore_eos: p.ignore_eos,
             stop_token_ids: p.stop_token_ids,
             speculative: p.speculative,
+            trace: span.as_ref().map(|s| s.span.context().clone()),
         };
+        let submitted = SystemTime::now();
         // Admission first: a refusal keeps its status code, even for streams.
-        let rs = match self.engine.submit(req).await {
+        let answer = self.engine.submit(req).await;
+        if let (Some(s), Some(tr)) = (&span, &self.cfg.tracing) {
+            let at = |t: SystemTime| t.duration_since(UNIX_EPOCH).unwrap_or_default();
+            let tr = tr.with_epoch(UNIX_EPOCH);
+            let parent = s.span.context();
+            let prep =
+                flotilla_telemetry::SpanRec::new("gateway.prepare", at(arrival), at(submitted))
+                    .attr("gen_ai.usage.input_tokens", i64::from(prompt_tokens));
+            tr.export(parent, prep);
+            let mut admit = flotilla_telemetry::SpanRec::new(
+                "gateway.admit",
+                at(submitted),
+                at(SystemTime::now()),
+            );
+            if let Err(r) = &answer {
+                admit.error = Some(r.to_string());
+            }
+            tr.export(parent, admit);
+        }
+        let rs = match answer {
             Ok(rs) => rs,
-            Err(r) => return self.refuse(tier, ApiError::Rejected(r)),
+            Err(r) => {
+                if let Some(s) = &mut span {
+                    s.span.fail(format!("refused: {r}"));
+                }
+                return self.refuse(tier, ApiError::Rejected(r));
+            }
         };
+        let mut meta = meta;
+        meta.span = span;
         if p.stream {
             stream::sse(rs, asm, meta)
         } else {

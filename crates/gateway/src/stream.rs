@@ -42,6 +42,52 @@ pub struct Meta {
     pub prompt_tokens: u32,
     /// Reads tool calls out of the text (chat with tools).
     pub tools: Option<ToolCallParser>,
+    /// The request's HTTP span when it is traced; ends when the response
+    /// does (or the client goes away).
+    pub span: Option<ReqSpan>,
+}
+
+/// A traced request's server span and whether its first token has gone out.
+pub struct ReqSpan {
+    /// The span.
+    pub span: flotilla_telemetry::ServerSpan,
+    /// The first token was sent (its event is on the span).
+    pub first_sent: bool,
+}
+
+impl Meta {
+    /// Notes on the request's span what a step sent: the first token, the
+    /// end and its counts, or the failure.
+    fn trace_step(&mut self, step: &Step) {
+        use flotilla_telemetry::KeyValue;
+        let Some(t) = &mut self.span else { return };
+        match step {
+            Step::Text(_) if !t.first_sent => {
+                t.first_sent = true;
+                t.span.event("first_token", Vec::new());
+            }
+            Step::Done { reason, usage, .. } => {
+                if !t.first_sent {
+                    t.first_sent = true;
+                    t.span.event("first_token", Vec::new());
+                }
+                t.span.set(vec![
+                    KeyValue::new(
+                        "gen_ai.response.finish_reasons",
+                        finish_str(*reason, &self.tools),
+                    ),
+                    KeyValue::new("gen_ai.usage.input_tokens", i64::from(usage.prompt_tokens)),
+                    KeyValue::new(
+                        "gen_ai.usage.output_tokens",
+                        i64::from(usage.completion_tokens),
+                    ),
+                    KeyValue::new("flotilla.cached_tokens", i64::from(usage.cached_tokens)),
+                ]);
+            }
+            Step::Fail(f) => t.span.fail(f.to_string()),
+            Step::Text(_) | Step::Idle => {}
+        }
+    }
 }
 
 /// Why a request ended, as the response says it: `tool_calls` when the
@@ -154,11 +200,15 @@ pub async fn collect(mut rs: RequestStream, mut asm: Assembler, mut meta: Meta) 
     let mut lps: Vec<TokenLogprob> = Vec::new();
     loop {
         let mut step = next_step(&mut rs, &mut asm, &meta, None).await;
+        meta.trace_step(&step);
         if let Step::Text(d) = &step {
             out.apply(events(&mut meta.tools, &d.text, false));
             lps.extend(d.logprob.clone());
             match tools_done(&mut rs, &asm, &meta) {
-                Some(done) => step = done,
+                Some(done) => {
+                    meta.trace_step(&done);
+                    step = done;
+                }
                 None => continue,
             }
         }
@@ -324,11 +374,15 @@ impl Sse {
     async fn advance(&mut self) {
         let Some(rs) = self.rs.as_mut() else { return };
         let mut step = next_step(rs, &mut self.asm, &self.meta, Some(KEEPALIVE)).await;
+        self.meta.trace_step(&step);
         if let Step::Text(d) = &step {
             self.delta(d, false);
             let Some(rs) = self.rs.as_mut() else { return };
             match tools_done(rs, &self.asm, &self.meta) {
-                Some(done) => step = done,
+                Some(done) => {
+                    self.meta.trace_step(&done);
+                    step = done;
+                }
                 None => return,
             }
         }

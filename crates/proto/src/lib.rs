@@ -71,6 +71,25 @@ pub struct EngineRequest {
     /// its steps, where the engine has speculation on); the output is the
     /// same either way, only its speed differs.
     pub speculative: bool,
+    /// The span its engines' spans hang under, when the request is traced
+    /// (sampled at the Router's HTTP front); `None`: not traced, and no
+    /// engine records anything for it.
+    pub trace: Option<TraceContext>,
+}
+
+/// W3C trace context of a traced request: the trace and the span that
+/// engine spans are children of (the Router's HTTP request span). Travels
+/// in the request to every node that runs a part of it.
+#[derive(Clone, Debug, PartialEq, Eq, Archive, Serialize, Deserialize)]
+pub struct TraceContext {
+    /// 16 bytes, not all zero.
+    pub trace_id: [u8; 16],
+    /// The parent span, 8 bytes, not all zero.
+    pub span_id: [u8; 8],
+    /// W3C trace flags (bit 0: sampled).
+    pub flags: u8,
+    /// The `tracestate` header as the client sent it (may be empty).
+    pub state: String,
 }
 
 /// Why a request ended normally.

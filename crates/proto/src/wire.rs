@@ -29,7 +29,7 @@ use crate::{EngineEvent, EngineRequest, EngineStatus, KvDtype, Rejection, Role, 
 /// First four bytes of every frame.
 pub const MAGIC: [u8; 4] = *b"FLTL";
 /// The protocol this build speaks; a peer with another one is refused.
-pub const PROTOCOL_VERSION: u16 = 12;
+pub const PROTOCOL_VERSION: u16 = 13;
 /// Bytes of the envelope before the payload.
 pub const HEADER_LEN: usize = 32;
 /// Smallest frame cap a config may set (a load report must fit).
@@ -620,6 +620,12 @@ mod tests {
             ignore_eos: true,
             stop_token_ids: vec![2],
             speculative: true,
+            trace: Some(crate::TraceContext {
+                trace_id: [0xab; 16],
+                span_id: [7; 8],
+                flags: 1,
+                state: "vendor=x".into(),
+            }),
         };
         vec![
             Message::Heartbeat(EngineStatus {

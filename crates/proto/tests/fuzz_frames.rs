@@ -88,6 +88,7 @@ fn seeds(r: &mut Rng) -> Vec<Message> {
                 ignore_eos: false,
                 stop_token_ids: vec![2],
                 speculative: true,
+                trace: None,
             },
         }),
         Message::Refused {

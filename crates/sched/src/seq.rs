@@ -223,6 +223,7 @@ mod tests {
             ignore_eos: false,
             stop_token_ids: Vec::new(),
             speculative: true,
+            trace: None,
         };
         Seq::new(RequestId(1), 0, req, Duration::ZERO, Duration::from_secs(1))
     }

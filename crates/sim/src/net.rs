@@ -634,6 +634,7 @@ mod tests {
                     ignore_eos: false,
                     stop_token_ids: vec![],
                     speculative: true,
+                    trace: None,
                 },
             });
             router.send(1, 5, submit.clone()).unwrap();

@@ -658,6 +658,7 @@ async fn start_engine(w: &Arc<World>, node: u32, life: u64) -> Result<(), SimErr
             check_invariants: w.sc.run.check_every_step.then_some(hook.clone()),
             constraints: Some(Arc::new(crate::exec::SimConstraints { vocab })),
             offload_path: None,
+            tracing: None,
         },
         Arc::new(SimClock(w.t0)),
         metrics,
@@ -964,6 +965,7 @@ async fn one_request(w: &Arc<World>, tenant: usize, rng: &mut Rng) {
         ignore_eos: true,
         stop_token_ids: Vec::new(),
         speculative: true,
+        trace: None,
     };
     let mut out = Outcome {
         tier,

@@ -4,7 +4,10 @@
 //!
 //! Names follow Prometheus conventions (`flotilla_` prefix, unit last).
 
-use opentelemetry::KeyValue;
+pub mod trace;
+
+pub use trace::{EventRec, KeyValue, ServerSpan, SpanRec, TraceError, Tracing, Value};
+
 use opentelemetry::metrics::{Counter, Gauge, Histogram, Meter, MeterProvider};
 use opentelemetry_sdk::metrics::SdkMeterProvider;
 use prometheus::{Encoder, TextEncoder};

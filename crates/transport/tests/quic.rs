@@ -118,6 +118,7 @@ fn submit(req: u64) -> Message {
             ignore_eos: false,
             stop_token_ids: vec![],
             speculative: true,
+            trace: None,
         },
     })
 }

@@ -24,8 +24,9 @@ use bytes::Bytes;
 use flotilla_proto::wire::{Held, KvTransferHeader, Message, PrefillMsg, ReqEvents, Submit};
 use flotilla_proto::{
     EngineEvent, EngineFailure, EngineRequest, EngineStatus, KvExport, KvLayout, Rejection,
-    RequestId, Role, Sampled, StepEvents, TenantId,
+    RequestId, Role, Sampled, StepEvents, TenantId, TraceContext,
 };
+use flotilla_telemetry::{EventRec, SpanRec};
 use flotilla_transport::NodeId;
 
 use super::WorkerOptions;
@@ -283,6 +284,14 @@ pub enum NodeOutput {
     /// The node drained (or its drain deadline passed) and told its
     /// Routers it is leaving: stop this life once the messages are out.
     Left,
+    /// A traced request's span measured here (a KV transfer), in the
+    /// core's clock: the shell exports it if it traces.
+    Span {
+        /// What it is a child of.
+        parent: TraceContext,
+        /// The span.
+        span: SpanRec,
+    },
 }
 
 /// Decode side: a request whose blocks are reserved and whose KV has not
@@ -328,6 +337,64 @@ struct Prefill {
     /// A running request detached for a move: only this many tokens'
     /// KV are sent (the mover asked for that many).
     kv_tokens: Option<u32>,
+    /// A traced request's transfer, timed for its span.
+    xfer: Option<Box<Xfer>>,
+}
+
+/// The times of a traced prefill's KV transfer: from the prefill's end
+/// (waiting for a slot) to the decode node's ack (or the end).
+#[derive(Debug)]
+struct Xfer {
+    parent: TraceContext,
+    ready: Duration,
+    export: Option<Duration>,
+    send: Option<Duration>,
+    sent: Option<Duration>,
+    bytes: u64,
+    blocks: u32,
+    tokens: u32,
+    acked: bool,
+}
+
+impl Xfer {
+    fn new(parent: TraceContext) -> Xfer {
+        Xfer {
+            parent,
+            ready: Duration::ZERO,
+            export: None,
+            send: None,
+            sent: None,
+            bytes: 0,
+            blocks: 0,
+            tokens: 0,
+            acked: false,
+        }
+    }
+
+    /// Its span, ending at `now`.
+    fn span(self, decode: NodeId, failure: Option<&str>, now: Duration) -> SpanRec {
+        let mut s = SpanRec::new("kv.transfer", self.ready, now)
+            .attr("flotilla.kv.decode_node", i64::from(decode))
+            .attr("flotilla.kv.bytes", self.bytes as i64)
+            .attr("flotilla.kv.blocks", i64::from(self.blocks))
+            .attr("flotilla.kv.tokens", i64::from(self.tokens))
+            .attr("flotilla.kv.acked", self.acked);
+        for (name, at) in [
+            ("export", self.export),
+            ("send", self.send),
+            ("sent", self.sent),
+        ] {
+            if let Some(at) = at {
+                s.events.push(EventRec {
+                    name: name.into(),
+                    at,
+                    attrs: Vec::new(),
+                });
+            }
+        }
+        s.error = failure.map(str::to_owned);
+        s
+    }
 }
 
 /// Answers the core waits for, by ticket.
@@ -346,6 +413,7 @@ enum Pending {
         key: PfKey,
         attempt: u32,
         priority: u8,
+        trace: Option<TraceContext>,
     },
     Detach {
         key: PfKey,
@@ -409,6 +477,8 @@ pub struct NodeCore {
     gone: bool,
     /// A broken calling contract, for `check_invariants`.
     broken: Option<String>,
+    /// The time of the input being handled.
+    now: Duration,
 }
 
 impl NodeCore {
@@ -445,6 +515,7 @@ impl NodeCore {
             leave_by: None,
             gone: false,
             broken: None,
+            now,
         }
     }
 
@@ -480,6 +551,7 @@ impl NodeCore {
     /// Handles one input at `now`; what to do is appended to `out`. The
     /// events it produced leave at the end, one frame per Router.
     pub fn handle(&mut self, now: Duration, input: NodeInput, out: &mut Vec<NodeOutput>) {
+        self.now = now;
         if !matches!(input, NodeInput::Answer(_)) && self.answers_due > 0 {
             self.broken.get_or_insert_with(|| {
                 format!(
@@ -772,11 +844,12 @@ impl NodeCore {
                 // An ack (or a refusal) ends the prefill once it is done;
                 // one that comes while it still runs is stale.
                 let key = (from, epoch, router, req);
-                if self
-                    .prefills
-                    .get(&key)
-                    .is_some_and(|p| p.state != PfState::Running)
+                if let Some(p) = self.prefills.get_mut(&key)
+                    && p.state != PfState::Running
                 {
+                    if let Some(x) = &mut p.xfer {
+                        x.acked = true;
+                    }
                     self.end_prefill(key, None, out);
                 }
             }
@@ -954,6 +1027,7 @@ impl NodeCore {
                 key,
                 attempt,
                 priority: pm.priority,
+                trace: request.trace.clone(),
             },
         );
         let call = EngineCall::SubmitForExport {
@@ -1064,6 +1138,7 @@ impl NodeCore {
             first: Some(first),
             state: PfState::Running,
             kv_tokens: Some((n - 1) as u32),
+            xfer: None,
         };
         self.prefills.insert(key, p);
         self.pf_by_id.insert(id, key);
@@ -1074,6 +1149,9 @@ impl NodeCore {
     fn wait_slot(&mut self, key: PfKey, out: &mut Vec<NodeOutput>) {
         let p = self.prefills.get_mut(&key).expect("a prefill");
         p.state = PfState::WaitSlot;
+        if let Some(x) = &mut p.xfer {
+            x.ready = self.now;
+        }
         self.slots.seq += 1;
         let w = (p.priority, Reverse(self.slots.seq), key);
         self.slots.waiting.push(w);
@@ -1228,6 +1306,9 @@ impl NodeCore {
             };
             self.slots.free -= 1;
             p.state = PfState::Exporting;
+            if let Some(x) = &mut p.xfer {
+                x.export = Some(self.now);
+            }
             out.push(NodeOutput::Call(EngineCall::Export(p.id)));
         }
     }
@@ -1235,11 +1316,19 @@ impl NodeCore {
     /// Ends a prefill: its handle dropped, its blocks given back, its slot
     /// to the next; with `failure`, the decode node is told.
     fn end_prefill(&mut self, key: PfKey, failure: Option<String>, out: &mut Vec<NodeOutput>) {
-        let Some(p) = self.prefills.remove(&key) else {
+        let Some(mut p) = self.prefills.remove(&key) else {
             return;
         };
         self.pf_by_id.remove(&p.id);
         let (decode, _, router, req) = key;
+        // A traced prefill's transfer (if it got as far as one) is a span.
+        if let Some(x) = p.xfer.take()
+            && p.state != PfState::Running
+        {
+            let parent = x.parent.clone();
+            let span = x.span(decode, failure.as_deref(), self.now);
+            out.push(NodeOutput::Span { parent, span });
+        }
         match p.state {
             PfState::Exporting | PfState::Sending => {
                 self.slots.free += 1;
@@ -1347,6 +1436,7 @@ impl NodeCore {
                     key,
                     attempt,
                     priority,
+                    trace,
                 }) = self.pending.remove(&ticket)
                 else {
                     self.broken
@@ -1362,6 +1452,7 @@ impl NodeCore {
                             first: None,
                             state: PfState::Running,
                             kv_tokens: None,
+                            xfer: trace.map(|parent| Box::new(Xfer::new(parent))),
                         };
                         self.prefills.insert(key, p);
                         self.pf_by_id.insert(id, key);
@@ -1457,6 +1548,12 @@ impl NodeCore {
                 };
                 if let Some(p) = self.prefills.get_mut(&key) {
                     p.state = PfState::Sending;
+                    if let Some(x) = &mut p.xfer {
+                        x.send = Some(now);
+                        x.bytes = header.bytes;
+                        x.blocks = header.block_count;
+                        x.tokens = header.token_count;
+                    }
                 }
                 out.push(NodeOutput::SendBulk {
                     id,
@@ -1479,6 +1576,9 @@ impl NodeCore {
                         // dead one never does.
                         let until = now + self.opts.hold_ttl;
                         p.state = PfState::Sent { until };
+                        if let Some(x) = &mut p.xfer {
+                            x.sent = Some(now);
+                        }
                         self.holds.insert((until, key));
                         self.slots.free += 1;
                         self.grant_slots(out);

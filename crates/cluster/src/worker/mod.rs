@@ -87,6 +87,9 @@ pub struct WorkerOptions {
     /// finish within the grace, tells its Routers it is leaving, and
     /// [`run_worker`] returns [`WorkerEnd::Left`].
     pub drain: Option<tokio::sync::watch::Receiver<Option<Duration>>>,
+    /// Exports the spans this node measures of traced requests (KV
+    /// transfers); `None`: tracing is off.
+    pub tracing: Option<flotilla_telemetry::Tracing>,
 }
 
 /// Why [`run_worker`] returned.
@@ -131,6 +134,7 @@ impl WorkerOptions {
             on_orphan: None,
             check: None,
             drain: None,
+            tracing: None,
         }
     }
 
@@ -189,6 +193,8 @@ struct NodeState {
     tick_at: Option<Duration>,
     left: Arc<AtomicBool>,
     out: Vec<NodeOutput>,
+    /// The node's trace exporter, on this actor's clock.
+    tracing: Option<flotilla_telemetry::Tracing>,
 }
 
 struct NodeActor;
@@ -205,7 +211,14 @@ impl Actor for NodeActor {
     ) -> Result<NodeState, ActorProcessingErr> {
         let layout = a.kv.as_ref().map(|k| k.kv_layout());
         let (me, epoch) = (a.transport.node(), a.transport.epoch());
+        let t0 = Instant::now();
+        let tracing = a
+            .opts
+            .tracing
+            .as_ref()
+            .map(|t| t.with_epoch(std::time::SystemTime::now()));
         let mut st = NodeState {
+            tracing,
             on_orphan: a.opts.on_orphan.clone(),
             check: a.opts.check.clone(),
             core: NodeCore::new(a.opts, me, epoch, layout, Duration::ZERO),
@@ -214,7 +227,7 @@ impl Actor for NodeActor {
             kv: a.kv,
             sink: a.sink,
             streams: HashMap::new(),
-            t0: Instant::now(),
+            t0,
             tick_at: None,
             left: a.left,
             out: Vec::new(),
@@ -349,6 +362,11 @@ impl NodeState {
                     }
                     // The actor stops after this input (see `handle`).
                     NodeOutput::Left => tracing::info!("drained: leaving"),
+                    NodeOutput::Span { parent, span } => {
+                        if let Some(t) = &self.tracing {
+                            t.export(&parent, span);
+                        }
+                    }
                 }
             }
             // The buffer's capacity is kept for the next input.

@@ -133,6 +133,7 @@ impl Sim {
             ignore_eos: false,
             stop_token_ids: Vec::new(),
             speculative: true,
+            trace: None,
         }
     }
 

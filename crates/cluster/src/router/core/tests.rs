@@ -137,6 +137,7 @@ impl H {
             ignore_eos: false,
             stop_token_ids: vec![],
             speculative: true,
+            trace: None,
         };
         self.input(RouterInput::Submit { id, req })
     }

@@ -7,8 +7,9 @@ use bytes::Bytes;
 use flotilla_proto::wire::{Held, KvTransferHeader, Message, PrefillMsg, Submit};
 use flotilla_proto::{
     EngineEvent, EngineFailure, EngineRequest, EngineStatus, FinishReason, KvExport, KvLayout,
-    Rejection, RequestId, Role, Sampled, SamplingParams, TenantId, Usage,
+    Rejection, RequestId, Role, Sampled, SamplingParams, TenantId, TraceContext, Usage,
 };
+use flotilla_telemetry::SpanRec;
 
 use super::{EngineAnswer, EngineCall, NodeCore, NodeInput, NodeOutput};
 use crate::WorkerOptions;
@@ -59,6 +60,8 @@ struct H {
     left: bool,
     /// What the engine answers to a detach.
     detach: Result<Vec<u32>, String>,
+    /// Spans the core measured.
+    spans: Vec<(TraceContext, SpanRec)>,
 }
 
 impl H {
@@ -88,6 +91,7 @@ impl H {
             reconnects: Vec::new(),
             left: false,
             detach: Err("not decoding".into()),
+            spans: Vec::new(),
         };
         h.input(NodeInput::Tick);
         h.sent.clear();
@@ -116,6 +120,7 @@ impl H {
                     NodeOutput::Reconnect(n) => self.reconnects.push(n),
                     NodeOutput::EndStream { id, stop_string } => self.ended.push((id, stop_string)),
                     NodeOutput::Orphan(what) => self.orphans.push(what),
+                    NodeOutput::Span { parent, span } => self.spans.push((parent, span)),
                     NodeOutput::Left => {
                         assert!(!self.left, "left twice");
                         self.left = true;
@@ -237,6 +242,7 @@ fn request(tenant: u32, prompt_len: u32) -> EngineRequest {
         ignore_eos: false,
         stop_token_ids: vec![],
         speculative: true,
+        trace: None,
     }
 }
 
@@ -601,6 +607,106 @@ fn ask(req: u64, tenant: u32, priority: u8) -> Message {
         },
         priority,
     })
+}
+
+#[test]
+fn a_traced_prefill_reports_its_kv_transfer_as_a_span_from_its_end_to_the_ack() {
+    let mut h = H::new(Role::Prefill, true, |o| o);
+    let cx = TraceContext {
+        trace_id: [3; 16],
+        span_id: [4; 8],
+        flags: 1,
+        state: String::new(),
+    };
+    let traced = |req: u64| {
+        let Message::Prefill(mut pm) = ask(req, 0, 0) else {
+            unreachable!()
+        };
+        pm.submit.request.trace = Some(cx.clone());
+        Message::Prefill(pm)
+    };
+    // One traced and acked, one traced whose send fails, one not traced.
+    let mut ids = Vec::new();
+    for req in [1, 2] {
+        h.msg(DECODE, 1, traced(req));
+        ids.push(h.last_id());
+    }
+    h.msg(DECODE, 1, ask(3, 0, 0));
+    ids.push(h.last_id());
+    h.now = ms(10);
+    h.step(vec![(ids[0], tok(11)), (ids[0], finished())]);
+    h.now = ms(20);
+    h.input(NodeInput::Answer(EngineAnswer::Exported {
+        id: ids[0],
+        result: Ok(export()),
+    }));
+    h.now = ms(30);
+    h.input(NodeInput::Answer(EngineAnswer::BulkSent {
+        id: ids[0],
+        result: Ok(()),
+    }));
+    assert!(h.spans.is_empty(), "no span before the ack");
+    h.now = ms(45);
+    h.msg(
+        DECODE,
+        1,
+        Message::KvAck {
+            router: ROUTER,
+            req: 1,
+            ok: true,
+        },
+    );
+    let (parent, s) = h.spans.pop().expect("the transfer's span");
+    assert_eq!(parent, cx);
+    assert_eq!(
+        (s.name.as_ref(), s.start, s.end),
+        ("kv.transfer", ms(10), ms(45))
+    );
+    let at: Vec<(&str, Duration)> = s.events.iter().map(|e| (e.name.as_ref(), e.at)).collect();
+    assert_eq!(at, [("export", ms(10)), ("send", ms(20)), ("sent", ms(30))]);
+    let has = |k: &str, v: flotilla_telemetry::Value| {
+        s.attrs
+            .iter()
+            .any(|kv| kv.key.as_str() == k && kv.value == v)
+    };
+    assert!(has("flotilla.kv.bytes", 128i64.into()), "{:?}", s.attrs);
+    assert!(has("flotilla.kv.acked", true.into()));
+    assert_eq!(s.error, None);
+    // The second's send fails: its span ends in error.
+    h.step(vec![(ids[1], tok(12)), (ids[1], finished())]);
+    h.input(NodeInput::Answer(EngineAnswer::Exported {
+        id: ids[1],
+        result: Ok(export()),
+    }));
+    h.input(NodeInput::Answer(EngineAnswer::BulkSent {
+        id: ids[1],
+        result: Err("reset".into()),
+    }));
+    let (_, s) = h.spans.pop().expect("the failed transfer's span");
+    assert!(
+        s.error.as_deref().is_some_and(|e| e.contains("reset")),
+        "{s:?}"
+    );
+    // The untraced one reports nothing.
+    h.step(vec![(ids[2], tok(13)), (ids[2], finished())]);
+    h.input(NodeInput::Answer(EngineAnswer::Exported {
+        id: ids[2],
+        result: Ok(export()),
+    }));
+    h.input(NodeInput::Answer(EngineAnswer::BulkSent {
+        id: ids[2],
+        result: Ok(()),
+    }));
+    h.msg(
+        DECODE,
+        1,
+        Message::KvAck {
+            router: ROUTER,
+            req: 3,
+            ok: true,
+        },
+    );
+    assert!(h.spans.is_empty());
 }
 
 fn export() -> KvExport {
