@@ -75,6 +75,49 @@ pub(crate) async fn spec_counts(
     crate::report::SpecCounts::from_metrics(&text)
 }
 
+/// GETs `{base}{path}`; `None` on any failure or after the discovery timeout.
+async fn get_text(
+    client: &reqwest::Client,
+    base: &str,
+    path: &str,
+    api_key: Option<&str>,
+) -> Option<String> {
+    let mut req = client.get(format!("{base}{path}"));
+    if let Some(k) = api_key {
+        req = req.bearer_auth(k);
+    }
+    let text = async {
+        let resp = req.send().await.ok()?.error_for_status().ok()?;
+        resp.text().await.ok()
+    };
+    tokio::time::timeout(DISCOVER_TIMEOUT_MAX, text)
+        .await
+        .ok()
+        .flatten()
+}
+
+/// The server's `/metrics` page, if it has one.
+pub(crate) async fn metrics_page(
+    client: &reqwest::Client,
+    base: &str,
+    api_key: Option<&str>,
+) -> Option<String> {
+    get_text(client, base, "/metrics", api_key).await
+}
+
+/// The server's settings from its `/config` (Flotilla's), if it has one
+/// that answers a JSON object.
+pub(crate) async fn server_config(
+    client: &reqwest::Client,
+    base: &str,
+    api_key: Option<&str>,
+) -> Option<Value> {
+    let text = get_text(client, base, "/config", api_key).await?;
+    serde_json::from_str::<Value>(&text)
+        .ok()
+        .filter(Value::is_object)
+}
+
 /// Picks the model out of a `/v1/models` answer (pure, for tests).
 pub(crate) fn model_from_listing(listing: Option<&Value>, wanted: Option<&str>) -> ServerModel {
     let entries = listing
@@ -177,6 +220,8 @@ pub(crate) struct Pool {
     /// Next request index to send; may run past `requests` as workers stop.
     pub next: AtomicUsize,
     pub outcomes: Mutex<Vec<Outcome>>,
+    /// Content chunks received so far, all requests together.
+    pub chunks: AtomicU64,
     pub ok: AtomicU64,
     pub failed: AtomicU64,
     pub progress: ProgressBar,
@@ -319,12 +364,15 @@ impl Pool {
                 return trace.finish(at);
             };
             sse.feed(&chunk).map_err(|_| ErrorKind::Stream)?;
+            let seen = trace.content_chunks();
             while let Some(event) = sse.next_event().map_err(|_| ErrorKind::Stream)? {
                 apply(&mut trace, at, event)?;
                 if trace.is_done() {
                     break;
                 }
             }
+            self.chunks
+                .fetch_add(trace.content_chunks() - seen, Ordering::Relaxed);
             if drop_after.is_some_and(|k| trace.content_chunks() >= k) {
                 // Dropping the response closes the connection mid-stream,
                 // as a client that goes away does.

@@ -5,18 +5,27 @@
 //! streaming completions (greedy, `ignore_eos` so each runs to `max_tokens`),
 //! times every token as it arrives, and reports throughput and latency
 //! percentiles. `--json` saves the report; `--compare` prints new/old ratios
-//! against a saved one.
+//! against a saved one and flags each figure that moved beyond
+//! `--threshold`. Each run also records the server's settings (its
+//! `/config`), and samples its `/metrics` (queue and batch per tier, KV
+//! use, memory) every `--sample-ms`. `--concurrency 1,4,8` sweeps levels,
+//! `--repeat N` runs each level N times and reports the spread, and
+//! `--html` writes the whole as one self-contained page with plots.
 //!
 //! Layout: `sse` (SSE framing) and `request` (one request's timings and error
 //! class) are pure state machines; `client` is the tokio/reqwest shell;
-//! `report` and `stats` fold outcomes into figures.
+//! `report` and `stats` fold outcomes into figures; `server` reads the
+//! server's own figures; `sweep` gathers runs; `html` draws them.
 
 mod client;
+pub mod html;
 pub mod prompt;
 mod report;
 mod request;
+pub mod server;
 mod sse;
 mod stats;
+pub mod sweep;
 
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, AtomicUsize};
@@ -27,9 +36,13 @@ use indicatif::{ProgressBar, ProgressStyle};
 use thiserror::Error;
 use tokio::task::JoinSet;
 
-pub use report::{Flags, Ratio, Report, SpecCounts, compare, render};
+pub use report::{
+    Cdfs, Flags, Ratio, Report, SpecCounts, THRESHOLD_DEFAULT, Verdict, compare, render,
+    render_with,
+};
 pub use request::ErrorKind;
 pub use stats::{Summary, percentile};
+pub use sweep::{Level, Spread, Sweep};
 
 /// Most workers one run may start.
 pub const CONCURRENCY_MAX: usize = 4096;
@@ -44,9 +57,14 @@ pub struct BenchArgs {
     /// Base URL of the server (plain http), e.g. http://127.0.0.1:8000.
     #[arg(long)]
     pub url: String,
-    /// Requests in flight at once (a fixed pool of this many workers).
-    #[arg(long, default_value_t = 8)]
-    pub concurrency: usize,
+    /// Requests in flight at once (a fixed pool of this many workers); a
+    /// list (`1,4,8,16,32`) sweeps the levels one after another.
+    #[arg(long, value_delimiter = ',', default_value = "8")]
+    pub concurrency: Vec<usize>,
+    /// Run each level this many times (a stability check: the report
+    /// gives each figure's spread across the runs).
+    #[arg(long, default_value_t = 1)]
+    pub repeat: usize,
     /// Requests to send in all.
     #[arg(long, default_value_t = 64)]
     pub requests: usize,
@@ -100,9 +118,22 @@ pub struct BenchArgs {
     /// Write the report as JSON to this file.
     #[arg(long)]
     pub json: Option<PathBuf>,
-    /// Compare with a report saved earlier by --json and print new/old ratios.
+    /// Compare with a report saved earlier by --json and print new/old
+    /// ratios, flagging figures that moved beyond --threshold.
     #[arg(long)]
     pub compare: Option<PathBuf>,
+    /// Fraction a figure may move against --compare's baseline before it
+    /// is flagged (0.05: 5 %).
+    #[arg(long, default_value_t = THRESHOLD_DEFAULT)]
+    pub threshold: f64,
+    /// Write the report as one self-contained HTML page with plots
+    /// (latency CDFs, throughput against latency across the levels,
+    /// tokens/s and queue length over time per tier).
+    #[arg(long)]
+    pub html: Option<PathBuf>,
+    /// Look at the server's /metrics this often during a run, ms.
+    #[arg(long, default_value_t = 1000)]
+    pub sample_ms: u64,
     /// Free text stored in the report, e.g. "flotilla a1b2c3 cpu".
     #[arg(long, default_value = "")]
     pub label: String,
@@ -154,8 +185,24 @@ impl BenchArgs {
             }
             Err(e) => return bad(format!("--url {}: {e}", self.url)),
         }
-        if !(1..=CONCURRENCY_MAX).contains(&self.concurrency) {
-            return bad(format!("--concurrency must be in 1..={CONCURRENCY_MAX}"));
+        if self.concurrency.is_empty()
+            || self
+                .concurrency
+                .iter()
+                .any(|c| !(1..=CONCURRENCY_MAX).contains(c))
+        {
+            return bad(format!(
+                "--concurrency must be one level or a list of levels, each in 1..={CONCURRENCY_MAX}"
+            ));
+        }
+        if !(1..=100).contains(&self.repeat) {
+            return bad("--repeat must be in 1..=100".into());
+        }
+        if !(0.0..10.0).contains(&self.threshold) {
+            return bad("--threshold must be a fraction in 0..10 (0.05 is 5 %)".into());
+        }
+        if !(50..=60_000).contains(&self.sample_ms) {
+            return bad("--sample-ms must be in 50..=60000".into());
         }
         if !(1..=REQUESTS_MAX).contains(&self.requests) {
             return bad(format!("--requests must be in 1..={REQUESTS_MAX}"));
@@ -197,9 +244,15 @@ impl BenchArgs {
         }
     }
 
-    fn flags(&self) -> Flags {
+    /// Whether the run is a sweep (several levels or repeats) rather than
+    /// one report.
+    pub fn is_sweep(&self) -> bool {
+        self.concurrency.len() > 1 || self.repeat > 1
+    }
+
+    fn flags(&self, concurrency: usize) -> Flags {
         Flags {
-            concurrency: self.concurrency,
+            concurrency,
             requests: self.requests,
             max_tokens: self.max_tokens,
             max_tokens_min: self.max_tokens_min,
@@ -231,12 +284,42 @@ fn progress_bar(total: usize, quiet: bool) -> ProgressBar {
     pb
 }
 
-/// Runs the benchmark: exactly `--requests` requests (fewer if
-/// `--duration-s` runs out), at most `--concurrency` in flight.
+/// Runs the benchmark at the first `--concurrency` level: exactly
+/// `--requests` requests (fewer if `--duration-s` runs out), at most that
+/// many in flight.
 pub async fn run(args: &BenchArgs) -> Result<Report, BenchError> {
     args.validate()?;
+    run_level(args, args.concurrency[0]).await
+}
+
+/// Every level of `--concurrency`, each `--repeat` times, in order.
+pub async fn run_sweep(args: &BenchArgs) -> Result<Sweep, BenchError> {
+    args.validate()?;
+    let mut levels = Vec::new();
+    for &c in &args.concurrency {
+        let mut runs = Vec::new();
+        for i in 0..args.repeat {
+            if !args.quiet && args.is_sweep() {
+                eprintln!(
+                    "flotilla-bench: concurrency {c}, run {} of {}",
+                    i + 1,
+                    args.repeat
+                );
+            }
+            runs.push(run_level(args, c).await?);
+        }
+        levels.push(Level::new(format!("concurrency {c}"), runs));
+    }
+    Ok(Sweep {
+        label: args.label.clone(),
+        levels,
+    })
+}
+
+/// One run at `concurrency`.
+async fn run_level(args: &BenchArgs, concurrency: usize) -> Result<Report, BenchError> {
     let base = args.url.trim_end_matches('/');
-    let workers = args.concurrency.min(args.requests);
+    let workers = concurrency.min(args.requests);
     let timeout = Duration::from_secs(args.timeout_s);
     // No proxy: a benchmark measures the server, not a proxy picked up from
     // the environment.
@@ -263,7 +346,7 @@ pub async fn run(args: &BenchArgs) -> Result<Report, BenchError> {
         server_url: args.url.clone(),
         endpoint: args.endpoint().to_owned(),
         quantisation: server.quantisation,
-        flags: args.flags(),
+        flags: args.flags(concurrency),
         prompt_distribution: prompt::describe(args.prompt_len_min, args.prompt_len_max),
     };
     let json_schema = match &args.json_schema {
@@ -295,13 +378,34 @@ pub async fn run(args: &BenchArgs) -> Result<Report, BenchError> {
         requests: args.requests,
         next: AtomicUsize::new(0),
         outcomes: Mutex::new(Vec::with_capacity(args.requests.min(1 << 16))),
+        chunks: AtomicU64::new(0),
         ok: AtomicU64::new(0),
         failed: AtomicU64::new(0),
         progress: progress_bar(args.requests, args.quiet),
     });
 
-    let spec_before = client::spec_counts(&pool.client, base, args.api_key.as_deref()).await;
+    let key = args.api_key.as_deref();
+    let config = client::server_config(&pool.client, base, key).await;
+    let spec_before = client::spec_counts(&pool.client, base, key).await;
     let start = Instant::now();
+    // The server's own figures, looked at every --sample-ms while the run lasts.
+    let samples: Arc<Mutex<Vec<server::Sample>>> = Arc::default();
+    let sampler = {
+        let (pool, samples) = (Arc::clone(&pool), Arc::clone(&samples));
+        let (base, key) = (base.to_owned(), args.api_key.clone());
+        let every = Duration::from_millis(args.sample_ms);
+        tokio::spawn(async move {
+            loop {
+                if let Some(page) = client::metrics_page(&pool.client, &base, key.as_deref()).await
+                {
+                    let chunks = pool.chunks.load(std::sync::atomic::Ordering::Relaxed);
+                    let s = server::sample(&page, start.elapsed().as_secs_f64(), chunks);
+                    samples.lock().unwrap_or_else(|e| e.into_inner()).push(s);
+                }
+                tokio::time::sleep(every).await;
+            }
+        })
+    };
     // A JoinSet aborts its tasks when shut down or dropped: nothing outlives the run.
     let mut set = JoinSet::new();
     for _ in 0..workers {
@@ -324,8 +428,15 @@ pub async fn run(args: &BenchArgs) -> Result<Report, BenchError> {
         None => all_done.await,
     }
     let wall = start.elapsed();
+    sampler.abort();
     set.shutdown().await;
     pool.progress.finish_and_clear();
+    let last_page = client::metrics_page(&pool.client, base, key).await;
+    let mut timeline = std::mem::take(&mut *samples.lock().unwrap_or_else(|e| e.into_inner()));
+    if let Some(page) = &last_page {
+        let chunks = pool.chunks.load(std::sync::atomic::Ordering::Relaxed);
+        timeline.push(server::sample(page, wall.as_secs_f64(), chunks));
+    }
 
     let outcomes = std::mem::take(&mut *pool.outcomes.lock().unwrap_or_else(|e| e.into_inner()));
     let started = pool.started();
@@ -333,10 +444,14 @@ pub async fn run(args: &BenchArgs) -> Result<Report, BenchError> {
     let cancelled = (started - outcomes.len()) as u64;
     let mut report = Report::build(meta, &outcomes, cancelled, wall);
     // Counted when each request ends: every one has.
-    let spec_after = client::spec_counts(&pool.client, base, args.api_key.as_deref()).await;
+    let spec_after = last_page
+        .as_deref()
+        .and_then(report::SpecCounts::from_metrics);
     report.speculation = spec_before
         .zip(spec_after)
         .map(|(b, a)| report::SpecCounts::between(b, a));
+    report.server = server::summarise(config, last_page.as_deref(), &timeline);
+    report.timeline = timeline;
     Ok(report)
 }
 
@@ -369,15 +484,101 @@ pub fn save_report(path: &Path, r: &Report) -> Result<(), BenchError> {
 }
 
 /// What the `bench` command does: loads `--compare` first (so a bad path
-/// fails before the run), runs, prints the table, and writes `--json`.
-pub async fn run_and_report(args: &BenchArgs) -> Result<Report, BenchError> {
+/// fails before the run), runs every level, prints each run's table (with
+/// the baseline's ratios) and a sweep's summary, and writes `--json` (one
+/// report, or the sweep) and `--html`.
+pub async fn run_and_report(args: &BenchArgs) -> Result<Sweep, BenchError> {
+    args.validate()?;
     let baseline = args.compare.as_deref().map(load_report).transpose()?;
-    let report = run(args).await?;
-    print_report(&report, baseline.as_ref());
-    if let Some(path) = &args.json {
-        save_report(path, &report)?;
+    let sweep = run_sweep(args).await?;
+    for level in &sweep.levels {
+        for r in &level.runs {
+            print!("{}", render_with(r, baseline.as_ref(), args.threshold));
+        }
     }
-    Ok(report)
+    if args.is_sweep() {
+        print!("{}", sweep.render());
+    }
+    if let Some(path) = &args.json {
+        if args.is_sweep() {
+            write_json(path, &sweep)?;
+        } else {
+            save_report(path, &sweep.levels[0].runs[0])?;
+        }
+    }
+    if let Some(path) = &args.html {
+        write_text(path, &html::page(&sweep))?;
+    }
+    Ok(sweep)
+}
+
+fn write_text(path: &Path, text: &str) -> Result<(), BenchError> {
+    std::fs::write(path, text).map_err(|source| BenchError::Io {
+        path: path.into(),
+        source,
+    })
+}
+
+fn write_json<T: serde::Serialize>(path: &Path, v: &T) -> Result<(), BenchError> {
+    // Serialising plain data to a string cannot fail.
+    let text = serde_json::to_string_pretty(v).unwrap_or_default();
+    write_text(path, &(text + "\n"))
+}
+
+/// Reads saved reports (single runs or sweeps) and gathers them into one
+/// sweep, a level per file in the order given, named by each report's
+/// label (else its file name): how a sweep over a server flag is put
+/// together from runs against differently started servers.
+pub fn gather(paths: &[PathBuf]) -> Result<Sweep, BenchError> {
+    let mut levels = Vec::new();
+    for p in paths {
+        let text = std::fs::read_to_string(p).map_err(|source| BenchError::Io {
+            path: p.clone(),
+            source,
+        })?;
+        if let Ok(s) = serde_json::from_str::<Sweep>(&text) {
+            levels.extend(s.levels);
+            continue;
+        }
+        let r: Report = serde_json::from_str(&text).map_err(|source| BenchError::BadReport {
+            path: p.clone(),
+            source,
+        })?;
+        let name = if r.label.is_empty() {
+            p.file_stem()
+                .map_or_else(String::new, |s| s.to_string_lossy().into_owned())
+        } else {
+            r.label.clone()
+        };
+        levels.push(Level::new(name, vec![r]));
+    }
+    Ok(Sweep {
+        label: String::new(),
+        levels,
+    })
+}
+
+/// `flotilla bench-report`: gathers saved reports into one sweep, prints
+/// its summary and writes `--html` / `--json`.
+pub fn report_main(
+    paths: &[PathBuf],
+    html_out: Option<&Path>,
+    json_out: Option<&Path>,
+) -> Result<Sweep, BenchError> {
+    if paths.is_empty() {
+        return Err(BenchError::InvalidArgs(
+            "name at least one report saved by `flotilla bench --json`".into(),
+        ));
+    }
+    let sweep = gather(paths)?;
+    print!("{}", sweep.render());
+    if let Some(p) = html_out {
+        write_text(p, &html::page(&sweep))?;
+    }
+    if let Some(p) = json_out {
+        write_json(p, &sweep)?;
+    }
+    Ok(sweep)
 }
 
 /// Entry point of `flotilla bench`: [`run_and_report`] without the report.

@@ -8,7 +8,8 @@ use std::time::Duration;
 use serde::{Deserialize, Serialize};
 
 use crate::request::Outcome;
-use crate::stats::{Summary, round_to};
+use crate::server::{Sample, ServerSide};
+use crate::stats::{Summary, percentile, round_to};
 
 /// The load that was offered: the flags that shape the figures. The API key
 /// is deliberately absent.
@@ -80,6 +81,35 @@ pub struct Report {
     /// server that does not report them.
     #[serde(default)]
     pub speculation: Option<SpecCounts>,
+    /// The server's settings, peak memory and KV use (from its `/config`
+    /// and `/metrics`, where it has them).
+    #[serde(default)]
+    pub server: ServerSide,
+    /// Latency distributions for CDF plots.
+    #[serde(default)]
+    pub cdf: Option<Cdfs>,
+    /// The run second by second: tokens received, the server's queues,
+    /// batch, KV use and memory.
+    #[serde(default)]
+    pub timeline: Vec<Sample>,
+}
+
+/// Latency distributions as their percentiles 0, 1, ..., 100 (ms, nearest
+/// rank): enough to draw each CDF, small at any number of requests.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct Cdfs {
+    pub ttft_ms: Vec<f64>,
+    pub tpot_ms: Vec<f64>,
+    pub itl_ms: Vec<f64>,
+    pub e2e_ms: Vec<f64>,
+}
+
+/// Percentiles 0..=100 of `samples` (sorted in place); empty for none.
+fn quantiles(samples: &mut [f64]) -> Vec<f64> {
+    samples.sort_by(f64::total_cmp);
+    (0..=100)
+        .filter_map(|p| percentile(samples, f64::from(p)).map(|v| round_to(v, 3)))
+        .collect()
 }
 
 /// Speculative decoding over one run.
@@ -204,7 +234,15 @@ impl Report {
             tpot_ms: Summary::of(&mut tpot),
             itl_ms: Summary::of(&mut itl),
             e2e_ms: Summary::of(&mut e2e),
+            cdf: (ok > 0).then(|| Cdfs {
+                ttft_ms: quantiles(&mut ttft),
+                tpot_ms: quantiles(&mut tpot),
+                itl_ms: quantiles(&mut itl),
+                e2e_ms: quantiles(&mut e2e),
+            }),
             speculation: None,
+            server: ServerSide::default(),
+            timeline: Vec::new(),
         }
     }
 }
@@ -218,14 +256,50 @@ pub struct Ratio {
     pub old: Option<f64>,
     /// `new / old`; `None` when either is missing or `old` is zero.
     pub ratio: Option<f64>,
+    /// Higher is better (throughput), else lower is (latency, memory).
+    pub higher_is_better: bool,
+}
+
+/// How a figure moved against its baseline.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Verdict {
+    /// Within the threshold.
+    Same,
+    /// Better by more than the threshold.
+    Better,
+    /// Worse by more than the threshold: a regression.
+    Worse,
+}
+
+impl Ratio {
+    /// Whether it moved beyond `threshold` (a fraction: 0.05 is 5 %), and
+    /// which way; `None` without a ratio.
+    pub fn verdict(&self, threshold: f64) -> Option<Verdict> {
+        let r = self.ratio?;
+        let up = r > 1.0 + threshold;
+        let down = r < 1.0 - threshold;
+        Some(match (up, down, self.higher_is_better) {
+            (false, false, _) => Verdict::Same,
+            (true, _, true) | (_, true, false) => Verdict::Better,
+            _ => Verdict::Worse,
+        })
+    }
 }
 
 /// New/old ratios of the headline figures.
 pub fn compare(new: &Report, old: &Report) -> Vec<Ratio> {
     type Pick = fn(&Report) -> Option<f64>;
-    let figures: [(&'static str, Pick); 10] = [
+    let figures: [(&'static str, Pick); 12] = [
         ("output tok/s", |r| Some(r.output_tokens_per_s)),
         ("req/s", |r| Some(r.requests_per_s)),
+        ("peak RSS MiB", |r| {
+            r.server
+                .peak_rss_bytes
+                .map(|b| b as f64 / (1u64 << 20) as f64)
+        }),
+        ("KV peak blocks", |r| {
+            r.server.kv_used_peak_blocks.map(|b| b as f64)
+        }),
         ("TTFT p50 ms", |r| r.ttft_ms.map(|s| s.p50)),
         ("TTFT p99 ms", |r| r.ttft_ms.map(|s| s.p99)),
         ("TPOT p50 ms", |r| r.tpot_ms.map(|s| s.p50)),
@@ -248,6 +322,7 @@ pub fn compare(new: &Report, old: &Report) -> Vec<Ratio> {
                 new: n,
                 old: o,
                 ratio,
+                higher_is_better: matches!(figure, "output tok/s" | "req/s"),
             }
         })
         .collect()
@@ -293,8 +368,44 @@ fn opt(v: Option<f64>) -> String {
     v.map_or_else(|| "-".to_owned(), |v| format!("{v:.2}"))
 }
 
-/// The human-readable report, with a comparison section when `baseline` is given.
+/// Default of `--threshold`: a figure that moved more than this fraction
+/// against the baseline is flagged.
+pub const THRESHOLD_DEFAULT: f64 = 0.05;
+
+/// The human-readable report, with a comparison section when `baseline` is
+/// given (figures that moved beyond 5 % flagged).
 pub fn render(r: &Report, baseline: Option<&Report>) -> String {
+    render_with(r, baseline, THRESHOLD_DEFAULT)
+}
+
+/// One line of the server's settings from its `/config`.
+fn settings_line(c: &serde_json::Value) -> String {
+    let keys = [
+        "quantization",
+        "kv_cache_dtype",
+        "kv_cache_blocks",
+        "block_size",
+        "max_num_seqs",
+        "max_num_batched_tokens",
+        "max_model_len",
+        "speculative",
+        "device",
+        "threads",
+    ];
+    keys.iter()
+        .filter_map(|k| {
+            let v = c.get(*k)?;
+            Some(match v {
+                serde_json::Value::String(s) => format!("{k} {s}"),
+                v => format!("{k} {v}"),
+            })
+        })
+        .collect::<Vec<_>>()
+        .join(", ")
+}
+
+/// [`render`] with figures flagged past `threshold` (a fraction).
+pub fn render_with(r: &Report, baseline: Option<&Report>, threshold: f64) -> String {
     let f = &r.flags;
     let mut s = String::new();
     // Writing to a String cannot fail.
@@ -329,6 +440,24 @@ pub fn render(r: &Report, baseline: Option<&Report>) -> String {
             .map_or_else(String::new, |d| format!(", duration cap {d} s")),
     );
     let _ = writeln!(s, "  prompts     {}", r.prompt_distribution);
+    if let Some(c) = &r.server.config {
+        let _ = writeln!(s, "  settings    {}", settings_line(c));
+    }
+    let sv = &r.server;
+    if sv.peak_rss_bytes.is_some() || sv.kv_used_peak_blocks.is_some() {
+        let _ = writeln!(
+            s,
+            "  server      peak RSS {}, KV peak {} of {} blocks",
+            sv.peak_rss_bytes.map_or_else(
+                || "-".into(),
+                |b| format!("{:.0} MiB", b as f64 / 1048576.0)
+            ),
+            sv.kv_used_peak_blocks
+                .map_or_else(|| "-".into(), |b| b.to_string()),
+            sv.kv_total_blocks
+                .map_or_else(|| "-".into(), |b| b.to_string()),
+        );
+    }
     let errors: Vec<String> = r.errors.iter().map(|(k, v)| format!("{k} {v}")).collect();
     let _ = writeln!(
         s,
@@ -398,22 +527,40 @@ pub fn render(r: &Report, baseline: Option<&Report>) -> String {
         );
         let _ = writeln!(
             s,
-            "  {:<14}{:>12}{:>12}{:>10}",
-            "figure", "new", "old", "new/old"
+            "  {:<15}{:>12}{:>12}{:>10}  beyond {:.0} %",
+            "figure",
+            "new",
+            "old",
+            "new/old",
+            threshold * 100.0
         );
+        let mut worse = 0;
         for c in compare(r, old) {
             let ratio = c
                 .ratio
                 .map_or_else(|| "-".to_owned(), |x| format!("{x:.3}"));
+            let flag = match c.verdict(threshold) {
+                Some(Verdict::Worse) => {
+                    worse += 1;
+                    "WORSE"
+                }
+                Some(Verdict::Better) => "better",
+                _ => "",
+            };
             let _ = writeln!(
                 s,
-                "  {:<14}{:>12}{:>12}{:>10}",
+                "  {:<15}{:>12}{:>12}{:>10}  {flag}",
                 c.figure,
                 opt(c.new),
                 opt(c.old),
                 ratio
             );
         }
+        let _ = writeln!(
+            s,
+            "  {worse} figure(s) worse than the baseline by more than {:.0} %",
+            threshold * 100.0
+        );
         let diffs = differences(r, old);
         if !diffs.is_empty() {
             let _ = writeln!(
@@ -558,7 +705,11 @@ mod tests {
         let c = compare(&new, &old);
         assert_eq!(c[0].figure, "output tok/s");
         assert_eq!(c[0].ratio, Some(2.0));
-        assert_eq!(c[2].ratio, Some(1.0));
+        let ttft = c.iter().find(|r| r.figure == "TTFT p50 ms").unwrap();
+        assert_eq!(ttft.ratio, Some(1.0));
+        // No server figures in either: no ratio, no flag.
+        let rss = c.iter().find(|r| r.figure == "peak RSS MiB").unwrap();
+        assert_eq!((rss.ratio, rss.verdict(0.05)), (None, None));
         let text = render(&new, Some(&old));
         assert!(text.contains("vs baseline"));
         assert!(text.contains("concurrency 2 -> 8"));

@@ -146,6 +146,36 @@ async fn serve(
             sock.write_all((head + &body).as_bytes()).await?;
             continue;
         }
+        if req.method == "GET" {
+            // A Flotilla-like server's own figures: its settings and metrics.
+            let (status, body) = match req.path.as_str() {
+                "/config" => (
+                    "200 OK",
+                    json!({"server": "mock", "quantization": "Q4_1", "kv_cache_dtype": "f16",
+                           "max_num_seqs": 8})
+                    .to_string(),
+                ),
+                "/metrics" => (
+                    "200 OK",
+                    format!(
+                        "flotilla_queue_length{{tier=\"paid\"}} {}\n\
+                         flotilla_running_sequences{{tier=\"paid\"}} 2\n\
+                         flotilla_kv_blocks{{state=\"used\"}} 5\n\
+                         flotilla_kv_cache_blocks{{dtype=\"f16\"}} 64\n\
+                         process_resident_memory_bytes 1000000\n\
+                         process_resident_memory_max_bytes 3000000\n",
+                        counter.load(Ordering::SeqCst) % 3
+                    ),
+                ),
+                _ => ("404 Not Found", String::new()),
+            };
+            let head = format!(
+                "HTTP/1.1 {status}\r\nContent-Length: {}\r\n\r\n",
+                body.len()
+            );
+            sock.write_all((head + &body).as_bytes()).await?;
+            continue;
+        }
         let body: Value = serde_json::from_slice(&req.body).unwrap();
         let authorization = req
             .headers
@@ -308,7 +338,22 @@ fn assert_ordered(r: &Report) {
 #[test]
 fn flags_parse_with_defaults() {
     let a = args("http://h:1", &[]);
-    assert_eq!((a.concurrency, a.requests, a.max_tokens), (8, 64, 128));
+    assert_eq!(
+        (a.concurrency, a.requests, a.max_tokens),
+        (vec![8], 64, 128)
+    );
+    assert_eq!(
+        args("http://h:1", &["--concurrency", "1,4,8"]).concurrency,
+        [1, 4, 8]
+    );
+    for bad in [
+        &["--concurrency", "0,4"][..],
+        &["--repeat", "0"],
+        &["--threshold", "20"],
+        &["--sample-ms", "1"],
+    ] {
+        assert!(args("http://h:1", bad).validate().is_err(), "{bad:?}");
+    }
     assert_eq!((a.prompt_len_min, a.prompt_len_max, a.seed), (16, 256, 0));
     assert!(a.ignore_eos && !a.chat);
     assert_eq!((a.timeout_s, a.duration_s), (300, None));
@@ -552,9 +597,26 @@ async fn json_report_is_written_and_compared() {
             f,
         ],
     );
-    let r1 = run_and_report(&a).await.unwrap();
+    let r1 = run_and_report(&a)
+        .await
+        .unwrap()
+        .levels
+        .remove(0)
+        .runs
+        .remove(0);
     assert_eq!(load_report(&first).unwrap(), r1);
     assert_eq!(r1.label, "one");
+    // The server's own figures came with it.
+    let cfg = r1.server.config.as_ref().expect("the server's /config");
+    assert_eq!(cfg["quantization"], "Q4_1");
+    assert_eq!(r1.server.peak_rss_bytes, Some(3_000_000));
+    assert_eq!(r1.server.kv_used_peak_blocks, Some(5));
+    assert_eq!(r1.server.kv_total_blocks, Some(64));
+    assert!(!r1.timeline.is_empty());
+    assert!(r1.timeline.iter().all(|s| s.tiers["paid"].running == 2));
+    let cdf = r1.cdf.as_ref().expect("latency CDFs");
+    assert_eq!(cdf.ttft_ms.len(), 101);
+    assert!(cdf.ttft_ms.windows(2).all(|w| w[0] <= w[1]));
 
     let s = second.to_str().unwrap();
     let b = args(
@@ -570,7 +632,13 @@ async fn json_report_is_written_and_compared() {
             s,
         ],
     );
-    let r2 = run_and_report(&b).await.unwrap();
+    let r2 = run_and_report(&b)
+        .await
+        .unwrap()
+        .levels
+        .remove(0)
+        .runs
+        .remove(0);
     let ratios = flotilla_bench::compare(&r2, &r1);
     assert!(
         ratios.iter().all(|c| c.ratio.is_some_and(|x| x > 0.0)),
@@ -639,4 +707,108 @@ async fn refusals_are_followed_by_the_retry_after_wait_unless_disabled() {
             r.wall_s
         );
     }
+}
+
+/// `--concurrency 1,2 --repeat 2`: one sweep of two levels of two runs
+/// each, with their spread, written as JSON and as an HTML page whose
+/// plots are inline SVG; `gather` puts saved reports together the same way.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sweep_with_repeats_reports_each_level_its_spread_and_plots() {
+    let mock = start(|_| Reply::Stream {
+        tokens: 3,
+        usage: true,
+    })
+    .await;
+    let dir = std::env::temp_dir().join(format!("flotilla-bench-sweep-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let (json_path, html_path) = (dir.join("sweep.json"), dir.join("sweep.html"));
+    let a = args(
+        &mock.url,
+        &[
+            "--requests",
+            "4",
+            "--concurrency",
+            "1,2",
+            "--repeat",
+            "2",
+            "--sample-ms",
+            "50",
+            "--label",
+            "sweep",
+            "--json",
+            json_path.to_str().unwrap(),
+            "--html",
+            html_path.to_str().unwrap(),
+        ],
+    );
+    let sweep = run_and_report(&a).await.unwrap();
+    let names: Vec<&str> = sweep.levels.iter().map(|l| l.name.as_str()).collect();
+    assert_eq!(names, ["concurrency 1", "concurrency 2"]);
+    for (l, c) in sweep.levels.iter().zip([1, 2]) {
+        assert_eq!(l.runs.len(), 2);
+        assert!(
+            l.runs
+                .iter()
+                .all(|r| r.flags.concurrency == c && r.requests_ok == 4)
+        );
+        let s = l.spread.expect("two runs have a spread");
+        let tp = s.output_tokens_per_s.unwrap();
+        assert!(tp.min <= tp.mean && tp.mean <= tp.max && tp.spread_pct >= 0.0);
+    }
+    let text = std::fs::read_to_string(&json_path).unwrap();
+    let back: flotilla_bench::Sweep = serde_json::from_str(&text).unwrap();
+    assert_eq!(back, sweep);
+    let page = std::fs::read_to_string(&html_path).unwrap();
+    for want in [
+        "<svg",
+        "TTFT CDF",
+        "TPOT p99 against output tok/s",
+        "Queue length per tier",
+        "Stability",
+        "Q4_1",
+    ] {
+        assert!(page.contains(want), "the page has {want}");
+    }
+    assert!(!page.contains("no data in this run"), "every plot drawn");
+    // Saved runs gathered into one report, a level per file.
+    let one = dir.join("one.json");
+    flotilla_bench::save_report(&one, &sweep.levels[0].runs[0]).unwrap();
+    let g = flotilla_bench::gather(&[one.clone(), json_path.clone()]).unwrap();
+    assert_eq!(g.levels.len(), 3);
+    assert_eq!(g.levels[0].name, "sweep");
+    assert!(flotilla_bench::gather(&[dir.join("missing.json")]).is_err());
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// Figures that moved beyond `--threshold` against the baseline are
+/// flagged, each the right way round (throughput down, latency up: worse).
+#[test]
+fn compare_flags_figures_beyond_the_threshold() {
+    let text = std::fs::read_to_string(format!(
+        "{}/tests/data/report.json",
+        env!("CARGO_MANIFEST_DIR")
+    ));
+    let Ok(text) = text else {
+        panic!("tests/data/report.json");
+    };
+    let old: Report = serde_json::from_str(&text).unwrap();
+    let mut new = old.clone();
+    new.output_tokens_per_s *= 0.9;
+    if let Some(t) = &mut new.ttft_ms {
+        t.p50 *= 0.5;
+        t.p99 *= 1.02;
+    }
+    let c = flotilla_bench::compare(&new, &old);
+    let v = |f: &str| {
+        c.iter()
+            .find(|r| r.figure == f)
+            .and_then(|r| r.verdict(0.05))
+    };
+    use flotilla_bench::Verdict::*;
+    assert_eq!(v("output tok/s"), Some(Worse));
+    assert_eq!(v("TTFT p50 ms"), Some(Better));
+    assert_eq!(v("TTFT p99 ms"), Some(Same));
+    let out = flotilla_bench::render_with(&new, Some(&old), 0.05);
+    assert!(out.contains("WORSE"), "{out}");
+    assert!(out.contains("1 figure(s) worse"), "{out}");
 }

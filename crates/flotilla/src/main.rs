@@ -145,6 +145,19 @@ enum Cmd {
     Serve(serve::ServeArgs),
     /// Load-test any OpenAI-compatible server with streaming requests.
     Bench(flotilla_bench::BenchArgs),
+    /// Gather reports saved by `bench --json` (one per server setting, for
+    /// a sweep over a server flag) into one report: a table, and with
+    /// --html a page with plots.
+    BenchReport {
+        /// Saved reports (single runs or sweeps), one level each, in order.
+        reports: Vec<PathBuf>,
+        /// Write the HTML page here.
+        #[arg(long)]
+        html: Option<PathBuf>,
+        /// Write the gathered sweep as JSON here.
+        #[arg(long)]
+        json: Option<PathBuf>,
+    },
     /// Benchmark the CPU backend (pp512, tg128, batched decode) beside llama.cpp.
     BenchModel(bench::BenchArgs),
     /// Measure how an int8 (or f32) KV cache changes the model's next-token
@@ -221,6 +234,14 @@ fn run() -> Result<()> {
         }
         Cmd::Serve(args) => serve::run(args),
         Cmd::Bench(args) => load_test(&args),
+        Cmd::BenchReport {
+            reports,
+            html,
+            json,
+        } => {
+            flotilla_bench::report_main(&reports, html.as_deref(), json.as_deref())?;
+            Ok(())
+        }
         Cmd::BenchModel(args) => bench::run(&args),
         Cmd::BenchKvQuality(args) => bench::run_kv_quality(&args),
         Cmd::Node(args) => node::run(args),

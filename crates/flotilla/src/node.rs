@@ -228,6 +228,16 @@ pub fn run(args: NodeArgs) -> Result<()> {
                         anyhow::anyhow!("structured output over this tokenizer: {e}")
                     })?),
                     tracing: tracing.clone(),
+                    server_info: serde_json::json!({
+                        "server": "flotilla",
+                        "version": env!("CARGO_PKG_VERSION"),
+                        "role": "router",
+                        "model": f.model_name,
+                        "max_model_len": f.max_model_len,
+                        "nodes": cl.engines().map(|(_, n)| serde_json::json!({
+                            "name": n.name, "role": n.role.to_string(),
+                        })).collect::<Vec<_>>(),
+                    }),
                 };
             let metrics = Arc::new(Metrics::new()?);
             serve_http(Arc::new(engine), f.text, metrics, gw, http, &what).await

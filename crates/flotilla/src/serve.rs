@@ -183,6 +183,24 @@ pub struct Resolved {
     pub config_origin: String,
     /// File of the KV offload tier (`--kv-offload-path`), if not RAM.
     pub offload_path: Option<std::path::PathBuf>,
+    /// The model, its precision and the engine's settings as `GET /config`
+    /// shows them.
+    pub server_info: serde_json::Value,
+}
+
+/// The element type that holds most of a model file's weight bytes
+/// (its quantisation, e.g. `Q4_1`), with that share.
+fn weight_type(g: &GgufFile) -> (String, f64) {
+    let mut by: std::collections::BTreeMap<&'static str, u64> = Default::default();
+    for t in g.tensors() {
+        *by.entry(t.ty.name()).or_default() += t.len as u64;
+    }
+    let total: u64 = by.values().sum();
+    by.into_iter()
+        .max_by_key(|&(_, b)| b)
+        .map_or(("unknown".into(), 0.0), |(n, b)| {
+            (n.to_string(), b as f64 / total.max(1) as f64)
+        })
 }
 
 /// What the Router needs of the model: its text side and its length, not
@@ -349,7 +367,34 @@ pub fn resolve(args: &ServeArgs) -> Result<Resolved> {
             text.stop_tokens.clone(),
         )
         .map_err(|m| anyhow::anyhow!("the engine's settings: {m}"))?;
+    let (weights, share) = weight_type(&g);
+    let server_info = serde_json::json!({
+        "server": "flotilla",
+        "version": env!("CARGO_PKG_VERSION"),
+        "model": model_name,
+        "model_file": path.file_name().map(|f| f.to_string_lossy().into_owned()),
+        "architecture": lc.describe(),
+        "quantization": weights,
+        "quantization_share": (share * 1000.0).round() / 1000.0,
+        "device": format!("{:?}", args.model.device).to_lowercase(),
+        "kernel": args.model.kernel,
+        "threads": args.model.threads.unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get())),
+        "kv_cache_dtype": kv_dtype.name(),
+        "kv_cache_blocks": num_blocks,
+        "kv_cache_bytes": num_blocks as u64 * bytes_per_block,
+        "block_size": block_size,
+        "max_model_len": max_model_len,
+        "max_num_seqs": max_num_seqs,
+        "max_num_batched_tokens": max_num_batched_tokens,
+        "batching": args.batching,
+        "speculative": if settings.speculation.is_on() { "ngram" } else { "off" },
+        "num_speculative_tokens": settings.speculation.max_draft,
+        "speculative_max_batch": settings.speculation.max_batch,
+        "kv_offload_bytes": settings.kv_offload_bytes,
+        "queue_timeout_s": settings.queue_timeout.as_secs_f64(),
+    });
     Ok(Resolved {
+        server_info,
         cluster: Arc::new(cluster),
         sched,
         exec,
@@ -437,6 +482,7 @@ async fn serve(
         cluster: r.cluster.clone(),
         constraints: Some(constraints.clone()),
         tracing,
+        server_info: r.server_info.clone(),
     };
     serve_http(Arc::new(engine.clone()), r.text, metrics, gw, addr, &what).await?;
     engine.stop();

@@ -58,6 +58,9 @@ pub struct GatewayConfig {
     /// Traces requests (a server span per request, its context passed to
     /// the engines); `None`: tracing is off.
     pub tracing: Option<flotilla_telemetry::Tracing>,
+    /// What `GET /config` answers: the server's model, precision and
+    /// engine settings (load-test reports record them). `Null`: 404.
+    pub server_info: serde_json::Value,
 }
 
 impl GatewayConfig {
@@ -74,6 +77,7 @@ impl GatewayConfig {
             cluster,
             constraints: None,
             tracing: None,
+            server_info: serde_json::Value::Null,
         }
     }
 }
@@ -108,6 +112,7 @@ pub fn router(
         .route("/v1/chat/completions", post(chat))
         .route("/v1/completions", post(completions))
         .route("/v1/models", get(models))
+        .route("/config", get(config))
         .route("/health", get(health))
         .route("/ready", get(ready))
         .route("/metrics", get(prometheus_text))
@@ -452,6 +457,22 @@ async fn models(State(gw): Shared, headers: HeaderMap) -> Response {
         }],
     }))
     .into_response()
+}
+
+/// `GET /config`: the model, its precision and the engine's settings, as
+/// the server runs them (no keys, no tenants' names).
+async fn config(State(gw): Shared, headers: HeaderMap) -> Response {
+    if let Err(e) = gw.authenticate(&headers) {
+        return gw.refuse(TIER_UNKNOWN, e);
+    }
+    if gw.cfg.server_info.is_null() {
+        return (
+            StatusCode::NOT_FOUND,
+            Json(json!({"error": {"message": "no settings to show", "type": "not_found_error"}})),
+        )
+            .into_response();
+    }
+    Json(gw.cfg.server_info.clone()).into_response()
 }
 
 async fn health() -> Response {

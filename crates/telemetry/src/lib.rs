@@ -397,8 +397,46 @@ impl Metrics {
         if let Err(e) = TextEncoder::new().encode(&self.registry.gather(), &mut out) {
             return format!("# metrics encoding failed: {e}\n");
         }
-        String::from_utf8(out).unwrap_or_default()
+        let mut page = String::from_utf8(out).unwrap_or_default();
+        if self.enabled {
+            page.push_str(&process_memory());
+        }
+        page
     }
+}
+
+/// The process's resident memory now and at its peak, in the names
+/// Prometheus's process collectors use (Linux: `/proc/self/status`);
+/// empty elsewhere.
+fn process_memory() -> String {
+    let Ok(status) = std::fs::read_to_string("/proc/self/status") else {
+        return String::new();
+    };
+    let kib = |key: &str| -> Option<u64> {
+        let line = status.lines().find(|l| l.starts_with(key))?;
+        line[key.len()..].split_whitespace().next()?.parse().ok()
+    };
+    let mut s = String::new();
+    for (key, name, help) in [
+        (
+            "VmRSS:",
+            "process_resident_memory_bytes",
+            "Resident memory size in bytes.",
+        ),
+        (
+            "VmHWM:",
+            "process_resident_memory_max_bytes",
+            "Peak resident memory size in bytes since the process started.",
+        ),
+    ] {
+        if let Some(v) = kib(key) {
+            s += &format!(
+                "# HELP {name} {help}\n# TYPE {name} gauge\n{name} {}\n",
+                v * 1024
+            );
+        }
+    }
+    s
 }
 
 #[cfg(test)]
@@ -417,7 +455,21 @@ mod tests {
         let live = Metrics::new().unwrap();
         live.request_ended("paid", Terminal::Finished);
         live.step_time(0.01);
-        assert!(live.render().contains("flotilla_step_time"));
+        let page = live.render();
+        assert!(page.contains("flotilla_step_time"));
+        // Linux: the process's memory, now and at its peak.
+        let rss = |name: &str| -> u64 {
+            let line = page
+                .lines()
+                .find(|l| l.starts_with(&format!("{name} ")))
+                .unwrap_or_else(|| panic!("{name} in {page}"));
+            line.rsplit(' ').next().unwrap().parse().unwrap()
+        };
+        let (now, peak) = (
+            rss("process_resident_memory_bytes"),
+            rss("process_resident_memory_max_bytes"),
+        );
+        assert!(now > 1 << 20 && now <= peak, "{now} {peak}");
     }
 
     #[test]
