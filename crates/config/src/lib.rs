@@ -648,42 +648,45 @@ max_concurrent = 4
     /// deploy/k8s/configmap.yaml carries cluster-configs/k8s.toml inline
     /// (kustomize reads no file outside its directory); the copy must not
     /// drift, and its workers must be the StatefulSet's pods.
-    #[test]
-    fn k8s_configmap_matches_shipped_toml() {
-        let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
-        let toml = std::fs::read_to_string(root.join("cluster-configs/k8s.toml")).unwrap();
-        let yaml = std::fs::read_to_string(root.join("deploy/k8s/configmap.yaml")).unwrap();
+    /// The TOML inlined in a ConfigMap manifest under `  cluster.toml: |`.
+    fn configmap_toml(yaml: &str) -> String {
         let mut lines = yaml.lines();
         lines
             .by_ref()
             .find(|l| *l == "  cluster.toml: |")
-            .expect("configmap.yaml has a `  cluster.toml: |` block");
+            .expect("the ConfigMap has a `  cluster.toml: |` block");
         let inline: Vec<&str> = lines
             .take_while(|l| l.is_empty() || l.starts_with("    "))
             .map(|l| l.strip_prefix("    ").unwrap_or(l))
             .collect();
-        assert_eq!(
-            inline.join("\n").trim_end(),
-            toml.trim_end(),
-            "deploy/k8s/configmap.yaml and cluster-configs/k8s.toml differ"
-        );
+        inline.join("\n").trim_end().to_owned()
+    }
 
-        let c = ClusterConfig::parse(&toml, "k8s.toml").unwrap();
-        let cluster = c.cluster.unwrap();
+    /// `key: N` on a line of a manifest, at the given indentation.
+    fn manifest_number(yaml: &str, key: &str) -> usize {
+        yaml.lines()
+            .find_map(|l| l.strip_prefix(key))
+            .unwrap_or_else(|| panic!("{key}"))
+            .trim()
+            .trim_matches('"')
+            .parse()
+            .unwrap()
+    }
+
+    /// A node's name and address.
+    type NameAddr = (String, String);
+
+    /// The engine nodes of a config as (name, addr), and those the worker
+    /// StatefulSet's first `n` pods have.
+    fn engines_and_pods(c: &ClusterConfig, n: usize) -> (Vec<NameAddr>, Vec<NameAddr>) {
+        let cluster = c.cluster.clone().unwrap();
         assert_eq!(cluster.certs_dir, Path::new("/etc/flotilla/certs"));
         assert_eq!(cluster.router().1.name, "router");
-        let workers = std::fs::read_to_string(root.join("deploy/k8s/workers.yaml")).unwrap();
-        let replicas: usize = workers
-            .lines()
-            .find_map(|l| l.strip_prefix("  replicas: "))
-            .expect("workers.yaml sets replicas")
-            .parse()
-            .unwrap();
-        let engines: Vec<(String, String)> = cluster
+        let engines = cluster
             .engines()
             .map(|(_, n)| (n.name.clone(), n.addr.clone()))
             .collect();
-        let pods: Vec<(String, String)> = (0..replicas)
+        let pods = (0..n)
             .map(|i| {
                 (
                     format!("flotilla-worker-{i}"),
@@ -691,6 +694,51 @@ max_concurrent = 4
                 )
             })
             .collect();
+        (engines, pods)
+    }
+
+    #[test]
+    fn k8s_configmaps_match_shipped_tomls() {
+        let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
+        let read = |p: &str| std::fs::read_to_string(root.join(p)).unwrap();
+        // The base: as many worker nodes as the StatefulSet has replicas.
+        let toml = read("cluster-configs/k8s.toml");
+        assert_eq!(
+            configmap_toml(&read("deploy/k8s/configmap.yaml")),
+            toml.trim_end(),
+            "deploy/k8s/configmap.yaml and cluster-configs/k8s.toml differ"
+        );
+        let c = ClusterConfig::parse(&toml, "k8s.toml").unwrap();
+        let replicas = manifest_number(&read("deploy/k8s/workers.yaml"), "  replicas: ");
+        let (engines, pods) = engines_and_pods(&c, replicas);
         assert_eq!(engines, pods);
+        // The autoscaling overlay: a worker node for each pod the
+        // autoscaler may run, the base's replicas as its minimum.
+        let toml = read("cluster-configs/k8s-autoscaling.toml");
+        assert_eq!(
+            configmap_toml(&read("deploy/k8s/autoscaling/configmap.yaml")),
+            toml.trim_end(),
+            "deploy/k8s/autoscaling/configmap.yaml and cluster-configs/k8s-autoscaling.toml differ"
+        );
+        let hpa = read("deploy/k8s/autoscaling/hpa.yaml");
+        assert_eq!(manifest_number(&hpa, "  minReplicas: "), replicas);
+        let max = manifest_number(&hpa, "  maxReplicas: ");
+        let c = ClusterConfig::parse(&toml, "k8s-autoscaling.toml").unwrap();
+        let (engines, pods) = engines_and_pods(&c, max);
+        assert_eq!(engines, pods);
+        // Everything else is the base's.
+        let base = ClusterConfig::parse(&read("cluster-configs/k8s.toml"), "k8s.toml").unwrap();
+        assert_eq!(
+            (c.engine, c.tiers.len(), c.tenants.len()),
+            (base.engine, base.tiers.len(), base.tenants.len())
+        );
+        for m in ["flotilla_queue_length", "flotilla_ttft_p90_seconds"] {
+            assert!(hpa.contains(m), "hpa.yaml scales on {m}");
+            assert!(
+                read("deploy/k8s/autoscaling/prometheus-adapter-values.yaml")
+                    .contains(&format!("as: {m}")),
+                "prometheus-adapter serves {m}"
+            );
+        }
     }
 }

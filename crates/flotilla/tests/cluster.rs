@@ -1194,5 +1194,32 @@ async fn one_trace_follows_a_request_through_router_prefill_and_decode_nodes() {
     }
     // Only the traced request: the unsampled one left nothing.
     assert_eq!(names(&spans, "POST /v1/completions"), 1);
+    // The Router's /metrics carries the autoscaling signals for the whole
+    // cluster: time to first token at its front, and the nodes' queues.
+    let page = client()
+        .get(format!("{}/metrics", c.base))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    let value = |prefix: &str| -> f64 {
+        let line = page
+            .lines()
+            .find(|l| l.starts_with(prefix))
+            .unwrap_or_else(|| panic!("{prefix} in {page}"));
+        line.rsplit(' ').next().unwrap().parse().unwrap()
+    };
+    let ttft_count = page
+        .lines()
+        .find(|l| {
+            l.starts_with("flotilla_http_time_to_first_token_seconds_count")
+                && l.contains("tier=\"paid\"")
+        })
+        .unwrap_or_else(|| panic!("the front's TTFT in {page}"));
+    assert!(ttft_count.ends_with(" 2"), "{ttft_count}");
+    assert_eq!(value("flotilla_queue_length{"), 0.0);
+    assert!(page.contains("flotilla_running_sequences{"), "{page}");
     drop(c);
 }

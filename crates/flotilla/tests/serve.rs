@@ -692,3 +692,132 @@ async fn the_offload_tier_restores_evicted_prefixes_with_the_same_text() {
     );
     assert_eq!(end["kv_blocks"]["used"], 0, "{end}");
 }
+
+/// `serve --otlp-endpoint` against a real OTLP/HTTP receiver: two traced
+/// requests that do not both fit in the KV cache. Each is one trace under
+/// its HTTP span: prepare and admit at the front, then the engine's queue,
+/// prefill in chunks of at most --max-num-batched-tokens, decode with an
+/// event per step; the one preempted says so. `GET /config` shows the
+/// settings the server runs with.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn serve_traces_each_request_through_its_phases_and_preemptions() {
+    let rx = common::OtlpReceiver::start().await;
+    // 40 blocks of 16 tokens: one sequence of 512 fits, two of ~420 do not.
+    let blocks = 40u64;
+    let srv = start(
+        &config(4, 16),
+        &[
+            "--otlp-endpoint",
+            &rx.endpoint,
+            "--max-num-batched-tokens",
+            "64",
+            "--max-model-len",
+            "512",
+            "--speculative",
+            "off",
+            "--kv-cache-bytes",
+            &(blocks * 368_640).to_string(),
+        ],
+    );
+    let c = client();
+    let cfg: Value = c
+        .get(format!("{}/config", srv.base))
+        .bearer_auth(PAID_KEY)
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(cfg["max_num_batched_tokens"], 64);
+    assert_eq!(cfg["kv_cache_blocks"], blocks);
+    assert_eq!(cfg["quantization"], "Q4_1");
+    assert_eq!(cfg["kv_cache_dtype"], "f16");
+    // No key, no settings.
+    let r = c.get(format!("{}/config", srv.base)).send().await.unwrap();
+    assert_eq!(r.status(), 401);
+    let prompt =
+        "Tell me about the lighthouse keepers of the northern coast and their long winters. "
+            .repeat(6);
+    let max_tokens = 300;
+    // Different from their first token: no prefix is shared.
+    let reqs: Vec<_> = ["First", "Second"]
+        .into_iter()
+        .map(|which| {
+            let body = completion(&format!("{which}. {prompt}"), max_tokens, false);
+            let (c, base) = (c.clone(), srv.base.clone());
+            tokio::spawn(async move { paid_completion(&c, &base, body, &json!({})).await })
+        })
+        .collect();
+    for r in reqs {
+        let v = r.await.unwrap();
+        assert_eq!(v["usage"]["completion_tokens"], max_tokens);
+    }
+    let spans = rx
+        .wait_for("both requests' engine spans", |s| {
+            s.iter().filter(|g| g.name == "engine.request").count() == 2
+                && s.iter()
+                    .filter(|g| g.name == "POST /v1/completions")
+                    .count()
+                    == 2
+        })
+        .await;
+    let mut preempted = 0;
+    for root in spans.iter().filter(|g| g.name == "POST /v1/completions") {
+        assert!(root.parent.is_empty(), "a new trace: {root:?}");
+        assert_eq!(root.instance, "serve");
+        let kids: Vec<&common::Got> = spans.iter().filter(|g| g.parent == root.span_id).collect();
+        assert!(kids.iter().all(|g| g.trace_id == root.trace_id));
+        let mut names: Vec<&str> = kids.iter().map(|g| g.name.as_str()).collect();
+        names.sort();
+        assert_eq!(
+            names,
+            ["engine.request", "gateway.admit", "gateway.prepare"]
+        );
+        let eng = kids.iter().find(|g| g.name == "engine.request").unwrap();
+        assert_eq!(eng.attr("flotilla.engine.entry"), Some("whole"));
+        assert_eq!(eng.attr("gen_ai.usage.output_tokens"), Some("300"));
+        assert_eq!(eng.attr("flotilla.end"), Some("finished"));
+        let under = |name: &str| -> Vec<&common::Got> {
+            spans
+                .iter()
+                .filter(|g| g.name == name && g.parent == eng.span_id)
+                .collect()
+        };
+        let (q, p, d) = (
+            under("engine.queue"),
+            under("engine.prefill"),
+            under("engine.decode"),
+        );
+        assert_eq!((q.len(), p.len(), d.len()), (1, 1, 1));
+        let chunks: Vec<&common::Got> = spans
+            .iter()
+            .filter(|g| g.name == "engine.prefill.chunk" && g.parent == p[0].span_id)
+            .collect();
+        let prompt_tokens: u64 = eng
+            .attr("gen_ai.usage.input_tokens")
+            .unwrap()
+            .parse()
+            .unwrap();
+        assert!(prompt_tokens > 64 && chunks.len() as u64 >= prompt_tokens.div_ceil(64));
+        for ch in &chunks {
+            let n: u64 = ch.attr("flotilla.step.tokens").unwrap().parse().unwrap();
+            assert!((1..=64).contains(&n), "a chunk of {n} tokens");
+        }
+        // A step event per decode step; recomputed chunks after a
+        // preemption ride in steps too.
+        let steps = d[0].events.iter().filter(|e| *e == "step").count();
+        assert!(steps >= (max_tokens - 1) as usize, "{steps} steps");
+        let n: u32 = eng.attr("flotilla.preemptions").unwrap().parse().unwrap();
+        assert_eq!(
+            n as usize,
+            eng.events.iter().filter(|e| *e == "preempted").count()
+        );
+        preempted += n;
+        assert!(q[0].end_ns <= p[0].start_ns && p[0].end_ns <= d[0].start_ns);
+    }
+    assert!(
+        preempted >= 1,
+        "the KV cache could not hold both: one was preempted"
+    );
+}

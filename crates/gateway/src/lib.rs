@@ -244,6 +244,7 @@ impl Gateway {
         body: Result<Bytes, BytesRejection>,
     ) -> Response {
         let arrival = SystemTime::now();
+        let arrived = std::time::Instant::now();
         let tenant = match self.authenticate(&headers) {
             Ok(t) => t,
             Err(e) => return self.refuse(TIER_UNKNOWN, e),
@@ -288,6 +289,7 @@ impl Gateway {
                 .as_ref()
                 .map(|t| tools::ToolCallParser::new(t.names(), mix(!n), !t.parallel)),
             span: None,
+            first: Some((self.metrics.clone(), tier.to_owned(), arrived)),
         };
         let req = EngineRequest {
             tenant,
@@ -527,6 +529,15 @@ async fn ready(State(gw): Shared) -> Response {
 }
 
 async fn prometheus_text(State(gw): Shared) -> Response {
+    // The load as the engine sees it now (on a Router: every node's, summed),
+    // so that a Router's page carries the queue an autoscaler reads.
+    let s = gw.engine.status().await;
+    for t in &s.tiers {
+        gw.metrics
+            .tier_load(&t.name, t.queued as u64, t.running as u64);
+    }
+    gw.metrics
+        .kv(s.kv.used as u64, s.kv.free as u64, s.kv.cached as u64);
     (
         [(
             header::CONTENT_TYPE,

@@ -45,6 +45,14 @@ pub struct Meta {
     /// The request's HTTP span when it is traced; ends when the response
     /// does (or the client goes away).
     pub span: Option<ReqSpan>,
+    /// Where the time to the first token sent is recorded: the metrics,
+    /// the tier's name and when the request came in; taken at the first
+    /// token.
+    pub first: Option<(
+        std::sync::Arc<flotilla_telemetry::Metrics>,
+        String,
+        std::time::Instant,
+    )>,
 }
 
 /// A traced request's server span and whether its first token has gone out.
@@ -60,6 +68,11 @@ impl Meta {
     /// end and its counts, or the failure.
     fn trace_step(&mut self, step: &Step) {
         use flotilla_telemetry::KeyValue;
+        if matches!(step, Step::Text(_) | Step::Done { .. })
+            && let Some((m, tier, arrival)) = self.first.take()
+        {
+            m.http_ttft(&tier, arrival.elapsed().as_secs_f64());
+        }
         let Some(t) = &mut self.span else { return };
         match step {
             Step::Text(_) if !t.first_sent => {

@@ -65,6 +65,7 @@ pub struct Metrics {
     /// False for [`Metrics::disabled`]: every recording returns at once.
     enabled: bool,
     ttft: Histogram<f64>,
+    http_ttft: Histogram<f64>,
     tpot: Histogram<f64>,
     queue: Histogram<f64>,
     prefill: Histogram<f64>,
@@ -148,6 +149,12 @@ impl Metrics {
         Metrics {
             enabled: true,
             ttft: latency(m, "flotilla_time_to_first_token", "Arrival to first token"),
+            http_ttft: latency(
+                m,
+                "flotilla_http_time_to_first_token",
+                "Request received at the HTTP front to its first token sent, by tier \
+                 (on a Router: across the cluster, the autoscaling signal)",
+            ),
             tpot: latency(
                 m,
                 "flotilla_time_per_output_token",
@@ -260,6 +267,16 @@ impl Metrics {
         if let Some(v) = t.tpot_s {
             self.tpot.record(v, &a);
         }
+    }
+
+    /// A request's first token left the HTTP front this long after the
+    /// request came in.
+    pub fn http_ttft(&self, tier: &str, seconds: f64) {
+        if !self.enabled {
+            return;
+        }
+        self.http_ttft
+            .record(seconds, &[KeyValue::new("tier", tier.to_string())]);
     }
 
     /// One request reached a terminal state.

@@ -411,6 +411,60 @@ mod tests {
         assert!(e.contains("--otlp-sample-ratio 1.5"), "{e}");
     }
 
+    /// What a decode step costs the engine's thread as an event of one
+    /// decode span against a span of its own (issue 22 asks to measure):
+    /// `cargo test -p flotilla-telemetry --release -- --ignored --nocapture steps_as`.
+    #[test]
+    #[ignore = "a measurement"]
+    fn steps_as_events_or_spans() {
+        let tr =
+            Tracing::otlp("http://127.0.0.1:9", 1.0, "f", "x", SystemTime::now()).expect("tracing");
+        let parent = TraceContext {
+            trace_id: [1; 16],
+            span_id: [2; 8],
+            flags: 1,
+            state: String::new(),
+        };
+        const STEPS: u64 = 128;
+        const REQUESTS: u64 = 200;
+        let ms = Duration::from_millis;
+        let request = |as_spans: bool| {
+            let mut decode = SpanRec::new("engine.decode", ms(0), ms(STEPS * 30));
+            for i in 0..STEPS {
+                let attrs = vec![
+                    KeyValue::new("flotilla.step.tokens", 1i64),
+                    KeyValue::new("flotilla.step.batch", 32i64),
+                ];
+                if as_spans {
+                    let mut s = SpanRec::new("engine.decode.step", ms(i * 30), ms(i * 30 + 29));
+                    s.attrs = attrs;
+                    decode.children.push(s);
+                } else {
+                    decode.events.push(EventRec {
+                        name: "step".into(),
+                        at: ms(i * 30 + 29),
+                        attrs,
+                    });
+                }
+            }
+            let mut root = SpanRec::new("engine.request", ms(0), ms(STEPS * 30));
+            root.children.push(decode);
+            root
+        };
+        for as_spans in [false, true, false, true] {
+            let t0 = std::time::Instant::now();
+            for _ in 0..REQUESTS {
+                tr.export(&parent, request(as_spans));
+            }
+            let per_step = t0.elapsed().as_secs_f64() / (REQUESTS * STEPS) as f64;
+            println!(
+                "decode steps as {}: {:.2} us per step on the exporting thread",
+                if as_spans { "spans " } else { "events" },
+                per_step * 1e6
+            );
+        }
+    }
+
     #[test]
     fn a_parent_with_zero_ids_exports_nothing_and_does_not_panic() {
         let tr =

@@ -354,11 +354,15 @@ struct Xfer {
     blocks: u32,
     tokens: u32,
     acked: bool,
+    /// A running request's KV moving with it off a draining node, not a
+    /// prefill's.
+    moving: bool,
 }
 
 impl Xfer {
-    fn new(parent: TraceContext) -> Xfer {
+    fn new(parent: TraceContext, moving: bool) -> Xfer {
         Xfer {
+            moving,
             parent,
             ready: Duration::ZERO,
             export: None,
@@ -378,7 +382,11 @@ impl Xfer {
             .attr("flotilla.kv.bytes", self.bytes as i64)
             .attr("flotilla.kv.blocks", i64::from(self.blocks))
             .attr("flotilla.kv.tokens", i64::from(self.tokens))
-            .attr("flotilla.kv.acked", self.acked);
+            .attr("flotilla.kv.acked", self.acked)
+            .attr(
+                "flotilla.kv.purpose",
+                if self.moving { "move" } else { "prefill" },
+            );
         for (name, at) in [
             ("export", self.export),
             ("send", self.send),
@@ -422,6 +430,9 @@ enum Pending {
         id: RequestId,
         /// The mover's prompt: the request's tokens here must start with it.
         prompt: Vec<u32>,
+        /// The request's trace, if it is traced: the move's KV transfer is
+        /// a span of it.
+        trace: Option<TraceContext>,
     },
 }
 
@@ -1073,6 +1084,7 @@ impl NodeCore {
                 attempt,
                 priority: pm.priority,
                 id,
+                trace: pm.submit.request.trace,
                 prompt: pm.submit.request.prompt,
             },
         );
@@ -1099,6 +1111,7 @@ impl NodeCore {
             priority,
             id,
             prompt,
+            trace,
         }) = self.pending.remove(&ticket)
         else {
             self.broken
@@ -1138,7 +1151,7 @@ impl NodeCore {
             first: Some(first),
             state: PfState::Running,
             kv_tokens: Some((n - 1) as u32),
-            xfer: None,
+            xfer: trace.map(|parent| Box::new(Xfer::new(parent, true))),
         };
         self.prefills.insert(key, p);
         self.pf_by_id.insert(id, key);
@@ -1452,7 +1465,7 @@ impl NodeCore {
                             first: None,
                             state: PfState::Running,
                             kv_tokens: None,
-                            xfer: trace.map(|parent| Box::new(Xfer::new(parent))),
+                            xfer: trace.map(|parent| Box::new(Xfer::new(parent, false))),
                         };
                         self.prefills.insert(key, p);
                         self.pf_by_id.insert(id, key);
