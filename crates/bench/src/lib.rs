@@ -536,7 +536,13 @@ pub fn gather(paths: &[PathBuf]) -> Result<Sweep, BenchError> {
             path: p.clone(),
             source,
         })?;
-        if let Ok(s) = serde_json::from_str::<Sweep>(&text) {
+        if let Ok(mut s) = serde_json::from_str::<Sweep>(&text) {
+            // One level repeated (a run of `--repeat N`): named by its label.
+            if let [one] = &mut s.levels[..]
+                && !s.label.is_empty()
+            {
+                one.name = s.label.clone();
+            }
             levels.extend(s.levels);
             continue;
         }

@@ -223,10 +223,7 @@ impl Gateway {
             arrival,
             attrs,
         )?;
-        Some(stream::ReqSpan {
-            span,
-            first_sent: false,
-        })
+        Some(stream::ReqSpan { span })
     }
 
     fn tier_name(&self, tenant: TenantId) -> &str {

@@ -59,8 +59,6 @@ pub struct Meta {
 pub struct ReqSpan {
     /// The span.
     pub span: flotilla_telemetry::ServerSpan,
-    /// The first token was sent (its event is on the span).
-    pub first_sent: bool,
 }
 
 impl Meta {
@@ -68,22 +66,21 @@ impl Meta {
     /// end and its counts, or the failure.
     fn trace_step(&mut self, step: &Step) {
         use flotilla_telemetry::KeyValue;
+        let mut ttft = None;
         if matches!(step, Step::Text(_) | Step::Done { .. })
             && let Some((m, tier, arrival)) = self.first.take()
         {
-            m.http_ttft(&tier, arrival.elapsed().as_secs_f64());
+            let s = arrival.elapsed().as_secs_f64();
+            m.http_ttft(&tier, s);
+            ttft = Some(s);
         }
         let Some(t) = &mut self.span else { return };
+        if let Some(s) = ttft {
+            t.span.event("first_token", Vec::new());
+            t.span.set(vec![KeyValue::new("flotilla.ttft_ms", s * 1e3)]);
+        }
         match step {
-            Step::Text(_) if !t.first_sent => {
-                t.first_sent = true;
-                t.span.event("first_token", Vec::new());
-            }
             Step::Done { reason, usage, .. } => {
-                if !t.first_sent {
-                    t.first_sent = true;
-                    t.span.event("first_token", Vec::new());
-                }
                 t.span.set(vec![
                     KeyValue::new(
                         "gen_ai.response.finish_reasons",
