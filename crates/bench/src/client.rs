@@ -285,7 +285,7 @@ impl Pool {
     }
 
     /// Sends request `index` and classifies how it went.
-    async fn one(&self, index: u64) -> Outcome {
+    pub(crate) async fn one(&self, index: u64) -> Outcome {
         let mut req = self.client.post(&self.endpoint_url).json(&self.body(index));
         if let Some(k) = &self.api_key {
             req = req.bearer_auth(k);

@@ -30,6 +30,25 @@ fn esc(s: &str) -> String {
 /// An SVG line plot of `lines` (markers too when `markers`); a note in
 /// place of the plot when no line has a point.
 fn plot(title: &str, x_label: &str, y_label: &str, lines: &[Line], markers: bool) -> String {
+    plot_at(
+        title,
+        x_label,
+        y_label,
+        lines,
+        markers,
+        SeriesLabelPosition::UpperLeft,
+    )
+}
+
+/// [`plot`] with the legend at `legend`.
+fn plot_at(
+    title: &str,
+    x_label: &str,
+    y_label: &str,
+    lines: &[Line],
+    markers: bool,
+    legend: SeriesLabelPosition,
+) -> String {
     let pts = lines.iter().flat_map(|l| l.points.iter());
     let (mut x0, mut x1, mut y0, mut y1) = (f64::INFINITY, f64::NEG_INFINITY, 0.0f64, 0.0f64);
     let mut any = false;
@@ -95,7 +114,7 @@ fn plot(title: &str, x_label: &str, y_label: &str, lines: &[Line], markers: bool
                 .configure_series_labels()
                 .background_style(WHITE.mix(0.85))
                 .border_style(BLACK)
-                .position(SeriesLabelPosition::UpperLeft)
+                .position(legend)
                 .draw()?;
             root.present()?;
             Ok(())
@@ -128,12 +147,13 @@ fn cdf(sweep: &Sweep, title: &str, pick: fn(&Report) -> Option<&Vec<f64>>) -> St
             })
         })
         .collect();
-    plot(
+    plot_at(
         title,
         "ms",
         "fraction of requests at or below",
         &lines,
         false,
+        SeriesLabelPosition::LowerRight,
     )
 }
 

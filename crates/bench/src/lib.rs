@@ -65,6 +65,11 @@ pub struct BenchArgs {
     /// gives each figure's spread across the runs).
     #[arg(long, default_value_t = 1)]
     pub repeat: usize,
+    /// Before each run, send this many requests one at a time and leave
+    /// them out of the figures (a server's first requests after it starts
+    /// pay for cold caches and lazy set-up).
+    #[arg(long, default_value_t = 0)]
+    pub warmup: usize,
     /// Requests to send in all.
     #[arg(long, default_value_t = 64)]
     pub requests: usize,
@@ -194,6 +199,9 @@ impl BenchArgs {
             return bad(format!(
                 "--concurrency must be one level or a list of levels, each in 1..={CONCURRENCY_MAX}"
             ));
+        }
+        if self.warmup > 1000 {
+            return bad("--warmup must be at most 1000".into());
         }
         if !(1..=100).contains(&self.repeat) {
             return bad("--repeat must be in 1..=100".into());
@@ -385,6 +393,12 @@ async fn run_level(args: &BenchArgs, concurrency: usize) -> Result<Report, Bench
     });
 
     let key = args.api_key.as_deref();
+    // Warm-up requests: other prompts than the run's (indices past it), one
+    // at a time, not counted.
+    for i in 0..args.warmup {
+        let _ = pool.one((args.requests + i) as u64).await;
+    }
+    pool.chunks.store(0, std::sync::atomic::Ordering::Relaxed);
     let config = client::server_config(&pool.client, base, key).await;
     let spec_before = client::spec_counts(&pool.client, base, key).await;
     let start = Instant::now();

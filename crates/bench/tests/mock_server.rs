@@ -812,3 +812,26 @@ fn compare_flags_figures_beyond_the_threshold() {
     assert!(out.contains("WORSE"), "{out}");
     assert!(out.contains("1 figure(s) worse"), "{out}");
 }
+
+/// `--warmup N`: N requests go first, one at a time, and are in no figure.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn warmup_requests_are_sent_first_and_left_out() {
+    let mock = start(|_| Reply::Stream {
+        tokens: 3,
+        usage: true,
+    })
+    .await;
+    let a = args(&mock.url, &["--requests", "4", "--warmup", "2"]);
+    let r = run(&a).await.unwrap();
+    assert_eq!((r.requests_ok, r.output_tokens), (4, 12));
+    let completions = mock
+        .posts
+        .lock()
+        .unwrap()
+        .iter()
+        .filter(|s| s.path == "/v1/completions")
+        .count();
+    assert_eq!(completions, 6);
+    // Output chunks over time count the run's tokens only.
+    assert_eq!(r.timeline.last().map(|s| s.output_chunks), Some(12));
+}
