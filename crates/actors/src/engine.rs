@@ -887,8 +887,10 @@ fn deliver(st: &mut SchedState, now: Duration) {
                     _ => Terminal::Error,
                 };
                 st.metrics.request_ended(tier, state);
-                st.traces
-                    .end(&st.tracing, id, End::Failed(failure.to_string()), now);
+                if st.traces.has(id) {
+                    st.traces
+                        .end(&st.tracing, id, End::Failed(failure.to_string()), now);
+                }
                 if let Some(l) = st.live.remove(&id) {
                     l.send(id, EngineEvent::Failed(failure), &mut batches);
                 }

@@ -59,9 +59,20 @@ pub(crate) struct ReqTrace {
     first_token: Option<Duration>,
     /// Steps before its first token came (prefill chunks).
     chunks: Vec<Ride>,
-    /// Steps after it (decodes, recomputes after a preemption).
+    /// Steps after it (decodes, recomputes after a preemption), the
+    /// first [`flotilla_telemetry::trace::EVENTS_PER_SPAN_MAX`] of them.
     steps: Vec<Ride>,
+    /// Every step after the first token.
+    decode_steps: u32,
     preempted: Vec<Duration>,
+    /// After each preemption, when it was scheduled again and how many of
+    /// its tokens' KV it found (kept in the prefix cache or restored from
+    /// the offload tier: the swap); the rest is recomputed.
+    resumed: Vec<(Duration, u32)>,
+    /// Preempted and not yet scheduled again.
+    awaiting_resume: bool,
+    /// Prompt tokens whose KV came from the prefix cache at its first step.
+    prefix_cached: u32,
     /// Its tokens in the step in flight.
     in_step: Option<u32>,
 }
@@ -76,7 +87,8 @@ pub(crate) enum End<'a> {
     Failed(String),
     Cancelled,
     Moved,
-    /// The router asked for an end that is not an error (stop string).
+    /// Another end that is not an error, named (`orphan`: its lease was
+    /// given back as nobody's).
     Other(&'a str),
 }
 
@@ -120,7 +132,11 @@ impl Traces {
                 first_token: None,
                 chunks: Vec::new(),
                 steps: Vec::new(),
+                decode_steps: 0,
                 preempted: Vec::new(),
+                resumed: Vec::new(),
+                awaiting_resume: false,
+                prefix_cached: 0,
                 in_step: None,
             },
         );
@@ -135,7 +151,14 @@ impl Traces {
         self.step_batch = items.len() as u32;
         for it in items {
             if let Some(t) = self.live.get_mut(&it.id) {
-                t.scheduled.get_or_insert(now);
+                if t.scheduled.is_none() {
+                    t.scheduled = Some(now);
+                    t.prefix_cached = it.start_pos as u32;
+                }
+                if t.awaiting_resume {
+                    t.awaiting_resume = false;
+                    t.resumed.push((now, it.start_pos as u32));
+                }
                 t.in_step = Some(it.tokens.len() as u32);
             }
         }
@@ -159,8 +182,11 @@ impl Traces {
                 };
                 if t.first_token.is_none() {
                     t.chunks.push(ride);
-                } else if t.steps.len() < flotilla_telemetry::trace::EVENTS_PER_SPAN_MAX {
-                    t.steps.push(ride);
+                } else {
+                    t.decode_steps += 1;
+                    if t.steps.len() < flotilla_telemetry::trace::EVENTS_PER_SPAN_MAX {
+                        t.steps.push(ride);
+                    }
                 }
             }
         }
@@ -168,6 +194,9 @@ impl Traces {
 
     /// A token of `id` was delivered now.
     pub(crate) fn token(&mut self, id: RequestId, now: Duration) {
+        if self.live.is_empty() {
+            return;
+        }
         if let Some(t) = self.live.get_mut(&id) {
             t.first_token.get_or_insert(now);
         }
@@ -175,8 +204,12 @@ impl Traces {
 
     /// `id` lost its KV blocks now.
     pub(crate) fn preempted(&mut self, id: RequestId, now: Duration) {
+        if self.live.is_empty() {
+            return;
+        }
         if let Some(t) = self.live.get_mut(&id) {
             t.preempted.push(now);
+            t.awaiting_resume = true;
         }
     }
 
@@ -188,11 +221,19 @@ impl Traces {
         end: End,
         now: Duration,
     ) {
+        if self.live.is_empty() {
+            return;
+        }
         let (Some(tr), Some(t)) = (tracing, self.live.remove(&id)) else {
             return;
         };
         let parent = t.parent.clone();
         tr.export(&parent, t.into_spans(end, now));
+    }
+
+    /// Whether `id` is traced here (cheap when nothing is).
+    pub(crate) fn has(&self, id: RequestId) -> bool {
+        !self.live.is_empty() && self.live.contains_key(&id)
     }
 
     /// Traced requests in the engine (tests).
@@ -242,6 +283,10 @@ impl ReqTrace {
             let until = self.first_token.unwrap_or(now);
             let computed: u32 = self.chunks.iter().map(|r| r.tokens).sum();
             let mut prefill = SpanRec::new("engine.prefill", s, until)
+                .attr(
+                    "flotilla.prefill.cached_tokens",
+                    i64::from(self.prefix_cached),
+                )
                 .attr("flotilla.prefill.chunks", self.chunks.len() as i64)
                 .attr("flotilla.prefill.computed_tokens", i64::from(computed));
             for r in &self.chunks {
@@ -259,7 +304,7 @@ impl ReqTrace {
             let from = f.max(queued_until);
             if from < now || !self.steps.is_empty() {
                 let mut decode = SpanRec::new("engine.decode", from, now)
-                    .attr("flotilla.decode.steps", self.steps.len() as i64);
+                    .attr("flotilla.decode.steps", i64::from(self.decode_steps));
                 decode.events = self
                     .steps
                     .iter()
@@ -286,6 +331,17 @@ impl ReqTrace {
                 attrs: Vec::new(),
             });
         }
+        for &(at, reused) in &self.resumed {
+            root.events.push(EventRec {
+                name: "resumed".into(),
+                at,
+                attrs: vec![KeyValue::new(
+                    "flotilla.kv.reused_tokens",
+                    i64::from(reused),
+                )],
+            });
+        }
+        root.events.sort_by_key(|e| e.at);
         root
     }
 }
@@ -311,6 +367,29 @@ mod tests {
         Duration::from_millis(v)
     }
 
+    /// A paid tenant's request of 300 prompt tokens, submitted at `at`.
+    fn fresh(parent: TraceContext, entry: Entry, at: Duration) -> ReqTrace {
+        ReqTrace {
+            parent,
+            entry,
+            tier: "paid".into(),
+            tenant: 3,
+            prompt_tokens: 300,
+            max_tokens: 3,
+            submitted: at,
+            scheduled: None,
+            first_token: None,
+            chunks: Vec::new(),
+            steps: Vec::new(),
+            decode_steps: 0,
+            preempted: Vec::new(),
+            resumed: Vec::new(),
+            awaiting_resume: false,
+            prefix_cached: 0,
+            in_step: None,
+        }
+    }
+
     #[test]
     fn a_timeline_becomes_queue_prefill_chunks_and_decode_steps_that_tile_the_request() {
         let cx = TraceContext {
@@ -319,21 +398,7 @@ mod tests {
             flags: 1,
             state: String::new(),
         };
-        let t = ReqTrace {
-            parent: cx,
-            entry: Entry::Whole,
-            tier: "paid".into(),
-            tenant: 3,
-            prompt_tokens: 300,
-            max_tokens: 3,
-            submitted: ms(0),
-            scheduled: None,
-            first_token: None,
-            chunks: Vec::new(),
-            steps: Vec::new(),
-            preempted: Vec::new(),
-            in_step: None,
-        };
+        let t = fresh(cx, Entry::Whole, ms(0));
         let mut tr = Traces::default();
         tr.live.insert(RequestId(7), t);
         let id = RequestId(7);
@@ -350,7 +415,12 @@ mod tests {
                 tr.token(id, ms(e));
             }
         }
-        tr.preempted(id, ms(45));
+        tr.preempted(id, ms(61));
+        // Scheduled again with 288 tokens' KV found (cache or offload tier).
+        let mut again = item(7, 16);
+        again.start_pos = 288;
+        tr.step_planned(&[again.clone()], ms(62));
+        tr.step_done(&[again], ms(65));
         let t = tr.live.remove(&id).expect("traced");
         let rec = t.into_spans(
             End::Finished {
@@ -358,14 +428,14 @@ mod tests {
                 output_tokens: 3,
                 cached_tokens: 0,
             },
-            ms(60),
+            ms(70),
         );
         let names: Vec<&str> = rec.children.iter().map(|c| c.name.as_ref()).collect();
         assert_eq!(names, ["engine.queue", "engine.prefill", "engine.decode"]);
         let (q, p, d) = (&rec.children[0], &rec.children[1], &rec.children[2]);
         assert_eq!((q.start, q.end), (ms(0), ms(10)));
         assert_eq!((p.start, p.end), (ms(10), ms(40)));
-        assert_eq!((d.start, d.end), (ms(40), ms(60)));
+        assert_eq!((d.start, d.end), (ms(40), ms(70)));
         assert_eq!(p.children.len(), 2);
         assert_eq!((p.children[1].start, p.children[1].end), (ms(31), ms(40)));
         assert!(
@@ -373,13 +443,20 @@ mod tests {
                 .attrs
                 .contains(&KeyValue::new("flotilla.step.tokens", 256i64))
         );
-        assert_eq!(d.events.len(), 2);
+        assert_eq!(d.events.len(), 3);
         assert!(
             d.events[0]
                 .attrs
                 .contains(&KeyValue::new("flotilla.step.batch", 2i64))
         );
-        assert_eq!(rec.events.len(), 1, "the preemption");
+        let ev: Vec<(&str, Duration)> =
+            rec.events.iter().map(|e| (e.name.as_ref(), e.at)).collect();
+        assert_eq!(ev, [("preempted", ms(61)), ("resumed", ms(62))]);
+        assert!(
+            rec.events[1]
+                .attrs
+                .contains(&KeyValue::new("flotilla.kv.reused_tokens", 288i64))
+        );
         assert!(rec.attrs.contains(&KeyValue::new("flotilla.tier", "paid")));
     }
 
@@ -406,21 +483,7 @@ mod tests {
             ms(0),
         );
         assert_eq!(tr.len(), 0);
-        let t = ReqTrace {
-            parent: cx,
-            entry: Entry::Imported,
-            tier: "free".into(),
-            tenant: 0,
-            prompt_tokens: 10,
-            max_tokens: 5,
-            submitted: ms(100),
-            scheduled: None,
-            first_token: None,
-            chunks: Vec::new(),
-            steps: Vec::new(),
-            preempted: Vec::new(),
-            in_step: None,
-        };
+        let t = fresh(cx, Entry::Imported, ms(100));
         tr.live.insert(RequestId(1), t);
         tr.token(RequestId(1), ms(100));
         tr.step_planned(&[item(1, 1)], ms(105));

@@ -60,18 +60,7 @@ pub(crate) async fn spec_counts(
     base: &str,
     api_key: Option<&str>,
 ) -> Option<crate::report::SpecCounts> {
-    let mut req = client.get(format!("{base}/metrics"));
-    if let Some(k) = api_key {
-        req = req.bearer_auth(k);
-    }
-    let text = async {
-        let resp = req.send().await.ok()?.error_for_status().ok()?;
-        resp.text().await.ok()
-    };
-    let text = tokio::time::timeout(DISCOVER_TIMEOUT_MAX, text)
-        .await
-        .ok()
-        .flatten()?;
+    let text = metrics_page(client, base, api_key).await?;
     crate::report::SpecCounts::from_metrics(&text)
 }
 

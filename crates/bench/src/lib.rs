@@ -300,6 +300,16 @@ pub async fn run(args: &BenchArgs) -> Result<Report, BenchError> {
     run_level(args, args.concurrency[0]).await
 }
 
+/// A task that is aborted when this is dropped (a run that ends by a panic
+/// or is itself dropped leaves nothing polling the server).
+struct AbortOnDrop(tokio::task::JoinHandle<()>);
+
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
+}
+
 /// Every level of `--concurrency`, each `--repeat` times, in order.
 pub async fn run_sweep(args: &BenchArgs) -> Result<Sweep, BenchError> {
     args.validate()?;
@@ -404,7 +414,7 @@ async fn run_level(args: &BenchArgs, concurrency: usize) -> Result<Report, Bench
     let start = Instant::now();
     // The server's own figures, looked at every --sample-ms while the run lasts.
     let samples: Arc<Mutex<Vec<server::Sample>>> = Arc::default();
-    let sampler = {
+    let mut sampler = AbortOnDrop({
         let (pool, samples) = (Arc::clone(&pool), Arc::clone(&samples));
         let (base, key) = (base.to_owned(), args.api_key.clone());
         let every = Duration::from_millis(args.sample_ms);
@@ -419,7 +429,7 @@ async fn run_level(args: &BenchArgs, concurrency: usize) -> Result<Report, Bench
                 tokio::time::sleep(every).await;
             }
         })
-    };
+    });
     // A JoinSet aborts its tasks when shut down or dropped: nothing outlives the run.
     let mut set = JoinSet::new();
     for _ in 0..workers {
@@ -442,7 +452,8 @@ async fn run_level(args: &BenchArgs, concurrency: usize) -> Result<Report, Bench
         None => all_done.await,
     }
     let wall = start.elapsed();
-    sampler.abort();
+    sampler.0.abort();
+    let _ = (&mut sampler.0).await;
     set.shutdown().await;
     pool.progress.finish_and_clear();
     let last_page = client::metrics_page(&pool.client, base, key).await;
@@ -487,6 +498,26 @@ pub fn load_report(path: &Path) -> Result<Report, BenchError> {
     })
 }
 
+/// Reads a baseline for `--compare`: a saved report, or every run of a
+/// saved sweep.
+pub fn load_baseline(path: &Path) -> Result<Vec<Report>, BenchError> {
+    match load_report(path) {
+        Ok(r) => Ok(vec![r]),
+        Err(BenchError::BadReport { .. }) => {
+            let text = std::fs::read_to_string(path).map_err(|source| BenchError::Io {
+                path: path.into(),
+                source,
+            })?;
+            let s: Sweep = serde_json::from_str(&text).map_err(|source| BenchError::BadReport {
+                path: path.into(),
+                source,
+            })?;
+            Ok(s.levels.into_iter().flat_map(|l| l.runs).collect())
+        }
+        Err(e) => Err(e),
+    }
+}
+
 /// Writes `r` to `path` as pretty JSON.
 pub fn save_report(path: &Path, r: &Report) -> Result<(), BenchError> {
     // Serialising plain data to a string cannot fail.
@@ -503,11 +534,21 @@ pub fn save_report(path: &Path, r: &Report) -> Result<(), BenchError> {
 /// report, or the sweep) and `--html`.
 pub async fn run_and_report(args: &BenchArgs) -> Result<Sweep, BenchError> {
     args.validate()?;
-    let baseline = args.compare.as_deref().map(load_report).transpose()?;
+    let baseline = args
+        .compare
+        .as_deref()
+        .map(load_baseline)
+        .transpose()?
+        .unwrap_or_default();
     let sweep = run_sweep(args).await?;
     for level in &sweep.levels {
         for r in &level.runs {
-            print!("{}", render_with(r, baseline.as_ref(), args.threshold));
+            // A sweep's baseline: its run at the same concurrency, if any.
+            let old = baseline
+                .iter()
+                .find(|b| b.flags.concurrency == r.flags.concurrency)
+                .or(baseline.first());
+            print!("{}", render_with(r, old, args.threshold));
         }
     }
     if args.is_sweep() {

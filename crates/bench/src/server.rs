@@ -136,7 +136,10 @@ pub(crate) fn summarise(
     let peak_sampled = samples.iter().filter_map(|s| s.rss_bytes).max();
     let kv_total_blocks = last_page.and_then(|p| {
         let s = series(p, "flotilla_kv_cache_blocks");
-        (!s.is_empty()).then(|| s.iter().map(|&(_, v)| v as u64).sum())
+        (!s.is_empty()).then(|| {
+            s.iter()
+                .fold(0u64, |acc, &(_, v)| acc.saturating_add(v as u64))
+        })
     });
     ServerSide {
         config,

@@ -777,6 +777,21 @@ async fn a_sweep_with_repeats_reports_each_level_its_spread_and_plots() {
     assert_eq!(g.levels.len(), 3);
     assert_eq!(g.levels[0].name, "sweep");
     assert!(flotilla_bench::gather(&[dir.join("missing.json")]).is_err());
+    // A saved sweep is a baseline too: each run against the same level.
+    let base = flotilla_bench::load_baseline(&json_path).unwrap();
+    assert_eq!(base.len(), 4);
+    let again = args(
+        &mock.url,
+        &[
+            "--requests",
+            "4",
+            "--concurrency",
+            "2",
+            "--compare",
+            json_path.to_str().unwrap(),
+        ],
+    );
+    assert_eq!(run_and_report(&again).await.unwrap().levels.len(), 1);
     std::fs::remove_dir_all(&dir).unwrap();
 }
 

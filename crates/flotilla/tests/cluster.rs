@@ -1108,6 +1108,7 @@ async fn one_trace_follows_a_request_through_router_prefill_and_decode_nodes() {
     );
     assert_eq!(root.attr("gen_ai.usage.output_tokens"), Some("24"));
     assert_eq!(root.attr("flotilla.tier"), Some("paid"));
+    assert_eq!(root.attr("flotilla.end"), Some("finished"));
     assert_eq!(root.events, ["first_token"]);
     let ttft: f64 = root.attr("flotilla.ttft_ms").unwrap().parse().unwrap();
     assert!(ttft > 0.0 && ttft * 1e6 < root.dur_ns() as f64);

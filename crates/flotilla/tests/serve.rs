@@ -813,6 +813,9 @@ async fn serve_traces_each_request_through_its_phases_and_preemptions() {
             n as usize,
             eng.events.iter().filter(|e| *e == "preempted").count()
         );
+        // Each came back (its KV found in the cache, the rest recomputed).
+        let resumed = eng.events.iter().filter(|e| *e == "resumed").count();
+        assert_eq!(n as usize, resumed);
         preempted += n;
         assert!(q[0].end_ns <= p[0].start_ns && p[0].end_ns <= d[0].start_ns);
     }

@@ -223,7 +223,7 @@ impl Gateway {
             arrival,
             attrs,
         )?;
-        Some(stream::ReqSpan { span })
+        Some(stream::ReqSpan { span, ended: None })
     }
 
     fn tier_name(&self, tenant: TenantId) -> &str {
@@ -326,6 +326,7 @@ impl Gateway {
             Ok(rs) => rs,
             Err(r) => {
                 if let Some(s) = &mut span {
+                    s.ended = Some("refused");
                     s.span.fail(format!("refused: {r}"));
                 }
                 return self.refuse(tier, ApiError::Rejected(r));
@@ -528,13 +529,16 @@ async fn ready(State(gw): Shared) -> Response {
 async fn prometheus_text(State(gw): Shared) -> Response {
     // The load as the engine sees it now (on a Router: every node's, summed),
     // so that a Router's page carries the queue an autoscaler reads.
-    let s = gw.engine.status().await;
-    for t in &s.tiers {
+    // An engine that does not answer in time leaves the gauges as they were.
+    let status = tokio::time::timeout(std::time::Duration::from_secs(2), gw.engine.status());
+    if let Ok(s) = status.await {
+        for t in &s.tiers {
+            gw.metrics
+                .tier_load(&t.name, t.queued as u64, t.running as u64);
+        }
         gw.metrics
-            .tier_load(&t.name, t.queued as u64, t.running as u64);
+            .kv(s.kv.used as u64, s.kv.free as u64, s.kv.cached as u64);
     }
-    gw.metrics
-        .kv(s.kv.used as u64, s.kv.free as u64, s.kv.cached as u64);
     (
         [(
             header::CONTENT_TYPE,

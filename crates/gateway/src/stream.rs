@@ -55,10 +55,22 @@ pub struct Meta {
     )>,
 }
 
-/// A traced request's server span and whether its first token has gone out.
+/// A traced request's server span.
 pub struct ReqSpan {
     /// The span.
     pub span: flotilla_telemetry::ServerSpan,
+    /// How the request ended (`finished`, `failed`, `refused`) if it did
+    /// before the span; a span dropped without an end is a client that
+    /// went away (`cancelled`).
+    pub ended: Option<&'static str>,
+}
+
+impl Drop for ReqSpan {
+    fn drop(&mut self) {
+        let end = self.ended.unwrap_or("cancelled");
+        self.span
+            .set(vec![flotilla_telemetry::KeyValue::new("flotilla.end", end)]);
+    }
 }
 
 impl Meta {
@@ -81,6 +93,7 @@ impl Meta {
         }
         match step {
             Step::Done { reason, usage, .. } => {
+                t.ended = Some("finished");
                 t.span.set(vec![
                     KeyValue::new(
                         "gen_ai.response.finish_reasons",
@@ -94,7 +107,10 @@ impl Meta {
                     KeyValue::new("flotilla.cached_tokens", i64::from(usage.cached_tokens)),
                 ]);
             }
-            Step::Fail(f) => t.span.fail(f.to_string()),
+            Step::Fail(f) => {
+                t.ended = Some("failed");
+                t.span.fail(f.to_string());
+            }
             Step::Text(_) | Step::Idle => {}
         }
     }

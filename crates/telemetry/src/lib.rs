@@ -152,8 +152,9 @@ impl Metrics {
             http_ttft: latency(
                 m,
                 "flotilla_http_time_to_first_token",
-                "Request received at the HTTP front to its first token sent, by tier \
-                 (on a Router: across the cluster, the autoscaling signal)",
+                "Request received at the HTTP front to its first token's text ready \
+                 to send (streamed: sent), by tier (on a Router: across the cluster, \
+                 the autoscaling signal)",
             ),
             tpot: latency(
                 m,
