@@ -3,7 +3,8 @@
 # `llama-server -np 32 -cb` on the same GGUF file, same machine, same run.
 # Streams 1, 8 and 32 at a time, 128 output tokens each (ignore_eos), prompts
 # of 16..256 words (seeded). Writes reports under $OUT (default
-# target/bench-serve) and prints flotilla/llama-server ratios.
+# target/bench-serve), prints flotilla/llama-server ratios, and gathers both
+# servers' levels into one page with plots ($OUT/report.html).
 #   usage: tests/bench/serve-vs-llama-server.sh [LLAMA_BIN_DIR]
 set -euo pipefail
 cd "$(dirname "$0")/../.."
@@ -61,3 +62,8 @@ for name, k, q in rows:
     print(f"{name:14} {x if x is not None else '-':>10} {y if y is not None else '-':>10} {r:>7}")
 PY
 done
+
+FILES=()
+for name in flotilla llama-server; do for c in $LEVELS; do FILES+=("$OUT/$name-c$c.json"); done; done
+$FLOTILLA bench-report "${FILES[@]}" --html "$OUT/report.html" --json "$OUT/report.json" >/dev/null
+echo "report with plots: $OUT/report.html"

@@ -327,17 +327,31 @@ pub fn page(sweep: &Sweep) -> String {
                 r.ttft_ms.map(|s| s.p99)
             }),
         ] {
-            let points: Vec<(f64, f64)> = sweep
-                .levels
-                .iter()
-                .filter_map(|l| Some((l.mean(|r| Some(r.output_tokens_per_s))?, l.mean(pick)?)))
-                .collect();
-            let names: Vec<&str> = sweep.levels.iter().map(|l| l.name.as_str()).collect();
-            let line = Line {
-                name: format!("levels in order: {}", names.join(", ")),
-                points,
-            };
-            h += &plot(title, "output tok/s", "ms", &[line], true);
+            // A line per server (levels gathered from runs against several
+            // servers, e.g. beside a peer), its levels in order.
+            let mut lines: Vec<(String, Line)> = Vec::new();
+            for l in &sweep.levels {
+                let Some(r) = l.runs.first() else { continue };
+                let Some(p) = l.mean(|r| Some(r.output_tokens_per_s)).zip(l.mean(pick)) else {
+                    continue;
+                };
+                let key = r.server_url.clone();
+                match lines.iter_mut().find(|(k, _)| *k == key) {
+                    Some((_, line)) => {
+                        line.points.push(p);
+                        line.name.push_str(&format!(", {}", l.name));
+                    }
+                    None => lines.push((
+                        key,
+                        Line {
+                            name: l.name.clone(),
+                            points: vec![p],
+                        },
+                    )),
+                }
+            }
+            let lines: Vec<Line> = lines.into_iter().map(|(_, l)| l).collect();
+            h += &plot(title, "output tok/s", "ms", &lines, true);
         }
         h += "</div>";
     }
