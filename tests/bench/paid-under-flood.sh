@@ -9,8 +9,9 @@ OUT=${OUT:-target/bench-serve}; mkdir -p "$OUT"
 FLOTILLA=target/release/flotilla
 [ -x "$FLOTILLA" ] || cargo build --release
 URL=http://127.0.0.1:8414
+CONFIG=${CONFIG:-cluster-configs/bench-flood.toml}
 PAID="--api-key sk-bench-paid-0001 --concurrency 2 --requests 24 --max-tokens 64 --prompt-len-min 16 --prompt-len-max 128 --seed 11 --quiet"
-$FLOTILLA serve --config cluster-configs/bench-flood.toml --port 8414 2>"$OUT/flood-serve.log" &
+$FLOTILLA serve --config "$CONFIG" --port 8414 2>"$OUT/flood-serve.log" &
 PID=$!; trap 'kill $PID 2>/dev/null || true' EXIT
 for _ in $(seq 1 600); do curl -sf $URL/ready >/dev/null && break; sleep 0.2; done
 
@@ -21,8 +22,17 @@ for t in a b c; do
     --max-tokens 128 --seed $((20 + $(printf "%d" "'$t") )) --quiet --label "free flood $t" --json "$OUT/flood-$t.json" >"$OUT/flood-$t.txt" 2>&1 &
   FLOOD+=($!)
 done
-sleep 20   # let the flood fill the engine
+# Free output tokens so far (counted as requests finish), and when.
+free_mark() { echo "$(date +%s.%N) $(curl -s $URL/metrics | awk '/^flotilla_generation_tokens_total\{.*tier="free"/ {s += $2} END {print s + 0}')"; }
+sleep 10   # let the flood fill the engine
+F0=$(free_mark); sleep 10; F1=$(free_mark)   # the flood alone
 $FLOTILLA bench --url $URL $PAID --label "paid under flood" --json "$OUT/paid-flood.json" >"$OUT/paid-flood.txt"
+F2=$(free_mark)
+python3 - $F0 $F1 $F2 <<'PY'
+import sys
+t0, f0, t1, f1, t2, f2 = map(float, sys.argv[1:])
+print(f"free output tok/s: flood alone {(f1 - f0) / (t1 - t0):.1f}, while paid runs {(f2 - f1) / (t2 - t1):.1f}")
+PY
 curl -s $URL/metrics | grep -E '^flotilla_preemptions_total|^flotilla_requests_total' >"$OUT/flood-metrics.txt" || true
 kill "${FLOOD[@]}" 2>/dev/null || true; wait "${FLOOD[@]}" 2>/dev/null || true
 python3 - "$OUT" <<'PY'

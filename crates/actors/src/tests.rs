@@ -230,6 +230,7 @@ async fn rig_with(
             priority: 0,
             queue_len_max: 16,
             kv_reserved_blocks: 0,
+            step_tokens_max: None,
         }],
         tenants: vec![TenantConfig {
             name: "a".into(),

@@ -303,6 +303,7 @@ impl ClusterConfig {
                     priority: t.priority,
                     queue_len_max: t.queue_len_max,
                     kv_reserved_blocks: t.kv_reserved_blocks,
+                    step_tokens_max: t.step_tokens_max,
                 })
                 .collect(),
             tenants: self

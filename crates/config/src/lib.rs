@@ -111,6 +111,10 @@ pub struct Tier {
     pub queue_len_max: usize,
     /// KV blocks kept for this tier.
     pub kv_reserved_blocks: u32,
+    /// Latency budget: while this tier has work, less protected tiers fill
+    /// a step only up to this many tokens in all (the scheduler's
+    /// `TierConfig::step_tokens_max`); `None`: no budget.
+    pub step_tokens_max: Option<usize>,
 }
 
 /// A tenant: who an API key belongs to.
@@ -191,6 +195,8 @@ struct RawTier {
     queue_len_max: usize,
     #[serde(default)]
     kv_reserved_blocks: u32,
+    #[serde(default)]
+    step_tokens_max: Option<usize>,
 }
 
 #[derive(Deserialize)]
@@ -261,6 +267,12 @@ impl Tier {
         if self.queue_len_max == 0 || self.queue_len_max > QUEUE_LEN_MAX_LIMIT {
             return Err(format!(
                 "tier '{}': queue_len_max must be in 1..={QUEUE_LEN_MAX_LIMIT}",
+                self.name
+            ));
+        }
+        if self.step_tokens_max == Some(0) {
+            return Err(format!(
+                "tier '{}': step_tokens_max must be at least 1 (omit it for no latency budget)",
                 self.name
             ));
         }
@@ -344,6 +356,7 @@ impl ClusterConfig {
                 priority: t.priority,
                 queue_len_max: t.queue_len_max,
                 kv_reserved_blocks: t.kv_reserved_blocks,
+                step_tokens_max: t.step_tokens_max,
             };
             tier.check(&tiers).map_err(|m| invalid(at, m))?;
             tiers.push(tier);
@@ -502,6 +515,7 @@ impl ClusterConfig {
                 priority: 0,
                 queue_len_max: default_queue_len_max(),
                 kv_reserved_blocks: 0,
+                step_tokens_max: None,
             }],
             tenants: vec![Tenant::open_default(0)],
             cluster: None,
@@ -616,6 +630,15 @@ max_concurrent = 4
         assert!(err_of(&long).contains("(0, 86400]"), "{}", err_of(&long));
         assert!(err_of("[[tiers]]\nname = \"a\"\n[[tiers]]\nname = \"a\"\n").contains("twice"));
         assert!(err_of(&format!("{GOOD}\n[engine2]\n")).contains("engine2"));
+        // A latency budget: a positive number of tokens, into the scheduler.
+        let budget = GOOD.replace("weight = 8", "weight = 8\nstep_tokens_max = 6");
+        let c = ClusterConfig::parse(&budget, "f.toml").unwrap();
+        assert_eq!(c.tiers[0].step_tokens_max, Some(6));
+        assert!(c.tiers[1..].iter().all(|t| t.step_tokens_max.is_none()));
+        let e = err_of(&GOOD.replace("weight = 8", "weight = 8\nstep_tokens_max = 0"));
+        assert!(e.contains("step_tokens_max must be at least 1"), "{e}");
+        let e = err_of(&format!("{GOOD}\n[telemetry]\notlp_sample_ratio = 2.0\n"));
+        assert!(e.contains("telemetry.otlp_sample_ratio 2"), "{e}");
     }
 
     #[test]

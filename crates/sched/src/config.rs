@@ -18,6 +18,14 @@ pub struct TierConfig {
     pub queue_len_max: usize,
     /// KV blocks other tiers may never take from this tier.
     pub kv_reserved_blocks: u32,
+    /// A latency budget for this tier, in tokens per step: while it has
+    /// work (running or waiting) and no more protected tier does, less
+    /// protected tiers' work fills a step only up to this many tokens in
+    /// all (this tier's own work is not limited by it). Fewer lower-tier
+    /// decodes (taking turns) and smaller lower-tier chunks per step keep
+    /// this tier's TPOT and TTFT near their unloaded values, traded against
+    /// lower-tier throughput. `None`: steps are filled as usual.
+    pub step_tokens_max: Option<usize>,
 }
 
 /// One tenant (an API key's owner).
@@ -251,6 +259,9 @@ impl SchedConfig {
             if t.queue_len_max == 0 {
                 return Err(bad("queue_len_max"));
             }
+            if t.step_tokens_max == Some(0) {
+                return Err(bad("step_tokens_max"));
+            }
         }
         names.clear();
         for t in &self.tenants {
@@ -331,6 +342,7 @@ pub(crate) mod tests {
             priority,
             queue_len_max: 1000,
             kv_reserved_blocks: 0,
+            step_tokens_max: None,
         };
         let tenant = |name: &str, tier| TenantConfig {
             name: name.into(),

@@ -75,6 +75,9 @@ pub struct Scheduler {
     counters: Counters,
     /// Reused list of running ids, so planning allocates no id list per step.
     scratch: Vec<RequestId>,
+    /// Where the next step's less protected decodes start under a latency
+    /// budget (they take turns).
+    lower_cursor: usize,
     /// Blocks of finished prefills kept for export to a decode node.
     held: BTreeMap<RequestId, HeldKv>,
     /// Blocks reserved for KV a prefill node is about to send.
@@ -129,6 +132,7 @@ impl Scheduler {
             events: Vec::new(),
             counters: Counters::default(),
             scratch: Vec::with_capacity(cfg.max_num_seqs),
+            lower_cursor: 0,
             held: BTreeMap::new(),
             reservations: BTreeMap::new(),
             kv_deadlines: BTreeSet::new(),

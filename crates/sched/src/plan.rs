@@ -98,6 +98,14 @@ pub(crate) struct Draft {
     /// Prefill tokens each tier may still add this step (see
     /// [`Scheduler::prefill_caps`]).
     prefill_left: Vec<usize>,
+    /// While a tier with a latency budget has work: the most tokens the
+    /// step may hold once less protected tiers' work is added (see
+    /// [`Scheduler::step_protection`]).
+    protect: Option<usize>,
+    /// Per tier: less protected than the tier that set `protect`.
+    lower: Vec<bool>,
+    /// The step's budget before anything was planned.
+    initial: usize,
 }
 
 impl Draft {
@@ -105,9 +113,21 @@ impl Draft {
         self.chunks.iter().any(|c| c.0 == id)
     }
 
+    /// Tokens any chunk of `tier` may take now: the step's budget, and for
+    /// a tier below a latency budget what is left of that budget.
+    pub(crate) fn room(&self, tier: usize) -> usize {
+        match self.protect {
+            Some(max) if self.lower[tier] => {
+                let planned = self.initial - self.budget;
+                self.budget.min(max.saturating_sub(planned))
+            }
+            _ => self.budget,
+        }
+    }
+
     /// Tokens a prefill chunk of `tier` may take now.
     fn prefill_room(&self, tier: usize) -> usize {
-        self.budget.min(self.prefill_left[tier])
+        self.room(tier).min(self.prefill_left[tier])
     }
 
     /// Adds a chunk; `prefill_tier` charges it to that tier's prefill cap.
@@ -167,11 +187,15 @@ impl Scheduler {
             self.in_flight
         );
         self.expire(now);
+        let (protect, lower) = self.step_protection();
         let mut draft = Draft {
             chunks: Vec::with_capacity(self.cfg.max_num_seqs),
             guesses: Vec::new(),
             budget: self.cfg.max_num_batched_tokens,
             prefill_left: self.prefill_caps(),
+            protect,
+            lower,
+            initial: self.cfg.max_num_batched_tokens,
         };
         self.schedule_running(&mut draft);
         let admit = match self.cfg.batching {
@@ -200,15 +224,7 @@ impl Scheduler {
         if self.cfg.batching == Batching::Static {
             return vec![usize::MAX; ntiers];
         }
-        let mut active = vec![false; ntiers];
-        for id in &self.running {
-            active[self.seqs[id].tier] = true;
-        }
-        for (n, q) in self.waiting.iter().enumerate() {
-            if !q.is_empty() {
-                active[usize::from(self.cfg.tenants[n].tier.0)] = true;
-            }
-        }
+        let active = self.active_tiers();
         let top = (0..ntiers)
             .filter(|&t| active[t])
             .map(|t| self.cfg.tiers[t].priority)
@@ -229,6 +245,53 @@ impl Scheduler {
             .collect()
     }
 
+    /// Tiers with work (running or waiting), by index.
+    fn active_tiers(&self) -> Vec<bool> {
+        let mut active = vec![false; self.cfg.tiers.len()];
+        for id in &self.running {
+            active[self.seqs[id].tier] = true;
+        }
+        for (n, q) in self.waiting.iter().enumerate() {
+            if !q.is_empty() {
+                active[usize::from(self.cfg.tenants[n].tier.0)] = true;
+            }
+        }
+        active
+    }
+
+    /// The latency budget of this step: when the most protected tiers with
+    /// work have `step_tokens_max` (the smallest, if several share the top
+    /// priority), the step holds at most that many tokens once less
+    /// protected tiers' work is added; and which tiers those are.
+    fn step_protection(&self) -> (Option<usize>, Vec<bool>) {
+        let ntiers = self.cfg.tiers.len();
+        let no = (None, vec![false; ntiers]);
+        if self.cfg.batching == Batching::Static
+            || self.cfg.tiers.iter().all(|t| t.step_tokens_max.is_none())
+        {
+            return no;
+        }
+        let active = self.active_tiers();
+        let Some(top) = (0..ntiers)
+            .filter(|&t| active[t])
+            .map(|t| self.cfg.tiers[t].priority)
+            .max()
+        else {
+            return no;
+        };
+        let max = (0..ntiers)
+            .filter(|&t| active[t] && self.cfg.tiers[t].priority == top)
+            .filter_map(|t| self.cfg.tiers[t].step_tokens_max)
+            .min();
+        let lower = (0..ntiers)
+            .map(|t| self.cfg.tiers[t].priority < top)
+            .collect::<Vec<_>>();
+        match max {
+            Some(m) if lower.iter().any(|&l| l) => (Some(m), lower),
+            _ => no,
+        }
+    }
+
     /// Whether a sequence's prefill counts against its tier's cap: a prompt
     /// not yet answered does; a preempted sequence recomputing what it had
     /// does not, or a higher tier's growth could preempt it again before it
@@ -239,34 +302,57 @@ impl Scheduler {
 
     /// Gives every running sequence its next chunk, decodes before prefill
     /// chunks so a long prompt never costs a decode its step (bounded TPOT).
+    /// Under a latency budget ([`Scheduler::step_protection`]) the protected
+    /// tiers' sequences go first, then the less protected ones from a
+    /// rotating start, so that when only some of them fit each gets its turn.
     fn schedule_running(&mut self, draft: &mut Draft) {
         let mut ids = std::mem::take(&mut self.scratch);
-        for decode_pass in [true, false] {
-            ids.clear();
-            ids.extend_from_slice(&self.running);
-            for &id in &ids {
-                if draft.budget == 0 {
-                    break;
+        let groups: &[Option<bool>] = if draft.protect.is_some() {
+            &[Some(false), Some(true)]
+        } else {
+            &[None]
+        };
+        for &group in groups {
+            let mut served = 0;
+            for decode_pass in [true, false] {
+                ids.clear();
+                ids.extend(self.running.iter().copied().filter(|id| {
+                    group.is_none_or(|lower| draft.lower[self.seqs[id].tier] == lower)
+                }));
+                if group == Some(true) && !ids.is_empty() {
+                    let k = self.lower_cursor % ids.len();
+                    ids.rotate_left(k);
                 }
-                let seq = &self.seqs[&id];
-                // Preempted earlier in this pass, or already planned.
-                if !seq.is_running() || draft.has(id) {
-                    continue;
+                for &id in &ids {
+                    if draft.budget == 0 {
+                        break;
+                    }
+                    let seq = &self.seqs[&id];
+                    // Preempted earlier in this pass, or already planned.
+                    if !seq.is_running() || draft.has(id) {
+                        continue;
+                    }
+                    let n = seq.to_compute();
+                    if decode_pass != (n == 1) {
+                        continue;
+                    }
+                    let start = seq.num_computed;
+                    let capped = (!decode_pass && Self::prefill_capped(seq)).then_some(seq.tier);
+                    let room = capped.map_or(draft.room(seq.tier), |t| draft.prefill_room(t));
+                    let chunk = n.min(room);
+                    if chunk == 0 {
+                        continue;
+                    }
+                    if self.grow_running(id, start + chunk, draft) {
+                        draft.push(id, start, chunk, capped);
+                        if decode_pass {
+                            served += 1;
+                        }
+                    }
                 }
-                let n = seq.to_compute();
-                if decode_pass != (n == 1) {
-                    continue;
-                }
-                let start = seq.num_computed;
-                let capped = (!decode_pass && Self::prefill_capped(seq)).then_some(seq.tier);
-                let room = capped.map_or(draft.budget, |t| draft.prefill_room(t));
-                let chunk = n.min(room);
-                if chunk == 0 {
-                    continue;
-                }
-                if self.grow_running(id, start + chunk, draft) {
-                    draft.push(id, start, chunk, capped);
-                }
+            }
+            if group == Some(true) {
+                self.lower_cursor = self.lower_cursor.wrapping_add(served);
             }
         }
         self.scratch = ids;
@@ -454,7 +540,7 @@ impl Scheduler {
         let continuous = self.cfg.batching == Batching::Continuous;
         let (tier, tenant) = (self.seqs[&id].tier, self.seqs[&id].tenant);
         let capped = Self::prefill_capped(&self.seqs[&id]).then_some(tier);
-        let room = capped.map_or(draft.budget, |t| draft.prefill_room(t));
+        let room = capped.map_or(draft.room(tier), |t| draft.prefill_room(t));
         if continuous && room == 0 {
             // The tier's prefill share of this step is spent.
             return Admit::NoSeat;

@@ -85,7 +85,7 @@ impl Scheduler {
             // samples anyway, the context.
             let room = spec
                 .max_draft
-                .min(draft.budget)
+                .min(draft.room(seq.tier))
                 .min(step_left)
                 .min(seq.max_tokens.saturating_sub(seq.generated() + 1))
                 .min(self.cfg.max_model_len.saturating_sub(seq.tokens.len() + 1));

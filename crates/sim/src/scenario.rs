@@ -178,6 +178,10 @@ pub struct TierSection {
     pub slo_ttft_ms: f64,
     /// ...and its mean TPOT at most this.
     pub slo_tpot_ms: f64,
+    /// Latency budget in tokens per step (the engine's `[[tiers]]
+    /// step_tokens_max`).
+    #[serde(default)]
+    pub step_tokens_max: Option<usize>,
 }
 
 fn one() -> u32 {
@@ -402,6 +406,7 @@ impl Scenario {
                 priority: t.priority,
                 queue_len_max: t.queue_len_max,
                 kv_reserved_blocks: 0,
+                step_tokens_max: t.step_tokens_max,
             })
             .collect();
         let mut tenants = Vec::new();

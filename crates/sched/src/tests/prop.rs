@@ -68,13 +68,14 @@ pub(crate) fn config() -> impl Strategy<Value = SchedConfig> {
             0..4u32,
             proptest::option::of(5..60u32),
             proptest::option::of((1..6usize, 1..4usize, 1..6usize)),
+            proptest::option::of(1..12usize),
         ),
     )
         .prop_map(
             |(
                 (blocks, bs, seqs, budget),
                 (stat, reserved, quota, salted, offload),
-                (timeout, conc, rpm, spec),
+                (timeout, conc, rpm, spec, latency_budget),
             )| {
                 let mut c = two_tiers(blocks, bs);
                 c.max_num_seqs = seqs;
@@ -86,6 +87,7 @@ pub(crate) fn config() -> impl Strategy<Value = SchedConfig> {
                     Batching::Continuous
                 };
                 c.tiers[1].kv_reserved_blocks = reserved;
+                c.tiers[1].step_tokens_max = latency_budget;
                 c.tenants[1].kv_blocks_max = quota;
                 c.tenants[2].prefix_salt = if salted { 5 } else { 0 };
                 c.offload_blocks = offload;

@@ -336,3 +336,78 @@ fn preempted_sequences_come_back_through_the_offload_tier() {
         "{restored} tokens computed with the tier, {recomputed} without"
     );
 }
+
+/// A paid tier's latency budget (`step_tokens_max`): while paid work runs,
+/// each step holds every paid decode and at most the budget in all, the
+/// free decodes taking turns (none starves, none is dropped); without paid
+/// work the free sequences fill the step again. Output is the same tokens
+/// as without the budget.
+#[test]
+fn a_latency_budget_keeps_paid_steps_small_and_free_decodes_take_turns() {
+    let mut c = two_tiers(1024, 16);
+    c.max_num_seqs = 16;
+    c.tiers[1].step_tokens_max = Some(4);
+    let mut sim = Sim::new(c);
+    let free: Vec<_> = (0..8).map(|i| sim.submit(i % 2, 8, 40).unwrap()).collect();
+    // The free prompts, then free decodes alone: everything fits.
+    for _ in 0..3 {
+        sim.step();
+    }
+    let plan = sim.step();
+    assert_eq!(plan.items.len(), 8, "no paid work: a full step");
+    let paid = sim.submit(2, 8, 30).unwrap();
+    let mut free_turns = std::collections::BTreeMap::<_, usize>::new();
+    let mut paid_steps = 0;
+    for _ in 0..24 {
+        let plan = sim.step();
+        let has_paid = plan.items.iter().any(|i| i.id == paid);
+        if !has_paid {
+            continue;
+        }
+        paid_steps += 1;
+        let paid_tokens: usize = plan
+            .items
+            .iter()
+            .filter(|i| i.id == paid)
+            .map(|i| i.tokens.len())
+            .sum();
+        let free_tokens: usize = plan.num_tokens() - paid_tokens;
+        // Free work never passes the budget; beside a running paid
+        // sequence it fills the step up to the budget in all. (The step
+        // that admits the paid prompt plans the running free decodes
+        // first, so its prompt comes on top of them.)
+        assert!(free_tokens <= 4, "{free_tokens} free tokens");
+        if paid_tokens == 1 {
+            assert!(
+                free_tokens <= 3,
+                "{free_tokens} free tokens beside a paid decode"
+            );
+        }
+        for i in plan.items.iter().filter(|i| i.id != paid) {
+            *free_turns.entry(i.id).or_default() += 1;
+        }
+    }
+    assert!(
+        paid_steps >= 20,
+        "the paid request ran ({paid_steps} steps)"
+    );
+    // 3 free decodes a step over 8 free sequences: each got its turns.
+    for id in &free {
+        let n = free_turns.get(id).copied().unwrap_or(0);
+        assert!(
+            n >= 5,
+            "{id} decoded in {n} of the paid steps: {free_turns:?}"
+        );
+    }
+    // After the paid request, the free ones fill the steps again.
+    sim.run_until_idle(400);
+    sim.assert_all_done();
+}
+
+#[test]
+fn a_zero_latency_budget_is_refused() {
+    let mut c = two_tiers(64, 16);
+    c.tiers[1].step_tokens_max = Some(0);
+    let e = c.validate().unwrap_err().to_string();
+    assert!(e.contains("step_tokens_max"), "{e}");
+}
