@@ -223,6 +223,9 @@ struct SchedState {
     tracing: Option<Tracing>,
     /// Timelines of the traced requests here.
     traces: Traces,
+    /// Tokens generated per tier by the step being delivered (counted into
+    /// the metrics once per step).
+    generated: Vec<u64>,
 }
 
 /// Measured costs that decide whether the KV offload tier pays: a block
@@ -317,6 +320,7 @@ impl Actor for SchedulerActor {
             handled: 0,
             offload_cost: OffloadCost::default(),
             offload_seen: Default::default(),
+            generated: Vec::new(),
             tracing: a.tracing,
             traces: Traces::default(),
         };
@@ -846,6 +850,10 @@ fn deliver(st: &mut SchedState, now: Duration) {
             SchedEvent::Token { id, token } => {
                 st.traces.token(id, now);
                 if let Some(l) = st.live.get(&id) {
+                    if st.generated.len() <= l.tier {
+                        st.generated.resize(l.tier + 1, 0);
+                    }
+                    st.generated[l.tier] += 1;
                     l.send(id, EngineEvent::Token(token), &mut batches);
                 }
             }
@@ -857,10 +865,11 @@ fn deliver(st: &mut SchedState, now: Duration) {
             } => {
                 let tier = tier_name(&st.tier_names, timings.tier);
                 st.metrics.record_phases(tier, &phases(&timings));
+                // Generated tokens are counted as they come (below).
                 st.metrics.tokens(
                     tier,
                     usage.prompt_tokens as u64,
-                    usage.completion_tokens as u64,
+                    0,
                     usage.cached_tokens as u64,
                 );
                 st.metrics
@@ -902,6 +911,13 @@ fn deliver(st: &mut SchedState, now: Duration) {
         }
     }
     st.events = events;
+    for (t, n) in st.generated.iter_mut().enumerate() {
+        if *n > 0 {
+            st.metrics
+                .tokens(tier_name(&st.tier_names, TierId(t as u8)), 0, *n, 0);
+            *n = 0;
+        }
+    }
     batches.flush();
     st.batches = batches;
 }

@@ -37,7 +37,7 @@ use flotilla_proto::{
 
 pub use config::{Batching, ConfigError, SchedConfig, Speculation, TenantConfig, TierConfig};
 pub use event::{Counters, SchedEvent, Timings};
-pub use plan::{Plan, PlanItem};
+pub use plan::{PROTECT_LINGER, Plan, PlanItem};
 
 use admission::RateLimit;
 use fair::Vtc;
@@ -78,6 +78,9 @@ pub struct Scheduler {
     /// Where the next step's less protected decodes start under a latency
     /// budget (they take turns).
     lower_cursor: usize,
+    /// The latency budget of the last step that had protected work, until
+    /// when it lingers, and the tiers below it.
+    protect_linger: Option<(Duration, usize, Vec<bool>)>,
     /// Blocks of finished prefills kept for export to a decode node.
     held: BTreeMap<RequestId, HeldKv>,
     /// Blocks reserved for KV a prefill node is about to send.
@@ -133,6 +136,7 @@ impl Scheduler {
             counters: Counters::default(),
             scratch: Vec::with_capacity(cfg.max_num_seqs),
             lower_cursor: 0,
+            protect_linger: None,
             held: BTreeMap::new(),
             reservations: BTreeMap::new(),
             kv_deadlines: BTreeSet::new(),

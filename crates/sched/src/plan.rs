@@ -85,6 +85,10 @@ impl PlanItem {
     }
 }
 
+/// How long a tier's latency budget outlives its work (see
+/// `Scheduler::step_protection`).
+pub const PROTECT_LINGER: Duration = Duration::from_millis(250);
+
 /// The step being planned: chunks chosen so far and the budget left. Tokens
 /// and block tables are copied only at the end, once preemptions are settled.
 #[derive(Debug)]
@@ -187,7 +191,7 @@ impl Scheduler {
             self.in_flight
         );
         self.expire(now);
-        let (protect, lower) = self.step_protection();
+        let (protect, lower) = self.step_protection(now);
         let mut draft = Draft {
             chunks: Vec::with_capacity(self.cfg.max_num_seqs),
             guesses: Vec::new(),
@@ -263,7 +267,25 @@ impl Scheduler {
     /// work have `step_tokens_max` (the smallest, if several share the top
     /// priority), the step holds at most that many tokens once less
     /// protected tiers' work is added; and which tiers those are.
-    fn step_protection(&self) -> (Option<usize>, Vec<bool>) {
+    /// A budget lingers for [`PROTECT_LINGER`] after the protected tier's
+    /// work ends: a client's next request (or a stream's next turn) then
+    /// finds a short step in flight, not a full one of lower-tier prompts.
+    fn step_protection(&mut self, now: Duration) -> (Option<usize>, Vec<bool>) {
+        let (max, lower) = self.step_protection_now();
+        if let Some(m) = max {
+            self.protect_linger = Some((now + PROTECT_LINGER, m, lower.clone()));
+            return (Some(m), lower);
+        }
+        match &self.protect_linger {
+            Some((until, m, l)) if now < *until => (Some(*m), l.clone()),
+            _ => {
+                self.protect_linger = None;
+                (None, lower)
+            }
+        }
+    }
+
+    fn step_protection_now(&self) -> (Option<usize>, Vec<bool>) {
         let ntiers = self.cfg.tiers.len();
         let no = (None, vec![false; ntiers]);
         if self.cfg.batching == Batching::Static

@@ -187,7 +187,7 @@ impl Metrics {
                 .build(),
             tokens_out: m
                 .u64_counter("flotilla_generation_tokens")
-                .with_description("Generated tokens")
+                .with_description("Generated tokens, counted as each step delivers them")
                 .build(),
             cached_tokens: m
                 .u64_counter("flotilla_prefix_cache_hit_tokens")

@@ -399,7 +399,24 @@ fn a_latency_budget_keeps_paid_steps_small_and_free_decodes_take_turns() {
             "{id} decoded in {n} of the paid steps: {free_turns:?}"
         );
     }
-    // After the paid request, the free ones fill the steps again.
+    // The paid request ends; its budget lingers (its client's next request
+    // finds a short step in flight), then the free ones fill steps again.
+    for _ in 0..40 {
+        if sim.reqs[&paid].end.is_some() {
+            break;
+        }
+        sim.step();
+    }
+    assert!(sim.reqs[&paid].end.is_some(), "the paid request finished");
+    let lingering = sim.step();
+    assert!(
+        lingering.items.len() <= 4,
+        "{} items",
+        lingering.items.len()
+    );
+    sim.now += crate::PROTECT_LINGER;
+    let full = sim.step();
+    assert_eq!(full.items.len(), 8, "the budget has lapsed");
     sim.run_until_idle(400);
     sim.assert_all_done();
 }
