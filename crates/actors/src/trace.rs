@@ -118,28 +118,15 @@ impl Traces {
         let (Some(_), Some(parent)) = (tracing, trace) else {
             return;
         };
-        self.live.insert(
-            id,
-            ReqTrace {
-                parent: parent.clone(),
-                entry,
-                tier: tier.to_owned(),
-                tenant,
-                prompt_tokens,
-                max_tokens,
-                submitted: now,
-                scheduled: None,
-                first_token: None,
-                chunks: Vec::new(),
-                steps: Vec::new(),
-                decode_steps: 0,
-                preempted: Vec::new(),
-                resumed: Vec::new(),
-                awaiting_resume: false,
-                prefix_cached: 0,
-                in_step: None,
-            },
+        let t = ReqTrace::new(
+            parent.clone(),
+            entry,
+            tier,
+            tenant,
+            (prompt_tokens, max_tokens),
+            now,
         );
+        self.live.insert(id, t);
     }
 
     /// A step with these items starts now.
@@ -244,6 +231,36 @@ impl Traces {
 }
 
 impl ReqTrace {
+    /// A timeline that starts at `submitted`; `(prompt, max)` tokens.
+    fn new(
+        parent: TraceContext,
+        entry: Entry,
+        tier: &str,
+        tenant: u32,
+        (prompt_tokens, max_tokens): (u32, u32),
+        submitted: Duration,
+    ) -> ReqTrace {
+        ReqTrace {
+            parent,
+            entry,
+            tier: tier.to_owned(),
+            tenant,
+            prompt_tokens,
+            max_tokens,
+            submitted,
+            scheduled: None,
+            first_token: None,
+            chunks: Vec::new(),
+            steps: Vec::new(),
+            decode_steps: 0,
+            preempted: Vec::new(),
+            resumed: Vec::new(),
+            awaiting_resume: false,
+            prefix_cached: 0,
+            in_step: None,
+        }
+    }
+
     fn into_spans(self, end: End, now: Duration) -> SpanRec {
         let mut root = SpanRec::new("engine.request", self.submitted, now)
             .attr("flotilla.engine.entry", self.entry.as_str())
@@ -369,25 +386,7 @@ mod tests {
 
     /// A paid tenant's request of 300 prompt tokens, submitted at `at`.
     fn fresh(parent: TraceContext, entry: Entry, at: Duration) -> ReqTrace {
-        ReqTrace {
-            parent,
-            entry,
-            tier: "paid".into(),
-            tenant: 3,
-            prompt_tokens: 300,
-            max_tokens: 3,
-            submitted: at,
-            scheduled: None,
-            first_token: None,
-            chunks: Vec::new(),
-            steps: Vec::new(),
-            decode_steps: 0,
-            preempted: Vec::new(),
-            resumed: Vec::new(),
-            awaiting_resume: false,
-            prefix_cached: 0,
-            in_step: None,
-        }
+        ReqTrace::new(parent, entry, "paid", 3, (300, 3), at)
     }
 
     #[test]

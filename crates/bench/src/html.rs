@@ -200,18 +200,6 @@ fn opt(v: Option<f64>, d: usize) -> String {
     v.map_or_else(|| "-".into(), |v| format!("{v:.d$}"))
 }
 
-fn range(r: Option<Range>) -> String {
-    r.map_or_else(
-        || "-".into(),
-        |r| {
-            format!(
-                "{:.1} [{:.1} .. {:.1}], {:.1} %",
-                r.mean, r.min, r.max, r.spread_pct
-            )
-        },
-    )
-}
-
 /// The whole page.
 pub fn page(sweep: &Sweep) -> String {
     let mut h = String::new();
@@ -301,10 +289,10 @@ pub fn page(sweep: &Sweep) -> String {
                     "<tr><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td></tr>",
                     esc(&l.name),
                     s.runs,
-                    range(s.output_tokens_per_s),
-                    range(s.ttft_p99_ms),
-                    range(s.tpot_p99_ms),
-                    range(s.e2e_p99_ms)
+                    Range::text(s.output_tokens_per_s),
+                    Range::text(s.ttft_p99_ms),
+                    Range::text(s.tpot_p99_ms),
+                    Range::text(s.e2e_p99_ms)
                 );
             }
         }

@@ -39,6 +39,19 @@ pub struct Range {
 }
 
 impl Range {
+    /// `mean [min..max] spread %`, or `-` for none (tables and pages).
+    pub fn text(r: Option<Range>) -> String {
+        r.map_or_else(
+            || "-".into(),
+            |x| {
+                format!(
+                    "{:.1} [{:.1}..{:.1}] {:.1} %",
+                    x.mean, x.min, x.max, x.spread_pct
+                )
+            },
+        )
+    }
+
     /// Of `v`; `None` when empty.
     pub fn of(v: &[f64]) -> Option<Range> {
         if v.is_empty() {
@@ -157,17 +170,7 @@ impl Sweep {
             );
             for l in &self.levels {
                 let Some(sp) = &l.spread else { continue };
-                let r = |x: Option<Range>| {
-                    x.map_or_else(
-                        || "-".into(),
-                        |x| {
-                            format!(
-                                "{:.1} [{:.1}..{:.1}] {:.1} %",
-                                x.mean, x.min, x.max, x.spread_pct
-                            )
-                        },
-                    )
-                };
+                let r = Range::text;
                 let _ = writeln!(
                     s,
                     "  {:<24} tok/s {}; TTFT p99 {}; TPOT p99 {}",
