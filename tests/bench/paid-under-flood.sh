@@ -35,7 +35,7 @@ import sys
 t0, f0, t1, f1, t2, f2 = map(float, sys.argv[1:])
 print(f"free output tok/s: flood alone {(f1 - f0) / (t1 - t0):.1f}, while paid runs {(f2 - f1) / (t2 - t1):.1f}")
 PY
-curl -s $URL/metrics | grep -E '^flotilla_preemptions_total|^flotilla_requests_total' >"$OUT/flood-metrics.txt" || true
+curl -s $URL/metrics | grep -E "^flotilla_preemptions_total|^flotilla_requests_total|^flotilla_step_cost_seconds" >"$OUT/flood-metrics.txt" || true
 kill "${FLOOD[@]}" 2>/dev/null || true; wait "${FLOOD[@]}" 2>/dev/null || true
 python3 - "$OUT" <<'PY'
 import json, sys, os

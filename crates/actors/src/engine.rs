@@ -493,6 +493,11 @@ impl Actor for SchedulerActor {
                 st.metrics.step_time(elapsed.as_secs_f64());
                 st.offload_cost
                     .observe(moved, move_time, plan.num_tokens(), elapsed);
+                st.sched
+                    .observe_step(&plan, elapsed.saturating_sub(move_time));
+                if let Some(c) = st.sched.step_cost() {
+                    st.metrics.step_cost(c.fixed, c.per_token, c.per_output);
+                }
                 if let Some(pays) = st.offload_cost.pays(st.sched.config().block_size) {
                     st.sched.set_offload_pays(pays);
                 }

@@ -231,6 +231,7 @@ async fn rig_with(
             queue_len_max: 16,
             kv_reserved_blocks: 0,
             step_tokens_max: None,
+            step_time_max: None,
         }],
         tenants: vec![TenantConfig {
             name: "a".into(),
@@ -243,6 +244,7 @@ async fn rig_with(
         }],
         speculation: flotilla_sched::Speculation::OFF,
         offload_blocks: 0,
+        step_time_max: None,
     };
     let broken = Arc::new(std::sync::Mutex::new(None));
     let seen = broken.clone();

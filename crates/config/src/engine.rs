@@ -36,6 +36,9 @@ pub struct EngineDefaults {
     pub queue_timeout_s: f64,
     /// Speculative decoding where neither a flag nor the file says.
     pub speculation: Speculation,
+    /// Step time target, milliseconds, where neither a flag nor the file
+    /// says (`None`: chunks fill the token budget).
+    pub step_time_max_ms: Option<f64>,
 }
 
 impl EngineDefaults {
@@ -47,6 +50,7 @@ impl EngineDefaults {
             block_size,
             queue_timeout_s: 60.0,
             speculation: Speculation::ngram(DEFAULT_DRAFT),
+            step_time_max_ms: None,
         }
     }
 }
@@ -72,6 +76,9 @@ pub struct EngineSettings {
     pub kv_offload_bytes: u64,
     /// File that holds the offload tier, if not RAM.
     pub kv_offload_path: Option<std::path::PathBuf>,
+    /// Longest a step carrying prefill chunks should take (chunks sized
+    /// from the measured step cost); `None`: no target.
+    pub step_time_max: Option<Duration>,
 }
 
 /// Draft tokens per step of `--speculative ngram` unless told otherwise.
@@ -179,6 +186,20 @@ impl EngineSection {
                 "{from} needs a tier size: set --kv-offload-bytes (engine.kv_offload_bytes)"
             ));
         }
+        let step_time_max = match (flags.step_time_max_ms, &self.step_time_max_ms) {
+            (Some(ms), _) => Some((ms, "--step-time-max-ms")),
+            (None, Some(ms)) => Some((*ms, "engine.step_time_max_ms")),
+            (None, None) => d
+                .step_time_max_ms
+                .map(|ms| (ms, "the default step_time_max_ms")),
+        };
+        let step_time_max = match step_time_max {
+            Some((ms, from)) => {
+                crate::check_step_time_ms(ms).map_err(|why| format!("{from} {ms} {why}"))?;
+                Some(Duration::from_secs_f64(ms / 1000.0))
+            }
+            None => None,
+        };
         let batching = match batching {
             "continuous" => Batching::Continuous,
             "static" => Batching::Static,
@@ -198,6 +219,7 @@ impl EngineSection {
             speculation,
             kv_offload_bytes,
             kv_offload_path,
+            step_time_max,
         })
     }
 
@@ -291,6 +313,7 @@ impl ClusterConfig {
             max_num_seqs: s.max_num_seqs,
             max_num_batched_tokens: s.max_num_batched_tokens,
             max_model_len,
+            step_time_max: s.step_time_max,
             batching: s.batching,
             queue_timeout: s.queue_timeout,
             stop_tokens,
@@ -304,6 +327,9 @@ impl ClusterConfig {
                     queue_len_max: t.queue_len_max,
                     kv_reserved_blocks: t.kv_reserved_blocks,
                     step_tokens_max: t.step_tokens_max,
+                    step_time_max: t
+                        .step_time_max_ms
+                        .map(|ms| Duration::from_secs_f64(ms / 1000.0)),
                 })
                 .collect(),
             tenants: self
@@ -486,6 +512,64 @@ mod tests {
         )
         .unwrap_err();
         assert_eq!(e, "engine.num_speculative_tokens 0 must be in 1..=64");
+    }
+
+    #[test]
+    fn the_step_time_target_comes_from_flag_file_or_default_and_is_checked() {
+        let none = EngineSection::default;
+        let cfg = ClusterConfig::open();
+        let resolve = |flags: EngineSection, file: EngineSection, d: &EngineDefaults| {
+            file.resolve(&flags, "continuous", d)
+                .map(|s| s.step_time_max)
+        };
+        let d = EngineDefaults::serve(16);
+        assert_eq!(resolve(none(), none(), &d), Ok(None));
+        let file = EngineSection {
+            step_time_max_ms: Some(80.0),
+            ..none()
+        };
+        let ms = |v: u64| Some(Duration::from_millis(v));
+        assert_eq!(resolve(none(), file.clone(), &d), Ok(ms(80)));
+        let flags = EngineSection {
+            step_time_max_ms: Some(40.0),
+            ..none()
+        };
+        assert_eq!(resolve(flags, file.clone(), &d), Ok(ms(40)));
+        let d50 = EngineDefaults {
+            step_time_max_ms: Some(50.0),
+            ..EngineDefaults::serve(16)
+        };
+        assert_eq!(resolve(none(), none(), &d50), Ok(ms(50)));
+        let e = resolve(
+            EngineSection {
+                step_time_max_ms: Some(0.0),
+                ..none()
+            },
+            none(),
+            &d,
+        )
+        .unwrap_err();
+        assert!(e.starts_with("--step-time-max-ms 0 must be"), "{e}");
+        let e = resolve(
+            none(),
+            EngineSection {
+                step_time_max_ms: Some(f64::NAN),
+                ..none()
+            },
+            &d,
+        )
+        .unwrap_err();
+        assert!(e.starts_with("engine.step_time_max_ms NaN must be"), "{e}");
+        // Into the scheduler, with a tier's budget in time.
+        let s = file.resolve(&none(), "continuous", &d).unwrap();
+        let mut cfg = cfg;
+        cfg.tiers[0].step_time_max_ms = Some(12.5);
+        let sc = cfg.sched_config(&s, 2048, (100, 4096), vec![2]).unwrap();
+        assert_eq!(sc.step_time_max, ms(80));
+        assert_eq!(
+            sc.tiers[0].step_time_max,
+            Some(Duration::from_micros(12_500))
+        );
     }
 
     #[test]

@@ -96,6 +96,9 @@ pub struct EngineSection {
     /// `--kv-offload-path`: a file on local disk to hold the offload tier
     /// (mapped into memory) instead of RAM.
     pub kv_offload_path: Option<String>,
+    /// `--step-time-max-ms`: longest a step carrying prefill chunks should
+    /// take, by the measured step cost (chunks shrink to fit).
+    pub step_time_max_ms: Option<f64>,
 }
 
 /// A service tier.
@@ -115,6 +118,9 @@ pub struct Tier {
     /// a step only up to this many tokens in all (the scheduler's
     /// `TierConfig::step_tokens_max`); `None`: no budget.
     pub step_tokens_max: Option<usize>,
+    /// The same budget as a step time, in milliseconds, turned into tokens
+    /// by the measured step cost (`TierConfig::step_time_max`).
+    pub step_time_max_ms: Option<f64>,
 }
 
 /// A tenant: who an API key belongs to.
@@ -197,6 +203,8 @@ struct RawTier {
     kv_reserved_blocks: u32,
     #[serde(default)]
     step_tokens_max: Option<usize>,
+    #[serde(default)]
+    step_time_max_ms: Option<f64>,
 }
 
 #[derive(Deserialize)]
@@ -243,6 +251,20 @@ pub fn check_queue_timeout_s(s: f64) -> Result<(), String> {
     }
 }
 
+/// Longest step time target, milliseconds.
+pub const STEP_TIME_MS_MAX: f64 = 60_000.0;
+
+/// Checks a step time target in milliseconds: in `(0, STEP_TIME_MS_MAX]`.
+pub fn check_step_time_ms(ms: f64) -> Result<(), String> {
+    if ms > 0.0 && ms <= STEP_TIME_MS_MAX {
+        Ok(())
+    } else {
+        Err(format!(
+            "must be a number of milliseconds in (0, {STEP_TIME_MS_MAX}]"
+        ))
+    }
+}
+
 /// Checks a KV cache fraction of available memory: in `(0, 1]`.
 pub fn check_kv_cache_fraction(f: f64) -> Result<(), String> {
     if f > 0.0 && f <= 1.0 {
@@ -275,6 +297,10 @@ impl Tier {
                 "tier '{}': step_tokens_max must be at least 1 (omit it for no latency budget)",
                 self.name
             ));
+        }
+        if let Some(ms) = self.step_time_max_ms {
+            check_step_time_ms(ms)
+                .map_err(|why| format!("tier '{}': step_time_max_ms {ms} {why}", self.name))?;
         }
         Ok(())
     }
@@ -357,6 +383,7 @@ impl ClusterConfig {
                 queue_len_max: t.queue_len_max,
                 kv_reserved_blocks: t.kv_reserved_blocks,
                 step_tokens_max: t.step_tokens_max,
+                step_time_max_ms: t.step_time_max_ms,
             };
             tier.check(&tiers).map_err(|m| invalid(at, m))?;
             tiers.push(tier);
@@ -516,6 +543,7 @@ impl ClusterConfig {
                 queue_len_max: default_queue_len_max(),
                 kv_reserved_blocks: 0,
                 step_tokens_max: None,
+                step_time_max_ms: None,
             }],
             tenants: vec![Tenant::open_default(0)],
             cluster: None,
@@ -635,6 +663,20 @@ max_concurrent = 4
         let c = ClusterConfig::parse(&budget, "f.toml").unwrap();
         assert_eq!(c.tiers[0].step_tokens_max, Some(6));
         assert!(c.tiers[1..].iter().all(|t| t.step_tokens_max.is_none()));
+        // ... or a time, turned into tokens by the measured step cost.
+        let timed = GOOD.replace("weight = 8", "weight = 8\nstep_time_max_ms = 18.5");
+        let c = ClusterConfig::parse(&timed, "f.toml").unwrap();
+        assert_eq!(c.tiers[0].step_time_max_ms, Some(18.5));
+        for bad in ["0", "-3", "1e9"] {
+            let e = err_of(&GOOD.replace(
+                "weight = 8",
+                &format!("weight = 8\nstep_time_max_ms = {bad}"),
+            ));
+            assert!(
+                e.contains("step_time_max_ms") && e.contains("milliseconds in (0, 60000]"),
+                "{e}"
+            );
+        }
         let e = err_of(&GOOD.replace("weight = 8", "weight = 8\nstep_tokens_max = 0"));
         assert!(e.contains("step_tokens_max must be at least 1"), "{e}");
         let e = err_of(&format!("{GOOD}\n[telemetry]\notlp_sample_ratio = 2.0\n"));

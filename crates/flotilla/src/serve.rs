@@ -94,6 +94,15 @@ pub struct ServeArgs {
     /// `[engine] kv_offload_path`.
     #[arg(long)]
     pub kv_offload_path: Option<String>,
+    /// Longest a step that carries prompt chunks should take, in
+    /// milliseconds: the scheduler learns what a step costs on this
+    /// machine (a fixed part and a part per token, from the steps it ran)
+    /// and shrinks prefill chunks (and draft tokens) so that a long prompt
+    /// never holds the running streams' next tokens past this. Decodes
+    /// are never cut for it. Config: `[engine] step_time_max_ms`. Default:
+    /// none (chunks fill --max-num-batched-tokens).
+    #[arg(long)]
+    pub step_time_max_ms: Option<f64>,
     /// continuous (iteration-level) or static (whole batches, for comparison).
     #[arg(long, default_value = "continuous")]
     pub batching: String,
@@ -276,6 +285,7 @@ pub fn resolve(args: &ServeArgs) -> Result<Resolved> {
         speculative_max_batch: args.speculative_max_batch,
         kv_offload_bytes: args.kv_offload_bytes,
         kv_offload_path: args.kv_offload_path.clone(),
+        step_time_max_ms: args.step_time_max_ms,
         ..EngineSection::default()
     };
     let settings = e
@@ -392,6 +402,7 @@ pub fn resolve(args: &ServeArgs) -> Result<Resolved> {
         "speculative_max_batch": settings.speculation.max_batch,
         "kv_offload_bytes": settings.kv_offload_bytes,
         "queue_timeout_s": settings.queue_timeout.as_secs_f64(),
+        "step_time_max_ms": settings.step_time_max.map(|d| d.as_secs_f64() * 1000.0),
     });
     Ok(Resolved {
         server_info,

@@ -310,6 +310,13 @@ async fn dropped_streams_give_back_every_block() {
     let shape =
         format!("flotilla_kv_cache_blocks{{bytes_per_block=\"368640\",dtype=\"f16\"}} {total}");
     assert!(metrics.contains(&shape), "no {shape}:\n{metrics}");
+    // The scheduler's fit of what a step costs on this machine, positive.
+    let per_token: f64 = metrics
+        .lines()
+        .find(|l| l.starts_with("flotilla_step_cost_seconds{part=\"per_token\""))
+        .and_then(|l| l.rsplit(' ').next()?.parse().ok())
+        .unwrap_or_else(|| panic!("no fitted step cost:\n{metrics}"));
+    assert!(per_token > 0.0 && per_token < 1.0, "{per_token}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -26,6 +26,11 @@ pub struct TierConfig {
     /// this tier's TPOT and TTFT near their unloaded values, traded against
     /// lower-tier throughput. `None`: steps are filled as usual.
     pub step_tokens_max: Option<usize>,
+    /// The same latency budget as a time: the most tokens a step may hold
+    /// to take this long by the step cost measured so far
+    /// (`Scheduler::observe_step`), so one setting holds on any machine.
+    /// With `step_tokens_max` too, the smaller of the two applies.
+    pub step_time_max: Option<Duration>,
 }
 
 /// One tenant (an API key's owner).
@@ -139,6 +144,12 @@ pub struct SchedConfig {
     /// blocks (a preempted sequence's among them) spill there and come
     /// back on a hit.
     pub offload_blocks: u32,
+    /// Longest a step that carries prefill chunks or draft tokens should
+    /// take, by the step cost measured so far: chunks (and drafts) shrink
+    /// so that a prompt never stalls the running decodes past it. Decodes
+    /// are never cut for it, and prompts still advance by at least one
+    /// block per step. `None`: chunks fill `max_num_batched_tokens`.
+    pub step_time_max: Option<Duration>,
 }
 
 /// Why a scheduler config was refused.
@@ -207,13 +218,14 @@ pub enum ConfigError {
 impl SchedConfig {
     /// Checks every field; the pool's own checks run when it is built.
     pub fn validate(&self) -> Result<(), ConfigError> {
-        let positive: [(&'static str, bool); 6] = [
+        let positive: [(&'static str, bool); 7] = [
             ("num_blocks", self.num_blocks > 0),
             ("block_size", self.block_size > 0),
             ("max_num_seqs", self.max_num_seqs > 0),
             ("max_num_batched_tokens", self.max_num_batched_tokens > 0),
             ("max_model_len", self.max_model_len > 0),
             ("queue_timeout", !self.queue_timeout.is_zero()),
+            ("step_time_max", self.step_time_max != Some(Duration::ZERO)),
         ];
         if let Some((field, _)) = positive.iter().find(|(_, ok)| !ok) {
             return Err(ConfigError::Zero { field });
@@ -261,6 +273,9 @@ impl SchedConfig {
             }
             if t.step_tokens_max == Some(0) {
                 return Err(bad("step_tokens_max"));
+            }
+            if t.step_time_max == Some(Duration::ZERO) {
+                return Err(bad("step_time_max"));
             }
         }
         names.clear();
@@ -343,6 +358,7 @@ pub(crate) mod tests {
             queue_len_max: 1000,
             kv_reserved_blocks: 0,
             step_tokens_max: None,
+            step_time_max: None,
         };
         let tenant = |name: &str, tier| TenantConfig {
             name: name.into(),
@@ -366,6 +382,7 @@ pub(crate) mod tests {
             tenants: vec![tenant("a", 0), tenant("b", 0), tenant("p", 1)],
             speculation: Speculation::OFF,
             offload_blocks: 0,
+            step_time_max: None,
         }
     }
 
@@ -378,6 +395,23 @@ pub(crate) mod tests {
             c.validate(),
             Err(ConfigError::Zero {
                 field: "max_num_seqs"
+            })
+        );
+        let mut c = two_tiers(64, 16);
+        c.step_time_max = Some(Duration::ZERO);
+        assert_eq!(
+            c.validate(),
+            Err(ConfigError::Zero {
+                field: "step_time_max"
+            })
+        );
+        let mut c = two_tiers(64, 16);
+        c.tiers[1].step_time_max = Some(Duration::ZERO);
+        assert_eq!(
+            c.validate(),
+            Err(ConfigError::TierField {
+                tier: "paid".into(),
+                field: "step_time_max"
             })
         );
         let mut c = two_tiers(64, 16);

@@ -15,6 +15,7 @@
 
 mod admission;
 mod config;
+mod cost;
 mod event;
 mod fair;
 mod invariants;
@@ -36,6 +37,7 @@ use flotilla_proto::{
 };
 
 pub use config::{Batching, ConfigError, SchedConfig, Speculation, TenantConfig, TierConfig};
+pub use cost::{CostLine, StepCost};
 pub use event::{Counters, SchedEvent, Timings};
 pub use plan::{PROTECT_LINGER, Plan, PlanItem};
 
@@ -81,6 +83,8 @@ pub struct Scheduler {
     /// The latency budget of the last step that had protected work, until
     /// when it lingers, and the tiers below it.
     protect_linger: Option<(Duration, usize, Vec<bool>)>,
+    /// What steps cost on this engine, from the ones it ran (time targets).
+    step_cost: StepCost,
     /// Blocks of finished prefills kept for export to a decode node.
     held: BTreeMap<RequestId, HeldKv>,
     /// Blocks reserved for KV a prefill node is about to send.
@@ -137,6 +141,7 @@ impl Scheduler {
             scratch: Vec::with_capacity(cfg.max_num_seqs),
             lower_cursor: 0,
             protect_linger: None,
+            step_cost: StepCost::default(),
             held: BTreeMap::new(),
             reservations: BTreeMap::new(),
             kv_deadlines: BTreeSet::new(),
@@ -253,6 +258,24 @@ impl Scheduler {
     /// Nothing queued or running, and no blocks held or reserved.
     pub fn is_idle(&self) -> bool {
         self.seqs.is_empty() && self.held.is_empty() && self.reservations.is_empty()
+    }
+
+    /// Teaches the step cost model one finished step: `plan` ran in
+    /// `elapsed` of the executor's time (without KV moves). The time
+    /// targets (`step_time_max`, a tier's) size later steps from it.
+    pub fn observe_step(&mut self, plan: &Plan, elapsed: Duration) {
+        let outputs = plan
+            .items
+            .iter()
+            .filter(|i| i.sample.is_some())
+            .map(|i| 1 + i.draft)
+            .sum();
+        self.step_cost.observe(plan.num_tokens(), outputs, elapsed);
+    }
+
+    /// The step cost fitted so far (`None` before a few steps ran).
+    pub fn step_cost(&self) -> Option<CostLine> {
+        self.step_cost.line()
     }
 
     /// Requests queued (preempted ones included).

@@ -110,6 +110,15 @@ pub(crate) struct Draft {
     lower: Vec<bool>,
     /// The step's budget before anything was planned.
     initial: usize,
+    /// Under a step time target (`SchedConfig::step_time_max`): the
+    /// measured step cost and the target, seconds; prefill chunks and
+    /// drafts fill the step only up to it.
+    chunk_cap: Option<(crate::CostLine, f64)>,
+    /// Prefill tokens a step may take past `chunk_cap`, so prompts advance
+    /// even when decodes alone reach it.
+    chunk_floor: usize,
+    /// Prefill tokens planned so far.
+    chunked: usize,
 }
 
 impl Draft {
@@ -129,14 +138,66 @@ impl Draft {
         }
     }
 
+    /// Whether `tier` is below this step's latency budget.
+    pub(crate) fn is_lower(&self, tier: usize) -> bool {
+        self.protect.is_some() && self.lower[tier]
+    }
+
     /// Tokens a prefill chunk of `tier` may take now.
     fn prefill_room(&self, tier: usize) -> usize {
         self.room(tier).min(self.prefill_left[tier])
     }
 
-    /// Adds a chunk; `prefill_tier` charges it to that tier's prefill cap.
-    fn push(&mut self, id: RequestId, start: usize, len: usize, prefill_tier: Option<usize>) {
+    /// Seconds the step planned so far costs by `c`: a decode is a token
+    /// and an output, a chunk its tokens and (perhaps) one output, a draft
+    /// token a token and an output.
+    fn planned_secs(&self, c: &crate::CostLine) -> f64 {
+        let chunks: f64 = self
+            .chunks
+            .iter()
+            .map(|ch| ch.2 as f64 * c.per_token + c.per_output)
+            .sum();
+        let drafts: usize = self.guesses.iter().map(|g| g.1.len()).sum();
+        c.fixed + chunks + drafts as f64 * c.per_decode()
+    }
+
+    /// Tokens a prefill chunk (`prefill`; it may use the per-step floor)
+    /// or draft tokens may add under the step time target; unlimited
+    /// without one.
+    pub(crate) fn chunk_room(&self, prefill: bool) -> usize {
+        let Some((c, target)) = &self.chunk_cap else {
+            return usize::MAX;
+        };
+        let left = target - self.planned_secs(c);
+        let per = if prefill { c.per_token } else { c.per_decode() };
+        // Chunks pay their output once: counted in the left time.
+        let left = if prefill { left - c.per_output } else { left };
+        let fits = if left > 0.0 {
+            (left / per + 1e-6).min(u32::MAX as f64) as usize
+        } else {
+            0
+        };
+        if prefill {
+            fits.max(self.chunk_floor.saturating_sub(self.chunked))
+        } else {
+            fits
+        }
+    }
+
+    /// Adds a chunk; `prefill_tier` charges it to that tier's prefill cap;
+    /// `prefill`: it is not a decode.
+    fn push(
+        &mut self,
+        id: RequestId,
+        start: usize,
+        len: usize,
+        prefill_tier: Option<usize>,
+        prefill: bool,
+    ) {
         assert!(len > 0 && len <= self.budget && !self.has(id));
+        if prefill {
+            self.chunked += len;
+        }
         if let Some(t) = prefill_tier {
             assert!(
                 len <= self.prefill_left[t],
@@ -192,6 +253,10 @@ impl Scheduler {
         );
         self.expire(now);
         let (protect, lower) = self.step_protection(now);
+        let chunk_cap = match (self.cfg.batching, self.cfg.step_time_max) {
+            (Batching::Continuous, Some(t)) => self.step_cost.line().map(|c| (c, t.as_secs_f64())),
+            _ => None,
+        };
         let mut draft = Draft {
             chunks: Vec::with_capacity(self.cfg.max_num_seqs),
             guesses: Vec::new(),
@@ -200,6 +265,9 @@ impl Scheduler {
             protect,
             lower,
             initial: self.cfg.max_num_batched_tokens,
+            chunk_cap,
+            chunk_floor: self.cfg.block_size as usize,
+            chunked: 0,
         };
         self.schedule_running(&mut draft);
         let admit = match self.cfg.batching {
@@ -289,7 +357,11 @@ impl Scheduler {
         let ntiers = self.cfg.tiers.len();
         let no = (None, vec![false; ntiers]);
         if self.cfg.batching == Batching::Static
-            || self.cfg.tiers.iter().all(|t| t.step_tokens_max.is_none())
+            || self
+                .cfg
+                .tiers
+                .iter()
+                .all(|t| t.step_tokens_max.is_none() && t.step_time_max.is_none())
         {
             return no;
         }
@@ -303,7 +375,7 @@ impl Scheduler {
         };
         let max = (0..ntiers)
             .filter(|&t| active[t] && self.cfg.tiers[t].priority == top)
-            .filter_map(|t| self.cfg.tiers[t].step_tokens_max)
+            .filter_map(|t| self.tier_step_max(t))
             .min();
         let lower = (0..ntiers)
             .map(|t| self.cfg.tiers[t].priority < top)
@@ -311,6 +383,19 @@ impl Scheduler {
         match max {
             Some(m) if lower.iter().any(|&l| l) => (Some(m), lower),
             _ => no,
+        }
+    }
+
+    /// A tier's latency budget in tokens: its `step_tokens_max`, and what
+    /// its `step_time_max` allows by the measured step cost, the smaller.
+    fn tier_step_max(&self, t: usize) -> Option<usize> {
+        let tier = &self.cfg.tiers[t];
+        let timed = tier
+            .step_time_max
+            .and_then(|d| self.step_cost.tokens_within(d));
+        match (tier.step_tokens_max, timed) {
+            (Some(a), Some(b)) => Some(a.min(b)),
+            (a, b) => a.or(b),
         }
     }
 
@@ -361,12 +446,17 @@ impl Scheduler {
                     let start = seq.num_computed;
                     let capped = (!decode_pass && Self::prefill_capped(seq)).then_some(seq.tier);
                     let room = capped.map_or(draft.room(seq.tier), |t| draft.prefill_room(t));
+                    let room = if decode_pass {
+                        room
+                    } else {
+                        room.min(draft.chunk_room(true))
+                    };
                     let chunk = n.min(room);
                     if chunk == 0 {
                         continue;
                     }
                     if self.grow_running(id, start + chunk, draft) {
-                        draft.push(id, start, chunk, capped);
+                        draft.push(id, start, chunk, capped, !decode_pass);
                         if decode_pass {
                             served += 1;
                         }
@@ -562,7 +652,9 @@ impl Scheduler {
         let continuous = self.cfg.batching == Batching::Continuous;
         let (tier, tenant) = (self.seqs[&id].tier, self.seqs[&id].tenant);
         let capped = Self::prefill_capped(&self.seqs[&id]).then_some(tier);
-        let room = capped.map_or(draft.room(tier), |t| draft.prefill_room(t));
+        let room = capped
+            .map_or(draft.room(tier), |t| draft.prefill_room(t))
+            .min(draft.chunk_room(true));
         if continuous && room == 0 {
             // The tier's prefill share of this step is spent.
             return Admit::NoSeat;
@@ -660,7 +752,7 @@ impl Scheduler {
         }
         self.admit(now, id, lease, cached, imported);
         if chunk > 0 {
-            draft.push(id, cached, chunk, capped);
+            draft.push(id, cached, chunk, capped, true);
         }
         Admit::Admitted
     }

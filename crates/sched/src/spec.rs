@@ -57,10 +57,15 @@ impl Scheduler {
         if !spec.is_on() || draft.budget == 0 {
             return;
         }
+        // Under a latency budget the protected tiers' decodes decide: the
+        // less protected ones are held to a few tokens beside them and get
+        // no drafts, so the step stays as small as the protected work
+        // alone would make it, drafts included.
         let decodes = draft
             .chunks
             .iter()
             .filter(|c| c.2 == 1 && self.seqs[&c.0].to_compute() == 1)
+            .filter(|c| !draft.is_lower(self.seqs[&c.0].tier))
             .count();
         if decodes == 0 || decodes > spec.max_batch {
             return;
@@ -75,6 +80,7 @@ impl Scheduler {
             let (id, start, len, _) = draft.chunks[c];
             let seq = &self.seqs[&id];
             if len != 1
+                || draft.is_lower(seq.tier)
                 || seq.to_compute() != 1
                 || seq.tokens.len() < seq.spec.skip_until
                 || !Self::may_speculate(seq)
@@ -86,6 +92,7 @@ impl Scheduler {
             let room = spec
                 .max_draft
                 .min(draft.room(seq.tier))
+                .min(draft.chunk_room(false))
                 .min(step_left)
                 .min(seq.max_tokens.saturating_sub(seq.generated() + 1))
                 .min(self.cfg.max_model_len.saturating_sub(seq.tokens.len() + 1));

@@ -107,6 +107,10 @@ pub struct EngineSection {
     /// evicted prefix blocks spill there and come back on a hit, each move
     /// charged at `[gpu] host_link_bw`.
     pub kv_offload_bytes: u64,
+    /// Longest a step carrying prefill chunks should take, milliseconds,
+    /// by the simulated steps' measured cost (`[engine] step_time_max_ms`
+    /// of a server); none by default.
+    pub step_time_max_ms: Option<f64>,
 }
 
 impl Default for EngineSection {
@@ -121,6 +125,7 @@ impl Default for EngineSection {
             kv_cache_dtype: "f16".into(),
             speculative: "off".into(),
             kv_offload_bytes: 0,
+            step_time_max_ms: None,
         }
     }
 }
@@ -182,6 +187,10 @@ pub struct TierSection {
     /// step_tokens_max`).
     #[serde(default)]
     pub step_tokens_max: Option<usize>,
+    /// The same budget as a step time in milliseconds (`[[tiers]]
+    /// step_time_max_ms`), sized by the simulated steps' measured cost.
+    #[serde(default)]
+    pub step_time_max_ms: Option<f64>,
 }
 
 fn one() -> u32 {
@@ -395,6 +404,7 @@ impl Scenario {
             kv_cache_dtype: Some(e.kv_cache_dtype.clone()),
             speculative: Some(e.speculative.clone()),
             kv_offload_bytes: Some(e.kv_offload_bytes),
+            step_time_max_ms: e.step_time_max_ms,
             ..EngineSection::default()
         };
         let tiers = self
@@ -407,6 +417,7 @@ impl Scenario {
                 queue_len_max: t.queue_len_max,
                 kv_reserved_blocks: 0,
                 step_tokens_max: t.step_tokens_max,
+                step_time_max_ms: t.step_time_max_ms,
             })
             .collect();
         let mut tenants = Vec::new();

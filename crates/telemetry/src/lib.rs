@@ -87,6 +87,7 @@ pub struct Metrics {
     offload_lookups: Counter<u64>,
     queued: Gauge<u64>,
     running: Gauge<u64>,
+    step_cost: Gauge<f64>,
 }
 
 impl std::fmt::Debug for Metrics {
@@ -248,6 +249,12 @@ impl Metrics {
                 .u64_gauge("flotilla_running_sequences")
                 .with_description("Sequences in the running batch, by tier")
                 .build(),
+            step_cost: m
+                .f64_gauge("flotilla_step_cost_seconds")
+                .with_description(
+                    "What a step costs by the scheduler's fit of the steps run (part: fixed, per_token, per_output); step time targets are sized from it",
+                )
+                .build(),
             registry,
             _provider: provider,
         }
@@ -347,6 +354,20 @@ impl Metrics {
             return;
         }
         self.step.record(seconds, &[]);
+    }
+
+    /// The scheduler's fitted step cost: seconds fixed, per token and per
+    /// output (a token whose logits are computed).
+    pub fn step_cost(&self, fixed: f64, per_token: f64, per_output: f64) {
+        if !self.enabled {
+            return;
+        }
+        self.step_cost
+            .record(fixed, &[KeyValue::new("part", "fixed")]);
+        self.step_cost
+            .record(per_token, &[KeyValue::new("part", "per_token")]);
+        self.step_cost
+            .record(per_output, &[KeyValue::new("part", "per_output")]);
     }
 
     /// KV occupancy now.
@@ -473,8 +494,13 @@ mod tests {
         let live = Metrics::new().unwrap();
         live.request_ended("paid", Terminal::Finished);
         live.step_time(0.01);
+        live.step_cost(0.004, 0.0009, 0.0002);
         let page = live.render();
         assert!(page.contains("flotilla_step_time"));
+        assert!(
+            page.contains("flotilla_step_cost_seconds{part=\"per_token\""),
+            "{page}"
+        );
         // Linux: the process's memory, now and at its peak.
         let rss = |name: &str| -> u64 {
             let line = page

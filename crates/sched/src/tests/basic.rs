@@ -478,3 +478,60 @@ fn a_stop_string_end_finishes_with_usage_and_returns_blocks() {
     assert!(sim.s.is_idle());
     sim.assert_all_done();
 }
+
+/// A step time target (`step_time_max`): the scheduler learns what a step
+/// costs from the steps it ran (here 2 ms + 0.5 ms per token) and sizes
+/// prefill chunks so that a step carrying a prompt stays within it, every
+/// running decode still in it; prompts still advance at least a block per
+/// step when the decodes alone reach the target; the output is the same.
+#[test]
+fn a_step_time_target_sizes_chunks_from_the_measured_step_cost() {
+    let run = |target_ms: u64| {
+        let mut c = two_tiers(1024, 16);
+        c.max_num_seqs = 16;
+        c.max_num_batched_tokens = 512;
+        c.step_time_max = Some(Duration::from_millis(target_ms));
+        let mut sim = Sim::new(c);
+        sim.step_cost_us = (2000, 500);
+        let step = |sim: &mut Sim| sim.step();
+        // Nothing measured yet: the first prompt fills the token budget.
+        let first = sim.submit(0, 300, 60).unwrap();
+        assert_eq!(step(&mut sim).num_tokens(), 300);
+        for i in 0..7 {
+            sim.submit(i % 2, 20, 60).unwrap();
+        }
+        assert_eq!(step(&mut sim).num_tokens(), 1 + 7 * 20);
+        for _ in 0..2 {
+            assert_eq!(step(&mut sim).num_tokens(), 8);
+        }
+        let line = sim.s.step_cost().expect("four steps measured");
+        assert!((line.fixed - 0.002).abs() < 1e-6, "{line:?}");
+        assert!((line.per_token - 0.0005).abs() < 1e-8, "{line:?}");
+        // A long prompt arrives while eight streams decode.
+        let long = sim.submit(1, 400, 4).unwrap();
+        let mut steps = Vec::new();
+        while sim.reqs[&long].computed < 400 && steps.len() < 100 {
+            steps.push(step(&mut sim));
+        }
+        assert!(sim.reqs[&first].end.is_none());
+        sim.run_until_idle(400);
+        sim.assert_all_done();
+        steps
+    };
+    // 40 ms: (40 - 2) / 0.5 = 76 tokens a step, the 8 decodes in each.
+    let steps = run(40);
+    for p in &steps {
+        assert_eq!(p.items.iter().filter(|i| i.tokens.len() == 1).count(), 8);
+        assert!(p.num_tokens() <= 76, "{} tokens", p.num_tokens());
+    }
+    assert_eq!(steps[0].num_tokens(), 76, "the chunk fills the target");
+    assert_eq!(steps.len(), 400usize.div_ceil(68));
+    // 5 ms: the decodes alone pass it (6 tokens); the prompt still takes
+    // a block (16 tokens) per step beside them.
+    let steps = run(5);
+    for p in &steps {
+        assert_eq!(p.items.iter().filter(|i| i.tokens.len() == 1).count(), 8);
+        assert_eq!(p.num_tokens(), 8 + 16, "{} tokens", p.num_tokens());
+    }
+    assert_eq!(steps.len(), 400 / 16);
+}

@@ -59,6 +59,9 @@ pub(crate) struct Sim {
     pub now: Duration,
     pub tick: Duration,
     pub steps: u64,
+    /// What each step costs the fake executor, reported to the scheduler's
+    /// cost model: microseconds fixed and per token.
+    pub step_cost_us: (u64, u64),
     pub reqs: BTreeMap<RequestId, Tracked>,
     /// Preempted events, in order.
     pub preempt_log: Vec<RequestId>,
@@ -92,6 +95,7 @@ impl Sim {
             now: Duration::from_secs(1000),
             tick: Duration::from_millis(10),
             steps: 0,
+            step_cost_us: (1000, 250),
             reqs: BTreeMap::new(),
             preempt_log: Vec::new(),
             next_id: 1,
@@ -237,6 +241,10 @@ impl Sim {
     pub(crate) fn step(&mut self) -> Plan {
         let plan = self.plan();
         self.execute(&plan);
+        let (fixed, per) = self.step_cost_us;
+        let n = plan.num_tokens() as u64;
+        self.s
+            .observe_step(&plan, Duration::from_micros(fixed + per * n));
         plan
     }
 

@@ -70,12 +70,19 @@ pub(crate) fn config() -> impl Strategy<Value = SchedConfig> {
             proptest::option::of((1..6usize, 1..4usize, 1..6usize)),
             proptest::option::of(1..12usize),
         ),
+        // Step time targets, in steps of the fake executor's cost (1 ms +
+        // 0.25 ms per token): the global one, the paid tier's.
+        (
+            proptest::option::of(1..40u64),
+            proptest::option::of(1..12u64),
+        ),
     )
         .prop_map(
             |(
                 (blocks, bs, seqs, budget),
                 (stat, reserved, quota, salted, offload),
                 (timeout, conc, rpm, spec, latency_budget),
+                (step_time, paid_step_time),
             )| {
                 let mut c = two_tiers(blocks, bs);
                 c.max_num_seqs = seqs;
@@ -88,6 +95,9 @@ pub(crate) fn config() -> impl Strategy<Value = SchedConfig> {
                 };
                 c.tiers[1].kv_reserved_blocks = reserved;
                 c.tiers[1].step_tokens_max = latency_budget;
+                c.step_time_max = step_time.map(|q| Duration::from_micros(250 * q));
+                c.tiers[1].step_time_max =
+                    paid_step_time.map(|q| Duration::from_micros(1000 + 250 * q));
                 c.tenants[1].kv_blocks_max = quota;
                 c.tenants[2].prefix_salt = if salted { 5 } else { 0 };
                 c.offload_blocks = offload;

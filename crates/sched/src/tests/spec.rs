@@ -125,6 +125,50 @@ fn no_draft_in_a_step_with_more_decodes_than_the_bound() {
     sim.assert_all_done();
 }
 
+/// Under a paid latency budget the paid decodes keep their drafts beside a
+/// free flood: the free decodes (held to the budget) neither count toward
+/// the speculation bound nor get drafts themselves.
+#[test]
+fn paid_decodes_keep_their_drafts_under_a_latency_budget() {
+    let mut cfg = two_tiers(512, 4);
+    cfg.max_num_seqs = 16;
+    cfg.tiers[1].step_tokens_max = Some(3);
+    cfg.speculation = Speculation {
+        max_batch: 2,
+        ..Speculation::ngram(4)
+    };
+    let mut sim = Sim::new(cfg);
+    for i in 0..6 {
+        let req = echo_request(&sim, i % 2, 6, false, 200);
+        sim.submit_req(req).expect("accepted");
+    }
+    for _ in 0..4 {
+        sim.step();
+    }
+    let paid: Vec<_> = (0..2)
+        .map(|_| {
+            let req = echo_request(&sim, 2, 6, false, 40);
+            sim.submit_req(req).expect("accepted")
+        })
+        .collect();
+    let (mut paid_drafts, mut free_decodes) = (0, 0);
+    for _ in 0..12 {
+        let plan = sim.step();
+        for i in &plan.items {
+            if paid.contains(&i.id) {
+                paid_drafts += i.draft;
+            } else {
+                assert_eq!(i.draft, 0, "a free decode got a draft: {plan:?}");
+                free_decodes += 1;
+            }
+        }
+    }
+    assert!(paid_drafts > 0, "the paid decodes got no draft");
+    assert!(free_decodes > 0, "the free decodes starved");
+    sim.run_until_idle(2000);
+    sim.assert_all_done();
+}
+
 /// The random interleavings of `prop` (cancels mid-step, failed steps,
 /// expiries, preemptions on small pools, quotas) with speculation always
 /// on: every invariant holds after every operation, every output equals

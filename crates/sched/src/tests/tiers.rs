@@ -421,6 +421,51 @@ fn a_latency_budget_keeps_paid_steps_small_and_free_decodes_take_turns() {
     sim.assert_all_done();
 }
 
+/// The same budget as a time (`step_time_max`): turned into tokens by the
+/// step cost measured so far (here 2 ms + 0.5 ms per token, so 4.5 ms is 5
+/// tokens), none before anything is measured; it follows the machine.
+#[test]
+fn a_latency_budget_in_time_follows_the_measured_step_cost() {
+    let mut c = two_tiers(1024, 16);
+    c.max_num_seqs = 16;
+    c.tiers[1].step_time_max = Some(Duration::from_micros(4500));
+    let mut sim = Sim::new(c);
+    let mut per_token_us = 500;
+    let step = |sim: &mut Sim, per_token_us: u64| {
+        sim.step_cost_us = (2000, per_token_us);
+        sim.step()
+    };
+    for i in 0..8 {
+        sim.submit(i % 2, 8, 60).unwrap();
+    }
+    let paid = sim.submit(2, 8, 40).unwrap();
+    // Unmeasured: no budget yet, everyone's prompt in the first step.
+    assert_eq!(step(&mut sim, per_token_us).num_tokens(), 9 * 8);
+    let free_beside_paid = |p: &crate::Plan| {
+        assert!(p.items.iter().any(|i| i.id == paid && i.tokens.len() == 1));
+        p.num_tokens() - 1
+    };
+    for _ in 0..3 {
+        step(&mut sim, per_token_us);
+    }
+    for _ in 0..10 {
+        let p = step(&mut sim, per_token_us);
+        assert_eq!(free_beside_paid(&p), 4, "5 tokens in all");
+    }
+    // The machine slows down fivefold per token: the budget shrinks to
+    // (4.5 - 2) / 2.5 = 1 token, the paid decode alone (free work gets
+    // nothing while paid work runs within its budget).
+    per_token_us = 2500;
+    let mut last = usize::MAX;
+    for _ in 0..20 {
+        let p = step(&mut sim, per_token_us);
+        last = free_beside_paid(&p);
+    }
+    assert_eq!(last, 0);
+    sim.run_until_idle(1000);
+    sim.assert_all_done();
+}
+
 #[test]
 fn a_zero_latency_budget_is_refused() {
     let mut c = two_tiers(64, 16);
