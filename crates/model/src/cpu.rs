@@ -18,7 +18,7 @@ use crate::executor::{
 };
 use crate::gguf::{GgufError, GgufFile};
 use crate::kernels::{self, Acts, Kernel, OutPtr, QMatrix, Resolved};
-use crate::kvcache::{KvStore, attend, attend_scratch};
+use crate::kvcache::{KvStore, attend_run, attend_scratch, query_run};
 use crate::pool::{ThreadPool, split_range};
 use crate::quant::{BlockQ8A, QK, quantize_row_q8a};
 use crate::sampling::{SamplerScratch, sample};
@@ -109,6 +109,8 @@ struct Scratch {
     tok: Vec<u32>,
     tok_seq: Vec<u32>,
     tok_pos: Vec<usize>,
+    /// Attention's runs of the step: (first token row, tokens).
+    runs: Vec<(usize, usize)>,
     out_tok: Vec<u32>,
     slots: Vec<usize>,
     /// cos/sin of each token's position, `head_dim / 2` pairs per token,
@@ -209,8 +211,11 @@ impl CpuExecutor {
         let group = cfg.n_head / cfg.n_head_kv;
         // Rounded up and padded by a cache line (16 floats) so that no two
         // threads ever write the same line: shared lines cost more than the work.
-        let att_per_thread =
-            attend_scratch(group, cfg.head_dim, c.block_size).next_multiple_of(16) + 16;
+        // Beside attention's own scratch, a run's query rows and outputs.
+        let att_per_thread = (attend_scratch(group, cfg.head_dim, c.block_size)
+            + 2 * query_run(group) * group * cfg.head_dim)
+            .next_multiple_of(16)
+            + 16;
         let s = Scratch {
             x: vec![0.0; t * d],
             xn: vec![0.0; t * wide],
@@ -222,6 +227,7 @@ impl CpuExecutor {
             tok: Vec::with_capacity(t),
             tok_seq: Vec::with_capacity(t),
             tok_pos: Vec::with_capacity(t),
+            runs: Vec::with_capacity(t),
             out_tok: Vec::with_capacity(t),
             slots: Vec::with_capacity(t),
             rope: vec![(0.0, 0.0); cfg.rope_bases.len() * t * cfg.head_dim / 2],
@@ -464,11 +470,30 @@ impl CpuExecutor {
                 }
             });
         }
-        // Attention, one task per (token, kv head).
+        // Attention, one task per (run, kv head): a run is up to
+        // `query_run(group)` consecutive tokens of one sequence (a prompt
+        // chunk's), which read each KV block once between them; a decode
+        // is a run of one.
         {
             let n_kv = self.cfg.n_head_kv;
             let group = self.cfg.n_head / n_kv;
-            let tasks = t_all * n_kv;
+            let max_run = query_run(group);
+            let runs = &mut s.runs;
+            runs.clear();
+            for t in 0..t_all {
+                match runs.last_mut() {
+                    Some((t0, n))
+                        if *n < max_run
+                            && s.tok_seq[*t0] == s.tok_seq[t]
+                            && s.tok_pos[*t0] + *n == s.tok_pos[t] =>
+                    {
+                        *n += 1
+                    }
+                    _ => runs.push((t, 1)),
+                }
+            }
+            let runs = &s.runs;
+            let tasks = runs.len() * n_kv;
             let next = AtomicUsize::new(0);
             let att = Shared::new(&mut s.att[..t_all * qd]);
             let per = s.att_per_thread;
@@ -486,28 +511,35 @@ impl CpuExecutor {
                     if task >= tasks {
                         break;
                     }
-                    let (t, kh) = (task / n_kv, task % n_kv);
-                    let seq = &batch[tok_seq[t] as usize];
-                    let pos = tok_pos[t];
-                    let q = &qkv[t * qkv_w + kh * group * hd..t * qkv_w + (kh + 1) * group * hd];
-                    // SAFETY: the heads of (t, kh) are written by this task only.
-                    let o = unsafe {
-                        att.slice(t * qd + kh * group * hd..t * qd + (kh + 1) * group * hd)
-                    };
-                    attend(
+                    let ((t0, nq), kh) = (runs[task / n_kv], task % n_kv);
+                    let seq = &batch[tok_seq[t0] as usize];
+                    let rows = group * hd;
+                    let (qr, rest) = buf.split_at_mut(nq * rows);
+                    let (or, work) = rest.split_at_mut(nq * rows);
+                    for (i, q) in qr.chunks_exact_mut(rows).enumerate() {
+                        let at = (t0 + i) * qkv_w + kh * rows;
+                        q.copy_from_slice(&qkv[at..at + rows]);
+                    }
+                    attend_run(
                         kernel,
                         store,
                         l,
                         kh,
                         seq.block_table,
-                        pos,
+                        tok_pos[t0],
+                        nq,
                         window,
-                        q,
-                        o,
+                        qr,
+                        or,
                         group,
                         scale,
-                        buf,
+                        work,
                     );
+                    for (i, o) in or.chunks_exact(rows).enumerate() {
+                        let at = (t0 + i) * qd + kh * rows;
+                        // SAFETY: the heads of (t, kh) are written by this task only.
+                        unsafe { att.slice(at..at + rows).copy_from_slice(o) };
+                    }
                 }
             });
         }

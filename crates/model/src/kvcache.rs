@@ -262,9 +262,22 @@ pub(crate) fn quantize_int8_row(src: &[f32], q: &mut [i8], d: &mut [u8]) {
     }
 }
 
-/// Floats of per-thread scratch that [`attend`] needs.
+/// Query rows (tokens x query heads of one KV head) one call of
+/// [`attend_run`] takes at most: a prompt's tokens go through attention in
+/// runs of up to `QUERY_ROWS / group` consecutive positions, so that each
+/// K/V block is read from memory once for the whole run, not once per token.
+pub(crate) const QUERY_ROWS: usize = 48;
+
+/// Tokens per run for `group` query heads per KV head (at least 1).
+pub(crate) fn query_run(group: usize) -> usize {
+    (QUERY_ROWS / group.max(1)).max(1)
+}
+
+/// Floats of per-thread scratch that [`attend_run`] needs for runs of up
+/// to [`query_run`]`(group)` tokens (and so [`attend`] for one).
 pub(crate) fn attend_scratch(group: usize, head_dim: usize, block_size: usize) -> usize {
-    group * (head_dim + 2 + block_size.next_multiple_of(8)) + 2 * block_size * head_dim.div_ceil(G)
+    let rows = query_run(group) * group;
+    rows * (head_dim + 2 + block_size.next_multiple_of(8)) + 2 * block_size * head_dim.div_ceil(G)
 }
 
 /// Rows `start..start + n` of one K or V run, as attention reads them.
@@ -396,8 +409,8 @@ fn int8_rows<'a>(
 
 /// Attention of the `group` query heads that share KV head `kh`, for one
 /// token at `pos`, over positions `0..=pos` (or the last `window` of them)
-/// through the block table: online softmax, one KV block at a time, no
-/// score matrix. `buf` holds [`attend_scratch`] floats.
+/// through the block table: [`attend_run`] of one token.
+#[cfg(test)]
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn attend(
     kernel: Resolved,
@@ -413,116 +426,106 @@ pub(crate) fn attend(
     scale: f32,
     buf: &mut [f32],
 ) {
+    attend_run(
+        kernel, store, layer, kh, table, pos, 1, window, q, out, group, scale, buf,
+    );
+}
+
+/// Attention of `nq` tokens of one sequence at positions `pos0..pos0 +
+/// nq` (each over its own positions `0..=pos`, or the last `window` of
+/// them: causal), for the `group` query heads that share KV head `kh`,
+/// through the block table: online softmax, one KV block at a time, no
+/// score matrix. Each block's K and V are read once for every token whose
+/// span covers the same rows of it (all of them, but for the run's last
+/// blocks and a window's edges), so a prompt chunk streams its context
+/// from memory once per run, not once per token. `q` and `out` hold the
+/// tokens' rows (`nq x group x head_dim`, token-major); `buf` holds
+/// [`attend_scratch`] floats; `nq` is at most [`query_run`]`(group)`.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn attend_run(
+    kernel: Resolved,
+    store: &KvStore,
+    layer: usize,
+    kh: usize,
+    table: &[u32],
+    pos0: usize,
+    nq: usize,
+    window: Option<usize>,
+    q: &[f32],
+    out: &mut [f32],
+    group: usize,
+    scale: f32,
+    buf: &mut [f32],
+) {
     let kv = &store.layout;
     let hd = kv.head_dim;
     let bs = kv.block_size;
-    let (acc, rest) = buf.split_at_mut(group * hd);
-    // One row of scores per query head (the SIMD path fills them together).
-    let (scores, rest) = rest.split_at_mut(group * bs.next_multiple_of(8));
-    let (mx, rest) = rest.split_at_mut(group);
-    let (sum, rest) = rest.split_at_mut(group);
+    assert!(nq >= 1 && nq <= query_run(group), "run of {nq} tokens");
+    let rows = nq * group;
+    assert!(q.len() >= rows * hd && out.len() >= rows * hd);
+    let (acc, rest) = buf.split_at_mut(rows * hd);
+    // One row of scores per query row of a kernel call (the SIMD path fills
+    // them together).
+    let (scores, rest) = rest.split_at_mut(rows * bs.next_multiple_of(8));
+    let (mx, rest) = rest.split_at_mut(rows);
+    let (sum, rest) = rest.split_at_mut(rows);
     let (dk, rest) = rest.split_at_mut(bs * hd.div_ceil(G));
     let dv = &mut rest[..bs * hd.div_ceil(G)];
     acc.fill(0.0);
     mx.fill(f32::NEG_INFINITY);
     sum.fill(0.0);
-    let n_blocks = pos / bs + 1;
+    // Token t sees positions first(t)..=pos0 + t.
+    let first = |t: usize| window.map_or(0, |w| (pos0 + t + 1).saturating_sub(w));
+    let n_blocks = (pos0 + nq - 1) / bs + 1;
     // A sliding window reads only the blocks that hold its positions.
-    let first = window.map_or(0, |w| (pos + 1).saturating_sub(w));
-    for (bi, &block) in table[..n_blocks].iter().enumerate().skip(first / bs) {
-        let end = if bi + 1 == n_blocks { pos % bs + 1 } else { bs };
-        let start = if bi == first / bs { first % bs } else { 0 };
-        let n = end - start;
-        let (k, v) = block_rows(
-            &store.data,
-            kv,
-            block as usize,
-            layer,
-            kh,
-            start,
-            n,
-            &mut *dk,
-            &mut *dv,
-        );
-        // One SIMD block kernel over the rows of whichever dtype the store holds.
-        #[cfg(target_arch = "x86_64")]
-        macro_rules! simd_block {
-            ($f:path) => {
-                match (k, v) {
-                    (Rows::F32(k), Rows::F32(v)) => $f(
-                        q,
-                        avx2::Plain(k),
-                        avx2::Plain(v),
-                        n,
-                        hd,
-                        scale,
-                        scores,
-                        mx,
-                        sum,
-                        acc,
-                    ),
-                    (Rows::F16(k), Rows::F16(v)) => $f(
-                        q,
-                        avx2::Plain(k),
-                        avx2::Plain(v),
-                        n,
-                        hd,
-                        scale,
-                        scores,
-                        mx,
-                        sum,
-                        acc,
-                    ),
-                    (Rows::Int8 { q: kq, d: kd }, Rows::Int8 { q: vq, d: vd }) => $f(
-                        q,
-                        avx2::Int8Rows { q: kq, d: kd },
-                        avx2::Int8Rows { q: vq, d: vd },
-                        n,
-                        hd,
-                        scale,
-                        scores,
-                        mx,
-                        sum,
-                        acc,
-                    ),
-                    _ => unreachable!("K and V of one store share a dtype"),
-                }
+    for (bi, &block) in table[..n_blocks].iter().enumerate().skip(first(0) / bs) {
+        let lo = bi * bs;
+        // Token t's rows of this block, as `start..end` within it.
+        let span = |t: usize| {
+            let (s, e) = (first(t).max(lo), (pos0 + t + 1).min(lo + bs));
+            (s < e).then(|| (s - lo, e - lo))
+        };
+        let mut t = 0;
+        while t < nq {
+            let Some((start, end)) = span(t) else {
+                t += 1;
+                continue;
             };
-        }
-        #[cfg(target_arch = "x86_64")]
-        if kernel == Resolved::Avx512Vnni && hd.is_multiple_of(16) {
-            // SAFETY: AVX-512 resolved only when present; rows sized above.
-            unsafe { simd_block!(crate::kernels::avx512::attend_block) };
-            continue;
-        }
-        #[cfg(target_arch = "x86_64")]
-        if kernel.avx2() {
-            // SAFETY: AVX2 resolved only when present; rows sized above.
-            unsafe { simd_block!(avx2::attend_block) };
-            continue;
-        }
-        let _ = kernel;
-        for g in 0..group {
-            let qg = &q[g * hd..(g + 1) * hd];
-            let mut bmax = f32::NEG_INFINITY;
-            for (j, sc) in scores[..n].iter_mut().enumerate() {
-                *sc = k.dot(j, qg) * scale;
-                bmax = bmax.max(*sc);
+            // The following tokens that see the same rows share the reads.
+            let mut t1 = t + 1;
+            while t1 < nq && span(t1) == Some((start, end)) {
+                t1 += 1;
             }
-            let m_new = mx[g].max(bmax);
-            let corr = (mx[g] - m_new).exp();
-            mx[g] = m_new;
-            let a = &mut acc[g * hd..(g + 1) * hd];
-            let mut l = sum[g] * corr;
-            for (j, &sc) in scores[..n].iter().enumerate() {
-                let p = (sc - m_new).exp();
-                l += p;
-                v.axpy(j, a, if j == 0 { corr } else { 1.0 }, p);
-            }
-            sum[g] = l;
+            let n = end - start;
+            let (k, v) = block_rows(
+                &store.data,
+                kv,
+                block as usize,
+                layer,
+                kh,
+                start,
+                n,
+                &mut *dk,
+                &mut *dv,
+            );
+            let r = t * group..t1 * group;
+            block_step(
+                kernel,
+                k,
+                v,
+                n,
+                hd,
+                scale,
+                &q[r.start * hd..r.end * hd],
+                &mut *scores,
+                &mut mx[r.clone()],
+                &mut sum[r.clone()],
+                &mut acc[r.start * hd..r.end * hd],
+            );
+            t = t1;
         }
     }
-    for g in 0..group {
+    for g in 0..rows {
         let inv = 1.0 / sum[g];
         for (o, a) in out[g * hd..(g + 1) * hd]
             .iter_mut()
@@ -530,6 +533,103 @@ pub(crate) fn attend(
         {
             *o = a * inv;
         }
+    }
+}
+
+/// One KV block's `n` rows for the query rows `q` (`mx.len()` of them):
+/// the online softmax's update of `mx`, `sum` and `acc`, by the SIMD block
+/// kernel the CPU has or the scalar one.
+#[allow(clippy::too_many_arguments)]
+#[inline]
+fn block_step(
+    kernel: Resolved,
+    k: Rows<'_>,
+    v: Rows<'_>,
+    n: usize,
+    hd: usize,
+    scale: f32,
+    q: &[f32],
+    scores: &mut [f32],
+    mx: &mut [f32],
+    sum: &mut [f32],
+    acc: &mut [f32],
+) {
+    // One SIMD block kernel over the rows of whichever dtype the store holds.
+    #[cfg(target_arch = "x86_64")]
+    macro_rules! simd_block {
+        ($f:path) => {
+            match (k, v) {
+                (Rows::F32(k), Rows::F32(v)) => $f(
+                    q,
+                    avx2::Plain(k),
+                    avx2::Plain(v),
+                    n,
+                    hd,
+                    scale,
+                    scores,
+                    mx,
+                    sum,
+                    acc,
+                ),
+                (Rows::F16(k), Rows::F16(v)) => $f(
+                    q,
+                    avx2::Plain(k),
+                    avx2::Plain(v),
+                    n,
+                    hd,
+                    scale,
+                    scores,
+                    mx,
+                    sum,
+                    acc,
+                ),
+                (Rows::Int8 { q: kq, d: kd }, Rows::Int8 { q: vq, d: vd }) => $f(
+                    q,
+                    avx2::Int8Rows { q: kq, d: kd },
+                    avx2::Int8Rows { q: vq, d: vd },
+                    n,
+                    hd,
+                    scale,
+                    scores,
+                    mx,
+                    sum,
+                    acc,
+                ),
+                _ => unreachable!("K and V of one store share a dtype"),
+            }
+        };
+    }
+    #[cfg(target_arch = "x86_64")]
+    if kernel == Resolved::Avx512Vnni && hd.is_multiple_of(16) {
+        // SAFETY: AVX-512 resolved only when present; rows sized by the caller.
+        unsafe { simd_block!(crate::kernels::avx512::attend_block) };
+        return;
+    }
+    #[cfg(target_arch = "x86_64")]
+    if kernel.avx2() {
+        // SAFETY: AVX2 resolved only when present; rows sized by the caller.
+        unsafe { simd_block!(avx2::attend_block) };
+        return;
+    }
+    let _ = kernel;
+    for g in 0..mx.len() {
+        let qg = &q[g * hd..(g + 1) * hd];
+        let mut bmax = f32::NEG_INFINITY;
+        for (j, sc) in scores[..n].iter_mut().enumerate() {
+            *sc = k.dot(j, qg) * scale;
+            bmax = bmax.max(*sc);
+        }
+        let m_new = mx[g].max(bmax);
+        let corr = (mx[g] - m_new).exp();
+        mx[g] = m_new;
+        let a = &mut acc[g * hd..(g + 1) * hd];
+        let mut l = sum[g] * corr;
+        for (j, &sc) in scores[..n].iter().enumerate() {
+            let p = (sc - m_new).exp();
+            l += p;
+            v.axpy(j, a, if j == 0 { corr } else { 1.0 }, p);
+        }
+        sum[g] = l;
     }
 }
 
@@ -724,6 +824,92 @@ mod tests {
                                         (got - want).abs() < 1e-4 * (1.0 + want.abs()),
                                         "{dtype} group {group} window {window:?} pos {pos}: \
                                          {got} vs {want}"
+                                    );
+                                }
+                            }
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    /// A run of tokens gives each token what attending alone gives it, for
+    /// every kernel and dtype, run length, start and window (the shared
+    /// block reads change only the order of nothing: each row's online
+    /// softmax sees the same blocks in the same order).
+    #[test]
+    fn a_run_of_tokens_attends_as_each_token_alone() {
+        let (bs, hd, n_kv, layers, blocks) = (16, 64, 2, 2, 8);
+        let mut kernels = vec![Resolved::Scalar];
+        if crate::kernels::has_avx2() {
+            kernels.push(Resolved::Avx2);
+        }
+        if crate::kernels::has_avx512_vnni() {
+            kernels.push(Resolved::Avx512Vnni);
+        }
+        assert_eq!((query_run(3), query_run(4), query_run(64)), (16, 12, 1));
+        for dtype in KvDtype::ALL {
+            let mut s = store(dtype, bs, hd, n_kv, layers, blocks);
+            let mut seed = 9;
+            fill(&mut s, layers, &mut seed);
+            let table = [5u32, 2, 7, 0, 1, 3];
+            for group in [1usize, 3, 4] {
+                let mut buf = vec![0f32; attend_scratch(group, hd, bs)];
+                let max = query_run(group).min(20);
+                let q: Vec<f32> = (0..max * group * hd)
+                    .map(|_| rnd(&mut seed) * 3.0)
+                    .collect();
+                for &kernel in &kernels {
+                    for window in [None, Some(1), Some(5), Some(16), Some(21)] {
+                        for (pos0, nq) in [
+                            (0, 1),
+                            (0, max),
+                            (3, 2),
+                            (14, 5),
+                            (16, max),
+                            (40, 7),
+                            (50, max),
+                        ] {
+                            let rows = nq * group * hd;
+                            let mut run = vec![0f32; rows];
+                            attend_run(
+                                kernel,
+                                &s,
+                                1,
+                                1,
+                                &table,
+                                pos0,
+                                nq,
+                                window,
+                                &q[..rows],
+                                &mut run,
+                                group,
+                                0.125,
+                                &mut buf,
+                            );
+                            for t in 0..nq {
+                                let r = t * group * hd..(t + 1) * group * hd;
+                                let mut alone = vec![0f32; group * hd];
+                                attend(
+                                    kernel,
+                                    &s,
+                                    1,
+                                    1,
+                                    &table,
+                                    pos0 + t,
+                                    window,
+                                    &q[r.clone()],
+                                    &mut alone,
+                                    group,
+                                    0.125,
+                                    &mut buf,
+                                );
+                                for (a, b) in run[r].iter().zip(&alone) {
+                                    assert!(
+                                        (a - b).abs() <= 1e-5 * (1.0 + b.abs()),
+                                        "{dtype} {kernel:?} group {group} window {window:?} \
+                                         run {pos0}+{nq} token {t}: {a} vs {b}"
                                     );
                                 }
                             }

@@ -590,35 +590,69 @@ pub(crate) unsafe fn softmax_block<const G: usize>(
     sum: &mut [f32],
 ) -> [f32; G] {
     let stride = n.next_multiple_of(8);
+    assert!(scores.len() >= (g0 + G) * stride && mx.len() >= g0 + G && sum.len() >= g0 + G);
+    // Lanes of the last vector past n: -inf for the max, 0 for the sum.
+    let live = |j0: usize| {
+        _mm256_cmpgt_epi32(
+            _mm256_set1_epi32((n - j0).min(8) as i32),
+            _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7),
+        )
+    };
+    let ninf = _mm256_set1_ps(f32::NEG_INFINITY);
     // Probabilities overwrite the scores.
     let mut corr = [0f32; G];
     for (g, c) in corr.iter_mut().enumerate() {
         let h = g0 + g;
-        let sc = &mut scores[h * stride..(h + 1) * stride];
-        let bmax = sc[..n].iter().fold(f32::NEG_INFINITY, |a, &b| a.max(b));
-        let m_new = mx[h].max(bmax);
-        *c = (mx[h] - m_new).exp();
-        mx[h] = m_new;
-        // Eight at a time; lanes past n are dropped from the sum.
-        let mut l = 0f32;
-        let mut j0 = 0;
-        while j0 < n {
-            // SAFETY: sc holds stride = n rounded up to 8.
-            unsafe {
-                let e = exp8(_mm256_sub_ps(
-                    _mm256_loadu_ps(sc.as_ptr().add(j0)),
-                    _mm256_set1_ps(m_new),
-                ));
-                _mm256_storeu_ps(sc.as_mut_ptr().add(j0), e);
+        let sc = scores[h * stride..].as_mut_ptr();
+        // SAFETY: sc holds stride = n rounded up to 8 floats.
+        unsafe {
+            let mut vmax = ninf;
+            let mut j0 = 0;
+            while j0 < n {
+                let v = _mm256_loadu_ps(sc.add(j0));
+                vmax = _mm256_max_ps(
+                    vmax,
+                    _mm256_blendv_ps(ninf, v, _mm256_castsi256_ps(live(j0))),
+                );
+                j0 += 8;
             }
-            for &p in &sc[j0..(j0 + 8).min(n)] {
-                l += p;
+            let m_new = mx[h].max(hmax8(vmax));
+            // e^(old max - new max): 0 while the old max is -inf.
+            *c = _mm256_cvtss_f32(exp8(_mm256_set1_ps(mx[h] - m_new)));
+            mx[h] = m_new;
+            let vm = _mm256_set1_ps(m_new);
+            let mut vs = _mm256_setzero_ps();
+            let mut j0 = 0;
+            while j0 < n {
+                let e = exp8(_mm256_sub_ps(_mm256_loadu_ps(sc.add(j0)), vm));
+                _mm256_storeu_ps(sc.add(j0), e);
+                vs = _mm256_add_ps(vs, _mm256_and_ps(e, _mm256_castsi256_ps(live(j0))));
+                j0 += 8;
             }
-            j0 += 8;
+            sum[h] = sum[h] * *c + hsum8(vs);
         }
-        sum[h] = sum[h] * *c + l;
     }
     corr
+}
+
+/// The largest of eight lanes.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn hmax8(v: __m256) -> f32 {
+    let m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    let m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+    let m = _mm_max_ss(m, _mm_shuffle_ps(m, m, 1));
+    _mm_cvtss_f32(m)
+}
+
+/// The sum of eight lanes.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn hsum8(v: __m256) -> f32 {
+    let s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    let s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));
+    _mm_cvtss_f32(s)
 }
 
 /// The inputs of [`attend_heads`]: query heads `g0..g0 + G` over one block.
