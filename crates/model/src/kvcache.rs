@@ -277,7 +277,12 @@ pub(crate) fn query_run(group: usize) -> usize {
 /// to [`query_run`]`(group)` tokens (and so [`attend`] for one).
 pub(crate) fn attend_scratch(group: usize, head_dim: usize, block_size: usize) -> usize {
     let rows = query_run(group) * group;
-    rows * (head_dim + 2 + block_size.next_multiple_of(8)) + 2 * block_size * head_dim.div_ceil(G)
+    // The lanes kernel's tiles of 16 rows: queries and accumulators
+    // transposed, maxima and sums; a block's K and V widened to f32.
+    let lanes = rows.div_ceil(16) * 16 * (2 * head_dim + 2) + 2 * block_size * head_dim;
+    rows * (head_dim + 2 + block_size.next_multiple_of(8))
+        + 2 * block_size * head_dim.div_ceil(G)
+        + lanes
 }
 
 /// Rows `start..start + n` of one K or V run, as attention reads them.
@@ -470,15 +475,37 @@ pub(crate) fn attend_run(
     let (mx, rest) = rest.split_at_mut(rows);
     let (sum, rest) = rest.split_at_mut(rows);
     let (dk, rest) = rest.split_at_mut(bs * hd.div_ceil(G));
-    let dv = &mut rest[..bs * hd.div_ceil(G)];
+    let (dv, lanes_buf) = rest.split_at_mut(bs * hd.div_ceil(G));
     acc.fill(0.0);
     mx.fill(f32::NEG_INFINITY);
     sum.fill(0.0);
     // Token t sees positions first(t)..=pos0 + t.
     let first = |t: usize| window.map_or(0, |w| (pos0 + t + 1).saturating_sub(w));
     let n_blocks = (pos0 + nq - 1) / bs + 1;
+    // Blocks every token of the run sees whole: with enough rows, the
+    // lanes kernel takes them first (the online softmax does not care in
+    // which order blocks come).
+    let shared = first(nq - 1).div_ceil(bs)..(pos0 + 1) / bs;
+    let lanes = lanes_kernel(kernel, hd, bs, rows) && shared.len() >= 2;
+    if lanes {
+        shared_blocks_in_lanes(
+            store,
+            layer,
+            kh,
+            &table[shared.clone()],
+            q,
+            rows,
+            scale,
+            (&mut *mx, &mut *sum, &mut *acc),
+            (&mut *dk, &mut *dv),
+            lanes_buf,
+        );
+    }
     // A sliding window reads only the blocks that hold its positions.
     for (bi, &block) in table[..n_blocks].iter().enumerate().skip(first(0) / bs) {
+        if lanes && shared.contains(&bi) {
+            continue;
+        }
         let lo = bi * bs;
         // Token t's rows of this block, as `start..end` within it.
         let span = |t: usize| {
@@ -532,6 +559,116 @@ pub(crate) fn attend_run(
             .zip(&acc[g * hd..(g + 1) * hd])
         {
             *o = a * inv;
+        }
+    }
+}
+
+/// Whether [`shared_blocks_in_lanes`] runs here: AVX-512 (whose
+/// row-major kernel it matches to the bit), heads in sixteens, blocks of
+/// 16 (one softmax step per block, as the row-major kernel takes), and at
+/// least a full tile of query rows.
+fn lanes_kernel(kernel: Resolved, hd: usize, bs: usize, rows: usize) -> bool {
+    cfg!(target_arch = "x86_64")
+        && kernel == Resolved::Avx512Vnni
+        && hd.is_multiple_of(16)
+        && bs == 16
+        && rows >= 16
+}
+
+/// The blocks `table` (each seen whole by every one of the `rows` query
+/// rows `q`) through the AVX-512 lanes kernel, sixteen rows a tile; the
+/// tiles' state is left as the rows' online-softmax state (`mx`, `sum`,
+/// `acc`), the same to the bit as if the row-major kernel had read these
+/// blocks: a token's attention is the same whether it came in a run of a
+/// prompt chunk or alone (a decode), so batching never changes a token.
+#[allow(clippy::too_many_arguments)]
+fn shared_blocks_in_lanes(
+    store: &KvStore,
+    layer: usize,
+    kh: usize,
+    table: &[u32],
+    q: &[f32],
+    rows: usize,
+    scale: f32,
+    (mx, sum, acc): (&mut [f32], &mut [f32], &mut [f32]),
+    (dk, dv): (&mut [f32], &mut [f32]),
+    buf: &mut [f32],
+) {
+    #[cfg(target_arch = "x86_64")]
+    {
+        use crate::kernels::avx512;
+        let kv = &store.layout;
+        let (hd, bs) = (kv.head_dim, kv.block_size);
+        let tiles = rows.div_ceil(16);
+        let (qt, rest) = buf.split_at_mut(tiles * 16 * hd);
+        let (acct, rest) = rest.split_at_mut(tiles * 16 * hd);
+        let (kf, rest) = rest.split_at_mut(bs * hd);
+        let (vf, rest) = rest.split_at_mut(bs * hd);
+        let _ = rest;
+        const TILES: usize = QUERY_ROWS.div_ceil(16);
+        assert!(tiles <= TILES);
+        let mut tmx = [[f32::NEG_INFINITY; 16]; TILES];
+        let mut tsum = [[0f32; 16]; TILES];
+        // Queries transposed; rows past `rows` are zero.
+        qt.fill(0.0);
+        acct.fill(0.0);
+        for r in 0..rows {
+            let (tile, lane) = (r / 16, r % 16);
+            for i in 0..hd {
+                qt[tile * 16 * hd + i * 16 + lane] = q[r * hd + i];
+            }
+        }
+        for &block in table {
+            let (k, v) = block_rows(&store.data, kv, block as usize, layer, kh, 0, bs, dk, dv);
+            // SAFETY: AVX-512 resolved only when present (`lanes_kernel`);
+            // shapes as asserted by the kernels.
+            unsafe {
+                widen(k, bs, hd, kf);
+                widen(v, bs, hd, vf);
+                for t in 0..tiles {
+                    let span = t * 16 * hd..(t + 1) * 16 * hd;
+                    let mut st = avx512::Lanes16 {
+                        qt: &qt[span.clone()],
+                        scale,
+                        mx: &mut tmx[t],
+                        sum: &mut tsum[t],
+                        acct: &mut acct[span],
+                    };
+                    avx512::lanes_block(&mut st, kf, vf, bs, hd);
+                }
+            }
+        }
+        for r in 0..rows {
+            let (tile, lane) = (r / 16, r % 16);
+            mx[r] = tmx[tile][lane];
+            sum[r] = tsum[tile][lane];
+            for i in 0..hd {
+                acc[r * hd + i] = acct[tile * 16 * hd + i * 16 + lane];
+            }
+        }
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        let _ = (
+            store, layer, kh, table, q, rows, scale, mx, sum, acc, dk, dv, buf,
+        );
+        unreachable!("the lanes kernel is x86-64 only");
+    }
+}
+
+/// `n` rows of K or V widened to f32 by the AVX-512 loads.
+///
+/// # Safety
+/// AVX-512 F present; `out` holds `n * hd` floats.
+#[cfg(target_arch = "x86_64")]
+unsafe fn widen(rows: Rows<'_>, n: usize, hd: usize, out: &mut [f32]) {
+    use crate::kernels::avx512::widen_rows;
+    // SAFETY: by the caller's promise.
+    unsafe {
+        match rows {
+            Rows::F32(r) => widen_rows(avx2::Plain(r), n, n, hd, out),
+            Rows::F16(r) => widen_rows(avx2::Plain(r), n, n, hd, out),
+            Rows::Int8 { q, d } => widen_rows(avx2::Int8Rows { q, d }, n, n, hd, out),
         }
     }
 }
@@ -834,10 +971,12 @@ mod tests {
         }
     }
 
-    /// A run of tokens gives each token what attending alone gives it, for
-    /// every kernel and dtype, run length, start and window (the shared
-    /// block reads change only the order of nothing: each row's online
-    /// softmax sees the same blocks in the same order).
+    /// A run of tokens gives each token what attending alone gives it, to
+    /// the bit, for every kernel and dtype, run length, start and window:
+    /// each row's online softmax sees the same blocks in the same order,
+    /// and the AVX-512 lanes kernel (blocks shared by a run of 16 rows or
+    /// more) repeats the row-major kernel's arithmetic. Batching a prompt
+    /// differently never changes a token.
     #[test]
     fn a_run_of_tokens_attends_as_each_token_alone() {
         let (bs, hd, n_kv, layers, blocks) = (16, 64, 2, 2, 8);
@@ -907,7 +1046,7 @@ mod tests {
                                 );
                                 for (a, b) in run[r].iter().zip(&alone) {
                                     assert!(
-                                        (a - b).abs() <= 1e-5 * (1.0 + b.abs()),
+                                        a.to_bits() == b.to_bits(),
                                         "{dtype} {kernel:?} group {group} window {window:?} \
                                          run {pos0}+{nq} token {t}: {a} vs {b}"
                                     );

@@ -243,6 +243,135 @@ impl KvRows16 for super::avx2::Int8Rows<'_> {
     }
 }
 
+/// e^x for sixteen lanes: [`super::avx2::exp8`]'s reduction and
+/// polynomial, 512 bits wide.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl")]
+unsafe fn exp16(x: __m512) -> __m512 {
+    let x = _mm512_min_ps(x, _mm512_set1_ps(88.0));
+    let underflow = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.0), _CMP_LT_OQ);
+    let fx = _mm512_roundscale_ps(
+        _mm512_mul_ps(x, _mm512_set1_ps(std::f32::consts::LOG2_E)),
+        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC,
+    );
+    let r = _mm512_fnmadd_ps(fx, _mm512_set1_ps(0.693_359_4), x);
+    let r = _mm512_fnmadd_ps(fx, _mm512_set1_ps(-2.121_944_4e-4), r);
+    let mut y = _mm512_set1_ps(1.987_569_1e-4);
+    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.398_199_9e-3));
+    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(8.333_452e-3));
+    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(4.166_579_6e-2));
+    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(0.166_666_66));
+    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(0.5));
+    y = _mm512_fmadd_ps(
+        y,
+        _mm512_mul_ps(r, r),
+        _mm512_add_ps(r, _mm512_set1_ps(1.0)),
+    );
+    let pow2 = _mm512_slli_epi32::<23>(_mm512_add_epi32(
+        _mm512_cvtps_epi32(fx),
+        _mm512_set1_epi32(127),
+    ));
+    let res = _mm512_mul_ps(y, _mm512_castsi512_ps(pow2));
+    _mm512_maskz_mov_ps(!underflow, res)
+}
+
+/// [`super::avx2::softmax_block`] sixteen lanes wide, with masked loads:
+/// the G heads' block maxima first, then their rescale factors in one
+/// `exp16`, then each row's probabilities (over its scores) and sum.
+///
+/// # Safety
+/// AVX-512 F and the AVX2 set; `scores` holds `(g0 + G) * stride` floats
+/// (`stride` = `n` rounded up to 8), `mx` and `sum` `g0 + G`.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl")]
+unsafe fn softmax_block<const G: usize>(
+    g0: usize,
+    n: usize,
+    scores: &mut [f32],
+    mx: &mut [f32],
+    sum: &mut [f32],
+) -> [f32; G] {
+    let stride = n.next_multiple_of(8);
+    assert!(
+        G <= 16 && scores.len() >= (g0 + G) * stride && mx.len() >= g0 + G && sum.len() >= g0 + G
+    );
+    let live = |j0: usize| -> __mmask16 {
+        let left = n - j0;
+        if left >= 16 {
+            0xFFFF
+        } else {
+            (1u16 << left) - 1
+        }
+    };
+    let ninf = _mm512_set1_ps(f32::NEG_INFINITY);
+    let mut old = [f32::NEG_INFINITY; 16];
+    let mut new = [f32::NEG_INFINITY; 16];
+    for g in 0..G {
+        let sc = scores[(g0 + g) * stride..].as_ptr();
+        let mut vmax = ninf;
+        let mut j0 = 0;
+        while j0 < n {
+            // SAFETY: masked lanes are not read; the live ones lie in the row.
+            vmax = _mm512_max_ps(vmax, unsafe {
+                _mm512_mask_loadu_ps(ninf, live(j0), sc.add(j0))
+            });
+            j0 += 16;
+        }
+        old[g] = mx[g0 + g];
+        new[g] = old[g].max(_mm512_reduce_max_ps(vmax));
+    }
+    // SAFETY: 16 floats each.
+    let corr16 = unsafe {
+        exp16(_mm512_sub_ps(
+            _mm512_loadu_ps(old.as_ptr()),
+            // Lanes past G hold -inf in both: the new one raised to the
+            // lowest finite value keeps their difference -inf (factor 0),
+            // not NaN. A real row's new maximum is finite.
+            _mm512_max_ps(_mm512_loadu_ps(new.as_ptr()), _mm512_set1_ps(f32::MIN)),
+        ))
+    };
+    let mut c16 = [0f32; 16];
+    // SAFETY: 16 floats.
+    unsafe { _mm512_storeu_ps(c16.as_mut_ptr(), corr16) };
+    let mut corr = [0f32; G];
+    for g in 0..G {
+        let h = g0 + g;
+        corr[g] = c16[g];
+        mx[h] = new[g];
+        let sc = scores[h * stride..].as_mut_ptr();
+        let vm = _mm512_set1_ps(new[g]);
+        let mut vs = _mm512_setzero_ps();
+        let mut j0 = 0;
+        while j0 < n {
+            let m = live(j0);
+            // SAFETY: masked lanes are neither read nor written.
+            unsafe {
+                let e = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, sc.add(j0)), vm));
+                _mm512_mask_storeu_ps(sc.add(j0), m, e);
+                vs = _mm512_mask_add_ps(vs, m, vs, e);
+            }
+            j0 += 16;
+        }
+        sum[h] = sum[h] * corr[g] + unsafe { tree16(vs) };
+    }
+    corr
+}
+
+/// The sum of sixteen lanes in a fixed pairwise order, lane l with l + 8,
+/// then l + 4, l + 2, l + 1: the order [`lanes_block`] repeats across
+/// vectors, so that both give a row the same sum to the bit.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl")]
+unsafe fn tree16(v: __m512) -> f32 {
+    let t = _mm256_add_ps(
+        _mm512_castps512_ps256(v),
+        _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)),
+    );
+    let u = _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1));
+    let w = _mm_add_ps(u, _mm_movehl_ps(u, u));
+    _mm_cvtss_f32(_mm_add_ss(w, _mm_shuffle_ps(w, w, 1)))
+}
+
 /// The sum of a 512-bit vector's halves, as eight lanes.
 #[inline(always)]
 unsafe fn fold256(v: __m512) -> __m256 {
@@ -350,30 +479,209 @@ unsafe fn heads<T: KvRows16, const G: usize>(
         j0 += 8;
     }
     // SAFETY: scores hold the G heads' rows of `stride` floats.
-    let corr = unsafe { super::avx2::softmax_block::<G>(g0, n, scores, mx, sum) };
-    // V, each row loaded once for the G heads.
+    let corr = unsafe { softmax_block::<G>(g0, n, scores, mx, sum) };
+    // V, each row loaded once for the G heads, four 16-value chunks of a
+    // row at a time (4 x G independent sums for the FMA pipes).
     let mut i = 0;
-    // SAFETY: i + 16 <= hd on every access; j < n rows of v; heads < group.
+    // SAFETY: i + 16 * C <= hd on every pass; j < n rows of v; heads < group.
     unsafe {
+        while i + 64 <= hd {
+            v_chunks::<T, G, 4>(v, n, hd, i, g0, stride, scores, &corr, acc);
+            i += 64;
+        }
         while i < hd {
-            let mut s = [_mm512_setzero_ps(); G];
-            for (g, sg) in s.iter_mut().enumerate() {
-                *sg = _mm512_mul_ps(
-                    _mm512_loadu_ps(acc.as_ptr().add((g0 + g) * hd + i)),
+            v_chunks::<T, G, 1>(v, n, hd, i, g0, stride, scores, &corr, acc);
+            i += 16;
+        }
+    }
+}
+
+/// `acc[h][i..i + 16 C] = acc * corr + sum_j p[h][j] v[j][i..i + 16 C]`
+/// for the G heads `g0..g0 + G`.
+///
+/// # Safety
+/// AVX-512 F; `i + 16 * C <= hd`; `v` holds `n` rows; `scores` and `acc`
+/// hold the heads' rows.
+#[allow(clippy::too_many_arguments)]
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl")]
+unsafe fn v_chunks<T: KvRows16, const G: usize, const C: usize>(
+    v: T,
+    n: usize,
+    hd: usize,
+    i: usize,
+    g0: usize,
+    stride: usize,
+    scores: &[f32],
+    corr: &[f32; G],
+    acc: &mut [f32],
+) {
+    // SAFETY: in bounds by the caller's promise.
+    unsafe {
+        let mut s = [[_mm512_setzero_ps(); C]; G];
+        for (g, sg) in s.iter_mut().enumerate() {
+            for (c, sc) in sg.iter_mut().enumerate() {
+                *sc = _mm512_mul_ps(
+                    _mm512_loadu_ps(acc.as_ptr().add((g0 + g) * hd + i + 16 * c)),
                     _mm512_set1_ps(corr[g]),
                 );
             }
-            for j in 0..n {
-                let vv = v.load16(j, i, hd);
-                for (g, sg) in s.iter_mut().enumerate() {
-                    let p = *scores.get_unchecked((g0 + g) * stride + j);
-                    *sg = _mm512_fmadd_ps(_mm512_set1_ps(p), vv, *sg);
+        }
+        for j in 0..n {
+            let mut vv = [_mm512_setzero_ps(); C];
+            for (c, x) in vv.iter_mut().enumerate() {
+                *x = v.load16(j, i + 16 * c, hd);
+            }
+            for (g, sg) in s.iter_mut().enumerate() {
+                let p = _mm512_set1_ps(*scores.get_unchecked((g0 + g) * stride + j));
+                for (sc, x) in sg.iter_mut().zip(&vv) {
+                    *sc = _mm512_fmadd_ps(p, *x, *sc);
                 }
             }
-            for (g, sg) in s.iter().enumerate() {
-                _mm512_storeu_ps(acc.as_mut_ptr().add((g0 + g) * hd + i), *sg);
+        }
+        for (g, sg) in s.iter().enumerate() {
+            for (c, sc) in sg.iter().enumerate() {
+                _mm512_storeu_ps(acc.as_mut_ptr().add((g0 + g) * hd + i + 16 * c), *sc);
             }
+        }
+    }
+}
+
+/// Widens `n` rows of one K or V run (`hd` values each) into `out` as f32,
+/// row-major; rows `n..rows` are zeroed.
+///
+/// # Safety
+/// AVX-512 F; `hd` a multiple of 16; `src` holds `n` rows; `out` holds
+/// `rows * hd` floats, `n <= rows`.
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl")]
+pub unsafe fn widen_rows<T: KvRows16>(src: T, n: usize, rows: usize, hd: usize, out: &mut [f32]) {
+    assert!(n <= rows && out.len() >= rows * hd && src.rows(hd) >= n && hd.is_multiple_of(16));
+    for j in 0..n {
+        let mut i = 0;
+        while i < hd {
+            // SAFETY: row j < n, i + 16 <= hd; out holds rows * hd floats.
+            unsafe { _mm512_storeu_ps(out.as_mut_ptr().add(j * hd + i), src.load16(j, i, hd)) };
             i += 16;
+        }
+    }
+    out[n * hd..rows * hd].fill(0.0);
+}
+
+/// One KV block for sixteen query rows held in lanes (`lanes_block`'s
+/// state): the rows' transposed queries `qt` (`hd x 16`), the scale,
+/// their running maxima and sums, and their transposed accumulators `acct`
+/// (`hd x 16`).
+pub struct Lanes16<'a> {
+    /// Queries, dimension-major: `qt[i * 16 + r]` is row r's value i.
+    pub qt: &'a [f32],
+    /// Score scale (applied after the dot product, as the row-major
+    /// kernel does).
+    pub scale: f32,
+    /// Running maximum of each row's scores.
+    pub mx: &'a mut [f32; 16],
+    /// Running sum of each row's probabilities.
+    pub sum: &'a mut [f32; 16],
+    /// Accumulators, dimension-major like `qt`.
+    pub acct: &'a mut [f32],
+}
+
+/// Attention of sixteen query rows over one KV block with the rows in the
+/// vector lanes: scores for sixteen positions are sixteen vectors (one per
+/// position, a lane per row), so the online softmax's maxima, rescale
+/// factors, exponentials and sums are plain vector operations across rows,
+/// with no horizontal reduction and no per-row pass; each K and V value is
+/// broadcast once for the sixteen rows. `kf` and `vf` are the block's K and
+/// V rows widened to f32 ([`widen_rows`]), `n` rows of `hd`, all visible
+/// to every row (a block shared by a run's tokens).
+///
+/// # Safety
+/// AVX-512 F; `hd` a multiple of 8, `n` of 16; `kf`, `vf` hold `n * hd`
+/// floats, `qt` and `acct` `hd * 16`.
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl")]
+pub unsafe fn lanes_block(st: &mut Lanes16<'_>, kf: &[f32], vf: &[f32], n: usize, hd: usize) {
+    assert!(kf.len() >= n * hd && vf.len() >= n * hd && hd.is_multiple_of(8));
+    assert!(st.qt.len() >= hd * 16 && st.acct.len() >= hd * 16 && n.is_multiple_of(16));
+    let mut j0 = 0;
+    while j0 < n {
+        // SAFETY: positions j0..j0 + 16 are rows of kf and vf.
+        unsafe { lanes_positions(st, &kf[j0 * hd..], &vf[j0 * hd..], hd) };
+        j0 += 16;
+    }
+}
+
+/// [`lanes_block`] for 16 positions (sixteen score vectors in registers).
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl")]
+unsafe fn lanes_positions(st: &mut Lanes16<'_>, kf: &[f32], vf: &[f32], hd: usize) {
+    const M: usize = 16;
+    let (kp, vp, qp) = (kf.as_ptr(), vf.as_ptr(), st.qt.as_ptr());
+    // SAFETY: every read is of row j < m (of kf, vf) at i < hd, or of qt
+    // and acct at i < hd; bounds asserted by the caller.
+    unsafe {
+        // Scores, in the row-major kernel's order to the bit (`heads`): a
+        // row's dimension i lands in partial sum i % 16, each a chain of
+        // FMAs over the 16-wide chunks; the partial sums fold as its
+        // `fold256` and `hsum8x8` do; the scale multiplies the sum.
+        let scale = _mm512_set1_ps(st.scale);
+        let mut s = [_mm512_setzero_ps(); M];
+        for (j, sj) in s.iter_mut().enumerate() {
+            let kj = kp.add(j * hd);
+            let mut a = [_mm512_setzero_ps(); 16];
+            let mut c = 0;
+            while c < hd {
+                for (l, al) in a.iter_mut().enumerate() {
+                    *al = _mm512_fmadd_ps(
+                        _mm512_set1_ps(*kj.add(c + l)),
+                        _mm512_loadu_ps(qp.add((c + l) * 16)),
+                        *al,
+                    );
+                }
+                c += 16;
+            }
+            let f: [__m512; 8] = std::array::from_fn(|l| _mm512_add_ps(a[l], a[l + 8]));
+            let lo = _mm512_add_ps(_mm512_add_ps(f[0], f[1]), _mm512_add_ps(f[2], f[3]));
+            let hi = _mm512_add_ps(_mm512_add_ps(f[4], f[5]), _mm512_add_ps(f[6], f[7]));
+            *sj = _mm512_mul_ps(_mm512_add_ps(lo, hi), scale);
+        }
+        // Online softmax across the rows at once, in `softmax_block`'s
+        // arithmetic (its sum in `tree16`'s order).
+        let mut bmax = s[0];
+        for sj in &s[1..M] {
+            bmax = _mm512_max_ps(bmax, *sj);
+        }
+        let old = _mm512_loadu_ps(st.mx.as_ptr());
+        let new = _mm512_max_ps(old, bmax);
+        let corr = exp16(_mm512_sub_ps(old, new));
+        for sj in s.iter_mut() {
+            *sj = exp16(_mm512_sub_ps(*sj, new));
+        }
+        let t: [__m512; 8] = std::array::from_fn(|l| _mm512_add_ps(s[l], s[l + 8]));
+        let u: [__m512; 4] = std::array::from_fn(|l| _mm512_add_ps(t[l], t[l + 4]));
+        let w = [_mm512_add_ps(u[0], u[2]), _mm512_add_ps(u[1], u[3])];
+        let l = _mm512_add_ps(
+            _mm512_mul_ps(_mm512_loadu_ps(st.sum.as_ptr()), corr),
+            _mm512_add_ps(w[0], w[1]),
+        );
+        _mm512_storeu_ps(st.mx.as_mut_ptr(), new);
+        _mm512_storeu_ps(st.sum.as_mut_ptr(), l);
+        // V: acct[i] = acct[i] * corr + sum_j p[j] * v[j][i], eight
+        // dimensions at a time (eight independent chains).
+        let ap = st.acct.as_mut_ptr();
+        let mut i = 0;
+        while i < hd {
+            let mut a = [_mm512_setzero_ps(); 8];
+            for (c, ac) in a.iter_mut().enumerate() {
+                *ac = _mm512_mul_ps(_mm512_loadu_ps(ap.add((i + c) * 16)), corr);
+            }
+            for (j, p) in s.iter().enumerate() {
+                for (c, ac) in a.iter_mut().enumerate() {
+                    *ac = _mm512_fmadd_ps(_mm512_set1_ps(*vp.add(j * hd + i + c)), *p, *ac);
+                }
+            }
+            for (c, ac) in a.iter().enumerate() {
+                _mm512_storeu_ps(ap.add((i + c) * 16), *ac);
+            }
+            i += 8;
         }
     }
 }
