@@ -884,5 +884,30 @@ mod tests {
                 }
             }
         }
+        // The 16-lane one gives the 8-lane one's bits (the AVX-512 and AVX2
+        // softmax steps agree), -inf included.
+        if !kernels::has_avx512_vnni() {
+            return;
+        }
+        let mut xs = [f32::NEG_INFINITY, -87.5, 88.5, 0.0]
+            .into_iter()
+            .chain(xs)
+            .collect::<Vec<_>>();
+        xs.truncate(xs.len() / 16 * 16);
+        for c in xs.chunks_exact(16) {
+            let (mut a, mut b) = ([0f32; 16], [0f32; 16]);
+            // SAFETY: AVX-512 checked above; c has 16 elements.
+            unsafe {
+                _mm512_storeu_ps(
+                    a.as_mut_ptr(),
+                    kernels::avx512::exp16(_mm512_loadu_ps(c.as_ptr())),
+                );
+                for h in 0..2 {
+                    let v = avx2::exp8(_mm256_loadu_ps(c.as_ptr().add(8 * h)));
+                    _mm256_storeu_ps(b.as_mut_ptr().add(8 * h), v);
+                }
+            }
+            assert_eq!(a.map(f32::to_bits), b.map(f32::to_bits), "{c:?}");
+        }
     }
 }

@@ -432,6 +432,19 @@ pub unsafe fn store_kv<T: KvLoad>(dst: &mut [T], src: &[f32]) {
     }
 }
 
+/// `ln 2` split in two for the range reduction of [`exp8`] and
+/// `avx512::exp16`: `x - k ln 2` as `x - k hi - k lo`.
+pub(crate) const EXP_LN2: [f32; 2] = [0.693_359_4, -2.121_944_4e-4];
+/// Their degree-5 polynomial's coefficients, highest first.
+pub(crate) const EXP_POLY: [f32; 6] = [
+    1.987_569_1e-4,
+    1.398_199_9e-3,
+    8.333_452e-3,
+    4.166_579_6e-2,
+    0.166_666_66,
+    0.5,
+];
+
 /// e^x for eight lanes (Cephes-style range reduction and degree-5
 /// polynomial; relative error below 2e-7 over [-87, 88], 0 below -87).
 #[inline]
@@ -447,14 +460,12 @@ pub unsafe fn exp8(x: __m256) -> __m256 {
         _mm256_mul_ps(x, _mm256_set1_ps(std::f32::consts::LOG2_E)),
         _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC,
     );
-    let r = _mm256_fnmadd_ps(fx, _mm256_set1_ps(0.693_359_4), x);
-    let r = _mm256_fnmadd_ps(fx, _mm256_set1_ps(-2.121_944_4e-4), r);
-    let mut y = _mm256_set1_ps(1.987_569_1e-4);
-    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.398_199_9e-3));
-    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(8.333_452e-3));
-    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(4.166_579_6e-2));
-    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(0.166_666_66));
-    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(0.5));
+    let r = _mm256_fnmadd_ps(fx, _mm256_set1_ps(EXP_LN2[0]), x);
+    let r = _mm256_fnmadd_ps(fx, _mm256_set1_ps(EXP_LN2[1]), r);
+    let mut y = _mm256_set1_ps(EXP_POLY[0]);
+    for c in &EXP_POLY[1..] {
+        y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(*c));
+    }
     y = _mm256_fmadd_ps(
         y,
         _mm256_mul_ps(r, r),

@@ -244,24 +244,24 @@ impl KvRows16 for super::avx2::Int8Rows<'_> {
 }
 
 /// e^x for sixteen lanes: [`super::avx2::exp8`]'s reduction and
-/// polynomial, 512 bits wide.
+/// polynomial (its constants), 512 bits wide; lane for lane the same
+/// result.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl")]
-unsafe fn exp16(x: __m512) -> __m512 {
+pub(crate) unsafe fn exp16(x: __m512) -> __m512 {
     let x = _mm512_min_ps(x, _mm512_set1_ps(88.0));
     let underflow = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.0), _CMP_LT_OQ);
     let fx = _mm512_roundscale_ps(
         _mm512_mul_ps(x, _mm512_set1_ps(std::f32::consts::LOG2_E)),
         _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC,
     );
-    let r = _mm512_fnmadd_ps(fx, _mm512_set1_ps(0.693_359_4), x);
-    let r = _mm512_fnmadd_ps(fx, _mm512_set1_ps(-2.121_944_4e-4), r);
-    let mut y = _mm512_set1_ps(1.987_569_1e-4);
-    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.398_199_9e-3));
-    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(8.333_452e-3));
-    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(4.166_579_6e-2));
-    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(0.166_666_66));
-    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(0.5));
+    use super::avx2::{EXP_LN2, EXP_POLY};
+    let r = _mm512_fnmadd_ps(fx, _mm512_set1_ps(EXP_LN2[0]), x);
+    let r = _mm512_fnmadd_ps(fx, _mm512_set1_ps(EXP_LN2[1]), r);
+    let mut y = _mm512_set1_ps(EXP_POLY[0]);
+    for c in &EXP_POLY[1..] {
+        y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(*c));
+    }
     y = _mm512_fmadd_ps(
         y,
         _mm512_mul_ps(r, r),
