@@ -641,8 +641,7 @@ fn shared_blocks_in_lanes(
         let (qt, rest) = buf.split_at_mut(tiles * 16 * hd);
         let (acct, rest) = rest.split_at_mut(tiles * 16 * hd);
         let (kf, rest) = rest.split_at_mut(bs * hd);
-        let (vf, rest) = rest.split_at_mut(bs * hd);
-        let _ = rest;
+        let vf = &mut rest[..bs * hd];
         const TILES: usize = QUERY_ROWS.div_ceil(16);
         assert!(tiles <= TILES);
         let mut tmx = [[f32::NEG_INFINITY; 16]; TILES];
@@ -704,9 +703,9 @@ unsafe fn widen(rows: Rows<'_>, n: usize, hd: usize, out: &mut [f32]) {
     // SAFETY: by the caller's promise.
     unsafe {
         match rows {
-            Rows::F32(r) => widen_rows(avx2::Plain(r), n, n, hd, out),
-            Rows::F16(r) => widen_rows(avx2::Plain(r), n, n, hd, out),
-            Rows::Int8 { q, d } => widen_rows(avx2::Int8Rows { q, d }, n, n, hd, out),
+            Rows::F32(r) => widen_rows(avx2::Plain(r), n, hd, out),
+            Rows::F16(r) => widen_rows(avx2::Plain(r), n, hd, out),
+            Rows::Int8 { q, d } => widen_rows(avx2::Int8Rows { q, d }, n, hd, out),
         }
     }
 }

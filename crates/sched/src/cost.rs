@@ -81,11 +81,6 @@ impl StepCost {
         self.steps += 1;
     }
 
-    /// Steps observed so far.
-    pub fn steps(&self) -> u64 {
-        self.steps
-    }
-
     /// The fitted cost, once [`StepCost::WARMUP`] steps are in. What the
     /// steps cannot tell apart is not guessed: outputs that always came
     /// with as many tokens (decode-only steps) are charged to the tokens;
@@ -147,13 +142,18 @@ impl StepCost {
     /// fit (at least 1); `None` before the fit exists.
     pub fn tokens_within(&self, target: Duration) -> Option<usize> {
         let l = self.line()?;
-        // (A millionth of a token forgives the fit's rounding.)
-        let n = (target.as_secs_f64() - l.fixed) / l.per_decode() + 1e-6;
-        Some(if n.is_finite() && n >= 1.0 {
-            n.min(u32::MAX as f64) as usize
-        } else {
-            1
-        })
+        Some(fits(target.as_secs_f64() - l.fixed, l.per_decode()).max(1))
+    }
+}
+
+/// Whole items of `per` seconds each that fit in `secs` (0 if none), a
+/// millionth of an item forgiving the fit's rounding.
+pub(crate) fn fits(secs: f64, per: f64) -> usize {
+    let n = secs / per + 1e-6;
+    if n.is_finite() && n >= 1.0 {
+        n.min(u32::MAX as f64) as usize
+    } else {
+        0
     }
 }
 

@@ -172,11 +172,7 @@ impl Draft {
         let per = if prefill { c.per_token } else { c.per_decode() };
         // Chunks pay their output once: counted in the left time.
         let left = if prefill { left - c.per_output } else { left };
-        let fits = if left > 0.0 {
-            (left / per + 1e-6).min(u32::MAX as f64) as usize
-        } else {
-            0
-        };
+        let fits = crate::cost::fits(left, per);
         if prefill {
             fits.max(self.chunk_floor.saturating_sub(self.chunked))
         } else {

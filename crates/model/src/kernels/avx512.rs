@@ -548,23 +548,22 @@ unsafe fn v_chunks<T: KvRows16, const G: usize, const C: usize>(
 }
 
 /// Widens `n` rows of one K or V run (`hd` values each) into `out` as f32,
-/// row-major; rows `n..rows` are zeroed.
+/// row-major.
 ///
 /// # Safety
 /// AVX-512 F; `hd` a multiple of 16; `src` holds `n` rows; `out` holds
-/// `rows * hd` floats, `n <= rows`.
+/// `n * hd` floats.
 #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl")]
-pub unsafe fn widen_rows<T: KvRows16>(src: T, n: usize, rows: usize, hd: usize, out: &mut [f32]) {
-    assert!(n <= rows && out.len() >= rows * hd && src.rows(hd) >= n && hd.is_multiple_of(16));
+pub unsafe fn widen_rows<T: KvRows16>(src: T, n: usize, hd: usize, out: &mut [f32]) {
+    assert!(out.len() >= n * hd && src.rows(hd) >= n && hd.is_multiple_of(16));
     for j in 0..n {
         let mut i = 0;
         while i < hd {
-            // SAFETY: row j < n, i + 16 <= hd; out holds rows * hd floats.
+            // SAFETY: row j < n, i + 16 <= hd; out holds n * hd floats.
             unsafe { _mm512_storeu_ps(out.as_mut_ptr().add(j * hd + i), src.load16(j, i, hd)) };
             i += 16;
         }
     }
-    out[n * hd..rows * hd].fill(0.0);
 }
 
 /// One KV block for sixteen query rows held in lanes (`lanes_block`'s
