@@ -12,6 +12,7 @@
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use flotilla_exec::{Executor, KvDtype};
@@ -200,6 +201,10 @@ struct SchedState {
     next_id: u64,
     /// A step is in flight.
     busy: bool,
+    /// Set to end a multi-step plan in flight after the step in progress
+    /// (`SchedConfig::decode_steps`): anything the Scheduler is told may
+    /// change the next step. Cleared when a plan is sent.
+    cut: Arc<AtomicBool>,
     /// The earliest wake-up armed and not yet received.
     wake_at: Option<Duration>,
     /// The worker is alive and its executor trusted; once false, never true again.
@@ -288,6 +293,7 @@ impl Actor for SchedulerActor {
         myself: ActorRef<SchedMsg>,
         a: SchedArgs,
     ) -> Result<SchedState, ActorProcessingErr> {
+        let cut = Arc::new(AtomicBool::new(false));
         // Linked, so its death reaches `handle_supervisor_evt`.
         let (worker, _) = Actor::spawn_linked(
             None,
@@ -296,6 +302,7 @@ impl Actor for SchedulerActor {
                 exec: a.exec,
                 clock: a.clock.clone(),
                 offload: a.offload,
+                cut: cut.clone(),
             },
             myself.get_cell(),
         )
@@ -310,6 +317,7 @@ impl Actor for SchedulerActor {
             live: BTreeMap::new(),
             next_id: 1,
             busy: false,
+            cut,
             wake_at: None,
             worker_ok: true,
             events: Vec::new(),
@@ -336,6 +344,20 @@ impl Actor for SchedulerActor {
         st: &mut SchedState,
     ) -> Result<(), ActorProcessingErr> {
         let now = st.clock.now();
+        // A question changes nothing; a step's end or a wake-up is the
+        // plan's own business (or its deadline's, which only a request
+        // waiting in a queue has, and none waits under a multi-step plan).
+        if st.busy
+            && !matches!(
+                msg,
+                SchedMsg::StepDone(_)
+                    | SchedMsg::Wake
+                    | SchedMsg::Status(_)
+                    | SchedMsg::KvHolders(_)
+            )
+        {
+            st.cut.store(true, Ordering::Relaxed);
+        }
         match msg {
             SchedMsg::Submit { req, sink, reply } => {
                 let id = RequestId(st.next_id);
@@ -484,17 +506,25 @@ impl Actor for SchedulerActor {
                     plan,
                     sampled,
                     elapsed,
+                    ran,
                     moved,
                     move_time,
                     worker_ok,
                 } = *r;
                 st.busy = false;
                 st.traces.step_done(&plan.items, now);
-                st.metrics.step_time(elapsed.as_secs_f64());
+                // A multi-step plan's steps count one by one, each its share
+                // (tier moves run before the first).
+                let ran = ran.max(1);
+                let compute = elapsed.saturating_sub(move_time) / ran as u32;
+                let each = compute + move_time;
+                st.metrics.step_time(each.as_secs_f64());
+                for _ in 1..ran {
+                    st.metrics.step_time(compute.as_secs_f64());
+                }
                 st.offload_cost
-                    .observe(moved, move_time, plan.num_tokens(), elapsed);
-                st.sched
-                    .observe_step(&plan, elapsed.saturating_sub(move_time));
+                    .observe(moved, move_time, plan.num_tokens(), each);
+                st.sched.observe_step(&plan, each.saturating_sub(move_time));
                 if let Some(c) = st.sched.step_cost() {
                     st.metrics.step_cost(c.fixed, c.per_token, c.per_output);
                 }
@@ -789,6 +819,7 @@ fn pump(myself: &ActorRef<SchedMsg>, st: &mut SchedState, now: Duration) {
         let plan = st.sched.schedule(now);
         if !plan.items.is_empty() {
             st.busy = true;
+            st.cut.store(false, Ordering::Relaxed);
             st.traces.step_planned(&plan.items, now);
             masks = plan.masks();
             if st

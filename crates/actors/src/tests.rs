@@ -180,7 +180,7 @@ async fn rig(queue_timeout: Duration, panic: bool) -> Rig {
     reason = "the actors run on real timers here, so the clock is the real one"
 )]
 async fn rig_seats(queue_timeout: Duration, panic: bool, seats: usize) -> Rig {
-    rig_with(queue_timeout, panic, seats, None, Default::default()).await
+    rig_with(queue_timeout, panic, seats, None, Default::default(), 1).await
 }
 
 #[allow(
@@ -193,6 +193,7 @@ async fn rig_with(
     seats: usize,
     constraints: Option<Arc<dyn flotilla_exec::ConstraintCompiler>>,
     in_step: Arc<std::sync::atomic::AtomicBool>,
+    decode_steps: usize,
 ) -> Rig {
     let (entered_tx, entered) = mpsc::unbounded_channel();
     let (gate, gate_rx) = std_mpsc::channel();
@@ -245,6 +246,7 @@ async fn rig_with(
         speculation: flotilla_sched::Speculation::OFF,
         offload_blocks: 0,
         step_time_max: None,
+        decode_steps,
     };
     let broken = Arc::new(std::sync::Mutex::new(None));
     let seen = broken.clone();
@@ -638,7 +640,7 @@ async fn a_mask_is_computed_while_its_step_runs() {
     let in_step = Arc::new(std::sync::atomic::AtomicBool::new(false));
     let compiler = Only42Compiler(Only42(asked.clone(), in_step.clone(), overlapped.clone()));
     // The matcher watches the executor's own flag.
-    let mut rig = rig_with(WAIT, false, 1, Some(Arc::new(compiler)), in_step).await;
+    let mut rig = rig_with(WAIT, false, 1, Some(Arc::new(compiler)), in_step, 1).await;
     let mut req = prompt_of(8);
     req.constraint = Some(flotilla_exec::Constraint::JsonObject);
     let mut rs = rig.engine.submit(req).await.unwrap();
@@ -666,4 +668,63 @@ async fn a_mask_is_computed_while_its_step_runs() {
     // mask computed ahead instead of asking again.
     assert_eq!(asked.load(Ordering::SeqCst), 1);
     assert_eq!(overlapped.load(Ordering::SeqCst), 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_multi_step_plan_runs_back_to_back_until_a_request_arrives() {
+    let mut r = rig_with(WAIT, false, 4, None, Default::default(), 8).await;
+    let permit = |r: &Rig| r.gate.as_ref().expect("gate closed").send(()).unwrap();
+    let quiet = Duration::from_millis(100);
+    let mut a = r.submit(12).await.unwrap();
+    // The prompt: one step, one token.
+    r.step_started().await;
+    permit(&r);
+    assert!(matches!(next(&mut a).await, Some(EngineEvent::Token(_))));
+    // A decodes alone with nothing waiting: one plan of up to 8 steps, run
+    // back to back; its tokens come when the plan ends.
+    for _ in 0..2 {
+        r.step_started().await;
+        permit(&r);
+    }
+    r.step_started().await;
+    assert!(
+        tokio::time::timeout(quiet, a.recv()).await.is_err(),
+        "a token before the plan ended"
+    );
+    // B arrives while the plan's third step runs: the plan ends after it.
+    let mut b = r.submit(4).await.unwrap();
+    permit(&r);
+    for _ in 0..3 {
+        assert!(matches!(next(&mut a).await, Some(EngineEvent::Token(_))));
+    }
+    // The next plan is B's prompt beside A's decode, one step.
+    r.step_started().await;
+    assert!(
+        tokio::time::timeout(quiet, a.recv()).await.is_err(),
+        "the cut plan ran more than the step in progress"
+    );
+    r.open_gate();
+    // Every token is the fake model's 42: each step found the KV of every
+    // position before it (else 7), so each step ran at its own position.
+    let mut tokens = 4;
+    loop {
+        match next(&mut a).await {
+            Some(EngineEvent::Token(t)) => {
+                assert_eq!(t.token, 42);
+                tokens += 1;
+            }
+            Some(EngineEvent::Finished { usage, .. }) => {
+                assert_eq!(usage.completion_tokens, 12);
+                break;
+            }
+            other => panic!("{other:?}"),
+        }
+    }
+    assert_eq!(tokens, 12);
+    assert!(matches!(
+        end_of(&mut b).await,
+        Some(EngineEvent::Finished { usage, .. }) if usage.completion_tokens == 4
+    ));
+    kv_used_becomes(&r.engine, 0).await;
+    r.engine.stop();
 }

@@ -4,6 +4,7 @@
 
 use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use flotilla_exec::{ExecError, Executor, OffloadTier, SeqInput, SeqOutput, StepOutputs};
@@ -55,6 +56,10 @@ pub(crate) struct StepResult {
     /// it accepted) where the item asked.
     pub sampled: Result<Vec<SeqOutput>, String>,
     pub elapsed: Duration,
+    /// Steps run: 1, or of a multi-step plan those that ran before the
+    /// Scheduler cut it short (each item's samples but the last are in its
+    /// output's `accepted`).
+    pub ran: usize,
     /// Tier moves performed since the last step's result (this step's
     /// included) and their time (within `elapsed` for this step's).
     pub moved: u32,
@@ -81,12 +86,16 @@ pub(crate) struct WorkerState {
     /// Moves performed since the last step result, and their time.
     moved: u32,
     move_time: Duration,
+    /// Set by the Scheduler actor: end the multi-step plan in flight after
+    /// the step in progress.
+    cut: Arc<AtomicBool>,
 }
 
 pub(crate) struct WorkerArgs {
     pub exec: Box<dyn Executor>,
     pub clock: Arc<dyn Clock>,
     pub offload: Option<Offload>,
+    pub cut: Arc<AtomicBool>,
 }
 
 /// Where the KV offload tier's bytes are.
@@ -116,6 +125,7 @@ impl Actor for GpuWorker {
             offload: args.offload,
             moved: 0,
             move_time: Duration::ZERO,
+            cut: args.cut,
         })
     }
 
@@ -152,34 +162,21 @@ impl Actor for GpuWorker {
         };
         let t0 = st.clock.now();
         perform_moves(st, &moves);
-        // The step is seconds of CPU work at worst: run it on this thread
-        // but let tokio move its other tasks (HTTP, the scheduler) elsewhere.
-        // A current-thread runtime (the simulator) has nowhere to move them.
-        let multi = tokio::runtime::Handle::current().runtime_flavor()
-            == tokio::runtime::RuntimeFlavor::MultiThread;
-        let sampled = if multi {
-            tokio::task::block_in_place(|| run_step(st, &plan))
+        let (sampled, ran) = if plan.is_multi_step() {
+            run_steps(st, &plan).await
         } else {
-            run_step(st, &plan)
+            let inputs: Vec<SeqInput<'_>> = plan.items.iter().map(|it| it.seq_input()).collect();
+            let sampled = run_step(st, &inputs);
+            sleep_modelled(st).await;
+            (sampled, 1)
         };
-        // A modelled backend's step takes its modelled time on the clock.
-        if let Some(d) = st.exec.simulated_step_time() {
-            st.owed += d;
-            let whole = std::time::Duration::from_millis(st.owed.as_millis() as u64);
-            if !whole.is_zero() {
-                let before = st.clock.now();
-                tokio::time::sleep(whole).await;
-                st.owed = st
-                    .owed
-                    .saturating_sub(st.clock.now().saturating_sub(before));
-            }
-        }
         let elapsed = st.clock.now().saturating_sub(t0);
         // A scheduler that is gone has nobody left to serve.
         let _ = reply.cast(SchedMsg::StepDone(Box::new(StepResult {
             plan,
             sampled,
             elapsed,
+            ran,
             moved: std::mem::take(&mut st.moved),
             move_time: std::mem::take(&mut st.move_time),
             worker_ok: st.broken.is_none(),
@@ -188,14 +185,83 @@ impl Actor for GpuWorker {
     }
 }
 
-fn run_step(st: &mut WorkerState, plan: &Plan) -> Result<Vec<SeqOutput>, String> {
+/// Runs one step. It is seconds of CPU work at worst: run it on this
+/// thread but let tokio move its other tasks (HTTP, the scheduler)
+/// elsewhere. A current-thread runtime (the simulator) has nowhere to move
+/// them.
+fn run_step(st: &mut WorkerState, inputs: &[SeqInput<'_>]) -> Result<Vec<SeqOutput>, String> {
+    let multi = tokio::runtime::Handle::current().runtime_flavor()
+        == tokio::runtime::RuntimeFlavor::MultiThread;
+    if multi {
+        tokio::task::block_in_place(|| step_here(st, inputs))
+    } else {
+        step_here(st, inputs)
+    }
+}
+
+/// A modelled backend's step takes its modelled time on the clock.
+async fn sleep_modelled(st: &mut WorkerState) {
+    if let Some(d) = st.exec.simulated_step_time() {
+        st.owed += d;
+        let whole = std::time::Duration::from_millis(st.owed.as_millis() as u64);
+        if !whole.is_zero() {
+            let before = st.clock.now();
+            tokio::time::sleep(whole).await;
+            st.owed = st
+                .owed
+                .saturating_sub(st.clock.now().saturating_sub(before));
+        }
+    }
+}
+
+/// Runs a multi-step plan: each step's samples are the next step's tokens
+/// at the next position (the leases cover every step), until the plan's
+/// steps are done or the Scheduler cuts it after the step in progress.
+/// Each item's samples but the last go to its output's `accepted`.
+async fn run_steps(st: &mut WorkerState, plan: &Plan) -> (Result<Vec<SeqOutput>, String>, usize) {
+    let mut outs: Vec<SeqOutput> = plan.items.iter().map(|_| SeqOutput::default()).collect();
+    let mut last: Vec<u32> = plan.items.iter().map(|it| it.tokens[0]).collect();
+    let mut ran = 0;
+    while ran < plan.steps && (ran == 0 || !st.cut.load(Ordering::Relaxed)) {
+        let step = {
+            let inputs: Vec<SeqInput<'_>> = plan
+                .items
+                .iter()
+                .zip(&last)
+                .map(|(it, tok)| SeqInput {
+                    tokens: std::slice::from_ref(tok),
+                    start_pos: it.start_pos + ran,
+                    ..it.seq_input()
+                })
+                .collect();
+            run_step(st, &inputs)
+        };
+        let step = match step {
+            Ok(s) => s,
+            Err(e) => return (Err(e), ran + 1),
+        };
+        for ((o, s), l) in outs.iter_mut().zip(step).zip(&mut last) {
+            let Some(tok) = s.sampled else {
+                return (Err("the executor returned no token".into()), ran + 1);
+            };
+            *l = tok.token;
+            if let Some(prev) = o.sampled.replace(tok) {
+                o.accepted.push(prev);
+            }
+        }
+        ran += 1;
+        sleep_modelled(st).await;
+    }
+    (Ok(outs), ran)
+}
+
+fn step_here(st: &mut WorkerState, inputs: &[SeqInput<'_>]) -> Result<Vec<SeqOutput>, String> {
     if let Some(why) = &st.broken {
         return Err(why.clone());
     }
-    let inputs: Vec<SeqInput<'_>> = plan.items.iter().map(|it| it.seq_input()).collect();
     let exec = &mut st.exec;
     let out = &mut st.out;
-    match catch_unwind(AssertUnwindSafe(|| exec.step(&inputs, out))) {
+    match catch_unwind(AssertUnwindSafe(|| exec.step(inputs, out))) {
         Ok(Ok(())) => Ok(std::mem::take(&mut out.seqs)),
         // A device error leaves the backend untrusted, as a panic does.
         Ok(Err(e @ ExecError::Backend(_))) => {

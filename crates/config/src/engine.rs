@@ -21,6 +21,8 @@ pub const BLOCK_SIZE: std::ops::RangeInclusive<usize> = 1..=1024;
 pub const NUM_SPECULATIVE_TOKENS: std::ops::RangeInclusive<usize> = 1..=64;
 /// Decodes in a step up to which speculation runs.
 pub const SPECULATIVE_MAX_BATCH: std::ops::RangeInclusive<usize> = 1..=4096;
+/// Decode steps one plan may run back to back.
+pub const DECODE_STEPS: std::ops::RangeInclusive<usize> = 1..=flotilla_sched::DECODE_STEPS_MAX;
 
 /// What applies where neither a flag nor the file says: a CPU server and
 /// a simulated GPU cluster want different batches.
@@ -79,6 +81,9 @@ pub struct EngineSettings {
     /// Longest a step carrying prefill chunks should take (chunks sized
     /// from the measured step cost); `None`: no target.
     pub step_time_max: Option<Duration>,
+    /// Most decode steps one plan may run back to back
+    /// (`SchedConfig::decode_steps`).
+    pub decode_steps: usize,
 }
 
 /// Draft tokens per step of `--speculative ngram` unless told otherwise.
@@ -151,6 +156,15 @@ impl EngineSection {
             ),
             BLOCK_SIZE,
         )?;
+        let decode_steps = in_range(
+            pick(
+                flags.decode_steps,
+                self.decode_steps,
+                1,
+                ("decode-steps", "decode_steps"),
+            ),
+            DECODE_STEPS,
+        )?;
         let (q, from) = pick(
             flags.queue_timeout_s,
             self.queue_timeout_s,
@@ -220,6 +234,7 @@ impl EngineSection {
             kv_offload_bytes,
             kv_offload_path,
             step_time_max,
+            decode_steps,
         })
     }
 
@@ -314,6 +329,7 @@ impl ClusterConfig {
             max_num_batched_tokens: s.max_num_batched_tokens,
             max_model_len,
             step_time_max: s.step_time_max,
+            decode_steps: s.decode_steps,
             batching: s.batching,
             queue_timeout: s.queue_timeout,
             stop_tokens,

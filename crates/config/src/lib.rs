@@ -99,6 +99,9 @@ pub struct EngineSection {
     /// `--step-time-max-ms`: longest a step carrying prefill chunks should
     /// take, by the measured step cost (chunks shrink to fit).
     pub step_time_max_ms: Option<f64>,
+    /// `--decode-steps`: most decode steps one plan may run back to back
+    /// when the batch is all decodes and nothing waits (1: none).
+    pub decode_steps: Option<usize>,
 }
 
 /// A service tier.

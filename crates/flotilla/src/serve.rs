@@ -103,6 +103,15 @@ pub struct ServeArgs {
     /// none (chunks fill --max-num-batched-tokens).
     #[arg(long)]
     pub step_time_max_ms: Option<f64>,
+    /// Most decode steps the scheduler may plan at once when every running
+    /// stream is decoding and nothing waits: the worker runs them back to
+    /// back (stopping after the step in progress when a request arrives or
+    /// leaves), saving the scheduler's work between steps, and the streams
+    /// get those tokens together. Streams that use stop token ids,
+    /// penalties or output constraints are never in such a plan. Config:
+    /// `[engine] decode_steps`. Default: 1 (a plan is one step).
+    #[arg(long)]
+    pub decode_steps: Option<usize>,
     /// continuous (iteration-level) or static (whole batches, for comparison).
     #[arg(long, default_value = "continuous")]
     pub batching: String,
@@ -286,6 +295,7 @@ pub fn resolve(args: &ServeArgs) -> Result<Resolved> {
         kv_offload_bytes: args.kv_offload_bytes,
         kv_offload_path: args.kv_offload_path.clone(),
         step_time_max_ms: args.step_time_max_ms,
+        decode_steps: args.decode_steps,
         ..EngineSection::default()
     };
     let settings = e

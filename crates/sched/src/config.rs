@@ -150,7 +150,21 @@ pub struct SchedConfig {
     /// are never cut for it, and prompts still advance by at least one
     /// block per step. `None`: chunks fill `max_num_batched_tokens`.
     pub step_time_max: Option<Duration>,
+    /// Most decode steps one plan may hold (1..=[`DECODE_STEPS_MAX`]; 1:
+    /// a plan is one step). When every running sequence decodes, nothing
+    /// waits and no sequence has a draft, a constraint, a bias or a stop
+    /// token to watch for, a plan may ask for up to this many steps of the
+    /// same batch back to back (multi-step decode): the executor's worker
+    /// feeds each step's samples to the next and stops early, after the
+    /// step in progress, when the Scheduler is told anything (a request
+    /// arrives, one is cancelled, KV comes or goes). The tokens reach
+    /// clients when the plan ends. The simulator uses it to advance many
+    /// tokens per event.
+    pub decode_steps: usize,
 }
+
+/// The most decode steps one plan may hold (`SchedConfig::decode_steps`).
+pub const DECODE_STEPS_MAX: usize = 256;
 
 /// Why a scheduler config was refused.
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
@@ -207,6 +221,9 @@ pub enum ConfigError {
         /// Tiers configured.
         tiers: usize,
     },
+    /// More decode steps per plan than [`DECODE_STEPS_MAX`].
+    #[error("decode_steps {0} must be at most {DECODE_STEPS_MAX}")]
+    DecodeSteps(usize),
     /// Speculation settings that cannot work.
     #[error("speculative decoding: {0}")]
     Speculation(String),
@@ -218,7 +235,7 @@ pub enum ConfigError {
 impl SchedConfig {
     /// Checks every field; the pool's own checks run when it is built.
     pub fn validate(&self) -> Result<(), ConfigError> {
-        let positive: [(&'static str, bool); 7] = [
+        let positive: [(&'static str, bool); 8] = [
             ("num_blocks", self.num_blocks > 0),
             ("block_size", self.block_size > 0),
             ("max_num_seqs", self.max_num_seqs > 0),
@@ -226,9 +243,13 @@ impl SchedConfig {
             ("max_model_len", self.max_model_len > 0),
             ("queue_timeout", !self.queue_timeout.is_zero()),
             ("step_time_max", self.step_time_max != Some(Duration::ZERO)),
+            ("decode_steps", self.decode_steps > 0),
         ];
         if let Some((field, _)) = positive.iter().find(|(_, ok)| !ok) {
             return Err(ConfigError::Zero { field });
+        }
+        if self.decode_steps > DECODE_STEPS_MAX {
+            return Err(ConfigError::DecodeSteps(self.decode_steps));
         }
         if self.tiers.is_empty() || self.tiers.len() > usize::from(u8::MAX) + 1 {
             return Err(ConfigError::TierCount {
@@ -383,6 +404,7 @@ pub(crate) mod tests {
             speculation: Speculation::OFF,
             offload_blocks: 0,
             step_time_max: None,
+            decode_steps: 1,
         }
     }
 

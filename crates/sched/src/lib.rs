@@ -36,7 +36,9 @@ use flotilla_proto::{
     EngineFailure, EngineStatus, FinishReason, KvOffload, KvUsage, RequestId, TierStatus, Usage,
 };
 
-pub use config::{Batching, ConfigError, SchedConfig, Speculation, TenantConfig, TierConfig};
+pub use config::{
+    Batching, ConfigError, DECODE_STEPS_MAX, SchedConfig, Speculation, TenantConfig, TierConfig,
+};
 pub use cost::{CostLine, StepCost};
 pub use event::{Counters, SchedEvent, Timings};
 pub use plan::{PROTECT_LINGER, Plan, PlanItem};

@@ -19,12 +19,23 @@ pub struct Plan {
     pub step: u64,
     /// Prefill chunks and decode tokens, each for a different sequence.
     pub items: Vec<PlanItem>,
+    /// Decode steps to run back to back (`SchedConfig::decode_steps`),
+    /// each step's samples the next one's tokens; 1 for every plan but a
+    /// multi-step decode, whose items are all one-token samples with no
+    /// draft and leases that cover every step. The worker may stop after
+    /// fewer ([`Plan::is_multi_step`]); `complete` takes what ran.
+    pub steps: usize,
 }
 
 impl Plan {
     /// The masks this step's samples need, to compute while it runs.
     pub fn masks(&self) -> Vec<std::sync::Arc<flotilla_exec::MaskCell>> {
         self.items.iter().filter_map(|i| i.allow.clone()).collect()
+    }
+
+    /// Whether it holds several decode steps.
+    pub fn is_multi_step(&self) -> bool {
+        self.steps > 1
     }
 
     /// Nothing to run.
@@ -276,7 +287,80 @@ impl Scheduler {
         }
         // Last: a draft takes only what no decode, prompt or admission wanted.
         self.add_drafts(&mut draft);
-        self.finalize(draft)
+        let steps = self.decode_steps(&draft);
+        self.finalize(draft, steps)
+    }
+
+    /// How many decode steps the plan may hold (`SchedConfig::decode_steps`):
+    /// more than one only when the steps after the first would be the same
+    /// batch with nothing decided between them: every running sequence
+    /// decodes, nothing waits, no draft, every sequence can sample several
+    /// tokens unwatched ([`Seq::may_multi_step`]), none reaches its length
+    /// before the last step (so each one's last token ends a plan), and the
+    /// pool's free blocks cover every step (a multi-step plan never evicts
+    /// a cached prefix or preempts). The leases are grown here.
+    fn decode_steps(&mut self, draft: &Draft) -> usize {
+        let max = self.cfg.decode_steps;
+        if max <= 1
+            || self.cfg.batching != Batching::Continuous
+            || !draft.guesses.is_empty()
+            || draft.chunks.len() != self.running.len()
+            || self.tier_queued.iter().any(|&q| q > 0)
+        {
+            return 1;
+        }
+        let mut steps = max;
+        let bs = self.cfg.block_size as usize;
+        for &(id, start, len, _) in &draft.chunks {
+            let seq = &self.seqs[&id];
+            if len != 1
+                || start + 1 != seq.tokens.len()
+                || !seq.may_multi_step(&self.cfg.stop_tokens)
+            {
+                return 1;
+            }
+            steps = steps
+                .min(seq.max_tokens.saturating_sub(seq.generated()))
+                .min(self.cfg.max_model_len.saturating_sub(seq.tokens.len()));
+            if steps <= 1 {
+                return 1;
+            }
+        }
+        // As many steps as the free blocks cover.
+        let free = self.pool.usage().free as usize;
+        let need = |steps: usize| -> usize {
+            draft
+                .chunks
+                .iter()
+                .map(|&(id, start, _, _)| {
+                    let have = self.seqs[&id]
+                        .lease
+                        .as_ref()
+                        .map_or(0, |l| l.blocks().len());
+                    (start + steps).div_ceil(bs).saturating_sub(have)
+                })
+                .sum()
+        };
+        while steps > 1 && need(steps) > free {
+            steps -= 1;
+        }
+        if steps <= 1 {
+            return 1;
+        }
+        for (n, &(id, start, _, _)) in draft.chunks.iter().enumerate() {
+            let seq = self.seqs.get_mut(&id).expect("planned sequence exists");
+            let lease = seq.lease.as_mut().expect("planned sequence is running");
+            // Quota and other tiers' reservations still apply.
+            if self.pool.grow(lease, start + steps).is_err() {
+                for &(id, start, _, _) in &draft.chunks[..n] {
+                    let seq = self.seqs.get_mut(&id).expect("planned sequence exists");
+                    let lease = seq.lease.as_mut().expect("planned sequence is running");
+                    self.pool.truncate(lease, start + 1);
+                }
+                return 1;
+            }
+        }
+        steps
     }
 
     /// Prefill tokens each tier may add to one step. While a more protected
@@ -819,7 +903,7 @@ impl Scheduler {
     }
 
     /// Copies tokens and block tables into the plan and marks it in flight.
-    fn finalize(&mut self, mut draft: Draft) -> Plan {
+    fn finalize(&mut self, mut draft: Draft, steps: usize) -> Plan {
         let step = self.next_step;
         assert!(draft.chunks.len() <= self.cfg.max_num_seqs);
         let mut total = 0;
@@ -836,7 +920,7 @@ impl Scheduler {
                     None => Vec::new(),
                 };
                 assert!(
-                    lease.capacity_tokens() >= start + len + guess.len(),
+                    lease.capacity_tokens() >= start + len + guess.len() + steps - 1,
                     "lease too small for chunk"
                 );
                 total += len + guess.len();
@@ -874,6 +958,6 @@ impl Scheduler {
             self.in_flight = Some(step);
             self.counters.steps += 1;
         }
-        Plan { step, items }
+        Plan { step, items, steps }
     }
 }

@@ -156,6 +156,20 @@ impl Seq {
         self.lease.is_some()
     }
 
+    /// Whether several of its tokens can be sampled in a row with nobody
+    /// watching between them (a multi-step decode): nothing about its
+    /// next sample changes but the position (no constraint to advance, no
+    /// penalties to fold in; a plain `logit_bias` stays the same), and only
+    /// its length can end it (no stop token to catch, the model's
+    /// end-of-sequence tokens ignored or none).
+    pub(crate) fn may_multi_step(&self, stop_tokens: &[u32]) -> bool {
+        self.constraint.is_none()
+            && self.sampling.presence_penalty == 0.0
+            && self.sampling.frequency_penalty == 0.0
+            && self.stop_token_ids.is_empty()
+            && (self.ignore_eos || stop_tokens.is_empty())
+    }
+
     /// Tokens generated so far.
     pub(crate) fn generated(&self) -> usize {
         self.tokens.len() - self.prompt_len

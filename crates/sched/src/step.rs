@@ -17,10 +17,16 @@ impl Scheduler {
     /// output (its sampled token, after the draft tokens it accepted, if
     /// any). Items of requests cancelled since `schedule` are skipped. A
     /// draft's rejected positions are given back: the lease shrinks to the
-    /// tokens kept.
+    /// tokens kept. Of a multi-step plan, `outs[i].accepted` holds the
+    /// samples of the steps before the last that ran (the same number for
+    /// every item), and the blocks of the steps that did not run go back.
     pub fn complete(&mut self, now: Duration, plan: &Plan, outs: &[SeqOutput]) {
         assert_eq!(outs.len(), plan.items.len(), "one result per plan item");
         self.end_step(plan);
+        if plan.is_multi_step() {
+            let ran = outs.iter().map(|o| o.accepted.len() + 1).max().unwrap_or(1);
+            self.counters.steps += ran.min(plan.steps) as u64 - 1;
+        }
         for (item, out) in plan.items.iter().zip(outs) {
             let Some(seq) = self.seqs.get_mut(&item.id) else {
                 continue;
@@ -46,7 +52,19 @@ impl Scheduler {
             assert_eq!(seq.num_computed, seq.tokens.len(), "sampled before the end");
             let guess = &item.tokens[known..];
             let accepted = out.accepted.len();
-            if accepted > guess.len() || out.accepted.iter().zip(guess).any(|(s, &g)| s.token != g)
+            if plan.is_multi_step() {
+                if accepted >= plan.steps {
+                    let failure = EngineFailure::Internal(format!(
+                        "the executor ran {} steps of a plan of {}",
+                        accepted + 1,
+                        plan.steps
+                    ));
+                    self.fail(now, item.id, failure);
+                    continue;
+                }
+                self.counters.computed_tokens += accepted as u64;
+            } else if accepted > guess.len()
+                || out.accepted.iter().zip(guess).any(|(s, &g)| s.token != g)
             {
                 let failure =
                     EngineFailure::Internal("the executor accepted tokens it was not given".into());
@@ -73,11 +91,12 @@ impl Scheduler {
                     seq.spec.backoff = 0;
                 }
             }
-            if !self.take_tokens(now, item.id, out) || item.draft == 0 {
+            if !self.take_tokens(now, item.id, out) || (item.draft == 0 && !plan.is_multi_step()) {
                 continue;
             }
-            // Still running: the rejected positions' blocks go back, and
-            // the accepted ones' full blocks enter the prefix cache.
+            // Still running: the rejected positions' blocks (or the steps'
+            // that did not run) go back, and the accepted ones' full blocks
+            // enter the prefix cache.
             let seq = self.seqs.get_mut(&item.id).expect("still running");
             let lease = seq.lease.as_mut().expect("running sequence has a lease");
             self.pool.truncate(lease, seq.tokens.len());

@@ -535,3 +535,100 @@ fn a_step_time_target_sizes_chunks_from_the_measured_step_cost() {
     }
     assert_eq!(steps.len(), 400 / 16);
 }
+
+/// Submits `max_tokens` for a prompt of `len` new tokens with the model's
+/// stop token ignored (a multi-step plan may take it).
+fn submit_unwatched(sim: &mut Sim, tenant: usize, len: usize, max_tokens: u32) -> RequestId {
+    let mut req = Sim::request(tenant, sim.unique_prompt(len), max_tokens);
+    req.ignore_eos = true;
+    sim.submit_req(req).unwrap()
+}
+
+#[test]
+fn a_multi_step_plan_holds_the_decodes_until_anything_else_is_to_do() {
+    let mut c = two_tiers(256, 4);
+    c.max_num_seqs = 4;
+    c.max_num_batched_tokens = 64;
+    c.decode_steps = 8;
+    let mut sim = Sim::new(c);
+    let a = submit_unwatched(&mut sim, 0, 6, 20);
+    let b = submit_unwatched(&mut sim, 1, 5, 11);
+    // The prompts: one step.
+    let p = sim.step();
+    assert_eq!((ids(&p), p.steps), (vec![a, b], 1));
+    // Both decode and nothing waits: as many steps as the configured most,
+    // and no more than B's 10 tokens left allow.
+    let p = sim.plan();
+    assert_eq!((ids(&p), p.steps), (vec![a, b], 8));
+    // The leases cover every step's position: A's decode at 6 writes 6..14.
+    assert!(item(&p, a).unwrap().block_table.len() * 4 >= 6 + 8);
+    sim.execute(&p);
+    assert_eq!(sim.reqs[&a].out.len(), 9);
+    assert_eq!(sim.reqs[&b].out.len(), 9);
+    // B has 2 tokens left: the plan stops where B ends, so B's last token
+    // ends a plan.
+    let p = sim.plan();
+    assert_eq!(p.steps, 2);
+    // Cut after one step (a request arrived): what ran is kept, the rest of
+    // the leases goes back, and the next plan (a prompt among the decodes)
+    // is one step.
+    let free_before = sim.s.status().kv.free;
+    sim.execute_steps(&p, 1);
+    assert_eq!(sim.reqs[&b].out.len(), 10);
+    assert!(sim.s.status().kv.free >= free_before);
+    let c_id = submit_unwatched(&mut sim, 0, 3, 4);
+    let p = sim.step();
+    assert_eq!((ids(&p), p.steps), (vec![a, b, c_id], 1));
+    assert!(matches!(
+        sim.reqs[&b].end,
+        Some(End::Finished(FinishReason::Length, ..))
+    ));
+    // A request with a stop token id of its own keeps the plans to one
+    // step: its stop must be seen after each token.
+    let mut req = Sim::request(1, sim.unique_prompt(3), 30);
+    req.ignore_eos = true;
+    req.stop_token_ids = vec![3];
+    let d = sim.submit_req(req).unwrap();
+    sim.step();
+    for _ in 0..3 {
+        let p = sim.step();
+        assert!(ids(&p).contains(&d));
+        assert_eq!(p.steps, 1);
+    }
+    sim.cancel(d);
+    sim.run_until_idle(100);
+    sim.assert_all_done();
+    // Every token is the fake model's at its position (the harness checks
+    // each), whatever the plans' lengths.
+    assert_eq!(sim.reqs[&a].out.len(), 20);
+}
+
+#[test]
+fn a_multi_step_plan_never_evicts_a_cached_prefix_for_its_later_steps() {
+    // 6 blocks of 4: two prompts of 8 (4 blocks), then the second ends and
+    // its 2 blocks stay in the prefix cache.
+    let mut c = two_tiers(6, 4);
+    c.max_num_seqs = 2;
+    c.max_num_batched_tokens = 64;
+    c.decode_steps = 16;
+    let mut sim = Sim::new(c);
+    let a = submit_unwatched(&mut sim, 0, 7, 12);
+    let b = submit_unwatched(&mut sim, 0, 8, 1);
+    sim.step();
+    assert!(sim.reqs[&b].end.is_some());
+    assert_eq!(sim.s.status().kv.cached, 2);
+    // A alone: 11 tokens left, but 16 - 4 free positions would need the
+    // cached blocks: the plan holds what the free blocks cover.
+    let p = sim.plan();
+    assert_eq!(ids(&p), [a]);
+    assert!(p.steps > 1, "{}", p.steps);
+    assert!(
+        7 + p.steps <= 4 * 4,
+        "{} steps need a cached block",
+        p.steps
+    );
+    assert_eq!(sim.s.status().kv.cached, 2);
+    sim.execute(&p);
+    sim.run_until_idle(100);
+    sim.assert_all_done();
+}

@@ -228,9 +228,16 @@ impl Sim {
         plan
     }
 
-    /// The execute and complete half of a step.
+    /// The execute and complete half of a step (every step of a
+    /// multi-step plan).
     pub(crate) fn execute(&mut self, plan: &Plan) {
-        let sampled = self.run_executor(plan);
+        self.execute_steps(plan, plan.steps);
+    }
+
+    /// The execute and complete half of a step, of a multi-step plan only
+    /// its first `ran` steps (the worker was cut short).
+    pub(crate) fn execute_steps(&mut self, plan: &Plan, ran: usize) {
+        let sampled = self.run_executor(plan, ran.clamp(1, plan.steps));
         self.now += self.tick;
         self.s.complete(self.now, plan, &sampled);
         self.collect();
@@ -290,6 +297,21 @@ impl Sim {
             t.first_planned_step.get_or_insert(self.steps);
             let full: Vec<u32> = t.prompt.iter().chain(&t.out).copied().collect();
             let (start, end) = (item.start_pos, item.start_pos + item.tokens.len());
+            if plan.is_multi_step() {
+                assert!(
+                    item.tokens.len() == 1 && item.draft == 0 && item.sample.is_some(),
+                    "{} is not a one-token decode in a multi-step plan",
+                    item.id
+                );
+                assert!(
+                    item.block_table.len() * self.bs >= start + plan.steps,
+                    "{} table too short for {} steps",
+                    item.id,
+                    plan.steps
+                );
+            }
+            // The positions the plan's steps write.
+            let writes = end + plan.steps - 1;
             // Draft tokens are guesses after the known ones.
             let known = end - item.draft;
             assert!(!item.tokens.is_empty(), "empty item");
@@ -317,7 +339,7 @@ impl Sim {
                 .copied()
                 .collect();
             assert!(
-                item.block_table.len() * self.bs >= end,
+                item.block_table.len() * self.bs >= writes,
                 "{} table too short",
                 item.id
             );
@@ -332,7 +354,7 @@ impl Sim {
                     item.id
                 );
             }
-            for p in start..end {
+            for p in start..writes {
                 let b = item.block_table[p / self.bs];
                 let prev = written.insert(b, item.id);
                 assert!(
@@ -354,7 +376,14 @@ impl Sim {
         }
     }
 
-    fn run_executor(&mut self, plan: &Plan) -> Vec<SeqOutput> {
+    fn run_executor(&mut self, plan: &Plan, ran: usize) -> Vec<SeqOutput> {
+        if plan.is_multi_step() {
+            return plan
+                .items
+                .iter()
+                .map(|item| self.run_steps(item, ran))
+                .collect();
+        }
         plan.items
             .iter()
             .map(|item| {
@@ -381,6 +410,39 @@ impl Sim {
                 out
             })
             .collect()
+    }
+
+    /// `ran` decode steps of one item of a multi-step plan, each step's
+    /// sample the next one's token, as the worker runs them.
+    fn run_steps(&mut self, item: &crate::PlanItem, ran: usize) -> SeqOutput {
+        let t = &self.reqs[&item.id];
+        let start = item.start_pos;
+        let mut full: Vec<u32> = t.prompt.iter().chain(&t.out).copied().collect();
+        assert_eq!(
+            full.len(),
+            start + 1,
+            "{} decodes from the wrong place",
+            item.id
+        );
+        let mut out = SeqOutput::default();
+        for k in 0..ran {
+            let s = Sampled {
+                token: tok(item.id, start + 1 + k),
+                logprob: 0.0,
+                top: Vec::new(),
+            };
+            full.push(s.token);
+            if let Some(prev) = out.sampled.replace(s) {
+                out.accepted.push(prev);
+            }
+        }
+        let hashes = prefix_hashes(&full);
+        for (p, &h) in hashes.iter().enumerate().skip(start).take(ran) {
+            let slot = item.block_table[p / self.bs] as usize * self.bs + p % self.bs;
+            self.kv[slot] = h;
+        }
+        self.reqs.get_mut(&item.id).unwrap().computed += ran;
+        out
     }
 
     fn collect(&mut self) {

@@ -26,6 +26,9 @@ pub(crate) enum Op {
     Step,
     /// Schedule, cancel a request, then complete.
     CancelMid(usize),
+    /// Schedule, then complete only some steps of a multi-step plan (the
+    /// Scheduler's actor cut it short).
+    CutMid(usize),
     FailStep,
     Advance(u64),
     /// Schedule, let time pass and expire queued requests, then complete.
@@ -41,6 +44,7 @@ pub(crate) fn op() -> impl Strategy<Value = Op> {
         2 => (0..1000usize).prop_map(Op::Cancel),
         16 => Just(Op::Step),
         2 => (0..1000usize).prop_map(Op::CancelMid),
+        2 => (0..8usize).prop_map(Op::CutMid),
         2 => Just(Op::FailStep),
         2 => (0..3000u64).prop_map(Op::Advance),
         2 => (0..3000u64).prop_map(Op::ExpireMid),
@@ -72,9 +76,11 @@ pub(crate) fn config() -> impl Strategy<Value = SchedConfig> {
         ),
         // Step time targets, in steps of the fake executor's cost (1 ms +
         // 0.25 ms per token): the global one, the paid tier's.
+        // Multi-step decode: off, or up to 3 or 8 steps a plan.
         (
             proptest::option::of(1..40u64),
             proptest::option::of(1..12u64),
+            prop_oneof![Just(1usize), Just(1), Just(3), Just(8)],
         ),
     )
         .prop_map(
@@ -82,7 +88,7 @@ pub(crate) fn config() -> impl Strategy<Value = SchedConfig> {
                 (blocks, bs, seqs, budget),
                 (stat, reserved, quota, salted, offload),
                 (timeout, conc, rpm, spec, latency_budget),
-                (step_time, paid_step_time),
+                (step_time, paid_step_time, decode_steps),
             )| {
                 let mut c = two_tiers(blocks, bs);
                 c.max_num_seqs = seqs;
@@ -96,6 +102,7 @@ pub(crate) fn config() -> impl Strategy<Value = SchedConfig> {
                 c.tiers[1].kv_reserved_blocks = reserved;
                 c.tiers[1].step_tokens_max = latency_budget;
                 c.step_time_max = step_time.map(|q| Duration::from_micros(250 * q));
+                c.decode_steps = decode_steps;
                 c.tiers[1].step_time_max =
                     paid_step_time.map(|q| Duration::from_micros(1000 + 250 * q));
                 c.tenants[1].kv_blocks_max = quota;
@@ -175,6 +182,10 @@ pub(crate) fn run(cfg: SchedConfig, ops: Vec<Op>) -> crate::Counters {
                 }
                 let prompt = tokens.len();
                 let mut req = Sim::request(tenant, tokens, max_tokens);
+                // The fake model never says the model's stop token: ignoring
+                // it changes no output, and lets the request into a
+                // multi-step plan (one with a stop id of its own never is).
+                req.ignore_eos = true;
                 if stop {
                     let id = flotilla_proto::RequestId(sim.next_id);
                     req.stop_token_ids = vec![tok(id, prompt + 2)];
@@ -188,6 +199,10 @@ pub(crate) fn run(cfg: SchedConfig, ops: Vec<Op>) -> crate::Counters {
             }
             Op::Step => {
                 sim.step();
+            }
+            Op::CutMid(k) => {
+                let plan = sim.plan();
+                sim.execute_steps(&plan, 1 + k % plan.steps);
             }
             Op::CancelMid(i) => {
                 let plan = sim.plan();
