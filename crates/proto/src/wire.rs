@@ -29,7 +29,7 @@ use crate::{EngineEvent, EngineRequest, EngineStatus, KvDtype, Rejection, Role, 
 /// First four bytes of every frame.
 pub const MAGIC: [u8; 4] = *b"FLTL";
 /// The protocol this build speaks; a peer with another one is refused.
-pub const PROTOCOL_VERSION: u16 = 13;
+pub const PROTOCOL_VERSION: u16 = 14;
 /// Bytes of the envelope before the payload.
 pub const HEADER_LEN: usize = 32;
 /// Smallest frame cap a config may set (a load report must fit).
@@ -439,6 +439,9 @@ pub struct Held {
     /// `None`: the request runs (or is being imported) on this node.
     /// `Some(d)`: this prefill node keeps its KV for decode node `d`.
     pub for_decode: Option<u32>,
+    /// The placement held (`Submit::attempt`): the Router's answer about
+    /// it never ends a later placement of the same request there.
+    pub attempt: u32,
 }
 
 impl Message {
@@ -757,10 +760,12 @@ mod tests {
                     Held {
                         req: 1,
                         for_decode: None,
+                        attempt: 2,
                     },
                     Held {
                         req: 5,
                         for_decode: Some(3),
+                        attempt: 0,
                     },
                 ],
             },
@@ -768,6 +773,7 @@ mod tests {
                 held: vec![Held {
                     req: 5,
                     for_decode: Some(3),
+                    attempt: 0,
                 }],
             },
             Message::Drain { grace_ms: 30_000 },

@@ -137,6 +137,27 @@ fn a_swarm_of_the_disaggregated_chaos_storm_holds() {
     assert_chaos_fired(&s);
 }
 
+/// The chaos storms with multi-step decode plans (`[engine]
+/// decode_steps`): a plan cut by whatever its engine is told (a request,
+/// a cancel, a move, KV) among crashes, partitions and clogs.
+#[test]
+fn swarms_of_the_chaos_storms_with_multi_step_decode_hold() {
+    for name in ["chaos-storm.toml", "pd-chaos-storm.toml"] {
+        let mut sc = shipped(name);
+        let one = run(&sc, 3).unwrap().trace_hash;
+        sc.engine.decode_steps = 8;
+        let s = swarm(&sc, 2000, CI_SEEDS, jobs(), &|_| {});
+        assert_no_failures(name, &s);
+        assert_chaos_fired(&s);
+        // The setting changed what ran.
+        assert_ne!(
+            run(&sc, 3).unwrap().trace_hash,
+            one,
+            "{name}: no plan held several steps"
+        );
+    }
+}
+
 /// Seeds that once broke an invariant, each with what it found.
 #[test]
 fn every_seed_that_ever_failed_holds() {
@@ -163,6 +184,15 @@ fn every_seed_that_ever_failed_holds() {
             "pd-chaos-storm.toml",
             &[10, 29, 40, 44, 77, 172, 183, 185, 194],
         ),
+        // A Submit held on a cut link reached its engine after the link
+        // healed, when the Router (which had run it elsewhere, its Cancel
+        // refused while the engine was unreachable) no longer wanted it:
+        // two engines decoded it past the heal window.
+        ("chaos-storm.toml", &[1855]),
+        // Found on the way to the fix above (this seed passed before it by
+        // its timing): the Router's answer about an engine's earlier
+        // placement of a request ended the later one placed there.
+        ("pd-chaos-storm.toml", &[1740]),
     ];
     for (name, seeds) in kept {
         let sc = shipped(name);

@@ -196,6 +196,11 @@ struct WorkerView {
     /// a drained node's last words, not a sign of life.
     left_epoch: u64,
     prefix: PrefixIndex,
+    /// Placements (request, attempt) taken away from this node while it
+    /// was silent, stopped again when it is heard from: the Cancel sent
+    /// then may not have reached it, and a Submit held on the cut link may
+    /// reach it only after the link heals, when the request runs elsewhere.
+    recall: Vec<(u64, u32)>,
 }
 
 struct Pending {
@@ -309,6 +314,7 @@ impl RouterCore {
                 moved_by_kv: 0,
                 left_epoch: 0,
                 prefix: PrefixIndex::new(opts.prefix_blocks_max),
+                recall: Vec::new(),
             })
             .collect();
         RouterCore {
@@ -863,7 +869,13 @@ impl RouterCore {
     /// was computing for a decode node are cancelled there and re-run.
     /// With `kv`, the node left in order (drained) and still serves its
     /// KV for a while: what ran there moves with it.
-    fn worker_lost(&mut self, w: usize, why: &str, kv: bool, reachable: &dyn Fn(NodeId) -> bool) {
+    fn worker_lost(
+        &mut self,
+        w: usize,
+        why: &str,
+        (kv, silent): (bool, bool),
+        reachable: &dyn Fn(NodeId) -> bool,
+    ) {
         let mut ids: Vec<u64> = self
             .pending
             .iter()
@@ -915,6 +927,9 @@ impl RouterCore {
                     attempt: reruns,
                 };
                 self.send(self.workers[worker].node, id, cancel);
+                if silent && worker == w {
+                    self.workers[w].recall.push((id, reruns));
+                }
             }
         }
     }
@@ -1076,7 +1091,9 @@ impl RouterCore {
                 // Our link still reaches its old life: frames sent there
                 // would vanish until the idle timeout.
                 self.out.push(RouterOutput::Reconnect(from));
-                self.worker_lost(w, "restarted", false, reachable);
+                // Its old life's requests are gone with it.
+                self.workers[w].recall.clear();
+                self.worker_lost(w, "restarted", (false, false), reachable);
                 tracing::info!(node = %self.workers[w].name, "rejoined with a new epoch");
             }
             self.workers[w].epoch = epoch;
@@ -1087,6 +1104,17 @@ impl RouterCore {
             tracing::info!(node = %view.name, "up");
         }
         view.up = true;
+        if !view.recall.is_empty() {
+            let (node, recall) = (view.node, std::mem::take(&mut view.recall));
+            for (req, attempt) in recall {
+                let cancel = Message::Cancel {
+                    req,
+                    stop_string: false,
+                    attempt,
+                };
+                self.send(node, req, cancel);
+            }
+        }
         match msg {
             Message::Heartbeat(load) => {
                 if load.draining && !self.workers[w].load.draining {
@@ -1099,7 +1127,7 @@ impl RouterCore {
                 v.left_epoch = epoch;
                 v.up = false;
                 tracing::info!(node = %v.name, "left (drained)");
-                self.worker_lost(w, "left (drained)", true, reachable);
+                self.worker_lost(w, "left (drained)", (true, false), reachable);
             }
             Message::Holding { held } => {
                 // What it still holds that we no longer run there (we ended
@@ -1109,7 +1137,7 @@ impl RouterCore {
                     self.pending
                         .get(&h.req)
                         .is_some_and(|p| match h.for_decode {
-                            None => p.worker == w,
+                            None => p.worker == w && p.reruns == h.attempt,
                             Some(d) => {
                                 p.paired_prefill == Some(w) && self.workers[p.worker].node == d
                             }
@@ -1380,7 +1408,7 @@ impl RouterCore {
                 self.worker_lost(
                     w,
                     &format!("stopped responding (no heartbeat for {ms} ms)"),
-                    false,
+                    (false, true),
                     reachable,
                 );
             }

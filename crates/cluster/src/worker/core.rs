@@ -471,6 +471,10 @@ pub struct NodeCore {
     /// hold deadline: an ask from that decode node that comes after the
     /// abandon (it was in flight) is refused instead of run for nobody.
     abandoned: BTreeMap<PfKey, Duration>,
+    /// Placements cancelled before their Submit came (the Submit was held
+    /// on a cut link, or overtaken), until a deadline: the Submit that
+    /// comes after its Cancel is dropped instead of run for nobody.
+    cancelled: BTreeMap<Key, (u32, Duration)>,
     orphans: Orphans,
     pending: BTreeMap<Ticket, Pending>,
     next_ticket: Ticket,
@@ -517,6 +521,7 @@ impl NodeCore {
             pf_by_id: BTreeMap::new(),
             holds: BTreeSet::new(),
             abandoned: BTreeMap::new(),
+            cancelled: BTreeMap::new(),
             pending: BTreeMap::new(),
             next_ticket: 1,
             answers_due: 0,
@@ -824,7 +829,14 @@ impl NodeCore {
                 } else {
                     Stop::Cancel
                 };
-                self.end_placement((from, epoch, req), attempt, stop, out);
+                let key = (from, epoch, req);
+                if !self.end_placement(key, attempt, stop, out)
+                    && is_router
+                    && self.cancelled.len() < ABANDONED_MAX
+                {
+                    self.cancelled
+                        .insert(key, (attempt, now + self.opts.hold_ttl));
+                }
             }
             Message::Prefill(pm) => self.on_prefill_ask(from, epoch, pm, out),
             Message::PrefillFailed {
@@ -915,6 +927,15 @@ impl NodeCore {
                 tenant.0, self.opts.num_tenants
             ));
             Self::send(out, from, req, Message::Refused { req, rejection });
+            return;
+        }
+        if let Some(&(cancelled, _)) = self.cancelled.get(&(from, epoch, req))
+            && cancelled >= s.attempt
+        {
+            // Its Cancel came first: the Router runs it elsewhere, or
+            // nowhere.
+            tracing::debug!(req, attempt = s.attempt, "submit after its cancel: dropped");
+            self.cancelled.remove(&(from, epoch, req));
             return;
         }
         let here = self
@@ -1194,7 +1215,9 @@ impl NodeCore {
                 }
                 !keys.is_empty()
             } else {
-                self.end_placement((from, epoch, req), u32::MAX, Stop::Cancel, out)
+                // That placement or an earlier one, never a later one
+                // made after the Router answered.
+                self.end_placement((from, epoch, req), h.attempt, Stop::Cancel, out)
             };
             if gave_back {
                 self.orphan(
@@ -1740,6 +1763,7 @@ impl NodeCore {
         self.next_heartbeat = now + self.opts.heartbeat_interval;
         self.call_now(EngineCall::Status, out);
         self.abandoned.retain(|_, until| *until > now);
+        self.cancelled.retain(|_, (_, until)| *until > now);
         if now >= self.orphans.next {
             self.orphans.next = now + self.opts.reconcile_interval;
             if self.layout.is_some() {
@@ -1749,26 +1773,33 @@ impl NodeCore {
             // what it held at the last look as well).
             for i in 0..self.opts.routers.len() {
                 let r = self.opts.routers[i];
-                let here = |req| Held {
+                let here = |req, attempt| Held {
                     req,
                     for_decode: None,
+                    attempt,
                 };
                 let held: BTreeSet<Held> = self
                     .active
                     .map
-                    .keys()
-                    .filter(|k| k.0 == r)
-                    .map(|k| here(k.2))
+                    .iter()
+                    .filter(|(k, _)| k.0 == r)
+                    .map(|(k, run)| here(k.2, run.attempt))
                     .chain(
                         self.importing
-                            .keys()
-                            .filter(|k| k.0 == r)
-                            .map(|k| here(k.1)),
+                            .iter()
+                            .filter(|(k, _)| k.0 == r)
+                            .map(|(k, e)| here(k.1, e.submit.attempt)),
                     )
-                    .chain(self.prefills.keys().filter(|k| k.2 == r).map(|k| Held {
-                        req: k.3,
-                        for_decode: Some(k.0),
-                    }))
+                    .chain(
+                        self.prefills
+                            .iter()
+                            .filter(|(k, _)| k.2 == r)
+                            .map(|(k, p)| Held {
+                                req: k.3,
+                                for_decode: Some(k.0),
+                                attempt: p.attempt,
+                            }),
+                    )
                     .collect();
                 let before = self
                     .orphans

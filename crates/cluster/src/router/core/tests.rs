@@ -320,10 +320,16 @@ fn a_silent_node_is_marked_down_and_its_requests_rerun_or_move() {
     assert_eq!(delivered(&out, 1), (vec![], None), "a pause, not an error");
     assert_eq!(h.core.status().nodes[0].moved_away, 1);
     // Events of the old placement on node 1, arriving late, are not
-    // applied to the new one.
+    // applied to the new one. Node 1, heard again, is told once more to
+    // stop both placements taken from it while it was silent (the Cancels
+    // sent then may not have reached it, and their Submits, held on a cut
+    // link, may reach it later), then the one whose events came.
     let out = h.msg(1, 1, batch(2, 0, 0, vec![tok(9)]));
     assert_eq!(delivered(&out, 2), (vec![], None));
-    assert_eq!(cancels(&out), [(1, 2, 0)]);
+    assert_eq!(cancels(&out), [(1, 1, 0), (1, 2, 0), (1, 2, 0)]);
+    // Once: its heartbeats from now on recall nothing.
+    let out = h.live_until(ms(1000), &[1, 2]);
+    assert!(cancels(&out).is_empty(), "{:?}", cancels(&out));
     // The moved request's events count from 0 on its new node; the
     // client's stream goes on from token 2, and its usage counts every
     // token it was sent, against its own prompt.

@@ -864,13 +864,14 @@ fn orphans_are_given_back_only_when_found_at_two_looks_in_a_row() {
     // The Router is asked about request 5 (held at both looks); it does
     // not know it: named twice, it is given back.
     let asked = h.take_sent().into_iter().any(|(to, m)| {
-        to == ROUTER && matches!(&m, Message::Holding { held } if held == &[Held { req: 5, for_decode: None }])
+        to == ROUTER && matches!(&m, Message::Holding { held } if held == &[Held { req: 5, for_decode: None, attempt: 0 }])
     });
     assert!(asked);
     let unknown = || Message::Unknown {
         held: vec![Held {
             req: 5,
             for_decode: None,
+            attempt: 0,
         }],
     };
     h.msg(ROUTER, 1, unknown());
@@ -1252,4 +1253,67 @@ fn a_transfer_of_another_kv_dtype_is_refused_with_both_named() {
     );
     super::check_header(&header(flotilla_proto::KvDtype::Int8), &ours, "m", 6)
         .expect("an int8 transfer into an int8 cache");
+}
+
+#[test]
+fn a_submit_that_comes_after_its_cancel_is_dropped_and_a_later_placement_runs() {
+    let mut h = H::new(Role::Worker, false, |o| o);
+    let cancel = |attempt| Message::Cancel {
+        req: 9,
+        stop_string: false,
+        attempt,
+    };
+    // The Cancel of placement 1 overtakes its Submit (the Submit was held
+    // on a cut link): the Submit that comes after it runs nothing.
+    let before = h.last_id();
+    h.msg(ROUTER, 1, cancel(1));
+    h.msg(ROUTER, 1, submit(9, 1, None));
+    assert_eq!(h.last_id(), before, "a cancelled placement ran");
+    assert!(h.take_sent().is_empty());
+    // The Router places it here again later: that placement runs.
+    h.msg(ROUTER, 1, submit(9, 2, None));
+    assert_ne!(h.last_id(), before);
+    assert!(
+        h.take_sent()
+            .iter()
+            .any(|(_, m)| matches!(m, Message::Admitted { req: 9 }))
+    );
+    // A Cancel of an unknown request is forgotten after the hold deadline:
+    // the node keeps no record of it for ever.
+    h.msg(ROUTER, 1, cancel(0));
+    let running = h.last_id();
+    h.live_until(TTL * 2, 1);
+    h.msg(ROUTER, 1, submit(11, 0, None));
+    assert_ne!(h.last_id(), running);
+}
+
+#[test]
+fn the_router_s_answer_about_an_earlier_placement_never_ends_a_later_one() {
+    let mut h = H::new(Role::Worker, false, |o| o);
+    h.msg(ROUTER, 1, submit(5, 0, None));
+    let first = h.last_id();
+    // Held at two looks, so asked about.
+    h.live_until(DOWN * 2 + ms(1), 1);
+    let asked = h.take_sent().into_iter().any(|(_, m)| {
+        matches!(&m, Message::Holding { held } if held == &[Held { req: 5, for_decode: None, attempt: 0 }])
+    });
+    assert!(asked);
+    // The Router had moved placement 0 away and placed the request here
+    // again (placement 1) before its answers about placement 0 come.
+    h.msg(ROUTER, 1, submit(5, 1, None));
+    let second = h.last_id();
+    assert_eq!(h.ended, vec![(first, false)]);
+    let unknown = || Message::Unknown {
+        held: vec![Held {
+            req: 5,
+            for_decode: None,
+            attempt: 0,
+        }],
+    };
+    h.msg(ROUTER, 1, unknown());
+    h.msg(ROUTER, 1, unknown());
+    assert_eq!(h.ended, vec![(first, false)], "placement 1 was ended");
+    assert!(h.orphans.is_empty(), "{:?}", h.orphans);
+    h.step(vec![(second, tok(3))]);
+    assert_eq!(h.events(), vec![(5, 1, 0, vec![tok(3)])]);
 }
