@@ -7,7 +7,9 @@
 //! first-out past a cap, as the worker's LRU would evict them; a worker
 //! that restarts loses its whole record.
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::VecDeque;
+
+use rustc_hash::FxHashMap;
 
 /// Hashes of a prompt's full blocks, each chained through its parent, so
 /// equal hashes mean equal prefixes (up to 64-bit collisions, which only
@@ -33,7 +35,9 @@ pub fn block_hashes(prompt: &[u32], block_size: usize, salt: u64) -> Vec<u64> {
 /// Block hashes a worker is believed to hold, with a cap.
 #[derive(Debug)]
 pub struct PrefixIndex {
-    seen: HashMap<u64, u64>,
+    /// Block hash -> the tick it was last recorded (the keys are hashes
+    /// already: one multiply hashes them again).
+    seen: FxHashMap<u64, u64>,
     order: VecDeque<(u64, u64)>,
     tick: u64,
     cap: usize,
@@ -43,7 +47,7 @@ impl PrefixIndex {
     /// An empty index that remembers at most `cap` blocks.
     pub fn new(cap: usize) -> PrefixIndex {
         PrefixIndex {
-            seen: HashMap::new(),
+            seen: FxHashMap::default(),
             order: VecDeque::new(),
             tick: 0,
             cap: cap.max(1),

@@ -10,8 +10,7 @@
 //! chain exact: two parents with colliding hashes still have different ids.
 
 use std::collections::HashMap;
-use std::collections::hash_map::DefaultHasher;
-use std::hash::BuildHasherDefault;
+use std::hash::{BuildHasherDefault, Hasher};
 
 use crate::BlockId;
 
@@ -78,11 +77,33 @@ pub(crate) fn block_hash(parent: u64, salt: u64, tokens: &[u32]) -> u64 {
 /// The cache's index. Block states (used / cached) live in the pool; this
 /// only knows which blocks are registered and what they hold.
 #[derive(Debug)]
+/// A map hasher for keys that are hashes already: it passes them through.
+#[derive(Default)]
+pub(crate) struct KeyIsHash(u64);
+
+impl Hasher for KeyIsHash {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+
+    fn write(&mut self, bytes: &[u8]) {
+        // Only u64 keys are hashed here; any other input still hashes.
+        for &b in bytes {
+            self.0 = (self.0 ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3);
+        }
+    }
+
+    fn write_u64(&mut self, v: u64) {
+        self.0 = v;
+    }
+}
+
 pub(crate) struct PrefixCache {
     block_size: usize,
-    /// Hash -> the one block registered under it. std's `DefaultHasher::new()`
-    /// has fixed keys, so even the map's layout is the same in every run.
-    map: HashMap<u64, BlockId, BuildHasherDefault<DefaultHasher>>,
+    /// Hash -> the one block registered under it. The keys are block
+    /// hashes already: the map uses them as they are (no second hash), so
+    /// its layout is the same in every run too.
+    map: HashMap<u64, BlockId, BuildHasherDefault<KeyIsHash>>,
     /// By block id.
     entries: Vec<Option<Entry>>,
     /// Tokens of registered blocks, block `b` at `b * block_size..`; grown on
@@ -176,7 +197,9 @@ impl PrefixCache {
     ) -> Link {
         let i = b as usize;
         assert!(self.entries[i].is_none(), "block {b} registered twice");
-        assert_eq!(
+        // The caller computed it from these tokens (`check` verifies every
+        // entry's hash against its tokens).
+        debug_assert_eq!(
             hash,
             self.hash(parent, salt, tokens),
             "block {b}: hash of other contents"

@@ -369,9 +369,20 @@ pub struct RequestStream {
     /// The engine's id for the request.
     pub id: RequestId,
     /// `None` for a request whose events go to an [`EventSink`].
-    rx: Option<mpsc::UnboundedReceiver<EngineEvent>>,
+    rx: Option<StreamRx>,
     on_drop: Option<Box<dyn FnOnce(bool) + Send>>,
     stop_string: bool,
+}
+
+/// Where a stream's events come from: one by one, or in batches (a
+/// step's tokens of one request, then possibly its end) with the rest of
+/// the batch being handed out.
+enum StreamRx {
+    One(mpsc::UnboundedReceiver<EngineEvent>),
+    Batches(
+        mpsc::UnboundedReceiver<Vec<EngineEvent>>,
+        std::collections::VecDeque<EngineEvent>,
+    ),
 }
 
 /// The events one engine step produced for the requests that go to one
@@ -395,7 +406,23 @@ impl RequestStream {
     ) -> Self {
         RequestStream {
             id,
-            rx: Some(rx),
+            rx: Some(StreamRx::One(rx)),
+            on_drop: Some(on_drop),
+            stop_string: false,
+        }
+    }
+
+    /// A stream fed in batches by `rx` (a Router hands on each node
+    /// message's events for a request as one); otherwise as
+    /// [`RequestStream::new`].
+    pub fn batched(
+        id: RequestId,
+        rx: mpsc::UnboundedReceiver<Vec<EngineEvent>>,
+        on_drop: Box<dyn FnOnce(bool) + Send>,
+    ) -> Self {
+        RequestStream {
+            id,
+            rx: Some(StreamRx::Batches(rx, Default::default())),
             on_drop: Some(on_drop),
             stop_string: false,
         }
@@ -464,7 +491,33 @@ impl RequestStream {
     /// the terminal event, or if the engine died).
     pub async fn recv(&mut self) -> Option<EngineEvent> {
         match &mut self.rx {
-            Some(rx) => rx.recv().await,
+            Some(StreamRx::One(rx)) => rx.recv().await,
+            Some(StreamRx::Batches(rx, buf)) => loop {
+                if let Some(ev) = buf.pop_front() {
+                    return Some(ev);
+                }
+                buf.extend(rx.recv().await?);
+            },
+            None => None,
+        }
+    }
+
+    /// The next events, at least one, as many as have come together;
+    /// `None` as for [`RequestStream::recv`].
+    pub async fn recv_batch(&mut self) -> Option<Vec<EngineEvent>> {
+        match &mut self.rx {
+            Some(StreamRx::One(rx)) => rx.recv().await.map(|ev| vec![ev]),
+            Some(StreamRx::Batches(rx, buf)) => {
+                if !buf.is_empty() {
+                    return Some(buf.drain(..).collect());
+                }
+                loop {
+                    let batch = rx.recv().await?;
+                    if !batch.is_empty() {
+                        return Some(batch);
+                    }
+                }
+            }
             None => None,
         }
     }

@@ -989,8 +989,20 @@ async fn one_request(w: &Arc<World>, tenant: usize, rng: &mut Rng) {
         }
     };
     let (mut first, mut last) = (None, None);
+    // Events come as the Router hands them on (a node message's worth for
+    // this request): the tokens of a batch arrive together.
+    let mut batch = std::vec::IntoIter::default();
     loop {
-        let ev = stream.recv().await;
+        let ev = match batch.next() {
+            Some(ev) => Some(ev),
+            None => match stream.recv_batch().await {
+                Some(b) => {
+                    batch = b.into_iter();
+                    batch.next()
+                }
+                None => None,
+            },
+        };
         let now = Instant::now();
         match ev {
             Some(EngineEvent::Token(s)) => {
@@ -1000,17 +1012,19 @@ async fn one_request(w: &Arc<World>, tenant: usize, rng: &mut Rng) {
                     out.gap_max = out.gap_max.max(now - l);
                 }
                 last = Some(now);
-                lock(&w.trace).record(id, TOKEN, u64::from(s.token));
+                let mut trace = lock(&w.trace);
+                trace.record(id, TOKEN, u64::from(s.token));
                 if out.tokens > u64::from(max_tokens) {
-                    lock(&w.trace).violate(format!(
+                    trace.violate(format!(
                         "request {id}: token {} beyond max_tokens {max_tokens} (a duplicate)",
                         out.tokens
                     ));
                 }
                 if cancel_after == Some(out.tokens) {
+                    trace.record(id, CANCELLED, out.tokens);
+                    drop(trace);
                     drop(stream);
                     out.end = End::Cancelled;
-                    lock(&w.trace).record(id, CANCELLED, out.tokens);
                     break;
                 }
             }

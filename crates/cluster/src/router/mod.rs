@@ -43,7 +43,7 @@ enum RouterMsg {
         /// The request.
         req: EngineRequest,
         /// Where its events go.
-        events: mpsc::UnboundedSender<EngineEvent>,
+        events: mpsc::UnboundedSender<Vec<EngineEvent>>,
         /// Where the admission answer goes.
         admitted: oneshot::Sender<Result<(), Rejection>>,
     },
@@ -71,7 +71,7 @@ enum RouterMsg {
 }
 
 struct Client {
-    events: mpsc::UnboundedSender<EngineEvent>,
+    events: mpsc::UnboundedSender<Vec<EngineEvent>>,
     admitted: Option<oneshot::Sender<Result<(), Rejection>>>,
 }
 
@@ -269,9 +269,7 @@ impl RouterState {
                             .last()
                             .is_some_and(|e| !matches!(e, EngineEvent::Token(_)));
                         if let Some(c) = self.clients.get(&id) {
-                            for e in events {
-                                let _ = c.events.send(e);
-                            }
+                            let _ = c.events.send(events);
                         }
                         if ended {
                             self.clients.remove(&id);
@@ -382,7 +380,7 @@ impl Engine for ClusterEngine {
             let on_drop = Box::new(move |stop_string: bool| {
                 let _ = actor.cast(RouterMsg::ClientGone { id, stop_string });
             });
-            Ok(RequestStream::new(RequestId(id), rx, on_drop))
+            Ok(RequestStream::batched(RequestId(id), rx, on_drop))
         })
     }
 
