@@ -374,15 +374,35 @@ pub struct RequestStream {
     stop_string: bool,
 }
 
-/// Where a stream's events come from: one by one, or in batches (a
-/// step's tokens of one request, then possibly its end) with the rest of
-/// the batch being handed out.
+/// Where a stream's events come from: one by one, or in chunks (a step's
+/// tokens of one request, then possibly its end) with the rest of the
+/// chunk being handed out.
 enum StreamRx {
     One(mpsc::UnboundedReceiver<EngineEvent>),
-    Batches(
-        mpsc::UnboundedReceiver<Vec<EngineEvent>>,
+    Chunks(
+        mpsc::UnboundedReceiver<StreamChunk>,
         std::collections::VecDeque<EngineEvent>,
     ),
+}
+
+/// Events of one request that came together, for a stream fed by
+/// [`RequestStream::batched`]: one alone travels without a vector.
+#[derive(Debug)]
+pub enum StreamChunk {
+    /// One event.
+    One(EngineEvent),
+    /// Several, in order.
+    Many(Vec<EngineEvent>),
+}
+
+impl From<Vec<EngineEvent>> for StreamChunk {
+    fn from(mut v: Vec<EngineEvent>) -> Self {
+        if v.len() == 1 {
+            StreamChunk::One(v.pop().expect("one event"))
+        } else {
+            StreamChunk::Many(v)
+        }
+    }
 }
 
 /// The events one engine step produced for the requests that go to one
@@ -412,17 +432,17 @@ impl RequestStream {
         }
     }
 
-    /// A stream fed in batches by `rx` (a Router hands on each node
+    /// A stream fed in chunks by `rx` (a Router hands on each node
     /// message's events for a request as one); otherwise as
     /// [`RequestStream::new`].
     pub fn batched(
         id: RequestId,
-        rx: mpsc::UnboundedReceiver<Vec<EngineEvent>>,
+        rx: mpsc::UnboundedReceiver<StreamChunk>,
         on_drop: Box<dyn FnOnce(bool) + Send>,
     ) -> Self {
         RequestStream {
             id,
-            rx: Some(StreamRx::Batches(rx, Default::default())),
+            rx: Some(StreamRx::Chunks(rx, Default::default())),
             on_drop: Some(on_drop),
             stop_string: false,
         }
@@ -492,29 +512,39 @@ impl RequestStream {
     pub async fn recv(&mut self) -> Option<EngineEvent> {
         match &mut self.rx {
             Some(StreamRx::One(rx)) => rx.recv().await,
-            Some(StreamRx::Batches(rx, buf)) => loop {
+            Some(StreamRx::Chunks(rx, buf)) => {
                 if let Some(ev) = buf.pop_front() {
                     return Some(ev);
                 }
-                buf.extend(rx.recv().await?);
-            },
+                loop {
+                    match rx.recv().await? {
+                        StreamChunk::One(ev) => return Some(ev),
+                        StreamChunk::Many(v) => {
+                            buf.extend(v);
+                            if let Some(ev) = buf.pop_front() {
+                                return Some(ev);
+                            }
+                        }
+                    }
+                }
+            }
             None => None,
         }
     }
 
     /// The next events, at least one, as many as have come together;
     /// `None` as for [`RequestStream::recv`].
-    pub async fn recv_batch(&mut self) -> Option<Vec<EngineEvent>> {
+    pub async fn recv_chunk(&mut self) -> Option<StreamChunk> {
         match &mut self.rx {
-            Some(StreamRx::One(rx)) => rx.recv().await.map(|ev| vec![ev]),
-            Some(StreamRx::Batches(rx, buf)) => {
+            Some(StreamRx::One(rx)) => rx.recv().await.map(StreamChunk::One),
+            Some(StreamRx::Chunks(rx, buf)) => {
                 if !buf.is_empty() {
-                    return Some(buf.drain(..).collect());
+                    return Some(StreamChunk::Many(buf.drain(..).collect()));
                 }
                 loop {
-                    let batch = rx.recv().await?;
-                    if !batch.is_empty() {
-                        return Some(batch);
+                    match rx.recv().await? {
+                        StreamChunk::Many(v) if v.is_empty() => continue,
+                        chunk => return Some(chunk),
                     }
                 }
             }

@@ -19,7 +19,7 @@ use flotilla_cluster::{
 use flotilla_exec::Executor;
 use flotilla_proto::{
     Engine, EngineEvent, EngineFailure, EngineRequest, FinishReason, Rejection, Role,
-    SamplingParams, TenantId,
+    SamplingParams, StreamChunk, TenantId,
 };
 use flotilla_sched::SchedConfig;
 use flotilla_telemetry::Metrics;
@@ -995,8 +995,9 @@ async fn one_request(w: &Arc<World>, tenant: usize, rng: &mut Rng) {
     loop {
         let ev = match batch.next() {
             Some(ev) => Some(ev),
-            None => match stream.recv_batch().await {
-                Some(b) => {
+            None => match stream.recv_chunk().await {
+                Some(StreamChunk::One(ev)) => Some(ev),
+                Some(StreamChunk::Many(b)) => {
                     batch = b.into_iter();
                     batch.next()
                 }

@@ -23,7 +23,7 @@ use std::time::Duration;
 
 use flotilla_proto::{
     BoxFuture, DrainRefusal, Engine, EngineEvent, EngineRequest, EngineStatus, Rejection,
-    RequestId, RequestStream,
+    RequestId, RequestStream, StreamChunk,
 };
 use flotilla_transport::{Inbound, Transport};
 use ractor::{Actor, ActorProcessingErr, ActorRef, RpcReplyPort};
@@ -43,7 +43,7 @@ enum RouterMsg {
         /// The request.
         req: EngineRequest,
         /// Where its events go.
-        events: mpsc::UnboundedSender<Vec<EngineEvent>>,
+        events: mpsc::UnboundedSender<StreamChunk>,
         /// Where the admission answer goes.
         admitted: oneshot::Sender<Result<(), Rejection>>,
     },
@@ -71,7 +71,7 @@ enum RouterMsg {
 }
 
 struct Client {
-    events: mpsc::UnboundedSender<Vec<EngineEvent>>,
+    events: mpsc::UnboundedSender<StreamChunk>,
     admitted: Option<oneshot::Sender<Result<(), Rejection>>>,
 }
 
@@ -269,7 +269,7 @@ impl RouterState {
                             .last()
                             .is_some_and(|e| !matches!(e, EngineEvent::Token(_)));
                         if let Some(c) = self.clients.get(&id) {
-                            let _ = c.events.send(events);
+                            let _ = c.events.send(events.into());
                         }
                         if ended {
                             self.clients.remove(&id);
