@@ -256,6 +256,18 @@ fn submit(req: u64, attempt: u32, prefill: Option<u32>) -> Message {
     })
 }
 
+/// The Router's answer that it does not run placement `attempt` of `req`
+/// on this node.
+fn unknown_placement(req: u64, attempt: u32) -> Message {
+    Message::Unknown {
+        held: vec![Held {
+            req,
+            for_decode: None,
+            attempt,
+        }],
+    }
+}
+
 fn sampled(t: u32) -> Sampled {
     Sampled {
         token: t,
@@ -867,13 +879,7 @@ fn orphans_are_given_back_only_when_found_at_two_looks_in_a_row() {
         to == ROUTER && matches!(&m, Message::Holding { held } if held == &[Held { req: 5, for_decode: None, attempt: 0 }])
     });
     assert!(asked);
-    let unknown = || Message::Unknown {
-        held: vec![Held {
-            req: 5,
-            for_decode: None,
-            attempt: 0,
-        }],
-    };
+    let unknown = || unknown_placement(5, 0);
     h.msg(ROUTER, 1, unknown());
     assert!(h.ended.is_empty());
     h.msg(ROUTER, 1, unknown());
@@ -1303,13 +1309,7 @@ fn the_router_s_answer_about_an_earlier_placement_never_ends_a_later_one() {
     h.msg(ROUTER, 1, submit(5, 1, None));
     let second = h.last_id();
     assert_eq!(h.ended, vec![(first, false)]);
-    let unknown = || Message::Unknown {
-        held: vec![Held {
-            req: 5,
-            for_decode: None,
-            attempt: 0,
-        }],
-    };
+    let unknown = || unknown_placement(5, 0);
     h.msg(ROUTER, 1, unknown());
     h.msg(ROUTER, 1, unknown());
     assert_eq!(h.ended, vec![(first, false)], "placement 1 was ended");
