@@ -850,14 +850,12 @@ fn pump(myself: &ActorRef<SchedMsg>, st: &mut SchedState, now: Duration) {
     // delays the step instead of overlapping it. A current-thread runtime
     // (the simulator) runs nothing beside anything: there, now.
     if !masks.is_empty() {
-        let multi = tokio::runtime::Handle::current().runtime_flavor()
-            == tokio::runtime::RuntimeFlavor::MultiThread;
         let compute = move || {
             for m in &masks {
                 m.compute();
             }
         };
-        if multi {
+        if crate::on_multi_thread_runtime() {
             drop(tokio::task::spawn_blocking(compute));
         } else {
             compute();

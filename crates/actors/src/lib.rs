@@ -23,6 +23,13 @@ pub use engine::{EngineOptions, EngineStartError, InvariantHook, LocalEngine, sp
 
 use std::time::Duration;
 
+/// Whether the actors run on a multi-thread runtime (a server), where CPU
+/// work can leave this thread, rather than a current-thread one (the
+/// simulator), where nothing runs beside anything.
+fn on_multi_thread_runtime() -> bool {
+    tokio::runtime::Handle::current().runtime_flavor() == tokio::runtime::RuntimeFlavor::MultiThread
+}
+
 /// Where the actors read time: the monotonic clock in production, the
 /// simulator's clock under simulation.
 pub trait Clock: Send + Sync + 'static {

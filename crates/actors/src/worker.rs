@@ -190,9 +190,7 @@ impl Actor for GpuWorker {
 /// elsewhere. A current-thread runtime (the simulator) has nowhere to move
 /// them.
 fn run_step(st: &mut WorkerState, inputs: &[SeqInput<'_>]) -> Result<Vec<SeqOutput>, String> {
-    let multi = tokio::runtime::Handle::current().runtime_flavor()
-        == tokio::runtime::RuntimeFlavor::MultiThread;
-    if multi {
+    if crate::on_multi_thread_runtime() {
         tokio::task::block_in_place(|| step_here(st, inputs))
     } else {
         step_here(st, inputs)
