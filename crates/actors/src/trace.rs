@@ -375,6 +375,7 @@ mod tests {
             block_table: Vec::new(),
             sample: None,
             bias: Vec::new(),
+            draft_bias: Vec::new(),
             allow: None,
             draft: 0,
         }

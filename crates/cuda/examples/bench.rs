@@ -115,6 +115,7 @@ fn main() -> Res<()> {
                         block_table: &tables[i],
                         output: greedy,
                         bias: &[],
+                        draft_bias: &[],
                         allow: None,
                     })
                     .collect();
@@ -141,6 +142,7 @@ fn main() -> Res<()> {
                     block_table: tb,
                     output: greedy,
                     bias: &[],
+                    draft_bias: &[],
                     allow: None,
                 })
                 .collect();
@@ -160,6 +162,7 @@ fn main() -> Res<()> {
                         block_table: tb,
                         output: greedy,
                         bias: &[],
+                        draft_bias: &[],
                         allow: None,
                     })
                     .collect();

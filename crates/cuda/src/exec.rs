@@ -941,6 +941,7 @@ impl CudaExecutor {
                     && !p.logprobs
                     && p.top_logprobs == 0
                     && q.bias.is_empty()
+                    && q.draft_bias.is_empty()
                     && q.allow.is_none()
             }
         });
@@ -965,8 +966,8 @@ impl CudaExecutor {
                 if q.output.sampling().is_some()
                     && let Some(first) = out.seqs[i].logits_row.take()
                 {
-                    sample_outputs(q, &mut out.seqs[i], |r, _, _| Sampled {
-                        token: picks[first + r],
+                    sample_outputs(q, &mut out.seqs[i], |d| Sampled {
+                        token: picks[first + d.row],
                         logprob: f32::NAN,
                         top: Vec::new(),
                     });
@@ -986,17 +987,17 @@ impl CudaExecutor {
                 continue;
             }
             let first = out.seqs[i].logits_row.expect("sampled rows have logits");
-            // Read only now: the mask was computed while the GPU ran.
-            let mask = q.allow.map(|m| m.words());
+            // The masks are read only now, inside: they were computed
+            // while the GPU ran.
             let (logits, sampler) = (&out.logits, &mut self.sampler);
-            sample_outputs(q, &mut out.seqs[i], |r, sp, position| {
-                let row = first + r;
+            sample_outputs(q, &mut out.seqs[i], |d| {
+                let row = first + d.row;
                 sample(
                     &logits[row * vocab..(row + 1) * vocab],
-                    sp,
-                    q.bias,
-                    mask.as_deref(),
-                    position,
+                    d.params,
+                    d.bias,
+                    d.allow,
+                    d.position,
                     sampler,
                 )
             });

@@ -330,6 +330,7 @@ fn logits_match_the_reference_on_the_default_model() {
                 block_table: &table,
                 output: OutputKind::Logits,
                 bias: &[],
+                draft_bias: &[],
                 allow: None,
             }];
             e.step(&batch, &mut out).unwrap();
@@ -450,6 +451,7 @@ fn greedy_against_cpu(path: &std::path::Path, prompts: &[&[u32]], steps: usize, 
                     block_table: &tables[i],
                     output: greedy,
                     bias: &[],
+                    draft_bias: &[],
                     allow: None,
                 }
             })
@@ -597,6 +599,7 @@ fn every_architecture_matches_the_f64_reference_on_tiny_models() {
                         block_table: &table,
                         output: OutputKind::Logits,
                         bias: &[],
+                        draft_bias: &[],
                         allow: None,
                     }];
                     e.step(&batch, &mut out).unwrap();
@@ -628,6 +631,7 @@ fn every_architecture_matches_the_f64_reference_on_tiny_models() {
                 block_table: &table,
                 output: OutputKind::Sample(SamplingParams::greedy()),
                 bias: &[],
+                draft_bias: &[],
                 allow: None,
             }];
             e.step(&batch, &mut out).unwrap();
@@ -720,6 +724,7 @@ fn kv_blocks_move_between_backends(dtype: KvDtype) {
                 block_table: t,
                 output: OutputKind::Logits,
                 bias: &[],
+                draft_bias: &[],
                 allow: None,
             }],
             &mut out,
@@ -774,6 +779,7 @@ fn kv_blocks_move_between_backends(dtype: KvDtype) {
                 block_table: t,
                 output: OutputKind::Logits,
                 bias: &[],
+                draft_bias: &[],
                 allow: None,
             }],
             &mut out,
@@ -821,6 +827,7 @@ fn a_mixed_batch_gives_each_sequence_its_row_and_token() {
             block_table: &tables[i],
             output: outputs[i],
             bias: &[],
+            draft_bias: &[],
             allow: None,
         })
         .collect();
@@ -843,6 +850,7 @@ fn a_mixed_batch_gives_each_sequence_its_row_and_token() {
             block_table: &tables[i],
             output: greedy,
             bias: &[],
+            draft_bias: &[],
             allow: None,
         })
         .collect();

@@ -164,8 +164,11 @@ pub enum OutputKind {
     /// differed (or followed the whole draft) is [`SeqOutput::sampled`].
     /// Because a matching draft token is exactly what the sequence would
     /// have sampled, the output is the same token for token as without the
-    /// draft, greedy or not. No bias that changes with the tokens drawn
-    /// (penalties), no constraint.
+    /// draft, greedy or not. Each position samples with its own bias
+    /// ([`SeqInput::draft_bias`]: penalties over the draft tokens before
+    /// it) and its own constraint mask ([`crate::MaskWords::row`]: the
+    /// grammar's state after them); a position without a mask is not
+    /// sampled, and the sample before it ends the output.
     Verify {
         /// How to sample each position.
         params: SamplingParams,
@@ -194,32 +197,73 @@ impl OutputKind {
     }
 }
 
-/// Samples one sequence's output rows in order: `sample_at(row, params,
-/// position)` draws the token at `position` from the `row`-th of the
-/// sequence's output rows (0 is the first of [`OutputKind::rows`]). A
-/// plain sample draws once; a draft is accepted while each draw equals
-/// the draft token at its position ([`OutputKind::Verify`]).
+/// One output row's draw: which row of the sequence's output rows (0 is
+/// the first of [`OutputKind::rows`]), how, at which position, with what
+/// added to the logits and which tokens allowed (`None`: any).
+#[derive(Clone, Copy, Debug)]
+pub struct RowDraw<'a> {
+    /// The row among the sequence's output rows.
+    pub row: usize,
+    /// How to sample.
+    pub params: &'a SamplingParams,
+    /// The position sampled (the seed's draw is a function of it).
+    pub position: u64,
+    /// Added to the row's logits (see [`SeqInput::bias`]).
+    pub bias: &'a [(u32, f32)],
+    /// The tokens allowed, a bitmask; `None` allows every token.
+    pub allow: Option<&'a [u32]>,
+}
+
+/// Samples one sequence's output rows in order: `sample_at` draws each
+/// ([`RowDraw`]). A plain sample draws once; a draft is accepted while
+/// each draw equals the draft token at its position
+/// ([`OutputKind::Verify`]), each row with its own bias and mask. Reads
+/// the constraint's masks (computing them if nobody has yet).
 pub fn sample_outputs(
     q: &SeqInput<'_>,
     o: &mut SeqOutput,
-    mut sample_at: impl FnMut(usize, &SamplingParams, u64) -> Sampled,
+    mut sample_at: impl FnMut(RowDraw<'_>) -> Sampled,
 ) {
     let end = q.start_pos + q.tokens.len();
-    match &q.output {
-        OutputKind::None | OutputKind::Logits => {}
-        OutputKind::Sample(p) => o.sampled = Some(sample_at(0, p, end as u64)),
-        OutputKind::Verify { params, draft } => {
-            let first = end - draft;
-            let guesses = &q.tokens[q.tokens.len() - draft..];
-            for row in 0..=*draft {
-                let s = sample_at(row, params, (first + row) as u64);
-                if guesses.get(row) == Some(&s.token) {
-                    o.accepted.push(s);
-                } else {
-                    o.sampled = Some(s);
+    let Some(params) = q.output.sampling() else {
+        return;
+    };
+    let masks = q.allow.map(|m| m.words());
+    let draft = match q.output {
+        OutputKind::Verify { draft, .. } => draft,
+        _ => 0,
+    };
+    let first = end - draft;
+    let guesses = &q.tokens[q.tokens.len() - draft..];
+    for row in 0..=draft {
+        let allow = match &masks {
+            None => None,
+            Some(m) => match m.row(row) {
+                Some(w) => Some(w),
+                None => {
+                    // The grammar's state after the draft so far is not
+                    // known: the sample before is the output's last.
+                    o.sampled = o.accepted.pop();
                     break;
                 }
-            }
+            },
+        };
+        let bias = match row {
+            0 => q.bias,
+            r => q.draft_bias.get(r - 1).map_or(q.bias, Vec::as_slice),
+        };
+        let s = sample_at(RowDraw {
+            row,
+            params,
+            position: (first + row) as u64,
+            bias,
+            allow,
+        });
+        if guesses.get(row) == Some(&s.token) {
+            o.accepted.push(s);
+        } else {
+            o.sampled = Some(s);
+            break;
         }
     }
 }
@@ -240,8 +284,12 @@ pub struct SeqInput<'a> {
     /// its log-probabilities): `(token, amount)` pairs in token order, a
     /// token at most once (the request's `logit_bias` with its penalties folded in; see
     /// `flotilla_sched`). Empty for nearly every sequence; ignored unless
-    /// `output` samples.
+    /// `output` samples. For a verify, the first row's.
     pub bias: &'a [(u32, f32)],
+    /// A verify's bias for rows `1..=draft` (`draft_bias[r - 1]` for row
+    /// `r`: the penalties folded in over the draft tokens before it too);
+    /// empty when every row takes [`SeqInput::bias`].
+    pub draft_bias: &'a [Vec<(u32, f32)>],
     /// The tokens allowed at that sample, a bitmask (see
     /// [`crate::TokenConstraint::allowed`]): a constrained request's grammar
     /// state, possibly still being computed while the forward pass runs
@@ -457,8 +505,11 @@ pub fn validate_batch(
                      after at least one accepted token",
                     s.tokens.len()
                 ))
-            } else if s.allow.is_some() {
-                Some("a draft cannot be verified under an output constraint".into())
+            } else if !s.draft_bias.is_empty() && s.draft_bias.len() != draft {
+                Some(format!(
+                    "a draft of {draft} tokens with {} rows of bias",
+                    s.draft_bias.len()
+                ))
             } else {
                 None
             };

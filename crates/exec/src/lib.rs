@@ -13,8 +13,8 @@ pub use constraint::{
     Constraint, ConstraintCompiler, MaskCell, MaskWords, SharedConstraint, TokenConstraint,
 };
 pub use executor::{
-    BatchLimits, ExecError, Executor, KvDtype, KvSpec, ModelSpec, OutputKind, SeqInput, SeqOutput,
-    StepOutputs, sample_outputs, validate_batch,
+    BatchLimits, ExecError, Executor, KvDtype, KvSpec, ModelSpec, OutputKind, RowDraw, SeqInput,
+    SeqOutput, StepOutputs, sample_outputs, validate_batch,
 };
 pub use offload::OffloadTier;
 pub use sampling::{MAX_LOGIT_BIAS, MAX_PENALTY, MAX_TOP_LOGPROBS, Sampled, SamplingParams};

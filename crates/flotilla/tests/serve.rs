@@ -548,7 +548,9 @@ async fn logit_bias_and_frequency_penalty_steer_the_real_engine() {
 /// Speculative decoding through the whole server: a prompt that repeats
 /// itself gets drafts accepted (the server's /metrics says so), and the text
 /// is the same token for token as with speculation off for the request
-/// (`"speculative": false`), greedy and sampled with a seed.
+/// (`"speculative": false`), greedy, sampled with a seed, with presence
+/// and frequency penalties, and under a JSON Schema (whose forced keys are
+/// drafted too).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn speculative_decoding_changes_speed_not_text() {
     let srv = start(&config(4, 8), &["--max-model-len", "1024"]);
@@ -579,6 +581,8 @@ async fn speculative_decoding_changes_speed_not_text() {
     for sampling in [
         json!({"temperature": 0}),
         json!({"temperature": 0.8, "top_p": 0.95, "seed": 5}),
+        // Penalties: each verify position's bias counts the draft before it.
+        json!({"temperature": 0, "presence_penalty": 0.2, "frequency_penalty": 0.1}),
     ] {
         let before = counts().await;
         let off = run(false, sampling.clone()).await;
@@ -587,6 +591,41 @@ async fn speculative_decoding_changes_speed_not_text() {
         let after = counts().await;
         assert_eq!(on, off, "{sampling}: speculation changed the text");
         let SpecCounts { drafted, accepted } = SpecCounts::between(before, after);
+        assert!(
+            accepted > 0 && accepted <= drafted,
+            "{sampling}: {accepted} of {drafted} draft tokens accepted"
+        );
+    }
+    // A constrained output: each verify position has the grammar's mask
+    // after the draft before it, and the schema's forced keys are drafts.
+    let schema = json!({"type": "object", "properties": {
+        "name": {"type": "string"}, "city": {"type": "string"},
+        "occupation": {"type": "string"}, "age": {"type": "integer"}},
+        "required": ["name", "city", "occupation", "age"], "additionalProperties": false});
+    let structured = |speculative: bool, sampling: Value| {
+        let (c, base, schema) = (c.clone(), srv.base.clone(), schema.clone());
+        async move {
+            let body = json!({"prompt": "A person, as JSON: ", "max_tokens": 80,
+                "speculative": speculative,
+                "response_format": {"type": "json_schema",
+                                    "json_schema": {"name": "person", "schema": schema}}});
+            let v = paid_completion(&c, &base, body, &sampling).await;
+            v["choices"][0]["text"].as_str().unwrap().to_string()
+        }
+    };
+    for sampling in [
+        json!({"temperature": 0}),
+        json!({"temperature": 0.7, "seed": 3}),
+    ] {
+        let before = counts().await;
+        let off = structured(false, sampling.clone()).await;
+        let on = structured(true, sampling.clone()).await;
+        let SpecCounts { drafted, accepted } = SpecCounts::between(before, counts().await);
+        assert_eq!(
+            on, off,
+            "{sampling}: speculation changed the structured text"
+        );
+        assert!(off.contains("\"occupation\":"), "{off}");
         assert!(
             accepted > 0 && accepted <= drafted,
             "{sampling}: {accepted} of {drafted} draft tokens accepted"

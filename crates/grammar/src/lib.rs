@@ -178,6 +178,59 @@ impl TokenConstraint for LlgConstraint {
         self.m.consume_token(token).map_err(|e| e.to_string())?;
         Ok(self.m.is_stopped())
     }
+
+    /// Takes the draft tokens in turn while each is allowed, a mask per
+    /// position, then takes them back (llguidance's rollback). A failure
+    /// met at a draft position (an internal error of the matcher, which
+    /// leaves it failed) fails the request at its next commit, as it would
+    /// have had those tokens been sampled.
+    fn draft_allowed(&mut self, draft: &[u32], rows: &mut Vec<Vec<u32>>) {
+        rows.clear();
+        let mut taken = 0;
+        loop {
+            let mut words = Vec::new();
+            self.allowed(&mut words);
+            let next = draft.get(taken).copied();
+            let go = next.is_some_and(|t| flotilla_exec::constraint::allowed(&words, t))
+                && self.failed.is_none()
+                && !self.m.is_stopped();
+            rows.push(words);
+            let Some(t) = next.filter(|_| go) else {
+                break;
+            };
+            if let Err(e) = self.m.consume_token(t) {
+                self.failed.get_or_insert(e.to_string());
+                break;
+            }
+            taken += 1;
+            if self.m.is_stopped() {
+                // The draft completes the output: nothing is sampled after it.
+                break;
+            }
+        }
+        if taken > 0
+            && let Err(e) = self.m.rollback(taken)
+        {
+            self.failed.get_or_insert(e.to_string());
+        }
+    }
+
+    fn forced(&mut self, max: usize, out: &mut Vec<u32>) {
+        out.clear();
+        if max == 0 || self.failed.is_some() || self.m.is_stopped() {
+            return;
+        }
+        // The forced bytes, spelled with the longest tokens (the model
+        // usually spells them so; a draft need not be right, only likely).
+        let bytes = self.m.compute_ff_bytes();
+        if bytes.is_empty() {
+            return;
+        }
+        if let Ok(env) = self.m.tok_env() {
+            let toks = env.tok_trie().greedy_tokenize(&bytes);
+            out.extend(toks.into_iter().take(max));
+        }
+    }
 }
 
 /// The compiler for a model's text side: constrained outputs end with the

@@ -229,3 +229,88 @@ fn numbers_without_bounds_of_their_own_have_bounded_digits() {
     let (_, done) = spell(fresh().as_mut(), &t, r#"{"x":0.5,"n":-7,"m":1.5}"#);
     assert!(done);
 }
+
+#[test]
+fn a_draft_s_masks_follow_the_draft_and_leave_the_matcher_as_it_was() {
+    let t = text();
+    let c = flotilla_grammar::compiler_for(&t).unwrap();
+    let schema = r#"{"type":"object","properties":{"name":{"type":"string"},"age":{"type":"integer"}},"required":["name","age"],"additionalProperties":false}"#;
+    // The tokens of a whole valid output, spelled on a scratch matcher.
+    let mut scratch = c.compile(&Constraint::JsonSchema(schema.into())).unwrap();
+    let (toks, done) = spell(scratch.as_mut(), &t, r#"{"name":"Ada","age":36}"#);
+    assert!(done);
+    let mut m = c.compile(&Constraint::JsonSchema(schema.into())).unwrap();
+    for &tok in &toks[..2] {
+        assert_eq!(m.commit(tok), Ok(false));
+    }
+    // Each row is the mask a matcher that took the draft so far gives.
+    let draft = &toks[2..6];
+    let mut rows = Vec::new();
+    m.draft_allowed(draft, &mut rows);
+    assert_eq!(rows.len(), draft.len() + 1);
+    let mut follow = c.compile(&Constraint::JsonSchema(schema.into())).unwrap();
+    for &tok in &toks[..2] {
+        follow.commit(tok).unwrap();
+    }
+    let mut words = Vec::new();
+    for (r, row) in rows.iter().enumerate() {
+        follow.allowed(&mut words);
+        assert_eq!(row, &words, "row {r}");
+        if r < draft.len() {
+            follow.commit(draft[r]).unwrap();
+        }
+    }
+    // A refused token ends the rows: one the second row does not allow.
+    let refused = (0..t.tokenizer.vocab_size() as u32)
+        .find(|&id| !allowed(&rows[1], id))
+        .unwrap();
+    m.draft_allowed(&[toks[2], refused, toks[4]], &mut rows);
+    assert_eq!(
+        rows.len(),
+        2,
+        "rows for the start and after the first token only"
+    );
+    // The matcher is where it was: the rest of the output still completes it.
+    for &tok in &toks[2..toks.len() - 1] {
+        assert_eq!(m.commit(tok), Ok(false));
+    }
+    // A draft that completes the output has no row after its last token.
+    let last = *toks.last().unwrap();
+    m.draft_allowed(&[last, last], &mut rows);
+    assert_eq!(rows.len(), 1);
+    assert_eq!(m.commit(last), Ok(true));
+}
+
+#[test]
+fn a_grammar_s_forced_tokens_are_drafted_and_the_matcher_is_unchanged() {
+    let t = text();
+    let c = flotilla_grammar::compiler_for(&t).unwrap();
+    // After `{"name":"Ada",` the schema forces `"age":`.
+    let schema = r#"{"type":"object","properties":{"name":{"type":"string"},"age":{"type":"integer"}},"required":["name","age"],"additionalProperties":false}"#;
+    let mut m = c.compile(&Constraint::JsonSchema(schema.into())).unwrap();
+    let (_, done) = spell(m.as_mut(), &t, r#"{"name":"Ada","#);
+    assert!(!done);
+    let mut forced = Vec::new();
+    m.forced(16, &mut forced);
+    let text: Vec<u8> = forced
+        .iter()
+        .flat_map(|&id| t.tokenizer.token_bytes(id).unwrap().to_vec())
+        .collect();
+    assert!(
+        String::from_utf8_lossy(&text).starts_with("\"age"),
+        "forced {:?}",
+        String::from_utf8_lossy(&text)
+    );
+    // At most `max`; and the matcher still takes the forced tokens.
+    let mut one = Vec::new();
+    m.forced(1, &mut one);
+    assert_eq!(one, forced[..1]);
+    for &tok in &forced {
+        assert_eq!(m.commit(tok), Ok(false));
+    }
+    // Inside a free string nothing is forced.
+    let mut m = c.compile(&Constraint::JsonSchema(schema.into())).unwrap();
+    spell(m.as_mut(), &t, r#"{"name":"A"#);
+    m.forced(16, &mut forced);
+    assert!(forced.is_empty(), "forced {forced:?}");
+}

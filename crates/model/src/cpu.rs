@@ -365,19 +365,18 @@ impl CpuExecutor {
             let first = out.seqs[i]
                 .logits_row
                 .expect("sampled sequences have a logits row");
-            // Read only now: the mask may have been computed while the
-            // forward pass ran.
-            let mask = q.allow.map(|m| m.words());
+            // The masks are read only now, inside: they may have been
+            // computed while the forward pass ran.
             let logits = &out.logits;
             let sampler = &mut s.sampler;
-            sample_outputs(q, &mut out.seqs[i], |r, p, position| {
-                let row = first + r;
+            sample_outputs(q, &mut out.seqs[i], |d| {
+                let row = first + d.row;
                 sample(
                     &logits[row * vocab..(row + 1) * vocab],
-                    p,
-                    q.bias,
-                    mask.as_deref(),
-                    position,
+                    d.params,
+                    d.bias,
+                    d.allow,
+                    d.position,
                     sampler,
                 )
             });

@@ -216,6 +216,7 @@ impl<E: Executor> Driver<E> {
                             OutputKind::None
                         },
                         bias: &[],
+                        draft_bias: &[],
                         allow: None,
                     }
                 })

@@ -29,6 +29,7 @@ pub fn teacher_forced_logprobs(
             block_table: &table,
             output: OutputKind::None,
             bias: &[],
+            draft_bias: &[],
             allow: None,
         }];
         e.step(&b, &mut out)?;
@@ -46,6 +47,7 @@ pub fn teacher_forced_logprobs(
                 block_table: &table,
                 output: OutputKind::Logits,
                 bias: &[],
+                draft_bias: &[],
                 allow: None,
             })
             .collect();

@@ -24,6 +24,7 @@ pub fn one_seq<'a>(
         block_table: table,
         output,
         bias: &[],
+        draft_bias: &[],
         allow: None,
     }]
 }

@@ -170,6 +170,7 @@ fn every_architecture_matches_the_reference() {
                 block_table: &table,
                 output: OutputKind::Logits,
                 bias: &[],
+                draft_bias: &[],
                 allow: None,
             }];
             e.step(&batch, &mut out).unwrap();
@@ -204,6 +205,7 @@ fn every_architecture_is_batch_invariant() {
                 block_table: &[20, 21, 22],
                 output: OutputKind::None,
                 bias: &[],
+                draft_bias: &[],
                 allow: None,
             }],
             &mut out,
@@ -217,6 +219,7 @@ fn every_architecture_is_batch_invariant() {
                 block_table: &[20, 21, 22],
                 output: OutputKind::Logits,
                 bias: &[],
+                draft_bias: &[],
                 allow: None,
             },
             SeqInput {
@@ -225,6 +228,7 @@ fn every_architecture_is_batch_invariant() {
                 block_table: &mine,
                 output: OutputKind::Logits,
                 bias: &[],
+                draft_bias: &[],
                 allow: None,
             },
             SeqInput {
@@ -233,6 +237,7 @@ fn every_architecture_is_batch_invariant() {
                 block_table: &[30, 31],
                 output: OutputKind::Logits,
                 bias: &[],
+                draft_bias: &[],
                 allow: None,
             },
         ];

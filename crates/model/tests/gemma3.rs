@@ -291,6 +291,7 @@ fn batch_invariant() {
             block_table: &[40, 41],
             output: OutputKind::Logits,
             bias: &[],
+            draft_bias: &[],
             allow: None,
         },
         SeqInput {
@@ -299,6 +300,7 @@ fn batch_invariant() {
             block_table: &[60, 61],
             output: OutputKind::Logits,
             bias: &[],
+            draft_bias: &[],
             allow: None,
         },
         SeqInput {
@@ -307,6 +309,7 @@ fn batch_invariant() {
             block_table: &[70, 71],
             output: OutputKind::Logits,
             bias: &[],
+            draft_bias: &[],
             allow: None,
         },
     ];

@@ -268,6 +268,7 @@ fn shuffled_blocks_give_identical_logits_with(kv_dtype: KvDtype) {
                 block_table: table,
                 output: OutputKind::None,
                 bias: &[],
+                draft_bias: &[],
                 allow: None,
             }];
             e.step(&b, &mut out).unwrap();
@@ -278,6 +279,7 @@ fn shuffled_blocks_give_identical_logits_with(kv_dtype: KvDtype) {
             block_table: table,
             output: OutputKind::Logits,
             bias: &[],
+            draft_bias: &[],
             allow: None,
         }];
         e.step(&b, &mut out).unwrap();
@@ -302,6 +304,7 @@ fn bad_batches_are_refused_without_panic() {
                 block_table: &t,
                 output: OutputKind::Logits,
                 bias: &[],
+                draft_bias: &[],
                 allow: None,
             }],
             "vocabulary",
@@ -313,6 +316,7 @@ fn bad_batches_are_refused_without_panic() {
                 block_table: &t,
                 output: OutputKind::Logits,
                 bias: &[],
+                draft_bias: &[],
                 allow: None,
             }],
             "block table",
@@ -324,6 +328,7 @@ fn bad_batches_are_refused_without_panic() {
                 block_table: &[500],
                 output: OutputKind::Logits,
                 bias: &[],
+                draft_bias: &[],
                 allow: None,
             }],
             "block 500",
@@ -335,6 +340,7 @@ fn bad_batches_are_refused_without_panic() {
                 block_table: &t,
                 output: OutputKind::Logits,
                 bias: &[],
+                draft_bias: &[],
                 allow: None,
             }],
             "context",
@@ -347,6 +353,7 @@ fn bad_batches_are_refused_without_panic() {
                     block_table: &t,
                     output: OutputKind::None,
                     bias: &[],
+                    draft_bias: &[],
                     allow: None,
                 },
                 SeqInput {
@@ -355,6 +362,7 @@ fn bad_batches_are_refused_without_panic() {
                     block_table: &t,
                     output: OutputKind::None,
                     bias: &[],
+                    draft_bias: &[],
                     allow: None,
                 },
             ],
@@ -370,6 +378,7 @@ fn bad_batches_are_refused_without_panic() {
                     ..Default::default()
                 }),
                 bias: &[],
+                draft_bias: &[],
                 allow: None,
             }],
             "top_p",
@@ -389,6 +398,7 @@ fn bad_batches_are_refused_without_panic() {
         block_table: &t,
         output: OutputKind::Logits,
         bias: &[],
+        draft_bias: &[],
         allow: None,
     }];
     e.step(&ok, &mut out).unwrap();
@@ -600,6 +610,7 @@ fn int8_kv_greedy_continuations_equal_f16_except_at_near_ties() {
                 block_table: &table,
                 output: OutputKind::Logits,
                 bias: &[],
+                draft_bias: &[],
                 allow: None,
             }],
             &mut out,

@@ -61,6 +61,7 @@ fn steps_allocate_nothing_after_warm_up() {
                 block_table: &ta,
                 output: OutputKind::Sample(sampled),
                 bias: &[],
+                draft_bias: &[],
                 allow: None,
             },
             SeqInput {
@@ -69,6 +70,7 @@ fn steps_allocate_nothing_after_warm_up() {
                 block_table: &tb,
                 output: OutputKind::Sample(SamplingParams::greedy()),
                 bias: &[],
+                draft_bias: &[],
                 allow: None,
             },
         ];

@@ -61,6 +61,86 @@ fn verified_drafts_give_the_tokens_of_plain_decoding() {
     }
 }
 
+/// Presence and frequency penalties over `generated`, as a bias.
+fn penalties(generated: &[u32], presence: f32, frequency: f32) -> Vec<(u32, f32)> {
+    let mut counts = std::collections::BTreeMap::<u32, u32>::new();
+    for &t in generated {
+        *counts.entry(t).or_default() += 1;
+    }
+    counts
+        .into_iter()
+        .map(|(t, n)| (t, -(presence + frequency * n as f32)))
+        .collect()
+}
+
+/// Greedy decoding of `n` tokens with penalties, one token a step; then
+/// again with drafts of up to 4 tokens of that text, each verify position
+/// with the bias of the draft before it counted (`per_row`) or with the
+/// first position's for all. Returns (plain, drafted).
+fn penalised(e: &mut CpuExecutor, n: usize, per_row: bool) -> (Vec<u32>, Vec<u32>) {
+    let table: Vec<u32> = (0..16).collect();
+    let p = SamplingParams::greedy();
+    let (pres, freq) = (1.5, 1.0);
+    let mut out = StepOutputs::default();
+    let mut ids = PROMPT.to_vec();
+    let mut start = 0;
+    while ids.len() < PROMPT.len() + n {
+        let bias = penalties(&ids[PROMPT.len()..], pres, freq);
+        let mut b = one_seq(&ids[start..], start, OutputKind::Sample(p), &table);
+        b[0].bias = &bias;
+        e.step(&b, &mut out).unwrap();
+        start = ids.len();
+        ids.push(out.token_of(0).unwrap());
+    }
+    let reference = ids.split_off(PROMPT.len());
+    // With drafts: the prompt, then steps that verify up to 4 tokens.
+    let mut ids = PROMPT.to_vec();
+    let mut b = one_seq(&PROMPT, 0, OutputKind::Sample(p), &table);
+    let bias = penalties(&[], pres, freq);
+    b[0].bias = &bias;
+    e.step(&b, &mut out).unwrap();
+    ids.push(out.token_of(0).unwrap());
+    while ids.len() < PROMPT.len() + n {
+        let done = ids.len() - PROMPT.len();
+        let guess = &reference[done..(done + 4).min(n - 1)];
+        let mut tokens = vec![*ids.last().unwrap()];
+        tokens.extend_from_slice(guess);
+        let generated = ids[PROMPT.len()..].to_vec();
+        let bias = penalties(&generated, pres, freq);
+        let rows: Vec<Vec<(u32, f32)>> = (1..=guess.len())
+            .map(|r| penalties(&[&generated[..], &guess[..r]].concat(), pres, freq))
+            .collect();
+        let output = if guess.is_empty() {
+            OutputKind::Sample(p)
+        } else {
+            OutputKind::Verify {
+                params: p,
+                draft: guess.len(),
+            }
+        };
+        let mut b = one_seq(&tokens, ids.len() - 1, output, &table);
+        b[0].bias = &bias;
+        if per_row {
+            b[0].draft_bias = &rows;
+        }
+        e.step(&b, &mut out).unwrap();
+        ids.extend(out.seqs[0].tokens().map(|s| s.token));
+    }
+    ids.truncate(PROMPT.len() + n);
+    (reference, ids.split_off(PROMPT.len()))
+}
+
+#[test]
+fn verified_drafts_under_penalties_give_the_tokens_of_plain_decoding() {
+    let mut e = exec(KvDtype::F16);
+    let (reference, drafted) = penalised(&mut e, 40, true);
+    assert_eq!(drafted, reference, "per-position biases keep the text");
+    // The penalties matter within a draft: one bias for every position
+    // changes the text (so the test above can fail).
+    let (reference, drafted) = penalised(&mut e, 40, false);
+    assert_ne!(drafted, reference);
+}
+
 #[test]
 fn bad_drafts_are_refused() {
     let mut e = exec(KvDtype::F16);
@@ -72,6 +152,20 @@ fn bad_drafts_are_refused() {
         let e = e.step(&batch, &mut out).unwrap_err();
         assert!(e.to_string().contains("draft"), "{e}");
     }
+    // A bias row per draft position, or none: not one of each.
+    let rows = vec![Vec::new()];
+    let mut batch = one_seq(
+        &[1, 2, 3],
+        0,
+        OutputKind::Verify {
+            params: p,
+            draft: 2,
+        },
+        &table,
+    );
+    batch[0].draft_bias = &rows;
+    let e = e.step(&batch, &mut out).unwrap_err();
+    assert!(e.to_string().contains("rows of bias"), "{e}");
 }
 
 /// What a self-draft that exits early would be worth: how often the next

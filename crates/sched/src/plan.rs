@@ -67,8 +67,13 @@ pub struct PlanItem {
     /// so far folded in, a token at most once, in token order. Empty when
     /// not sampling or when the request has neither.
     pub bias: Vec<(u32, f32)>,
+    /// With a draft and penalties, the bias of each verify position after
+    /// the first, the draft tokens before it counted as generated
+    /// ([`SeqInput::draft_bias`]); empty otherwise.
+    pub draft_bias: Vec<Vec<(u32, f32)>>,
     /// The tokens that sample may pick, a bitmask from the request's
-    /// constraint (`None`: any), computed while the step runs: by the
+    /// constraint (`None`: any; with a draft, one per verify position),
+    /// computed while the step runs: by the
     /// Scheduler's actor right after it sends the plan ([`Plan::masks`]),
     /// or by the executor when it samples, whichever comes first.
     pub allow: Option<std::sync::Arc<flotilla_exec::MaskCell>>,
@@ -91,6 +96,7 @@ impl PlanItem {
                 (Some(params), draft) => OutputKind::Verify { params, draft },
             },
             bias: &self.bias,
+            draft_bias: &self.draft_bias,
             allow: self.allow.as_deref(),
         }
     }
@@ -932,14 +938,15 @@ impl Scheduler {
                 let block_table = lease.blocks().to_vec();
                 let (bias, allow) = if samples {
                     // Not computed here: see PlanItem::allow.
-                    let allow = seq
-                        .constraint
-                        .as_ref()
-                        .map(|c| std::sync::Arc::new(flotilla_exec::MaskCell::pending(c.clone())));
+                    let allow = seq.constraint.as_ref().map(|c| {
+                        let cell = flotilla_exec::MaskCell::pending_draft(c.clone(), guess.clone());
+                        std::sync::Arc::new(cell)
+                    });
                     (seq.sample_bias(), allow)
                 } else {
                     (Vec::new(), None)
                 };
+                let draft_bias = seq.draft_bias(&guess);
                 PlanItem {
                     id,
                     tokens,
@@ -947,6 +954,7 @@ impl Scheduler {
                     block_table,
                     sample: samples.then_some(seq.sampling),
                     bias,
+                    draft_bias,
                     allow,
                     draft: guess.len(),
                 }

@@ -87,11 +87,35 @@ impl Seq {
     /// In token order, so the sums are the same
     /// wherever it is computed. Empty (no allocation) when there is none.
     pub(crate) fn sample_bias(&self) -> Vec<(u32, f32)> {
+        self.bias_after(&[])
+    }
+
+    /// The bias of each verify position after the first of a draft
+    /// `guess` (`[r - 1]` for position `r`): [`Seq::sample_bias`] as it
+    /// would be once `guess[..r]` were generated too, computed the same way
+    /// so the sums are the same. Empty when the bias does not change with
+    /// the tokens drawn (no penalties).
+    pub(crate) fn draft_bias(&self, guess: &[u32]) -> Vec<Vec<(u32, f32)>> {
+        if !self.penalised() {
+            return Vec::new();
+        }
+        (1..=guess.len())
+            .map(|r| self.bias_after(&guess[..r]))
+            .collect()
+    }
+
+    /// Whether presence or frequency penalties apply.
+    fn penalised(&self) -> bool {
+        self.sampling.presence_penalty != 0.0 || self.sampling.frequency_penalty != 0.0
+    }
+
+    /// [`Seq::sample_bias`] with `more` generated after its tokens.
+    fn bias_after(&self, more: &[u32]) -> Vec<(u32, f32)> {
         let (presence, frequency) = (
             self.sampling.presence_penalty,
             self.sampling.frequency_penalty,
         );
-        let penalties = presence != 0.0 || frequency != 0.0;
+        let penalties = self.penalised();
         if self.logit_bias.is_empty() && !penalties {
             return Vec::new();
         }
@@ -99,7 +123,7 @@ impl Seq {
             self.logit_bias.iter().copied().collect();
         if penalties {
             let mut counts = std::collections::BTreeMap::<u32, u32>::new();
-            for &t in &self.tokens[self.generated_from..] {
+            for &t in self.tokens[self.generated_from..].iter().chain(more) {
                 *counts.entry(t).or_default() += 1;
             }
             for (t, n) in counts {
@@ -164,8 +188,7 @@ impl Seq {
     /// end-of-sequence tokens ignored or none).
     pub(crate) fn may_multi_step(&self, stop_tokens: &[u32]) -> bool {
         self.constraint.is_none()
-            && self.sampling.presence_penalty == 0.0
-            && self.sampling.frequency_penalty == 0.0
+            && !self.penalised()
             && self.stop_token_ids.is_empty()
             && (self.ignore_eos || stop_tokens.is_empty())
     }
@@ -265,5 +288,23 @@ mod tests {
         assert_eq!(m.sample_bias(), vec![(7, -1.0)]);
         m.tokens.push(5);
         assert_eq!(m.sample_bias(), vec![(5, -1.0), (7, -1.0)]);
+    }
+
+    #[test]
+    fn a_draft_s_bias_is_the_sample_bias_once_its_tokens_are_generated() {
+        // 0.1 and 0.7 do not add exactly: each row is computed as the
+        // plain sample bias would be, not by adding to the row before.
+        let s = seq(vec![1, 2, 3], 2, vec![(5, 1.5), (9, -2.0)], 0.1, 0.7);
+        let guess = [5, 7, 5, 2];
+        let rows = s.draft_bias(&guess);
+        assert_eq!(rows.len(), guess.len());
+        for r in 1..=guess.len() {
+            let mut after = seq(vec![1, 2, 3], 2, vec![(5, 1.5), (9, -2.0)], 0.1, 0.7);
+            after.tokens.extend_from_slice(&guess[..r]);
+            assert_eq!(rows[r - 1], after.sample_bias(), "row {r}");
+        }
+        // No penalties: every row takes the first's bias.
+        let s = seq(vec![1, 2, 3], 2, vec![(5, 1.5)], 0.0, 0.0);
+        assert!(s.draft_bias(&guess).is_empty());
     }
 }

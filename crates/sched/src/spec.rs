@@ -40,15 +40,12 @@ pub(crate) fn ngram_draft(tokens: &[u32], min: usize, max: usize, k: usize, out:
 }
 
 impl Scheduler {
-    /// Whether a sequence's next token may be drafted: it allows it, and
-    /// nothing of it depends on the tokens drawn before it within one step
-    /// (penalties, a grammar), and its KV does not leave for another node.
+    /// Whether a sequence's next token may be drafted: it allows it and
+    /// its KV does not leave for another node. Penalties and a grammar
+    /// do not forbid it: each verify position gets its own bias
+    /// (`Seq::draft_bias`) and mask (`MaskCell::pending_draft`).
     pub(crate) fn may_speculate(seq: &Seq) -> bool {
-        seq.spec.allowed
-            && seq.constraint.is_none()
-            && seq.sampling.presence_penalty == 0.0
-            && seq.sampling.frequency_penalty == 0.0
-            && seq.hold_for.is_none()
+        seq.spec.allowed && seq.hold_for.is_none()
     }
 
     /// Adds draft tokens to the planned decodes that can have them.
@@ -99,13 +96,21 @@ impl Scheduler {
             if room == 0 {
                 continue;
             }
-            ngram_draft(
-                &seq.tokens,
-                spec.ngram_min,
-                spec.ngram_max,
-                room,
-                &mut guess,
-            );
+            // A grammar's forced tokens first (accepted whenever they are
+            // the model's tokenization of them), else the text's n-grams.
+            guess.clear();
+            if let Some(c) = &seq.constraint {
+                flotilla_exec::constraint::forced(c, room, &mut guess);
+            }
+            if guess.is_empty() {
+                ngram_draft(
+                    &seq.tokens,
+                    spec.ngram_min,
+                    spec.ngram_max,
+                    room,
+                    &mut guess,
+                );
+            }
             if guess.is_empty() {
                 continue;
             }

@@ -250,7 +250,7 @@ impl Executor for SimExecutor {
             // positions are charged above); a random draw seldom equals it.
             let mut o = SeqOutput::default();
             let (rng, vocab) = (&mut self.rng, self.shape.vocab as u64);
-            flotilla_exec::sample_outputs(s, &mut o, |_, _, _| Sampled {
+            flotilla_exec::sample_outputs(s, &mut o, |_| Sampled {
                 token: rng.range(3, vocab - 1) as u32,
                 logprob: 0.0,
                 top: Vec::new(),
@@ -340,6 +340,7 @@ mod tests {
                     block_table: &table,
                     output,
                     bias: &[],
+                    draft_bias: &[],
                     allow: None,
                 })
                 .collect();

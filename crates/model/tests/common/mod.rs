@@ -30,6 +30,7 @@ pub fn step_logits(e: &mut CpuExecutor, ids: &[u32], start: usize, table: &[u32]
         block_table: table,
         output: OutputKind::Logits,
         bias: &[],
+        draft_bias: &[],
         allow: None,
     }];
     e.step(&batch, &mut out).unwrap();

@@ -33,6 +33,25 @@ impl TokenConstraint for Seq {
         self.1 += 1;
         Ok(self.1 == self.0.len())
     }
+    fn draft_allowed(&mut self, draft: &[u32], rows: &mut Vec<Vec<u32>>) {
+        rows.clear();
+        let at = self.1;
+        for r in 0..=draft.len() {
+            let mut w = Vec::new();
+            self.allowed(&mut w);
+            rows.push(w);
+            if r == draft.len() || self.commit(draft[r]) != Ok(false) {
+                break;
+            }
+        }
+        self.1 = at;
+    }
+    fn forced(&mut self, max: usize, out: &mut Vec<u32>) {
+        // Everything is forced but the last token, so a draft can also miss.
+        out.clear();
+        let end = self.0.len().saturating_sub(1);
+        out.extend(self.0.iter().take(end).skip(self.1).take(max));
+    }
 }
 
 #[derive(Debug)]
@@ -52,7 +71,13 @@ impl ConstraintCompiler for Fake {
 }
 
 fn sched(with: bool) -> Scheduler {
-    let mut s = Scheduler::new(two_tiers(64, 4)).unwrap();
+    sched_with(with, crate::Speculation::OFF)
+}
+
+fn sched_with(with: bool, spec: crate::Speculation) -> Scheduler {
+    let mut cfg = two_tiers(64, 4);
+    cfg.speculation = spec;
+    let mut s = Scheduler::new(cfg).unwrap();
     if with {
         s.set_constraints(Arc::new(Fake));
     }
@@ -67,31 +92,49 @@ fn sampled(token: u32) -> Option<Sampled> {
     })
 }
 
-/// Runs `id` to its end, sampling the lowest token its mask allows (or
-/// `pick` where given, by step); returns the tokens and how it ended.
+/// Runs `id` to its end, sampling the lowest token each position's mask
+/// allows (or `pick` where given, by step), verifying drafts as the
+/// executors do; returns the tokens and how it ended.
 fn run(
     s: &mut Scheduler,
     id: RequestId,
     pick: &dyn Fn(usize) -> Option<u32>,
 ) -> (Vec<u32>, Option<Result<FinishReason, EngineFailure>>) {
+    run_steps(s, id, pick).0
+}
+
+type Ran = (Vec<u32>, Option<Result<FinishReason, EngineFailure>>);
+
+/// [`run`], and the steps it took.
+fn run_steps(
+    s: &mut Scheduler,
+    id: RequestId,
+    pick: &dyn Fn(usize) -> Option<u32>,
+) -> (Ran, usize) {
     let mut now = Duration::from_secs(1);
     let (mut toks, mut end) = (Vec::new(), None);
+    let mut steps = 0;
     for step in 0..20 {
         now += Duration::from_millis(10);
         let plan = s.schedule(now);
+        steps += usize::from(!plan.items.is_empty());
         let outs: Vec<flotilla_exec::SeqOutput> = plan
             .items
             .iter()
-            .map(|it| flotilla_exec::SeqOutput {
-                sampled: it.sample.and_then(|_| {
-                    let mask = it.allow.as_ref().expect("a constrained sample has a mask");
-                    let words = mask.words();
+            .map(|it| {
+                let mut out = flotilla_exec::SeqOutput::default();
+                let q = it.seq_input();
+                if it.sample.is_some() {
+                    assert!(it.allow.is_some(), "a constrained sample has a mask");
+                }
+                flotilla_exec::sample_outputs(&q, &mut out, |d| {
+                    let words = d.allow.expect("every sampled position has a mask");
                     let lowest = (0..128u32)
                         .find(|&t| words[t as usize / 32] >> (t % 32) & 1 == 1)
                         .expect("the mask allows something");
-                    sampled(pick(step).unwrap_or(lowest))
-                }),
-                ..Default::default()
+                    sampled(pick(step).unwrap_or(lowest)).unwrap()
+                });
+                out
             })
             .collect();
         s.complete(now, &plan, &outs);
@@ -107,7 +150,7 @@ fn run(
             break;
         }
     }
-    (toks, end)
+    ((toks, end), steps)
 }
 
 fn constrained(spec: &str, max_tokens: u32) -> flotilla_proto::EngineRequest {
@@ -174,4 +217,47 @@ fn a_moved_request_continues_its_constraint_from_what_it_generated() {
     r.generated = 2;
     let e = s.submit(Duration::from_secs(1), RequestId(2), r);
     assert!(matches!(e, Err(Rejection::Invalid(m)) if m.contains("generated before")));
+}
+
+#[test]
+fn a_constrained_request_speculates_with_the_grammar_s_forced_tokens() {
+    let want: Vec<u32> = (41..53).collect();
+    let spec = want
+        .iter()
+        .map(u32::to_string)
+        .collect::<Vec<_>>()
+        .join(",");
+    let mut plain = sched(true);
+    plain
+        .submit(Duration::from_secs(1), RequestId(1), constrained(&spec, 20))
+        .unwrap();
+    let ((toks, end), steps_off) = run_steps(&mut plain, RequestId(1), &|_| None);
+    assert_eq!(toks, want);
+    assert_eq!(end, Some(Ok(FinishReason::Stop)));
+    assert_eq!(plain.counters().drafted_tokens, 0);
+
+    let mut s = sched_with(true, crate::Speculation::ngram(4));
+    s.submit(Duration::from_secs(1), RequestId(1), constrained(&spec, 20))
+        .unwrap();
+    let ((toks, end), steps_on) = run_steps(&mut s, RequestId(1), &|_| None);
+    assert_eq!(toks, want, "the same tokens");
+    assert_eq!(end, Some(Ok(FinishReason::Stop)));
+    let c = s.counters();
+    assert!(c.accepted_tokens > 0, "{c:?}");
+    assert!(
+        steps_on < steps_off,
+        "{steps_on} steps with drafts, {steps_off} without"
+    );
+    assert_eq!(s.kv_usage().used, 0, "every block given back");
+
+    // A sample outside the grammar (77, from the second step on) still
+    // fails the request as without drafts: the tokens before it sent,
+    // every block back.
+    let mut s = sched_with(true, crate::Speculation::ngram(4));
+    s.submit(Duration::from_secs(1), RequestId(1), constrained(&spec, 20))
+        .unwrap();
+    let (toks, end) = run(&mut s, RequestId(1), &|step| (step >= 1).then_some(77));
+    assert!(toks.iter().zip(&want).all(|(a, b)| a == b), "{toks:?}");
+    assert!(matches!(end, Some(Err(EngineFailure::Internal(m))) if m.contains("not allowed")));
+    assert_eq!(s.kv_usage().used, 0, "every block given back");
 }

@@ -402,8 +402,8 @@ impl Sim {
                 // The fake model's sample at each output position, as the
                 // real executors draw them.
                 let mut out = SeqOutput::default();
-                flotilla_exec::sample_outputs(&item.seq_input(), &mut out, |_, _, pos| Sampled {
-                    token: tok(item.id, pos as usize),
+                flotilla_exec::sample_outputs(&item.seq_input(), &mut out, |d| Sampled {
+                    token: tok(item.id, d.position as usize),
                     logprob: 0.0,
                     top: Vec::new(),
                 });

@@ -81,24 +81,35 @@ fn drafts_give_the_same_tokens_in_fewer_steps_and_return_their_blocks() {
 }
 
 #[test]
-fn a_request_that_opts_out_or_has_penalties_gets_no_draft() {
-    for opt_out in [true, false] {
+fn a_request_that_opts_out_gets_no_draft_and_one_with_penalties_does() {
+    let mut outs = Vec::new();
+    for (spec, opt_out, penalised) in [
+        (Speculation::OFF, false, true),
+        (Speculation::ngram(4), true, true),
+        (Speculation::ngram(4), false, true),
+    ] {
         let mut cfg = two_tiers(64, 4);
-        cfg.speculation = Speculation::ngram(4);
+        cfg.speculation = spec;
         let mut sim = Sim::new(cfg);
         let id = RequestId(sim.next_id);
         let mut req = echo_request(&sim, 0, 6, false, 60);
-        if opt_out {
-            req.speculative = false;
-        } else {
+        req.speculative = !opt_out;
+        if penalised {
             req.sampling.presence_penalty = 0.5;
+            req.sampling.frequency_penalty = 0.25;
         }
         sim.submit_req(req).expect("accepted");
         sim.run_until_idle(1000);
         sim.assert_all_done();
-        assert_eq!(sim.s.counters().drafted_tokens, 0);
+        let drafted = sim.s.counters().drafted_tokens;
+        assert_eq!(drafted > 0, spec.is_on() && !opt_out, "{drafted} drafted");
         assert_eq!(sim.reqs[&id].out.len(), 60);
+        outs.push(sim.reqs[&id].out.clone());
     }
+    assert!(
+        outs.iter().all(|o| *o == outs[0]),
+        "the same tokens every way"
+    );
 }
 
 #[test]
