@@ -7,8 +7,10 @@ decode speed (tokens after the first over the time after the first).
   speculation.py URL TASK CONCURRENCY REQUESTS [MAX_TOKENS]
 
 TASK is `copy` (repeat a ~1,000-token text given in the prompt: a
-copy-heavy edit task) or `natural` (open questions). Greedy, no
-ignore_eos: each answer is what the model says."""
+copy-heavy edit task), `natural` (open questions) or `json` (a record
+given as text, returned as JSON under a JSON Schema: structured output,
+whose keys the grammar forces and whose values the prompt holds). Greedy,
+no ignore_eos: each answer is what the model says."""
 import json, sys, threading, time, urllib.request
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
@@ -19,7 +21,27 @@ max_tokens = int(sys.argv[5]) if len(sys.argv) > 5 else 256
 here = __file__.rsplit("/", 1)[0]
 SOURCE = open(f"{here}/../../docs/ARCHITECTURE.md").read().split()
 
+FIELDS = ["name", "port", "captain", "cargo", "tonnage", "built", "flag", "destination", "notes"]
+SCHEMA = {"type": "object", "additionalProperties": False, "required": FIELDS,
+          "properties": {f: {"type": "integer" if f in ("tonnage", "built") else "string"}
+                         for f in FIELDS}}
+
+def record(i):
+    names = ["Harbour Queen", "North Star", "Grey Gull", "Morning Tide", "Iron Duke",
+             "Silver Fern", "Blue Heron", "Cape Wind"]
+    ports = ["Bristol", "Hamburg", "Lisbon", "Gdansk", "Antwerp", "Cork", "Bergen", "Genoa"]
+    return {"name": names[i % 8], "port": ports[i % 8], "captain": f"Captain {names[(i + 3) % 8].split()[1]} Ward",
+            "cargo": ["timber and coal", "grain", "salted fish", "machine parts"][i % 4],
+            "tonnage": 1200 + 37 * i, "built": 1961 + i, "flag": ["Norway", "Portugal", "Ireland"][i % 3],
+            "destination": ports[(i + 5) % 8],
+            "notes": " ".join(SOURCE[300 + 25 * i: 320 + 25 * i])}
+
 def prompt(i):
+    if task == "json":
+        r = record(i)
+        lines = "\n".join(f"{k}: {v}" for k, v in r.items())
+        return ("Here is a ship's record:\n\n" + lines + "\n\nReturn it as a JSON object with the keys " +
+                ", ".join(FIELDS) + ", copying each value exactly.")
     if task == "copy":
         text = " ".join(SOURCE[200 + 40 * i: 900 + 40 * i])
         return ("Here is a text:\n\n" + text +
@@ -40,9 +62,14 @@ def worker():
             if not queue:
                 return
             i = queue.pop(0)
-        t0, first, t1, n, _ = stream_chat(url, {
-            "model": MODEL, "stream": True, "temperature": 0, "max_tokens": max_tokens,
-            "messages": [{"role": "user", "content": prompt(i)}]}, timeout=600)
+        body = {"model": MODEL, "stream": True, "temperature": 0, "max_tokens": max_tokens,
+                "messages": [{"role": "user", "content": prompt(i)}]}
+        if task == "json":
+            body["response_format"] = {"type": "json_schema",
+                                       "json_schema": {"name": "ship", "schema": SCHEMA, "strict": True}}
+        t0, first, t1, n, text = stream_chat(url, body, timeout=600)
+        if task == "json":
+            json.loads(text)  # a complete, valid answer, or this run is void
         with lock:
             results.append((t0, first, t1, n))
 

@@ -68,8 +68,9 @@ pub struct ServeArgs {
     #[arg(long)]
     pub queue_timeout: Option<f64>,
     /// Speculative decoding: `ngram` (draft tokens looked up in the
-    /// sequence's own prompt and output, verified in the next step; the
-    /// output is the same token for token) or `off`. Config: `[engine]
+    /// sequence's own prompt and output, or forced by its output
+    /// constraint, verified in the next step; the output is the same token
+    /// for token) or `off`. Config: `[engine]
     /// speculative`. Default: ngram.
     #[arg(long)]
     pub speculative: Option<String>,

@@ -135,9 +135,10 @@ pub struct CpuExecutor {
     /// Per RoPE base: `base^(-2i/head_dim) / factor_i` in f64.
     inv_freq: Vec<Vec<f64>>,
     s: Scratch,
-    /// Run only this many layers before the final norm and head (an
-    /// early-exit self-draft's forward pass); `None`: all of them.
-    exit_after: Option<usize>,
+    /// Run only these layers, in order, before the final norm and head (a
+    /// self-draft's forward pass: exiting early or skipping layers);
+    /// `None`: all of them.
+    layers: Option<Vec<usize>>,
 }
 
 impl std::fmt::Debug for CpuExecutor {
@@ -250,7 +251,7 @@ impl CpuExecutor {
             spec,
             kv,
             s,
-            exit_after: None,
+            layers: None,
         })
     }
 
@@ -261,7 +262,17 @@ impl CpuExecutor {
     /// model. For measuring what such a draft would be worth
     /// (`tests/speculation.rs`); the engine never sets it.
     pub fn set_exit_layer(&mut self, layers: Option<usize>) {
-        self.exit_after = layers.map(|l| l.min(self.cfg.n_layer));
+        self.set_layers(layers.map(|l| (0..l.min(self.cfg.n_layer)).collect()));
+    }
+
+    /// Makes every later step run only `layers` (in the order given, each
+    /// below the model's count), then the final norm and head: a
+    /// self-draft that skips layers. Skipped layers neither run nor write
+    /// KV. `None` restores the whole model. For measuring
+    /// (`tests/speculation.rs`); the engine never sets it.
+    pub fn set_layers(&mut self, layers: Option<Vec<usize>>) {
+        let n = self.cfg.n_layer;
+        self.layers = layers.map(|v| v.into_iter().filter(|&l| l < n).collect());
     }
 
     /// The model's hyper-parameters.
@@ -330,7 +341,9 @@ impl CpuExecutor {
                 }
             });
         }
-        for l in 0..self.exit_after.unwrap_or(self.cfg.n_layer) {
+        let n = self.layers.as_ref().map_or(self.cfg.n_layer, Vec::len);
+        for i in 0..n {
+            let l = self.layers.as_ref().map_or(i, |v| v[i]);
             self.attention_block(l, batch, t_all);
             self.ffn_block(l, t_all);
         }

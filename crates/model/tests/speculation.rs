@@ -179,8 +179,8 @@ fn early_exit_agreement_with_the_whole_model() {
     let reference = plain_decode(&mut e, &PROMPT, SamplingParams::greedy(), 100, &table);
     let ids: Vec<u32> = PROMPT.iter().chain(&reference).copied().collect();
     let n_layer = e.config().n_layer;
-    let mut picks = |layers: usize| -> Vec<usize> {
-        e.set_exit_layer(Some(layers));
+    let mut picks = |layers: Vec<usize>| -> Vec<usize> {
+        e.set_layers(Some(layers));
         let mut out = StepOutputs::default();
         let output = OutputKind::Verify {
             params: SamplingParams::greedy(),
@@ -199,7 +199,7 @@ fn early_exit_agreement_with_the_whole_model() {
             })
             .collect()
     };
-    let full = picks(n_layer);
+    let full = picks((0..n_layer).collect());
     assert_eq!(
         full.iter().map(|&t| t as u32).collect::<Vec<_>>(),
         reference,
@@ -207,7 +207,7 @@ fn early_exit_agreement_with_the_whole_model() {
     );
     let mut rates = Vec::new();
     for l in [n_layer / 4, n_layer / 2, 3 * n_layer / 4, n_layer - 2] {
-        let early = picks(l);
+        let early = picks((0..l).collect());
         let agree = early.iter().zip(&full).filter(|(a, b)| a == b).count();
         let rate = agree as f64 / full.len() as f64;
         eprintln!(
@@ -215,6 +215,34 @@ fn early_exit_agreement_with_the_whole_model() {
             full.len()
         );
         rates.push(rate);
+    }
+    // Skipping layers instead (the first and last four always run): every
+    // third, every other, two of three of the middle ones, and one middle
+    // layer alone.
+    let edge = 4.min(n_layer / 4);
+    for (name, skip) in [
+        ("every 3rd middle layer", 3usize),
+        ("every 2nd middle layer", 2),
+    ] {
+        let kept: Vec<usize> = (0..n_layer)
+            .filter(|&l| l < edge || l >= n_layer - edge || (l - edge) % skip != skip - 1)
+            .collect();
+        let got = picks(kept.clone());
+        let agree = got.iter().zip(&full).filter(|(a, b)| a == b).count();
+        eprintln!(
+            "skip {name}: {} of {n_layer} layers run, {agree} of {} tokens agree",
+            kept.len(),
+            full.len()
+        );
+    }
+    for one in [n_layer / 2, n_layer - 1] {
+        let kept: Vec<usize> = (0..n_layer).filter(|&l| l != one).collect();
+        let got = picks(kept);
+        let agree = got.iter().zip(&full).filter(|(a, b)| a == b).count();
+        eprintln!(
+            "skip layer {one} alone: {agree} of {} tokens agree",
+            full.len()
+        );
     }
     assert!(
         rates[0] < 1.0,
