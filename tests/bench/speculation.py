@@ -23,18 +23,20 @@ SOURCE = open(f"{here}/../../docs/ARCHITECTURE.md").read().split()
 
 FIELDS = ["name", "port", "captain", "cargo", "tonnage", "built", "flag", "destination", "notes"]
 SCHEMA = {"type": "object", "additionalProperties": False, "required": FIELDS,
-          "properties": {f: {"type": "integer" if f in ("tonnage", "built") else "string"}
-                         for f in FIELDS}}
+          "properties": {f: {"type": "integer"} if f in ("tonnage", "built") else
+                         {"type": "string", "maxLength": 80} for f in FIELDS}}
 
 def record(i):
     names = ["Harbour Queen", "North Star", "Grey Gull", "Morning Tide", "Iron Duke",
              "Silver Fern", "Blue Heron", "Cape Wind"]
     ports = ["Bristol", "Hamburg", "Lisbon", "Gdansk", "Antwerp", "Cork", "Bergen", "Genoa"]
-    return {"name": names[i % 8], "port": ports[i % 8], "captain": f"Captain {names[(i + 3) % 8].split()[1]} Ward",
+    return {"name": names[i % 8], "port": ports[i % 8], "captain": ["Ada Ward", "Tom Hale", "Rui Costa", "Lena Berg"][i % 4],
             "cargo": ["timber and coal", "grain", "salted fish", "machine parts"][i % 4],
             "tonnage": 1200 + 37 * i, "built": 1961 + i, "flag": ["Norway", "Portugal", "Ireland"][i % 3],
             "destination": ports[(i + 5) % 8],
-            "notes": " ".join(SOURCE[300 + 25 * i: 320 + 25 * i])}
+            "notes": ["Hull repainted in the spring; radar replaced after the storm.",
+                      "Crew of twelve; the galley stove needs a new burner.",
+                      "Carries two lifeboats and a spare anchor chain."][i % 3]}
 
 def prompt(i):
     if task == "json":
@@ -68,10 +70,14 @@ def worker():
             body["response_format"] = {"type": "json_schema",
                                        "json_schema": {"name": "ship", "schema": SCHEMA, "strict": True}}
         t0, first, t1, n, text = stream_chat(url, body, timeout=600)
+        valid = None
         if task == "json":
-            json.loads(text)  # a complete, valid answer, or this run is void
+            try:
+                valid = isinstance(json.loads(text), dict)
+            except ValueError:
+                valid = False
         with lock:
-            results.append((t0, first, t1, n))
+            results.append((t0, first, t1, n, valid))
 
 def spec_counts():
     """(drafted, accepted) from a Flotilla server's /metrics; None elsewhere."""
@@ -101,7 +107,9 @@ acceptance = None
 if before and after and after[0] > before[0]:
     acceptance = {"drafted": int(after[0] - before[0]), "accepted": int(after[1] - before[1]),
                   "rate": round((after[1] - before[1]) / (after[0] - before[0]), 3)}
+valid = [r[4] for r in results if r[4] is not None]
 print(json.dumps({"task": task, "concurrency": conc, "requests": len(results),
+                  **({"valid_json": sum(valid)} if valid else {}),
                   "chunks": chunks, "wall_s": round(end - start, 2),
                   "chunks_per_s": round(chunks / (end - start), 1),
                   "stream_decode_chunks_per_s_p50": round(decode[len(decode) // 2], 1) if decode else None,

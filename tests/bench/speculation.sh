@@ -3,7 +3,8 @@
 # off and ngram, llama-server without speculation and with its n-gram
 # lookup (--spec-type ngram-simple, and ngram-map-k), on the default model's
 # GGUF file. Tasks (tests/bench/speculation.py): `copy` (repeat a ~1,000-token
-# text) and `natural` (short essays), greedy, at 1, 8 and 32 streams.
+# text), `natural` (short essays) and `json` (a record returned under a JSON
+# Schema), greedy, at 1, 8 and 32 streams.
 #   usage: tests/bench/speculation.sh [LLAMA_BIN_DIR]
 set -euo pipefail
 cd "$(dirname "$0")/../.."
@@ -18,7 +19,7 @@ grep -o -w 'avx2\|avx512f\|avx512_vnni\|avx512_bf16\|avx512_fp16' /proc/cpuinfo 
 
 levels() {
   local name=$1 url=$2
-  for spec in "copy 1 3 256" "natural 1 3 256" "copy 2 4 256" "natural 2 6 256" "natural 4 8 256" "copy 8 16 128" "natural 8 16 128" "natural 32 32 128"; do
+  for spec in "copy 1 3 256" "natural 1 3 256" "json 1 4 256" "copy 2 4 256" "natural 2 6 256" "natural 4 8 256" "copy 8 16 128" "natural 8 16 128" "natural 32 32 128"; do
     set -- $spec
     printf '%-22s ' "$name"
     python3 tests/bench/speculation.py "$url" "$1" "$2" "$3" "$4" | tee -a "$OUT/$name.jsonl"
@@ -43,7 +44,7 @@ for mode in none ngram-simple ngram-map-k; do
     --spec-type "$mode" >"$OUT/llama-$mode.log" 2>&1 &
   pid=$!
   wait_up http://127.0.0.1:8414/health
-  for task in copy natural; do
+  for task in copy natural json; do
     printf '%-22s ' "llama-$mode"
     python3 tests/bench/speculation.py http://127.0.0.1:8414 "$task" 1 3 256 | tee -a "$OUT/llama-$mode.jsonl"
   done
