@@ -1058,6 +1058,27 @@ pub async fn spawn_engine(
             cfg.speculation.max_draft = cfg.speculation.max_draft.min(most);
             cfg.speculation.max_step = cfg.speculation.max_step.min(most);
         }
+        let n = exec.model_spec().n_layer;
+        let asked = cfg.speculation.self_layers;
+        if asked > 0 && !exec.can_self_draft() {
+            tracing::info!("this backend has no self-draft: n-gram drafts only");
+            cfg.speculation.self_layers = 0;
+        } else if asked > 0 {
+            let want = match asked {
+                flotilla_sched::SELF_LAYERS_DEFAULT => (3 * n).div_ceil(4),
+                l => l,
+            };
+            let layers = want.clamp(1, n.saturating_sub(1).max(1));
+            if asked != flotilla_sched::SELF_LAYERS_DEFAULT && layers != asked {
+                tracing::warn!(
+                    asked,
+                    layers,
+                    "a self-draft runs 1 to {} layers of this model",
+                    n - 1
+                );
+            }
+            cfg.speculation.self_layers = layers;
+        }
     }
     let offload = match cfg.offload_blocks {
         0 => None,

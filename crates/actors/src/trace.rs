@@ -378,6 +378,7 @@ mod tests {
             draft_bias: Vec::new(),
             allow: None,
             draft: 0,
+            self_draft: 0,
         }
     }
 

@@ -162,9 +162,17 @@ impl Actor for GpuWorker {
         };
         let t0 = st.clock.now();
         perform_moves(st, &moves);
+        let mut plan = plan;
         let (sampled, ran) = if plan.is_multi_step() {
             run_steps(st, &plan).await
         } else {
+            if plan
+                .items
+                .iter()
+                .any(|it| it.self_draft > 0 && it.draft > 0)
+            {
+                fill_self_drafts(st, &mut plan);
+            }
             let inputs: Vec<SeqInput<'_>> = plan.items.iter().map(|it| it.seq_input()).collect();
             let sampled = run_step(st, &inputs);
             sleep_modelled(st).await;
@@ -194,6 +202,91 @@ fn run_step(st: &mut WorkerState, inputs: &[SeqInput<'_>]) -> Result<Vec<SeqOutp
         tokio::task::block_in_place(|| step_here(st, inputs))
     } else {
         step_here(st, inputs)
+    }
+}
+
+/// Replaces the placeholder draft tokens of a plan's self-drafted items
+/// with the model's own greedy guesses through its first layers
+/// (`Executor::draft_step`): one pass per draft position, the items still
+/// drafting together. A pass that fails leaves the rest as they are: a
+/// draft is only a guess, which the step verifies.
+fn fill_self_drafts(st: &mut WorkerState, plan: &mut flotilla_sched::Plan) {
+    let rows: Vec<usize> = (0..plan.items.len())
+        .filter(|&i| plan.items[i].self_draft > 0 && plan.items[i].draft > 0)
+        .collect();
+    let longest = rows.iter().map(|&i| plan.items[i].draft).max().unwrap_or(0);
+    let layers = rows
+        .iter()
+        .map(|&i| plan.items[i].self_draft)
+        .max()
+        .unwrap_or(0);
+    let greedy = flotilla_exec::SamplingParams::greedy();
+    let mut out = flotilla_exec::StepOutputs::default();
+    for j in 0..longest {
+        let live: Vec<usize> = rows
+            .iter()
+            .copied()
+            .filter(|&i| plan.items[i].draft > j)
+            .collect();
+        let done = {
+            let inputs: Vec<SeqInput<'_>> = live
+                .iter()
+                .map(|&i| {
+                    let it = &plan.items[i];
+                    // The token before draft position j, at its position.
+                    let at = it.tokens.len() - it.draft - 1 + j;
+                    SeqInput {
+                        tokens: std::slice::from_ref(&it.tokens[at]),
+                        start_pos: it.start_pos + at,
+                        block_table: &it.block_table,
+                        output: flotilla_exec::OutputKind::Sample(greedy),
+                        bias: &[],
+                        draft_bias: &[],
+                        allow: None,
+                    }
+                })
+                .collect();
+            draft_here(st, &inputs, &mut out, layers)
+        };
+        if let Err(e) = done {
+            tracing::debug!(error = %e, "a self-draft pass failed; the placeholders stay");
+            return;
+        }
+        for (n, &i) in live.iter().enumerate() {
+            let it = &mut plan.items[i];
+            let at = it.tokens.len() - it.draft + j;
+            if let Some(t) = out.seqs.get(n).and_then(|o| o.sampled.as_ref()) {
+                it.tokens[at] = t.token;
+            }
+        }
+    }
+}
+
+/// One self-draft pass, off the runtime's other tasks like a step.
+fn draft_here(
+    st: &mut WorkerState,
+    inputs: &[SeqInput<'_>],
+    out: &mut flotilla_exec::StepOutputs,
+    layers: usize,
+) -> Result<(), String> {
+    if st.broken.is_some() {
+        return Err("the worker is broken".into());
+    }
+    let exec = &mut st.exec;
+    let mut go = || catch_unwind(AssertUnwindSafe(|| exec.draft_step(inputs, out, layers)));
+    let r = if crate::on_multi_thread_runtime() {
+        tokio::task::block_in_place(go)
+    } else {
+        go()
+    };
+    match r {
+        Ok(r) => r.map_err(|e| e.to_string()),
+        Err(_) => {
+            // The backend's state is not to be trusted, as after a step's panic.
+            let why = "the executor panicked; the engine needs a restart".to_string();
+            st.broken = Some(why.clone());
+            Err(why)
+        }
     }
 }
 

@@ -19,6 +19,8 @@ pub const MAX_NUM_BATCHED_TOKENS: std::ops::RangeInclusive<usize> = 1..=16384;
 pub const BLOCK_SIZE: std::ops::RangeInclusive<usize> = 1..=1024;
 /// Draft tokens per sequence per step.
 pub const NUM_SPECULATIVE_TOKENS: std::ops::RangeInclusive<usize> = 1..=64;
+/// Layers a self-draft may run (the engine caps it below the model's count).
+pub const SPECULATIVE_DRAFT_LAYERS: std::ops::RangeInclusive<usize> = 1..=1024;
 /// Decodes in a step up to which speculation runs.
 pub const SPECULATIVE_MAX_BATCH: std::ops::RangeInclusive<usize> = 1..=4096;
 /// Decode steps one plan may run back to back.
@@ -238,8 +240,9 @@ impl EngineSection {
         })
     }
 
-    /// `--speculative` (`ngram` or `off`) with its draft length and batch
-    /// bound, each over the file's and the default.
+    /// `--speculative` (`ngram`, `self` or `off`) with its draft length,
+    /// batch bound and self-draft depth, each over the file's and the
+    /// default.
     fn speculation(
         &self,
         flags: &EngineSection,
@@ -254,9 +257,12 @@ impl EngineSection {
             None => d.speculation,
             Some(("off", _)) => return Ok(Speculation::OFF),
             Some(("ngram", _)) => Speculation::ngram(DEFAULT_DRAFT),
+            Some(("self", _)) => {
+                Speculation::self_draft(DEFAULT_DRAFT, flotilla_sched::SELF_LAYERS_DEFAULT)
+            }
             Some((other, from)) => {
                 return Err(format!(
-                    "{from}: unknown speculation '{other}' (expected ngram or off)"
+                    "{from}: unknown speculation '{other}' (expected ngram, self or off)"
                 ));
             }
         };
@@ -281,6 +287,23 @@ impl EngineSection {
             ),
             SPECULATIVE_MAX_BATCH,
         )?;
+        if spec.self_layers > 0 {
+            let layers = (
+                flags.speculative_draft_layers,
+                self.speculative_draft_layers,
+            );
+            if layers.0.is_some() || layers.1.is_some() {
+                spec.self_layers = in_range(
+                    pick(
+                        layers.0,
+                        layers.1,
+                        0,
+                        ("speculative-draft-layers", "speculative_draft_layers"),
+                    ),
+                    SPECULATIVE_DRAFT_LAYERS,
+                )?;
+            }
+        }
         Ok(spec)
     }
 }
@@ -517,8 +540,30 @@ mod tests {
         .unwrap_err();
         assert_eq!(
             e,
-            "--speculative: unknown speculation 'eagle' (expected ngram or off)"
+            "--speculative: unknown speculation 'eagle' (expected ngram, self or off)"
         );
+        // A self-draft: three quarters of the model unless told, which the
+        // engine resolves; the depth is checked here.
+        let self_draft = |layers: Option<usize>| {
+            resolve(
+                EngineSection {
+                    speculative: Some("self".into()),
+                    speculative_draft_layers: layers,
+                    ..none()
+                },
+                none(),
+            )
+        };
+        assert_eq!(
+            self_draft(None).map(|s| s.self_layers),
+            Ok(flotilla_sched::SELF_LAYERS_DEFAULT)
+        );
+        assert_eq!(self_draft(Some(20)).map(|s| s.self_layers), Ok(20));
+        assert_eq!(
+            self_draft(Some(0)).unwrap_err(),
+            "--speculative-draft-layers 0 must be in 1..=1024"
+        );
+        assert_eq!(resolve(none(), none()).map(|s| s.self_layers), Ok(0));
         let e = resolve(
             none(),
             EngineSection {

@@ -84,8 +84,10 @@ pub struct EngineSection {
     pub kv_cache_dtype: Option<String>,
     /// `--queue-timeout`, seconds.
     pub queue_timeout_s: Option<f64>,
-    /// `--speculative`: `ngram` or `off`.
+    /// `--speculative`: `ngram`, `self` or `off`.
     pub speculative: Option<String>,
+    /// `--speculative-draft-layers`: layers a self-draft runs.
+    pub speculative_draft_layers: Option<usize>,
     /// `--num-speculative-tokens`: most draft tokens per sequence per step.
     pub num_speculative_tokens: Option<usize>,
     /// `--speculative-max-batch`: speculate only in steps with at most this

@@ -632,6 +632,25 @@ pub trait Executor: Send {
     fn max_draft_tokens(&self) -> usize {
         0
     }
+    /// Whether [`Executor::draft_step`] works here (a self-draft).
+    fn can_self_draft(&self) -> bool {
+        false
+    }
+    /// A step through only the first `layers` layers of the model, then
+    /// its final norm and head: a self-draft's forward pass (speculative
+    /// decoding's guess from the model's own shallower part). It writes
+    /// those layers' KV at its positions, which the verify step then
+    /// writes again whole; nothing else changes. Backends that cannot
+    /// ([`Executor::can_self_draft`] false) refuse it.
+    fn draft_step(
+        &mut self,
+        batch: &[SeqInput<'_>],
+        out: &mut StepOutputs,
+        layers: usize,
+    ) -> Result<(), ExecError> {
+        let _ = (batch, out, layers);
+        Err(ExecError::Backend("this backend has no self-draft".into()))
+    }
     /// How long the last step took on the hardware this backend models,
     /// for a backend that computes no real forward pass (the simulator's
     /// cost model): the GpuWorker waits that long on the runtime's clock

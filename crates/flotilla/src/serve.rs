@@ -70,7 +70,9 @@ pub struct ServeArgs {
     /// Speculative decoding: `ngram` (draft tokens looked up in the
     /// sequence's own prompt and output, or forced by its output
     /// constraint, verified in the next step; the output is the same token
-    /// for token) or `off`. Config: `[engine]
+    /// for token), `self` (the same, and where the lookup finds nothing the
+    /// model's own first layers guess the draft: slower than `ngram` on
+    /// the models measured so far, see docs/BENCHMARKS.md) or `off`. Config: `[engine]
     /// speculative`. Default: ngram.
     #[arg(long)]
     pub speculative: Option<String>,
@@ -83,6 +85,11 @@ pub struct ServeArgs {
     /// the weights).
     #[arg(long)]
     pub speculative_max_batch: Option<usize>,
+    /// Layers a `--speculative self` draft runs before the final norm and
+    /// head (default: three quarters of the model's; at most all but one).
+    /// Config: `[engine] speculative_draft_layers`.
+    #[arg(long)]
+    pub speculative_draft_layers: Option<usize>,
     /// Bytes of host memory (or of --kv-offload-path) for the KV offload
     /// tier: prefix blocks evicted from the KV cache (a preempted
     /// sequence's among them) spill there and come back on a hit instead
@@ -293,6 +300,7 @@ pub fn resolve(args: &ServeArgs) -> Result<Resolved> {
         speculative: args.speculative.clone(),
         num_speculative_tokens: args.num_speculative_tokens,
         speculative_max_batch: args.speculative_max_batch,
+        speculative_draft_layers: args.speculative_draft_layers,
         kv_offload_bytes: args.kv_offload_bytes,
         kv_offload_path: args.kv_offload_path.clone(),
         step_time_max_ms: args.step_time_max_ms,
@@ -408,7 +416,11 @@ pub fn resolve(args: &ServeArgs) -> Result<Resolved> {
         "max_num_seqs": max_num_seqs,
         "max_num_batched_tokens": max_num_batched_tokens,
         "batching": args.batching,
-        "speculative": if settings.speculation.is_on() { "ngram" } else { "off" },
+        "speculative": match settings.speculation {
+            s if !s.is_on() => "off",
+            s if s.self_layers > 0 => "self",
+            _ => "ngram",
+        },
         "num_speculative_tokens": settings.speculation.max_draft,
         "speculative_max_batch": settings.speculation.max_batch,
         "kv_offload_bytes": settings.kv_offload_bytes,

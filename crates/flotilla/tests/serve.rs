@@ -635,6 +635,69 @@ async fn speculative_decoding_changes_speed_not_text() {
     assert_eq!(r["kv_blocks"]["used"], 0, "{r}");
 }
 
+/// `--speculative self`: where the text gives the lookup nothing, the
+/// model's own first layers guess the draft (the GpuWorker's draft passes
+/// before the step), and the text is still the same token for token as
+/// without speculation, greedy and sampled; every block comes back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_self_draft_changes_speed_not_text() {
+    let srv = start(
+        &config(4, 8),
+        &["--speculative", "self", "--speculative-draft-layers", "26"],
+    );
+    let c = client();
+    let cfg: Value = c
+        .get(format!("{}/config", srv.base))
+        .bearer_auth(PAID_KEY)
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(cfg["speculative"], "self", "{cfg}");
+    let counts = || async {
+        let m = metrics_text(&client(), &srv.base).await;
+        SpecCounts::from_metrics(&m).unwrap_or(SpecCounts {
+            drafted: 0,
+            accepted: 0,
+        })
+    };
+    for sampling in [
+        json!({"temperature": 0}),
+        json!({"temperature": 0.8, "top_p": 0.95, "seed": 9}),
+    ] {
+        let run = |speculative: bool| {
+            let (c, base, sampling) = (c.clone(), srv.base.clone(), sampling.clone());
+            async move {
+                let body = json!({"prompt": "Write a short story about a lighthouse keeper.",
+                                  "max_tokens": 64, "ignore_eos": true,
+                                  "speculative": speculative});
+                let v = paid_completion(&c, &base, body, &sampling).await;
+                assert_eq!(v["usage"]["completion_tokens"], 64, "{v}");
+                v["choices"][0]["text"].as_str().unwrap().to_string()
+            }
+        };
+        let before = counts().await;
+        let off = run(false).await;
+        let on = run(true).await;
+        let SpecCounts { drafted, accepted } = SpecCounts::between(before, counts().await);
+        assert_eq!(on, off, "{sampling}: a self-draft changed the text");
+        assert!(
+            drafted > 0 && accepted <= drafted,
+            "{sampling}: {accepted} of {drafted} draft tokens accepted"
+        );
+        if sampling["temperature"] == 0 {
+            assert!(
+                accepted > 0,
+                "greedy: none of {drafted} draft tokens accepted"
+            );
+        }
+    }
+    let r = settle(&srv.base).await;
+    assert_eq!(r["kv_blocks"]["used"], 0, "{r}");
+}
+
 /// The KV offload tier through the whole server, on a KV cache of 40
 /// blocks (640 tokens) with a tier of 200. A second long prompt evicts the
 /// first's cached blocks into the tier; the first prompt's next turn

@@ -782,6 +782,23 @@ impl Executor for CpuExecutor {
         self.max_tokens.saturating_sub(1)
     }
 
+    fn can_self_draft(&self) -> bool {
+        true
+    }
+
+    fn draft_step(
+        &mut self,
+        batch: &[SeqInput<'_>],
+        out: &mut StepOutputs,
+        layers: usize,
+    ) -> Result<(), ExecError> {
+        let whole = self.layers.take();
+        self.set_exit_layer(Some(layers.max(1)));
+        let r = self.step(batch, out);
+        self.layers = whole;
+        r
+    }
+
     fn step(&mut self, batch: &[SeqInput<'_>], out: &mut StepOutputs) -> Result<(), ExecError> {
         let limits = BatchLimits {
             vocab: self.cfg.vocab,

@@ -80,7 +80,17 @@ pub struct Speculation {
     /// backend's output rows past one per sequence
     /// (`Executor::max_draft_tokens`, set by the engine).
     pub max_step: usize,
+    /// A self-draft where the n-gram lookup finds nothing: the model's
+    /// first `self_layers` layers, then its final norm and head, guess
+    /// the draft (`PlanItem::self_draft`; the GpuWorker runs those passes
+    /// before the step). 0: n-gram drafts only. [`SELF_LAYERS_DEFAULT`]
+    /// until the engine, which knows the model, resolves it.
+    pub self_layers: usize,
 }
+
+/// `Speculation::self_layers` before the engine resolves it: three
+/// quarters of the model's layers.
+pub const SELF_LAYERS_DEFAULT: usize = usize::MAX;
 
 impl Speculation {
     /// No speculation.
@@ -90,6 +100,7 @@ impl Speculation {
         ngram_min: 0,
         max_batch: 0,
         max_step: 0,
+        self_layers: 0,
     };
 
     /// N-gram prompt lookup with `max_draft` tokens per step.
@@ -100,6 +111,16 @@ impl Speculation {
             ngram_min: 2,
             max_batch: 2,
             max_step: usize::MAX,
+            self_layers: 0,
+        }
+    }
+
+    /// N-gram prompt lookup, and a self-draft through the model's first
+    /// `layers` layers where it finds nothing.
+    pub fn self_draft(max_draft: usize, layers: usize) -> Speculation {
+        Speculation {
+            self_layers: layers,
+            ..Speculation::ngram(max_draft)
         }
     }
 

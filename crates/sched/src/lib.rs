@@ -37,7 +37,8 @@ use flotilla_proto::{
 };
 
 pub use config::{
-    Batching, ConfigError, DECODE_STEPS_MAX, SchedConfig, Speculation, TenantConfig, TierConfig,
+    Batching, ConfigError, DECODE_STEPS_MAX, SELF_LAYERS_DEFAULT, SchedConfig, Speculation,
+    TenantConfig, TierConfig,
 };
 pub use cost::{CostLine, StepCost};
 pub use event::{Counters, SchedEvent, Timings};

@@ -81,6 +81,12 @@ pub struct PlanItem {
     /// by the step ([`OutputKind::Verify`]); 0 for every other item. They
     /// are not the sequence's tokens until the executor accepts them.
     pub draft: usize,
+    /// A self-draft: the draft tokens are placeholders, which the
+    /// GpuWorker replaces before the step with the model's own greedy
+    /// guesses through its first `self_draft` layers
+    /// (`Executor::draft_step`, one pass per draft token). 0: the tokens
+    /// are the draft (or there is none).
+    pub self_draft: usize,
 }
 
 impl PlanItem {
@@ -115,6 +121,8 @@ pub(crate) struct Draft {
     /// Draft tokens guessed for some decodes (speculative decoding), whose
     /// positions the leases already cover.
     pub(crate) guesses: Vec<(RequestId, Vec<u32>)>,
+    /// Of those, the ones whose tokens are placeholders for a self-draft.
+    pub(crate) self_drafted: Vec<RequestId>,
     pub(crate) budget: usize,
     /// Prefill tokens each tier may still add this step (see
     /// [`Scheduler::prefill_caps`]).
@@ -273,6 +281,7 @@ impl Scheduler {
         let mut draft = Draft {
             chunks: Vec::with_capacity(self.cfg.max_num_seqs),
             guesses: Vec::new(),
+            self_drafted: Vec::new(),
             budget: self.cfg.max_num_batched_tokens,
             prefill_left: self.prefill_caps(),
             protect,
@@ -956,6 +965,11 @@ impl Scheduler {
                     bias,
                     draft_bias,
                     allow,
+                    self_draft: if draft.self_drafted.contains(&id) {
+                        self.cfg.speculation.self_layers
+                    } else {
+                        0
+                    },
                     draft: guess.len(),
                 }
             })

@@ -111,6 +111,19 @@ impl Scheduler {
                     &mut guess,
                 );
             }
+            // Else the model's own guess, where its bias and mask do not
+            // change with the draft (the GpuWorker fills placeholders
+            // before the step, when neither is known to the plan).
+            let mut self_drafted = false;
+            if guess.is_empty()
+                && spec.self_layers > 0
+                && seq.constraint.is_none()
+                && seq.draft_bias(&[0]).is_empty()
+            {
+                let last = *seq.tokens.last().expect("a decode has tokens");
+                guess.resize(room, last);
+                self_drafted = true;
+            }
             if guess.is_empty() {
                 continue;
             }
@@ -133,6 +146,9 @@ impl Scheduler {
             }
             draft.budget -= guess.len();
             step_left -= guess.len();
+            if self_drafted {
+                draft.self_drafted.push(id);
+            }
             draft.guesses.push((id, std::mem::take(&mut guess)));
         }
     }

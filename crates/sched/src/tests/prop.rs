@@ -121,6 +121,7 @@ pub(crate) fn config() -> impl Strategy<Value = SchedConfig> {
                         max_batch,
                         // Below what the seats could draft, at times.
                         max_step: 1 + max_draft * max_batch / 2,
+                        self_layers: 0,
                     };
                 }
                 c

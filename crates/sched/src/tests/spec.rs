@@ -246,3 +246,36 @@ fn a_step_carries_at_most_the_backends_draft_rows() {
     assert_eq!(most, 3, "the cap was never reached");
     sim.assert_all_done();
 }
+
+#[test]
+fn where_the_lookup_finds_nothing_a_self_draft_is_planned_and_kept_exact() {
+    let mut cfg = two_tiers(64, 4);
+    cfg.speculation = Speculation::self_draft(4, 20);
+    let mut sim = Sim::new(cfg);
+    // A prompt that never repeats: no n-gram to find.
+    let plain = sim.submit_req(Sim::request(0, sim.unique_prompt(8), 24));
+    let plain = plain.expect("accepted");
+    let mut penalised = Sim::request(0, sim.unique_prompt(8), 24);
+    penalised.sampling.presence_penalty = 0.5;
+    let penalised = sim.submit_req(penalised).expect("accepted");
+    let mut seen = 0;
+    for _ in 0..6 {
+        let plan = sim.step();
+        for it in plan.items.iter().filter(|i| i.draft > 0) {
+            // Only where bias and mask do not change with the draft; its
+            // tokens are placeholders for the worker to fill.
+            assert_eq!(it.id, plain, "{plan:?}");
+            assert_eq!(it.self_draft, 20);
+            assert!(it.draft_bias.is_empty() && it.allow.is_none());
+            seen += 1;
+        }
+    }
+    assert!(seen > 0, "no self-draft planned");
+    sim.run_until_idle(1000);
+    sim.assert_all_done();
+    // The fake model's tokens whatever the guesses were.
+    for id in [plain, penalised] {
+        assert_eq!(sim.reqs[&id].out.len(), 24);
+    }
+    assert_eq!(sim.s.kv_usage().used, 0, "every block given back");
+}
