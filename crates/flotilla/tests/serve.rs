@@ -135,6 +135,18 @@ fn client() -> reqwest::Client {
         .unwrap()
 }
 
+/// `GET /config` with the paid key: the settings the server runs.
+async fn settings(c: &reqwest::Client, base: &str) -> Value {
+    c.get(format!("{base}/config"))
+        .bearer_auth(PAID_KEY)
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap()
+}
+
 async fn ready(base: &str) -> Value {
     client()
         .get(format!("{base}/ready"))
@@ -646,15 +658,7 @@ async fn a_self_draft_changes_speed_not_text() {
         &["--speculative", "self", "--speculative-draft-layers", "26"],
     );
     let c = client();
-    let cfg: Value = c
-        .get(format!("{}/config", srv.base))
-        .bearer_auth(PAID_KEY)
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+    let cfg = settings(&c, &srv.base).await;
     assert_eq!(cfg["speculative"], "self", "{cfg}");
     let counts = || async {
         let m = metrics_text(&client(), &srv.base).await;
@@ -829,15 +833,7 @@ async fn serve_traces_each_request_through_its_phases_and_preemptions() {
         ],
     );
     let c = client();
-    let cfg: Value = c
-        .get(format!("{}/config", srv.base))
-        .bearer_auth(PAID_KEY)
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+    let cfg = settings(&c, &srv.base).await;
     assert_eq!(cfg["max_num_batched_tokens"], 64);
     assert_eq!(cfg["kv_cache_blocks"], blocks);
     assert_eq!(cfg["quantization"], "Q4_1");

@@ -8,6 +8,9 @@ use flotilla_exec::constraint::allowed;
 use flotilla_gguf::GgufFile;
 use flotilla_text::TextSide;
 
+/// An object of a name and an age, nothing else.
+const NAME_AGE: &str = r#"{"type":"object","properties":{"name":{"type":"string"},"age":{"type":"integer"}},"required":["name","age"],"additionalProperties":false}"#;
+
 fn text() -> TextSide {
     let g = GgufFile::open(&flotilla_hub::test_model_path()).unwrap();
     TextSide::from_gguf(&g).unwrap()
@@ -69,7 +72,7 @@ fn a_regex_allows_only_its_language_and_ends_when_complete() {
 fn a_json_schema_is_followed_to_the_end_and_only_eos_may_follow() {
     let t = text();
     let c = flotilla_grammar::compiler_for(&t).unwrap();
-    let schema = r#"{"type":"object","properties":{"name":{"type":"string"},"age":{"type":"integer"}},"required":["name","age"],"additionalProperties":false}"#;
+    let schema = NAME_AGE;
     let mut m = c.compile(&Constraint::JsonSchema(schema.into())).unwrap();
     // A property the schema does not have is not allowed to start.
     let mut words = Vec::new();
@@ -234,7 +237,7 @@ fn numbers_without_bounds_of_their_own_have_bounded_digits() {
 fn a_draft_s_masks_follow_the_draft_and_leave_the_matcher_as_it_was() {
     let t = text();
     let c = flotilla_grammar::compiler_for(&t).unwrap();
-    let schema = r#"{"type":"object","properties":{"name":{"type":"string"},"age":{"type":"integer"}},"required":["name","age"],"additionalProperties":false}"#;
+    let schema = NAME_AGE;
     // The tokens of a whole valid output, spelled on a scratch matcher.
     let mut scratch = c.compile(&Constraint::JsonSchema(schema.into())).unwrap();
     let (toks, done) = spell(scratch.as_mut(), &t, r#"{"name":"Ada","age":36}"#);
@@ -286,7 +289,7 @@ fn a_grammar_s_forced_tokens_are_drafted_and_the_matcher_is_unchanged() {
     let t = text();
     let c = flotilla_grammar::compiler_for(&t).unwrap();
     // After `{"name":"Ada",` the schema forces `"age":`.
-    let schema = r#"{"type":"object","properties":{"name":{"type":"string"},"age":{"type":"integer"}},"required":["name","age"],"additionalProperties":false}"#;
+    let schema = NAME_AGE;
     let mut m = c.compile(&Constraint::JsonSchema(schema.into())).unwrap();
     let (_, done) = spell(m.as_mut(), &t, r#"{"name":"Ada","#);
     assert!(!done);
