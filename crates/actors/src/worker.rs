@@ -193,15 +193,45 @@ impl Actor for GpuWorker {
     }
 }
 
-/// Runs one step. It is seconds of CPU work at worst: run it on this
-/// thread but let tokio move its other tasks (HTTP, the scheduler)
-/// elsewhere. A current-thread runtime (the simulator) has nowhere to move
-/// them.
+/// Runs one step (its outputs are taken from the worker's scratch).
 fn run_step(st: &mut WorkerState, inputs: &[SeqInput<'_>]) -> Result<Vec<SeqOutput>, String> {
-    if crate::on_multi_thread_runtime() {
-        tokio::task::block_in_place(|| step_here(st, inputs))
+    on_executor(st, |exec, out| exec.step(inputs, out))?;
+    Ok(std::mem::take(&mut st.out.seqs))
+}
+
+/// Runs `f` on the executor with the worker's scratch outputs: seconds of
+/// CPU work at worst, so on this thread but letting tokio move its other
+/// tasks (HTTP, the scheduler) elsewhere; a current-thread runtime (the
+/// simulator) has nowhere to move them. A panic or a device error leaves
+/// the backend untrusted: the worker refuses every later call.
+fn on_executor(
+    st: &mut WorkerState,
+    f: impl FnOnce(&mut dyn Executor, &mut StepOutputs) -> Result<(), ExecError>,
+) -> Result<(), String> {
+    if let Some(why) = &st.broken {
+        return Err(why.clone());
+    }
+    let (exec, out) = (&mut st.exec, &mut st.out);
+    let go = || catch_unwind(AssertUnwindSafe(|| f(exec.as_mut(), out)));
+    let r = if crate::on_multi_thread_runtime() {
+        tokio::task::block_in_place(go)
     } else {
-        step_here(st, inputs)
+        go()
+    };
+    match r {
+        Ok(Ok(())) => Ok(()),
+        // A device error leaves the backend untrusted, as a panic does.
+        Ok(Err(e @ ExecError::Backend(_))) => {
+            let why = format!("{e}; the engine needs a restart");
+            st.broken = Some(why.clone());
+            Err(why)
+        }
+        Ok(Err(e)) => Err(e.to_string()),
+        Err(_) => {
+            let why = "the executor panicked; the engine needs a restart".to_string();
+            st.broken = Some(why.clone());
+            Err(why)
+        }
     }
 }
 
@@ -221,7 +251,6 @@ fn fill_self_drafts(st: &mut WorkerState, plan: &mut flotilla_sched::Plan) {
         .max()
         .unwrap_or(0);
     let greedy = flotilla_exec::SamplingParams::greedy();
-    let mut out = flotilla_exec::StepOutputs::default();
     for j in 0..longest {
         let live: Vec<usize> = rows
             .iter()
@@ -246,7 +275,7 @@ fn fill_self_drafts(st: &mut WorkerState, plan: &mut flotilla_sched::Plan) {
                     }
                 })
                 .collect();
-            draft_here(st, &inputs, &mut out, layers)
+            on_executor(st, |exec, out| exec.draft_step(&inputs, out, layers))
         };
         if let Err(e) = done {
             tracing::debug!(error = %e, "a self-draft pass failed; the placeholders stay");
@@ -255,37 +284,9 @@ fn fill_self_drafts(st: &mut WorkerState, plan: &mut flotilla_sched::Plan) {
         for (n, &i) in live.iter().enumerate() {
             let it = &mut plan.items[i];
             let at = it.tokens.len() - it.draft + j;
-            if let Some(t) = out.seqs.get(n).and_then(|o| o.sampled.as_ref()) {
+            if let Some(t) = st.out.seqs.get(n).and_then(|o| o.sampled.as_ref()) {
                 it.tokens[at] = t.token;
             }
-        }
-    }
-}
-
-/// One self-draft pass, off the runtime's other tasks like a step.
-fn draft_here(
-    st: &mut WorkerState,
-    inputs: &[SeqInput<'_>],
-    out: &mut flotilla_exec::StepOutputs,
-    layers: usize,
-) -> Result<(), String> {
-    if st.broken.is_some() {
-        return Err("the worker is broken".into());
-    }
-    let exec = &mut st.exec;
-    let mut go = || catch_unwind(AssertUnwindSafe(|| exec.draft_step(inputs, out, layers)));
-    let r = if crate::on_multi_thread_runtime() {
-        tokio::task::block_in_place(go)
-    } else {
-        go()
-    };
-    match r {
-        Ok(r) => r.map_err(|e| e.to_string()),
-        Err(_) => {
-            // The backend's state is not to be trusted, as after a step's panic.
-            let why = "the executor panicked; the engine needs a restart".to_string();
-            st.broken = Some(why.clone());
-            Err(why)
         }
     }
 }
@@ -344,29 +345,6 @@ async fn run_steps(st: &mut WorkerState, plan: &Plan) -> (Result<Vec<SeqOutput>,
         sleep_modelled(st).await;
     }
     (Ok(outs), ran)
-}
-
-fn step_here(st: &mut WorkerState, inputs: &[SeqInput<'_>]) -> Result<Vec<SeqOutput>, String> {
-    if let Some(why) = &st.broken {
-        return Err(why.clone());
-    }
-    let exec = &mut st.exec;
-    let out = &mut st.out;
-    match catch_unwind(AssertUnwindSafe(|| exec.step(inputs, out))) {
-        Ok(Ok(())) => Ok(std::mem::take(&mut out.seqs)),
-        // A device error leaves the backend untrusted, as a panic does.
-        Ok(Err(e @ ExecError::Backend(_))) => {
-            let why = format!("{e}; the engine needs a restart");
-            st.broken = Some(why.clone());
-            Err(why)
-        }
-        Ok(Err(e)) => Err(e.to_string()),
-        Err(_) => {
-            let why = "the executor panicked; the engine needs a restart".to_string();
-            st.broken = Some(why.clone());
-            Err(why)
-        }
-    }
 }
 
 /// Performs moves between the KV tiers, in order, timing them. A move

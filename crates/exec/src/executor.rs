@@ -423,6 +423,9 @@ pub enum ExecError {
     /// can no longer be trusted.
     #[error("{0}")]
     Backend(String),
+    /// The backend does not do what was asked (its state is unchanged).
+    #[error("this backend has no {0}")]
+    Unsupported(&'static str),
 }
 
 /// What a backend accepts in one step.
@@ -649,7 +652,7 @@ pub trait Executor: Send {
         layers: usize,
     ) -> Result<(), ExecError> {
         let _ = (batch, out, layers);
-        Err(ExecError::Backend("this backend has no self-draft".into()))
+        Err(ExecError::Unsupported("self-draft"))
     }
     /// How long the last step took on the hardware this backend models,
     /// for a backend that computes no real forward pass (the simulator's

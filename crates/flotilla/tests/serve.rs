@@ -135,6 +135,16 @@ fn client() -> reqwest::Client {
         .unwrap()
 }
 
+/// The server's draft totals, read as `flotilla bench` reads them; none
+/// before anything was drafted.
+async fn spec_counts(base: &str) -> SpecCounts {
+    let m = metrics_text(&client(), base).await;
+    SpecCounts::from_metrics(&m).unwrap_or(SpecCounts {
+        drafted: 0,
+        accepted: 0,
+    })
+}
+
 /// `GET /config` with the paid key: the settings the server runs.
 async fn settings(c: &reqwest::Client, base: &str) -> Value {
     c.get(format!("{base}/config"))
@@ -581,15 +591,7 @@ async fn speculative_decoding_changes_speed_not_text() {
             )
         }
     };
-    // The server's totals, read as `flotilla bench` reads them; none
-    // before anything was drafted.
-    let counts = || async {
-        let m = metrics_text(&client(), &srv.base).await;
-        SpecCounts::from_metrics(&m).unwrap_or(SpecCounts {
-            drafted: 0,
-            accepted: 0,
-        })
-    };
+    let counts = || spec_counts(&srv.base);
     for sampling in [
         json!({"temperature": 0}),
         json!({"temperature": 0.8, "top_p": 0.95, "seed": 5}),
@@ -660,13 +662,7 @@ async fn a_self_draft_changes_speed_not_text() {
     let c = client();
     let cfg = settings(&c, &srv.base).await;
     assert_eq!(cfg["speculative"], "self", "{cfg}");
-    let counts = || async {
-        let m = metrics_text(&client(), &srv.base).await;
-        SpecCounts::from_metrics(&m).unwrap_or(SpecCounts {
-            drafted: 0,
-            accepted: 0,
-        })
-    };
+    let counts = || spec_counts(&srv.base);
     for sampling in [
         json!({"temperature": 0}),
         json!({"temperature": 0.8, "top_p": 0.95, "seed": 9}),

@@ -105,7 +105,7 @@ impl Seq {
     }
 
     /// Whether presence or frequency penalties apply.
-    fn penalised(&self) -> bool {
+    pub(crate) fn penalised(&self) -> bool {
         self.sampling.presence_penalty != 0.0 || self.sampling.frequency_penalty != 0.0
     }
 

@@ -118,7 +118,7 @@ impl Scheduler {
             if guess.is_empty()
                 && spec.self_layers > 0
                 && seq.constraint.is_none()
-                && seq.draft_bias(&[0]).is_empty()
+                && !seq.penalised()
             {
                 let last = *seq.tokens.last().expect("a decode has tokens");
                 guess.resize(room, last);
