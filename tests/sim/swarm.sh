@@ -13,7 +13,7 @@ SEEDS=${SEEDS:-2000}
 FIRST=${FIRST:-1}
 scenarios=("$@")
 if [ ${#scenarios[@]} -eq 0 ]; then
-  scenarios=(fault-storm pd-fault-storm chaos-storm pd-chaos-storm rolling-drain pd-rolling-drain pd-kill-cancel kv-offload-faults)
+  scenarios=(fault-storm pd-fault-storm chaos-storm pd-chaos-storm rolling-drain pd-rolling-drain pd-kill-cancel kv-offload-faults pd-kill-cancel-small-kv)
 fi
 cargo build --release -p flotilla --quiet
 status=0

@@ -359,8 +359,9 @@ fn simulate(
     let t = swarm.totals();
     println!(
         "requests over the passing seeds: {} sent, {} finished, {} refused, {} failed, {} cancelled; \
-         {} streams moved ({} with their KV, the rest recomputed)",
-        t.sent, t.finished, t.refused, t.failed, t.cancelled, t.moved, t.moved_by_kv
+         {} streams moved ({} with their KV, the rest recomputed); {} P/D requests found \
+         their decode node short of KV blocks",
+        t.sent, t.finished, t.refused, t.failed, t.cancelled, t.moved, t.moved_by_kv, t.kv_short
     );
     if !t.move_pauses_ms.is_empty() {
         let mut p = t.move_pauses_ms;

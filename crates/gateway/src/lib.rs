@@ -513,7 +513,7 @@ async fn ready(State(gw): Shared) -> Response {
         "nodes": s.nodes.iter().map(|n| json!({
             "name": n.name, "up": n.up, "epoch": n.epoch, "in_flight": n.in_flight,
             "routed": n.routed, "downs": n.downs, "moved_away": n.moved_away,
-            "moved_by_kv": n.moved_by_kv,
+            "moved_by_kv": n.moved_by_kv, "kv_short": n.kv_short,
             "kv_orphans": n.kv_orphans,
             "kv_cache_dtype": n.kv_dtype.name(), "kv_blocks": n.kv_blocks,
         })).collect::<Vec<_>>(),

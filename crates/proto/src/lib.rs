@@ -351,6 +351,9 @@ pub struct NodeStatus {
     /// Of those, the ones that continued from its KV (it drained), not
     /// by recomputing their tokens.
     pub moved_by_kv: u64,
+    /// Disaggregated requests it could not reserve KV blocks for (they
+    /// went to another decode node, or ran whole here, queued).
+    pub kv_short: u64,
     /// Requests whose leases it gave back as orphans (held for requests
     /// no longer alive anywhere); should stay 0.
     pub kv_orphans: u64,

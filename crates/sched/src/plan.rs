@@ -6,7 +6,7 @@ use std::cmp::Reverse;
 use std::time::Duration;
 
 use flotilla_exec::{OutputKind, SeqInput};
-use flotilla_kv::{AllocError, Owner};
+use flotilla_kv::{AllocError, Lease, Owner};
 use flotilla_proto::{EngineFailure, RequestId, SamplingParams, TierId};
 
 use crate::seq::Seq;
@@ -810,11 +810,20 @@ impl Scheduler {
             let available = self.pool.available(owner);
             self.put_back(id, lease, imported);
             // With nothing else of its kind holding blocks, waiting cannot
-            // help: fail it rather than stall its queue forever.
+            // help: fail it rather than stall its queue forever. Blocks
+            // reserved for an import or held for an export come back (as
+            // a sequence that runs and ends, or at their deadline), so
+            // they count as holders too.
+            let kv_of = |owner: Option<Owner>| {
+                let mine = |l: &Lease| owner.is_none_or(|o| l.owner() == o);
+                self.held.values().any(|h| mine(&h.lease))
+                    || self.reservations.values().any(|r| mine(&r.lease))
+            };
             let alone = match err {
-                AllocError::NoBlocks { .. } => self.running.is_empty(),
+                AllocError::NoBlocks { .. } => self.running.is_empty() && !kv_of(None),
                 AllocError::Quota { .. } => {
                     !self.running.iter().any(|r| self.seqs[r].tenant == tenant)
+                        && !kv_of(Some(owner))
                 }
             };
             if alone {

@@ -103,6 +103,9 @@ pub struct Report {
     /// Of those, the ones that continued from their KV (their node left
     /// in order), not by recomputing their tokens.
     pub moved_by_kv: u64,
+    /// P/D requests a decode node had no KV blocks to reserve for (sent
+    /// to another decode node, or run whole there).
+    pub kv_short: u64,
     /// Streams whose longest pause between two tokens outlasted the down
     /// bound (a lost node, a cut link), and those pauses, ms.
     pub pauses_ms: Vec<f64>,
@@ -210,6 +213,14 @@ impl std::fmt::Display for Report {
                 p.len(),
                 percentile(&mut p, 50.0),
                 percentile(&mut p, 99.0)
+            )?;
+        }
+        if self.kv_short > 0 {
+            writeln!(
+                f,
+                "P/D requests whose decode node was short of KV blocks to reserve: {} (sent to \
+                 another decode node, or run whole there)",
+                self.kv_short
             )?;
         }
         if !self.move_pauses_ms.is_empty() {
@@ -550,6 +561,7 @@ async fn simulate(sc: &Scenario, seed: u64) -> Result<Report, SimError> {
     let nodes = world.router.status().await.nodes;
     let moved: u64 = nodes.iter().map(|n| n.moved_away).sum();
     let moved_by_kv: u64 = nodes.iter().map(|n| n.moved_by_kv).sum();
+    let kv_short: u64 = nodes.iter().map(|n| n.kv_short).sum();
     let (preemptions, offload) = check_engines(&world, true).await;
     check_single_dispatch(&world);
     let engines: Vec<LocalEngine> = lock(&world.engines).iter().flatten().cloned().collect();
@@ -604,6 +616,7 @@ async fn simulate(sc: &Scenario, seed: u64) -> Result<Report, SimError> {
         orphans: *lock(&world.orphans),
         moved,
         moved_by_kv,
+        kv_short,
         pauses_ms: outcomes
             .iter()
             .filter(|o| o.gap_max > down_after)
@@ -1044,6 +1057,7 @@ async fn one_request(w: &Arc<World>, tenant: usize, rng: &mut Rng) {
             }
             Some(EngineEvent::Failed(f)) => {
                 out.end = End::Failed;
+                tracing::debug!(req = id, "client: failed after {} tokens: {f}", out.tokens);
                 let code = match f {
                     EngineFailure::QueueTimeout { .. } => 1,
                     EngineFailure::KvTransfer(_) => 2,

@@ -48,6 +48,7 @@ impl SwarmReport {
             }
             t.moved += r.moved;
             t.moved_by_kv += r.moved_by_kv;
+            t.kv_short += r.kv_short;
             t.move_pauses_ms.extend_from_slice(&r.move_pauses_ms);
         }
         t
@@ -80,6 +81,8 @@ pub struct SwarmTotals {
     pub moved: u64,
     /// Of those, moved with their KV.
     pub moved_by_kv: u64,
+    /// P/D requests a decode node had no blocks to reserve for.
+    pub kv_short: u64,
     /// Each move's pause, ms.
     pub move_pauses_ms: Vec<f64>,
 }

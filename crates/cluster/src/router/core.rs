@@ -192,6 +192,8 @@ struct WorkerView {
     downs: u64,
     moved_away: u64,
     moved_by_kv: u64,
+    /// P/D reservations it refused for lack of blocks.
+    kv_short: u64,
     /// The life (epoch) that said it is leaving: its later messages are
     /// a drained node's last words, not a sign of life.
     left_epoch: u64,
@@ -312,6 +314,7 @@ impl RouterCore {
                 downs: 0,
                 moved_away: 0,
                 moved_by_kv: 0,
+                kv_short: 0,
                 left_epoch: 0,
                 prefix: PrefixIndex::new(opts.prefix_blocks_max),
                 recall: Vec::new(),
@@ -417,6 +420,7 @@ impl RouterCore {
                 downs: w.downs,
                 moved_away: w.moved_away,
                 moved_by_kv: w.moved_by_kv,
+                kv_short: w.kv_short,
                 kv_orphans: w.load.orphans,
                 kv_dtype: w.load.kv.dtype,
                 kv_blocks: w.load.kv.total,
@@ -544,6 +548,12 @@ impl RouterCore {
         assert!(old.is_none(), "request id {id} submitted twice");
         if !self.route(id, &hashes, None, reachable) {
             self.unplace(id);
+            // Said here: the client's 503 is all that tells of it otherwise.
+            tracing::info!(
+                "request {id} refused (unavailable): no node up and reachable can take it ({} up of {})",
+                self.workers.iter().filter(|w| w.up).count(),
+                self.workers.len()
+            );
             self.out.push(RouterOutput::Admitted {
                 id,
                 result: Err(Rejection::Unavailable),
@@ -1170,6 +1180,9 @@ impl RouterCore {
                 // other node may.
                 let closed = rejection == Rejection::Unavailable;
                 let paired = self.pending[&req].prefill.is_some();
+                if full && paired && !self.workers[w].load.draining {
+                    self.workers[w].kv_short += 1;
+                }
                 if (full && paired) || closed {
                     // A decode node that had no blocks to reserve now: if
                     // no other can pair, it runs the request whole, queued
@@ -1349,6 +1362,10 @@ impl RouterCore {
             .collect();
         for id in late {
             if let Some(p) = self.finish(id) {
+                tracing::info!(
+                    "request {id} refused (unavailable): no admission answer from {} in time",
+                    self.workers[p.worker].name
+                );
                 self.cancel_on_node(&p, id, false);
                 self.out.push(RouterOutput::Admitted {
                     id,

@@ -391,3 +391,32 @@ fn a_detached_request_continues_exactly_on_another_engine() {
     assert_eq!(whole, (30..40).map(|p| tok(id, p)).collect::<Vec<_>>());
     b.assert_all_done();
 }
+
+/// A request the cache can hold, queued while a reservation holds most of
+/// the blocks and nothing runs, waits for them: the reservation turns into
+/// a sequence that ends or expires. It used to fail at once as too large
+/// for the cache (issue 21: the last decode node of a P/D cluster, running
+/// requests whole beside its reservations, failed them).
+#[test]
+fn a_request_waits_for_blocks_a_reservation_holds_rather_than_failing() {
+    let mut d = Sim::new(two_tiers(8, 16));
+    let r = RequestId(50);
+    // 6 of the 8 blocks reserved; nothing runs.
+    d.s.reserve(d.now, r, TenantId(0), 6 * 16, TTL).unwrap();
+    // 60 prompt tokens: 4 blocks, only 2 free.
+    let a = d.submit(0, 60, 8).unwrap();
+    for _ in 0..3 {
+        d.step();
+    }
+    assert_eq!(d.reqs[&a].end, None, "it waits instead of failing");
+    assert_eq!(d.reqs[&a].computed, 0);
+    // The reservation goes back: it runs and finishes.
+    assert!(d.s.cancel_reservation(r));
+    d.run_until_idle(50);
+    assert!(
+        matches!(d.reqs[&a].end, Some(End::Finished(..))),
+        "{:?}",
+        d.reqs[&a].end
+    );
+    d.assert_all_done();
+}

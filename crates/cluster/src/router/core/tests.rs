@@ -782,3 +782,50 @@ fn kv_moves_only_between_nodes_of_one_kv_dtype() {
         "{moved:?}"
     );
 }
+
+/// Issue 21's 503 burst: with two decode nodes, one that has no blocks to
+/// reserve for a paired request sends it to the other; once the other is
+/// dead, the last decode node short of blocks must still take the request
+/// (whole, queued in its engine until blocks free up), not have the Router
+/// answer 503 while it is up.
+#[test]
+fn the_last_decode_node_short_of_blocks_runs_it_whole_not_a_503() {
+    // Both decode nodes up: a refused reservation goes to the other one,
+    // still paired with the prefill node.
+    let mut h = H::new(&[Role::Prefill, Role::Decode, Role::Decode]);
+    let (first, s) = submit_msgs(&h.submit(6, 8, 5)).remove(0);
+    assert_eq!((s.prefill, s.attempt), (Some(1), 0));
+    let refused = Message::Refused {
+        req: 6,
+        rejection: Rejection::Unavailable,
+    };
+    let out = h.msg(first, 1, refused);
+    let other = if first == 2 { 3 } else { 2 };
+    let (to, again) = submit_msgs(&out).remove(0);
+    assert_eq!((to, again.prefill, again.attempt), (other, Some(1), 1));
+    assert_eq!(admitted(&out, 6), None);
+
+    // Node 2 killed: silent past the down bound, marked down.
+    let mut h = H::new(&[Role::Prefill, Role::Decode, Role::Decode]);
+    h.live_until(DOWN + ms(200), &[1, 3]);
+    assert_eq!(h.core.up_nodes(), ["prefill-1", "decode-3"]);
+    let (to, s) = submit_msgs(&h.submit(7, 8, 5)).remove(0);
+    assert_eq!((to, s.prefill, s.attempt), (3, Some(1), 0));
+    let refused = Message::Refused {
+        req: 7,
+        rejection: Rejection::Unavailable,
+    };
+    let out = h.msg(3, 1, refused);
+    assert_eq!(
+        admitted(&out, 7),
+        None,
+        "no 503 while the last decode node can queue it whole"
+    );
+    let (to, whole) = submit_msgs(&out).remove(0);
+    assert_eq!((to, whole.prefill, whole.attempt), (3, None, 1));
+    let out = h.msg(3, 1, Message::Admitted { req: 7 });
+    assert_eq!(admitted(&out, 7), Some(Ok(())));
+    let st = h.core.status();
+    let short: Vec<u64> = st.nodes.iter().map(|n| n.kv_short).collect();
+    assert_eq!(short, [0, 0, 1], "counted where it was short");
+}
