@@ -9,6 +9,11 @@
 # with the KV blocks still used.
 # GRACE_S is the nodes' --drain-grace-s (30): how long a drained node lets
 # its requests finish before they move (0: they move at once, with their KV).
+# KV_BYTES sets every node's --kv-cache-bytes (default: a tenth of free
+# memory), MAX_MODEL_LEN their --max-model-len (8192; a node needs the
+# blocks of one such sequence). KV_BYTES=73728000 MAX_MODEL_LEN=2048 (200
+# blocks) is the small-pool case of simulations/pd-kill-cancel-small-kv.toml,
+# where the decode node left is short of blocks (kv_short in the report).
 #   usage: tests/bench/node-loss.sh            (kill -9)
 #          SIGNAL=TERM tests/bench/node-loss.sh
 #          SIGNAL=TERM GRACE_S=0 tests/bench/node-loss.sh
@@ -19,11 +24,14 @@ SIGNAL=${SIGNAL:-KILL}
 AFTER_S=${AFTER_S:-25}
 SEED=${SEED:-3}
 GRACE_S=${GRACE_S:-30}
+KV_ARGS=()
+[ -n "${KV_BYTES:-}" ] && KV_ARGS+=(--kv-cache-bytes "$KV_BYTES")
+[ -n "${MAX_MODEL_LEN:-}" ] && KV_ARGS+=(--max-model-len "$MAX_MODEL_LEN")
 BIN=target/release/flotilla
 [ -x "$BIN" ] || cargo build --release
 URL=http://127.0.0.1:8000
 CONFIG=cluster-configs/pd-2p2d.toml
-"$BIN" cluster --config "$CONFIG" -- --threads 1 --drain-grace-s "$GRACE_S" > "$OUT/cluster.log" 2>&1 &
+"$BIN" cluster --config "$CONFIG" -- --threads 1 --drain-grace-s "$GRACE_S" "${KV_ARGS[@]}" > "$OUT/cluster.log" 2>&1 &
 CL=$!
 trap 'kill $CL 2>/dev/null || true; wait $CL 2>/dev/null || true' EXIT
 up() {
@@ -47,5 +55,5 @@ curl -s "$URL/ready" | python3 -c '
 import json, sys
 d = json.load(sys.stdin)
 for n in d["nodes"]:
-    print("{name:10} up {up!s:5} downs {downs} moved_away {moved_away} moved_by_kv {moved_by_kv} kv_orphans {kv_orphans}".format(**n))
+    print("{name:10} up {up!s:5} downs {downs} moved_away {moved_away} moved_by_kv {moved_by_kv} kv_short {kv_short} kv_orphans {kv_orphans} kv_blocks {kv_blocks}".format(**n))
 print("KV blocks used on the nodes up:", d["kv_blocks"]["used"])'
