@@ -1180,7 +1180,8 @@ impl RouterCore {
                 // other node may.
                 let closed = rejection == Rejection::Unavailable;
                 let paired = self.pending[&req].prefill.is_some();
-                if full && paired && !self.workers[w].load.draining {
+                // Not draining: it had no blocks free to reserve.
+                if closed && paired && !self.workers[w].load.draining {
                     self.workers[w].kv_short += 1;
                 }
                 if (full && paired) || closed {
