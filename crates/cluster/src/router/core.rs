@@ -1363,9 +1363,9 @@ impl RouterCore {
             .collect();
         for id in late {
             if let Some(p) = self.finish(id) {
+                let node = self.workers.get(p.worker).map_or("no node", |w| &w.name);
                 tracing::info!(
-                    "request {id} refused (unavailable): no admission answer from {} in time",
-                    self.workers[p.worker].name
+                    "request {id} refused (unavailable): no admission answer from {node} in time"
                 );
                 self.cancel_on_node(&p, id, false);
                 self.out.push(RouterOutput::Admitted {
