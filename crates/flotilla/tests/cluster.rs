@@ -585,21 +585,15 @@ async fn a_sigterm_drains_a_worker_its_streams_move_with_their_kv_and_it_exits()
     drop(c.dir);
 }
 
-/// The reported setting (two prefill and two decode nodes) under 16
-/// streams with a decode node killed while they run: every stream ends
-/// whole, none with an error, each with the text an undisturbed greedy run
-/// gives; the killed node's streams moved; no KV block stays used on any
-/// node that is up.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_killed_decode_node_of_two_prefill_two_decode_loses_no_stream() {
+/// A cluster of `roles` under 16 streams with node `victim` killed while
+/// they run: every stream ends whole, none with an error, each with the
+/// text an undisturbed greedy run gives; the killed node's streams moved;
+/// no KV block stays used on any node that is up.
+async fn kill_one_under_16_streams(roles: &[&str], victim: &str) {
     const TOKENS: u32 = 96;
-    let mut c = start_cluster_full(
-        &["prefill", "prefill", "decode", "decode"],
-        &flotilla_hub::test_model_path(),
-        &[],
-    );
-    wait_for(&c.base, "all four engine nodes up", |r| {
-        (1..=4).all(|i| node(r, &format!("worker-{i}"))["up"] == true)
+    let mut c = start_cluster_full(roles, &flotilla_hub::test_model_path(), &[]);
+    wait_for(&c.base, "all engine nodes up", |r| {
+        (1..=roles.len()).all(|i| node(r, &format!("worker-{i}"))["up"] == true)
     })
     .await;
     let prompts: Vec<String> = (0..16)
@@ -614,7 +608,7 @@ async fn a_killed_decode_node_of_two_prefill_two_decode_loses_no_stream() {
         streams.push(tokio::spawn(read_sse_counting(resp, n.clone())));
         seen.push(n);
     }
-    // Every stream has tokens (so those on worker-3 move rather than run
+    // Every stream has tokens (so those on the victim move rather than run
     // again from the start).
     let t0 = Instant::now();
     while seen.iter().any(|n| n.load(Ordering::Relaxed) < 4) {
@@ -625,18 +619,15 @@ async fn a_killed_decode_node_of_two_prefill_two_decode_loses_no_stream() {
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
     let r = ready(&c.base).await;
-    assert!(
-        node(&r, "worker-3")["in_flight"].as_u64().unwrap() >= 1,
-        "{r}"
-    );
-    let w3 = c.nodes.iter_mut().find(|n| n.name == "worker-3").unwrap();
-    w3.child.kill().unwrap();
-    w3.child.wait().unwrap();
+    assert!(node(&r, victim)["in_flight"].as_u64().unwrap() >= 1, "{r}");
+    let v = c.nodes.iter_mut().find(|n| n.name == victim).unwrap();
+    v.child.kill().unwrap();
+    v.child.wait().unwrap();
     let mut texts = Vec::new();
     for s in streams {
         let (chunks, err, done, text) = tokio::time::timeout(Duration::from_secs(180), s)
             .await
-            .expect("a stream hung after its decode node died")
+            .expect("a stream hung after a node died")
             .unwrap();
         assert!(done, "stream without [DONE]");
         assert_eq!(err, None, "a stream ended with an error");
@@ -644,7 +635,7 @@ async fn a_killed_decode_node_of_two_prefill_two_decode_loses_no_stream() {
         texts.push(text);
     }
     let r = ready(&c.base).await;
-    let w = node(&r, "worker-3");
+    let w = node(&r, victim);
     assert_eq!(
         (w["up"].as_bool(), w["downs"].as_u64()),
         (Some(false), Some(1)),
@@ -670,6 +661,19 @@ async fn a_killed_decode_node_of_two_prefill_two_decode_loses_no_stream() {
     })
     .await;
     drop(c.dir);
+}
+
+/// The reported setting (two prefill and two decode nodes): a decode node
+/// killed under 16 streams.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_killed_decode_node_of_two_prefill_two_decode_loses_no_stream() {
+    kill_one_under_16_streams(&["prefill", "prefill", "decode", "decode"], "worker-3").await;
+}
+
+/// Two workers: one killed under 16 streams.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_killed_worker_of_two_loses_none_of_16_streams() {
+    kill_one_under_16_streams(&["worker", "worker"], "worker-1").await;
 }
 
 /// Three network namespaces on a bridge, one per node; removed on drop.
