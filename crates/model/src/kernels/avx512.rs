@@ -447,21 +447,45 @@ unsafe fn heads<T: KvRows16, const G: usize>(
     let qp = q.as_ptr();
     // Scores, eight rows at a time, each K row loaded once for the G heads,
     // folded to eight lanes and reduced with one hadd tree per head.
+    // At 64 dimensions (four chunks) the G heads' queries stay in
+    // registers for the whole block; the same FMA chains either way.
+    const QC: usize = 4;
+    // SAFETY: hd == 64 means each head's row holds QC chunks of 16.
+    let qreg: [[__m512; QC]; G] = if hd == 16 * QC {
+        std::array::from_fn(|g| {
+            std::array::from_fn(|c| unsafe { _mm512_loadu_ps(qp.add((g0 + g) * hd + 16 * c)) })
+        })
+    } else {
+        [[_mm512_setzero_ps(); QC]; G]
+    };
     let mut j0 = 0;
     while j0 < n {
         let m = (n - j0).min(8);
         let mut parts = [[_mm256_setzero_ps(); 8]; G];
         for jj in 0..m {
             let mut s = [_mm512_setzero_ps(); G];
-            let mut i = 0;
             // SAFETY: i + 16 <= hd on every load, rows < n; heads g0 + g < group.
             unsafe {
-                while i < hd {
-                    let kv = k.load16(j0 + jj, i, hd);
-                    for (g, sg) in s.iter_mut().enumerate() {
-                        *sg = _mm512_fmadd_ps(_mm512_loadu_ps(qp.add((g0 + g) * hd + i)), kv, *sg);
+                if hd == 16 * QC {
+                    for c in 0..QC {
+                        let kv = k.load16(j0 + jj, 16 * c, hd);
+                        for (sg, qg) in s.iter_mut().zip(&qreg) {
+                            *sg = _mm512_fmadd_ps(qg[c], kv, *sg);
+                        }
                     }
-                    i += 16;
+                } else {
+                    let mut i = 0;
+                    while i < hd {
+                        let kv = k.load16(j0 + jj, i, hd);
+                        for (g, sg) in s.iter_mut().enumerate() {
+                            *sg = _mm512_fmadd_ps(
+                                _mm512_loadu_ps(qp.add((g0 + g) * hd + i)),
+                                kv,
+                                *sg,
+                            );
+                        }
+                        i += 16;
+                    }
                 }
             }
             for (p, sg) in parts.iter_mut().zip(s) {
@@ -608,6 +632,40 @@ pub unsafe fn lanes_block(st: &mut Lanes16<'_>, kf: &[f32], vf: &[f32], n: usize
     }
 }
 
+/// One pass of [`lanes_positions`]' scores for four positions (K rows
+/// `kj`): partial sums l and l + 8 for l in {2 pass, 2 pass + 1}, each
+/// the FMA chain over the 16-wide chunks, folded as `(f[2 pass] +
+/// f[2 pass + 1])` where `f[l] = sum l + sum l + 8`.
+///
+/// # Safety
+/// AVX-512 F; each `kj` row and `qp` (transposed, `hd x 16`) hold `hd`
+/// values; `hd` a multiple of 16.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl")]
+unsafe fn score_quad(kj: [*const f32; 4], qp: *const f32, hd: usize, pass: usize) -> [__m512; 4] {
+    let ls = [2 * pass, 2 * pass + 1, 2 * pass + 8, 2 * pass + 9];
+    let mut a = [[_mm512_setzero_ps(); 4]; 4];
+    let mut c = 0;
+    // SAFETY: c + l < hd on every read, by the caller's promise.
+    unsafe {
+        while c < hd {
+            for (x, &l) in ls.iter().enumerate() {
+                let qv = _mm512_loadu_ps(qp.add((c + l) * 16));
+                for (p, k) in kj.iter().enumerate() {
+                    a[x][p] = _mm512_fmadd_ps(_mm512_set1_ps(*k.add(c + l)), qv, a[x][p]);
+                }
+            }
+            c += 16;
+        }
+    }
+    std::array::from_fn(|p| {
+        _mm512_add_ps(
+            _mm512_add_ps(a[0][p], a[2][p]),
+            _mm512_add_ps(a[1][p], a[3][p]),
+        )
+    })
+}
+
 /// [`lanes_block`] for 16 positions (sixteen score vectors in registers).
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl")]
@@ -621,26 +679,24 @@ unsafe fn lanes_positions(st: &mut Lanes16<'_>, kf: &[f32], vf: &[f32], hd: usiz
         // row's dimension i lands in partial sum i % 16, each a chain of
         // FMAs over the 16-wide chunks; the partial sums fold as its
         // `fold256` and `hsum8x8` do; the scale multiplies the sum.
+        //
+        // Four positions at a time share each query load, in four passes
+        // over the partial sums that fold together ({0, 1, 8, 9}, then
+        // {2, 3, 10, 11}, ...): sixteen accumulators live at once, each
+        // the same FMA chain as above, and the folds in the same tree.
         let scale = _mm512_set1_ps(st.scale);
         let mut s = [_mm512_setzero_ps(); M];
-        for (j, sj) in s.iter_mut().enumerate() {
-            let kj = kp.add(j * hd);
-            let mut a = [_mm512_setzero_ps(); 16];
-            let mut c = 0;
-            while c < hd {
-                for (l, al) in a.iter_mut().enumerate() {
-                    *al = _mm512_fmadd_ps(
-                        _mm512_set1_ps(*kj.add(c + l)),
-                        _mm512_loadu_ps(qp.add((c + l) * 16)),
-                        *al,
-                    );
-                }
-                c += 16;
+        let mut p0 = 0;
+        while p0 < M {
+            let kj: [*const f32; 4] = std::array::from_fn(|p| kp.add((p0 + p) * hd));
+            let (x01, x23) = (score_quad(kj, qp, hd, 0), score_quad(kj, qp, hd, 1));
+            let lo: [__m512; 4] = std::array::from_fn(|p| _mm512_add_ps(x01[p], x23[p]));
+            let (x45, x67) = (score_quad(kj, qp, hd, 2), score_quad(kj, qp, hd, 3));
+            for p in 0..4 {
+                let hi = _mm512_add_ps(x45[p], x67[p]);
+                s[p0 + p] = _mm512_mul_ps(_mm512_add_ps(lo[p], hi), scale);
             }
-            let f: [__m512; 8] = std::array::from_fn(|l| _mm512_add_ps(a[l], a[l + 8]));
-            let lo = _mm512_add_ps(_mm512_add_ps(f[0], f[1]), _mm512_add_ps(f[2], f[3]));
-            let hi = _mm512_add_ps(_mm512_add_ps(f[4], f[5]), _mm512_add_ps(f[6], f[7]));
-            *sj = _mm512_mul_ps(_mm512_add_ps(lo, hi), scale);
+            p0 += 4;
         }
         // Online softmax across the rows at once, in `softmax_block`'s
         // arithmetic (its sum in `tree16`'s order).
