@@ -13,7 +13,7 @@ use std::time::{Duration, Instant};
 
 mod common;
 
-use common::{openai_python, run_client_script};
+use common::{client, openai_python, ready, run_client_script};
 use futures_util::StreamExt;
 use serde_json::{Value, json};
 
@@ -251,24 +251,6 @@ fn start_cluster_config(roles: &[&str], model: &Path, w1_extra: &[&str], more: &
         base: url.expect("the router prints its URL"),
         nodes,
     }
-}
-
-fn client() -> reqwest::Client {
-    reqwest::Client::builder()
-        .timeout(Duration::from_secs(120))
-        .build()
-        .unwrap()
-}
-
-async fn ready(base: &str) -> Value {
-    client()
-        .get(format!("{base}/ready"))
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap()
 }
 
 fn node<'a>(r: &'a Value, name: &str) -> &'a Value {

@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 
 mod common;
 
-use common::{openai_python, run_client_script};
+use common::{client, get_json, openai_python, ready, run_client_script};
 use flotilla_bench::SpecCounts;
 use futures_util::StreamExt;
 use serde_json::{Value, json};
@@ -128,13 +128,6 @@ fn rand_suffix() -> u64 {
     RandomState::new().hash_one(0u8)
 }
 
-fn client() -> reqwest::Client {
-    reqwest::Client::builder()
-        .timeout(Duration::from_secs(120))
-        .build()
-        .unwrap()
-}
-
 /// The server's draft totals, read as `flotilla bench` reads them; none
 /// before anything was drafted.
 async fn spec_counts(base: &str) -> SpecCounts {
@@ -146,26 +139,8 @@ async fn spec_counts(base: &str) -> SpecCounts {
 }
 
 /// `GET /config` with the paid key: the settings the server runs.
-async fn settings(c: &reqwest::Client, base: &str) -> Value {
-    c.get(format!("{base}/config"))
-        .bearer_auth(PAID_KEY)
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap()
-}
-
-async fn ready(base: &str) -> Value {
-    client()
-        .get(format!("{base}/ready"))
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap()
+async fn settings(base: &str) -> Value {
+    get_json(base, "/config", Some(PAID_KEY)).await
 }
 
 /// Polls /ready until nothing runs or waits (cancels are applied at the
@@ -660,7 +635,7 @@ async fn a_self_draft_changes_speed_not_text() {
         &["--speculative", "self", "--speculative-draft-layers", "26"],
     );
     let c = client();
-    let cfg = settings(&c, &srv.base).await;
+    let cfg = settings(&srv.base).await;
     assert_eq!(cfg["speculative"], "self", "{cfg}");
     let counts = || spec_counts(&srv.base);
     for sampling in [
@@ -829,7 +804,7 @@ async fn serve_traces_each_request_through_its_phases_and_preemptions() {
         ],
     );
     let c = client();
-    let cfg = settings(&c, &srv.base).await;
+    let cfg = settings(&srv.base).await;
     assert_eq!(cfg["max_num_batched_tokens"], 64);
     assert_eq!(cfg["kv_cache_blocks"], blocks);
     assert_eq!(cfg["quantization"], "Q4_1");

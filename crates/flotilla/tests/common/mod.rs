@@ -1,8 +1,33 @@
-//! What the multi-process tests share: the Python that drives a server
-//! with the real `openai` client, and running one of the repository's
-//! client scripts against it.
+//! What the multi-process tests share: an HTTP client and a JSON GET, the
+//! Python that drives a server with the real `openai` client, and running
+//! one of the repository's client scripts against it.
 
 use std::process::Command;
+use std::time::Duration;
+
+use serde_json::Value;
+
+/// The tests' HTTP client (a request that outlives two minutes fails).
+pub fn client() -> reqwest::Client {
+    reqwest::Client::builder()
+        .timeout(Duration::from_secs(120))
+        .build()
+        .unwrap()
+}
+
+/// `GET {base}{path}` as JSON, with `key` as the bearer token when given.
+pub async fn get_json(base: &str, path: &str, key: Option<&str>) -> Value {
+    let mut req = client().get(format!("{base}{path}"));
+    if let Some(key) = key {
+        req = req.bearer_auth(key);
+    }
+    req.send().await.unwrap().json().await.unwrap()
+}
+
+/// `GET /ready`: the server's (or router's) state.
+pub async fn ready(base: &str) -> Value {
+    get_json(base, "/ready", None).await
+}
 
 /// The Python interpreter with the `openai` package (`FLOTILLA_PYTHON`,
 /// else `python3` when it has it), or `None` (skip) outside CI.
