@@ -15,10 +15,10 @@
 use std::time::Duration;
 
 use flotilla_exec::KvDtype;
-use serde::Deserialize;
+use serde::{Deserialize, Serialize};
 
 /// One accelerator's figures.
-#[derive(Clone, Debug, PartialEq, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Deserialize, Serialize)]
 #[serde(deny_unknown_fields)]
 pub struct GpuParams {
     /// Preset name, or a label for a custom set.
@@ -131,7 +131,7 @@ fn overlapped() -> bool {
 }
 
 /// The model's shape, as far as cost goes.
-#[derive(Clone, Debug, PartialEq, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Deserialize, Serialize)]
 #[serde(deny_unknown_fields)]
 pub struct ModelShape {
     /// Preset name, or a label.

@@ -65,19 +65,46 @@ fn default_drain() -> f64 {
     300.0
 }
 
-/// A preset by name, or a full parameter set.
+/// A preset by name (with any of its fields set otherwise), or a full
+/// parameter set.
 #[derive(Clone, Debug, Deserialize)]
 #[serde(untagged)]
 pub enum Named {
-    /// `{ preset = "h200" }`.
+    /// `{ preset = "h200" }`, or `{ preset = "cpu", mem_bytes = 1.9e8 }`:
+    /// the preset with the fields given beside its name replaced.
     Preset {
         /// The preset's name.
         preset: String,
+        /// Fields of the preset set otherwise (each one a field of the
+        /// GPU or model figures; any other key is refused).
+        #[serde(flatten)]
+        set: toml::Table,
     },
     /// Every field of a GPU or model.
     Gpu(GpuParams),
     /// Every field of a model.
     Model(ModelShape),
+}
+
+/// `base` (a preset) with the fields in `set` replaced; a key that is
+/// not one of its fields, or a value of the wrong type, is refused naming
+/// `[section]`.
+fn with_fields<T: serde::Serialize + serde::de::DeserializeOwned>(
+    base: T,
+    set: &toml::Table,
+    section: &str,
+) -> Result<T, ScenarioError> {
+    if set.is_empty() {
+        return Ok(base);
+    }
+    let bad = |e: String| ScenarioError::Invalid(format!("[{section}]: {e}"));
+    let mut fields = toml::Table::try_from(base).map_err(|e| bad(e.to_string()))?;
+    for (k, v) in set {
+        fields.insert(k.clone(), v.clone());
+    }
+    toml::Value::Table(fields)
+        .try_into()
+        .map_err(|e: toml::de::Error| bad(e.message().to_string()))
 }
 
 /// Engine limits.
@@ -494,11 +521,14 @@ impl Scenario {
     /// The accelerator's figures.
     pub fn gpu_params(&self) -> Result<GpuParams, ScenarioError> {
         match &self.gpu {
-            Named::Preset { preset } => GpuParams::preset(preset).ok_or_else(|| {
-                ScenarioError::Invalid(format!(
-                    "unknown gpu preset '{preset}' (h100, h200, a100, cpu)"
-                ))
-            }),
+            Named::Preset { preset, set } => {
+                let base = GpuParams::preset(preset).ok_or_else(|| {
+                    ScenarioError::Invalid(format!(
+                        "unknown gpu preset '{preset}' (h100, h200, a100, cpu)"
+                    ))
+                })?;
+                with_fields(base, set, "gpu")
+            }
             Named::Gpu(g) => Ok(g.clone()),
             Named::Model(_) => Err(ScenarioError::Invalid("[gpu] holds model fields".into())),
         }
@@ -507,11 +537,14 @@ impl Scenario {
     /// The model's shape.
     pub fn model_shape(&self) -> Result<ModelShape, ScenarioError> {
         let mut m = match &self.model {
-            Named::Preset { preset } => ModelShape::preset(preset).ok_or_else(|| {
-                ScenarioError::Invalid(format!(
-                    "unknown model preset '{preset}' (llama-7b, llama3-8b, smollm2-135m, gemma3-270m)"
-                ))
-            })?,
+            Named::Preset { preset, set } => {
+                let base = ModelShape::preset(preset).ok_or_else(|| {
+                    ScenarioError::Invalid(format!(
+                        "unknown model preset '{preset}' (llama-7b, llama3-8b, smollm2-135m, gemma3-270m)"
+                    ))
+                })?;
+                with_fields(base, set, "model")?
+            }
             Named::Model(m) => m.clone(),
             Named::Gpu(_) => return Err(ScenarioError::Invalid("[model] holds gpu fields".into())),
         };

@@ -182,6 +182,17 @@ fn bad_scenarios_are_refused_with_the_reason() {
             "preset = \"tpu\"",
             "unknown gpu preset",
         ),
+        // A preset's fields set beside its name: only its own fields.
+        (
+            "preset = \"a100\"",
+            "preset = \"a100\"\nmem_byts = 1e9",
+            "[gpu]: unknown field `mem_byts`",
+        ),
+        (
+            "preset = \"a100\"",
+            "preset = \"a100\"\nmem_bytes = \"big\"",
+            "[gpu]: invalid type",
+        ),
         ("tier = \"paid\"", "tier = \"gold\"", "unknown tier 'gold'"),
         ("node = 2", "node = 9", "outside"),
         ("loss = 0.001", "loss = 2.0", "network.loss"),
@@ -219,6 +230,32 @@ fn bad_scenarios_are_refused_with_the_reason() {
         let e = Scenario::parse(&base.replacen(from, to, 1)).unwrap_err();
         assert!(e.to_string().contains(why), "{to}: {e}");
     }
+}
+
+/// `preset = ...` with fields beside it is the preset with those fields
+/// replaced, the rest the preset's: the small-KV scenario, once written
+/// out field by field, reads the same both ways.
+#[test]
+fn a_preset_with_fields_set_is_the_preset_with_those_fields_replaced() {
+    let text = std::fs::read_to_string(shipped().join("pd-kill-cancel-small-kv.toml")).unwrap();
+    assert!(text.contains("preset = \"cpu\"\nname = \"cpu-small-kv\"\nmem_bytes = 1.91e8"));
+    let s = Scenario::parse(&text).unwrap();
+    let mut gpu = flotilla_sim::cost::GpuParams::preset("cpu").unwrap();
+    gpu.name = "cpu-small-kv".into();
+    gpu.mem_bytes = 1.91e8;
+    assert_eq!(s.gpu_params().unwrap(), gpu);
+    let mut model = flotilla_sim::cost::ModelShape::preset("smollm2-135m").unwrap();
+    model.ctx_len = 2048;
+    assert_eq!(s.model_shape().unwrap(), model);
+    // The same figures written out in full.
+    let full = text.replacen(
+        "preset = \"cpu\"\n",
+        "prefill_flops = 2.9e11\ndecode_flops = 2.4e11\nmem_bw = 3.0e10\n\
+         overhead_s = 0.0003\nattn_prefill_flops = 6.3e10\nattn_decode_flops = 1.3e10\n\
+         overlap = false\nhost_link_bw = 1.0e10\n",
+        1,
+    );
+    assert_eq!(Scenario::parse(&full).unwrap().gpu_params().unwrap(), gpu);
 }
 
 fn shipped() -> std::path::PathBuf {
