@@ -64,8 +64,8 @@ stop
 
 # Overload: 48 streams of ~200 prompt + 256 output tokens (~29 blocks
 # each) into a cache for 16 of them, 48 seats. With the chat template the
-# prompts are ~320 tokens (/metrics: 15,333 prompt tokens for 48), so a
-# finished stream holds ~36 blocks and the cache holds ~13 of them.
+# prompts are ~255 tokens (195-308 in usage), so a finished stream holds
+# ~32 blocks and the cache holds ~14 of them.
 OVER=$((16 * 29 * BLOCK))
 for mode in off ram; do
   args=(--kv-cache-bytes "$OVER" --max-num-seqs 48)
