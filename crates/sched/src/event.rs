@@ -22,8 +22,9 @@ pub enum SchedEvent {
         reason: FinishReason,
         /// Token counts.
         usage: Usage,
-        /// Where its time went.
-        timings: Timings,
+        /// Where its time went (boxed: a token event, the common one,
+        /// stays small).
+        timings: Box<Timings>,
     },
     /// Terminal: the engine ended the request (queue timeout, too large, step failure).
     Failed {
@@ -31,8 +32,8 @@ pub enum SchedEvent {
         id: RequestId,
         /// Why.
         failure: EngineFailure,
-        /// Where its time went until then.
-        timings: Timings,
+        /// Where its time went until then (boxed, as for `Finished`).
+        timings: Box<Timings>,
     },
     /// The request lost its KV blocks and went back to its queue to be recomputed (metrics only).
     Preempted {

@@ -364,7 +364,7 @@ impl Scheduler {
             id,
             reason,
             usage,
-            timings: seq.timings(now),
+            timings: Box::new(seq.timings(now)),
         });
     }
 
@@ -375,7 +375,7 @@ impl Scheduler {
         self.events.push(SchedEvent::Failed {
             id,
             failure,
-            timings: seq.timings(now),
+            timings: Box::new(seq.timings(now)),
         });
     }
 

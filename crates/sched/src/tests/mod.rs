@@ -482,7 +482,7 @@ impl Sim {
                             );
                         }
                     }
-                    t.end = Some(End::Finished(reason, usage, timings));
+                    t.end = Some(End::Finished(reason, usage, *timings));
                 }
                 SchedEvent::Failed { failure, .. } => t.end = Some(End::Failed(failure)),
                 SchedEvent::Preempted { .. } => {
