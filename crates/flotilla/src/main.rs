@@ -6,12 +6,6 @@ mod node;
 mod serve;
 mod transport_bench;
 
-/// mimalloc instead of the system allocator: the engine and the simulator
-/// allocate per message and per step (the simulator spent ~21% of its
-/// time in glibc's malloc and free).
-#[global_allocator]
-static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
-
 use std::io::Write;
 use std::path::PathBuf;
 use std::time::Instant;
@@ -25,6 +19,12 @@ use flotilla_model::kernels::Kernel;
 use flotilla_model::{CpuConfig, CpuExecutor, KvDtype, SamplingParams};
 use flotilla_text::TextSide;
 use flotilla_text::chat::ChatMessage;
+
+/// mimalloc instead of the system allocator: the engine and the simulator
+/// allocate per message and per step (the simulator spent ~21% of its
+/// time in glibc's malloc and free).
+#[global_allocator]
+static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
 #[derive(Parser)]
 #[command(name = "flotilla", version, about = "Flotilla: an LLM serving cluster")]

@@ -1173,20 +1173,20 @@ mod tests {
                 );
                 // A prompt chunk's run of tokens at the same depth (the
                 // lanes kernel's case on AVX-512), per token.
-                let nq = query_run(group);
+                let (nq, run_reps) = (query_run(group), reps / 10);
+                let pos0 = blocks * bs - nq;
                 let qr: Vec<f32> = (0..nq * group * hd).map(|_| rnd(&mut seed)).collect();
                 let mut or = vec![0f32; nq * group * hd];
                 let mut best = f64::MAX;
                 for _ in 0..5 {
                     let t = std::time::Instant::now();
-                    for _ in 0..reps / 10 {
-                        let pos0 = blocks * bs - nq;
+                    for _ in 0..run_reps {
                         attend_run(
                             kernel, &s, 0, 0, &table, pos0, nq, None, &qr, &mut or, group, 0.125,
                             &mut buf,
                         );
                     }
-                    best = best.min(t.elapsed().as_secs_f64() / (reps / 10 * nq) as f64);
+                    best = best.min(t.elapsed().as_secs_f64() / (run_reps * nq) as f64);
                 }
                 eprintln!(
                     "{dtype} {kernel:?}: {:.1} us per token and KV head in a run of {nq}",

@@ -445,8 +445,6 @@ unsafe fn heads<T: KvRows16, const G: usize>(
 ) {
     let stride = n.next_multiple_of(8);
     let qp = q.as_ptr();
-    // Scores, eight rows at a time, each K row loaded once for the G heads,
-    // folded to eight lanes and reduced with one hadd tree per head.
     // At 64 dimensions (four chunks) the G heads' queries stay in
     // registers for the whole block; the same FMA chains either way.
     const QC: usize = 4;
@@ -458,6 +456,8 @@ unsafe fn heads<T: KvRows16, const G: usize>(
     } else {
         [[_mm512_setzero_ps(); QC]; G]
     };
+    // Scores, eight rows at a time, each K row loaded once for the G heads,
+    // folded to eight lanes and reduced with one hadd tree per head.
     let mut j0 = 0;
     while j0 < n {
         let m = (n - j0).min(8);
