@@ -7,8 +7,8 @@
 use std::fs::OpenOptions;
 use std::path::Path;
 
-/// The tier's slots: one mapping, anonymous (RAM, zeroed lazily by the
-/// kernel) or of a file.
+/// The tier's slots: one mapping, anonymous (RAM, faulted in when made)
+/// or of a file (its pages come and go with the page cache).
 pub struct OffloadTier {
     map: memmap2::MmapMut,
     slots: u32,
@@ -31,12 +31,21 @@ impl OffloadTier {
                 format!("--kv-offload-bytes: {slots} slots of {bytes_per_slot} bytes overflow")
             })?;
         let map = match path {
-            None => memmap2::MmapMut::map_anon(len).map_err(|e| {
-                format!(
-                    "--kv-offload-bytes: cannot map {len} bytes of host memory for \
+            // Populated (MAP_POPULATE on Linux): every page is faulted in
+            // and zeroed here, ~0.3 s a GiB, not in the first move into it,
+            // where a fresh page makes a block's copy ~4x slower (measured:
+            // 207 vs 56 us for 360 KiB), and the memory is committed at
+            // start, not found missing later.
+            None => memmap2::MmapOptions::new()
+                .len(len)
+                .populate()
+                .map_anon()
+                .map_err(|e| {
+                    format!(
+                        "--kv-offload-bytes: cannot map {len} bytes of host memory for \
                          {slots} KV blocks: {e}"
-                )
-            })?,
+                    )
+                })?,
             Some(p) => {
                 let file = OpenOptions::new()
                     .read(true)
