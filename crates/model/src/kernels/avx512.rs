@@ -5,9 +5,11 @@
 //! stored as `q + 128` (`quant::repack_q8_0_x8`) with the offset `-128 d`
 //! folded in through the activations' scaled sums, as Q4_1's `m`.
 //!
-//! Each 256-bit load of weights feeds eight rows (one 4-byte group of each);
-//! the matching 4 activation bytes are broadcast to all lanes. Tiles of 8
-//! rows x 4 tokens; tokens in passes of 64, as the AVX2 kernels.
+//! Each 256-bit chunk of weights holds eight rows (one 4-byte group of
+//! each); two groups' chunks go into one 512-bit register, so the matching
+//! 4 activation bytes, broadcast to all 16 lanes, feed 16 rows at once.
+//! Tiles of 16 rows x 4 tokens (8 rows for a last odd group); tokens in
+//! passes of 64, as the AVX2 kernels.
 
 use std::arch::x86_64::*;
 use std::ops::Range;
@@ -126,6 +128,157 @@ unsafe fn q8_0x8_tile<const N: usize>(
     acc
 }
 
+/// Two groups' 8 f16 values at byte offset `off` of block `b`, as 16 f32
+/// lanes (group `g0` low, `g1` high).
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+unsafe fn halves16(b0: *const u8, b1: *const u8, off: usize) -> __m512 {
+    // SAFETY: the caller's blocks hold 16 bytes at `off`.
+    unsafe {
+        _mm512_cvtph_ps(_mm256_inserti128_si256(
+            _mm256_castsi128_si256(_mm_loadu_si128(b0.add(off) as *const __m128i)),
+            _mm_loadu_si128(b1.add(off) as *const __m128i),
+            1,
+        ))
+    }
+}
+
+/// Two groups' 32-byte chunks at byte offset `off` of block `b`, in one
+/// 512-bit register (group `g0` low).
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+unsafe fn chunk16(b0: *const u8, b1: *const u8, off: usize) -> __m512i {
+    // SAFETY: the caller's blocks hold 32 bytes at `off`.
+    unsafe {
+        _mm512_inserti64x4(
+            _mm512_castsi256_si512(_mm256_loadu_si256(b0.add(off) as *const __m256i)),
+            _mm256_loadu_si256(b1.add(off) as *const __m256i),
+            1,
+        )
+    }
+}
+
+/// `acc += isum * (dw * d_a) + mw * s_a` for 16 rows (two groups), the
+/// same operations per lane as [`fold_block`].
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+unsafe fn fold_block16<const N: usize>(
+    acc: &mut [__m512; N],
+    i32s: &[__m512i; N],
+    dw: __m512,
+    mw: __m512,
+    a: &[BlockQ8A],
+    t0: usize,
+    nb: usize,
+) {
+    for c in 0..N {
+        let ab = &a[(t0 + c) * nb];
+        acc[c] = _mm512_fmadd_ps(
+            _mm512_cvtepi32_ps(i32s[c]),
+            _mm512_mul_ps(dw, _mm512_set1_ps(ab.d)),
+            acc[c],
+        );
+        acc[c] = _mm512_fmadd_ps(mw, _mm512_set1_ps(ab.s), acc[c]);
+    }
+}
+
+/// The 4 activation bytes `qs[at..at + 4]` of token block `ab`, in all 16
+/// lanes.
+#[inline(always)]
+unsafe fn bcast4x16(ab: &BlockQ8A, at: usize) -> __m512i {
+    // SAFETY: at + 4 <= 32 at every call site.
+    unsafe {
+        _mm512_set1_epi32(std::ptr::read_unaligned(
+            ab.qs.as_ptr().add(at) as *const i32
+        ))
+    }
+}
+
+/// [`q4_1x8_tile`] for two groups at once (`g0`'s rows in the low eight
+/// lanes, `g1`'s in the high): each activation broadcast feeds 16 rows.
+/// Integer sums are exact and the fold is lane-wise the same, so each row
+/// gets the bits the one-group tile gives it.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+unsafe fn q4_1x8_tile2<const N: usize>(
+    g0: *const u8,
+    g1: *const u8,
+    nb: usize,
+    a: &[BlockQ8A],
+    t0: usize,
+) -> [__m512; N] {
+    let mask = _mm512_set1_epi8(0x0F);
+    let mut acc = [_mm512_setzero_ps(); N];
+    for b in 0..nb {
+        // SAFETY: b < nb; both groups hold nb blocks.
+        let (b0, b1) = unsafe { (g0.add(b * Q4_1X8_BYTES), g1.add(b * Q4_1X8_BYTES)) };
+        let (dw, mw) = unsafe { (halves16(b0, b1, 0), halves16(b0, b1, 16)) };
+        let mut i32s = [_mm512_setzero_si512(); N];
+        for j in 0..4 {
+            // SAFETY: chunk j lies inside both blocks.
+            let v = unsafe { chunk16(b0, b1, 32 + 32 * j) };
+            let lo = _mm512_and_si512(v, mask);
+            let hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), mask);
+            for c in 0..N {
+                let ab = &a[(t0 + c) * nb + b];
+                // SAFETY: offsets 4j and 16 + 4j leave 4 bytes inside qs.
+                let (alo, ahi) = unsafe { (bcast4x16(ab, 4 * j), bcast4x16(ab, 16 + 4 * j)) };
+                i32s[c] = _mm512_dpbusd_epi32(i32s[c], lo, alo);
+                i32s[c] = _mm512_dpbusd_epi32(i32s[c], hi, ahi);
+            }
+        }
+        // SAFETY: same features as this function.
+        unsafe { fold_block16(&mut acc, &i32s, dw, mw, &a[b..], t0, nb) };
+    }
+    acc
+}
+
+/// [`q8_0x8_tile`] for two groups at once, as [`q4_1x8_tile2`].
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+unsafe fn q8_0x8_tile2<const N: usize>(
+    g0: *const u8,
+    g1: *const u8,
+    nb: usize,
+    a: &[BlockQ8A],
+    t0: usize,
+) -> [__m512; N] {
+    let mut acc = [_mm512_setzero_ps(); N];
+    let m128 = _mm512_set1_ps(-128.0);
+    for b in 0..nb {
+        // SAFETY: b < nb; both groups hold nb blocks.
+        let (b0, b1) = unsafe { (g0.add(b * Q8_0X8_BYTES), g1.add(b * Q8_0X8_BYTES)) };
+        let dw = unsafe { halves16(b0, b1, 0) };
+        let mut i32s = [_mm512_setzero_si512(); N];
+        for j in 0..8 {
+            // SAFETY: chunk j lies inside both blocks.
+            let v = unsafe { chunk16(b0, b1, 16 + 32 * j) };
+            for c in 0..N {
+                // SAFETY: 4j + 4 <= 32.
+                let av = unsafe { bcast4x16(&a[(t0 + c) * nb + b], 4 * j) };
+                i32s[c] = _mm512_dpbusd_epi32(i32s[c], v, av);
+            }
+        }
+        let mw = _mm512_mul_ps(dw, m128);
+        // SAFETY: same features as this function.
+        unsafe { fold_block16(&mut acc, &i32s, dw, mw, &a[b..], t0, nb) };
+    }
+    acc
+}
+
+/// Stores the 16 row results of groups `g0 / 8` and `g0 / 8 + 1`, keeping
+/// only rows inside `rows`.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c,avx512f")]
+unsafe fn store_group2(v: __m512, out: OutPtr, t: usize, g0: usize, rows: &Range<usize>) {
+    let mut buf = [0f32; 16];
+    // SAFETY: buf has 16 floats.
+    unsafe { _mm512_storeu_ps(buf.as_mut_ptr(), v) };
+    let lo = rows.start.max(g0);
+    let hi = rows.end.min(g0 + 16);
+    out.put_run(t, lo, &buf[lo - g0..hi - g0]);
+}
+
 /// Stores the 8 row results of a group, keeping only rows inside `rows`.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
@@ -138,9 +291,10 @@ unsafe fn store_group(v: __m256, out: OutPtr, t: usize, g0: usize, rows: &Range<
     out.put_run(t, lo, &buf[lo - g0..hi - g0]);
 }
 
-/// One interleaved layout's rows `rows` times all tokens, through `tile`.
+/// One interleaved layout's rows `rows` times all tokens, through `tile2`
+/// (two groups at a time) and `tile` (a last odd group).
 macro_rules! grouped_rows {
-    ($name:ident, $tile:ident, $bytes:expr) => {
+    ($name:ident, $tile:ident, $tile2:ident, $bytes:expr) => {
         /// Interleaved rows `rows` times all tokens of `x`.
         ///
         /// # Safety
@@ -157,7 +311,29 @@ macro_rules! grouped_rows {
             let mut p0 = 0;
             while p0 < x.t {
                 let p1 = (p0 + TOKENS_PER_PASS).min(x.t);
-                for g in g_first..g_end {
+                let mut g = g_first;
+                while g + 1 < g_end {
+                    // SAFETY: g + 1 < g_end, asserted in bounds above.
+                    let (gp0, gp1) =
+                        unsafe { (w.as_ptr().add(g * gb), w.as_ptr().add((g + 1) * gb)) };
+                    let mut t = p0;
+                    unsafe {
+                        while t + TILE <= p1 {
+                            let r = $tile2::<TILE>(gp0, gp1, nb, x.q, t);
+                            for (c, v) in r.iter().enumerate() {
+                                store_group2(*v, out, t + c, g * 8, &rows);
+                            }
+                            t += TILE;
+                        }
+                        while t < p1 {
+                            let [v] = $tile2::<1>(gp0, gp1, nb, x.q, t);
+                            store_group2(v, out, t, g * 8, &rows);
+                            t += 1;
+                        }
+                    }
+                    g += 2;
+                }
+                if g < g_end {
                     // SAFETY: g < g_end, asserted in bounds above.
                     let gp = unsafe { w.as_ptr().add(g * gb) };
                     let mut t = p0;
@@ -182,8 +358,8 @@ macro_rules! grouped_rows {
     };
 }
 
-grouped_rows!(q4_1x8_rows, q4_1x8_tile, Q4_1X8_BYTES);
-grouped_rows!(q8_0x8_rows, q8_0x8_tile, Q8_0X8_BYTES);
+grouped_rows!(q4_1x8_rows, q4_1x8_tile, q4_1x8_tile2, Q4_1X8_BYTES);
+grouped_rows!(q8_0x8_rows, q8_0x8_tile, q8_0x8_tile2, Q8_0X8_BYTES);
 
 /// Rows of one K or V run as the AVX-512 attention reads them: sixteen
 /// values of a row at a time, widened to f32.

@@ -561,6 +561,61 @@ mod tests {
         }
     }
 
+    /// The AVX-512 kernels take two 8-row groups per register, a last odd
+    /// group alone: a row gets the same bits whether its group is paired
+    /// with the one before, the one after, or none (so how threads split
+    /// the rows never changes a result).
+    #[test]
+    fn avx512_rows_are_the_same_bits_however_groups_pair() {
+        if !has_avx512_vnni() {
+            return;
+        }
+        let mut s = 5;
+        let (rows, cols, t) = (40, 128, 6);
+        let wf: Vec<f32> = (0..rows * cols).map(|_| rnd(&mut s)).collect();
+        let q8 = quantize_q8_0(&wf);
+        let matrices = [
+            q4_1_matrix(rows, cols, &mut s),
+            QMatrix::new(
+                rows,
+                cols,
+                WData::Q8_0x8(quant::repack_q8_0_x8(&q8, rows, cols)),
+            ),
+        ];
+        let (f, q) = acts(t, cols, &mut s);
+        let x = Acts {
+            t,
+            k: cols,
+            f: &f,
+            q: &q,
+        };
+        for w in &matrices {
+            let mut pairs = vec![f32::NAN; t * rows];
+            matmul_rows(
+                Resolved::Avx512Vnni,
+                w,
+                &x,
+                0..rows,
+                OutPtr::new(&mut pairs, rows, 0),
+            );
+            // Groups 1+2, 3+4 (pairs shifted by one), group 0 alone, and
+            // every group alone.
+            let mut shifted = vec![f32::NAN; t * rows];
+            let o = OutPtr::new(&mut shifted, rows, 0);
+            matmul_rows(Resolved::Avx512Vnni, w, &x, 0..8, o);
+            matmul_rows(Resolved::Avx512Vnni, w, &x, 8..rows, o);
+            let mut single = vec![f32::NAN; t * rows];
+            let o = OutPtr::new(&mut single, rows, 0);
+            for g in 0..rows / 8 {
+                matmul_rows(Resolved::Avx512Vnni, w, &x, g * 8..g * 8 + 8, o);
+            }
+            assert!(pairs.iter().all(|v| v.is_finite()));
+            let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+            assert_eq!(bits(&pairs), bits(&shifted));
+            assert_eq!(bits(&pairs), bits(&single));
+        }
+    }
+
     #[test]
     fn output_cells_outside_the_rows_are_untouched() {
         let mut s = 3;
