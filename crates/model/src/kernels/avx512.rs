@@ -1,4 +1,4 @@
-//! AVX-512 VNNI kernels (`vpdpbusd` on 256-bit registers, AVX-512 VL):
+//! AVX-512 VNNI kernels (`vpdpbusd` on 512-bit registers):
 //! unsigned byte times signed byte, four products summed straight into an
 //! i32 lane, so no `maddubs` saturation to work around and no `madd` to
 //! widen. Both weight layouts hold unsigned bytes: Q4_1's nibbles, and Q8_0
@@ -8,8 +8,8 @@
 //! Each 256-bit chunk of weights holds eight rows (one 4-byte group of
 //! each); two groups' chunks go into one 512-bit register, so the matching
 //! 4 activation bytes, broadcast to all 16 lanes, feed 16 rows at once.
-//! Tiles of 16 rows x 4 tokens (8 rows for a last odd group); tokens in
-//! passes of 64, as the AVX2 kernels.
+//! Tiles of 16 rows x 4 tokens (a last odd group of a thread's rows
+//! paired with itself); tokens in passes of 64, as the AVX2 kernels.
 
 use std::arch::x86_64::*;
 use std::ops::Range;
@@ -20,116 +20,8 @@ use crate::quant::{BlockQ8A, Q4_1X8_BYTES, Q8_0X8_BYTES, QK};
 const TILE: usize = 4;
 const TOKENS_PER_PASS: usize = 64;
 
-/// The 4 activation bytes `qs[at..at + 4]` of token block `ab`, in every lane.
-#[inline(always)]
-unsafe fn bcast4(ab: &BlockQ8A, at: usize) -> __m256i {
-    // SAFETY: at + 4 <= 32 at every call site.
-    unsafe {
-        _mm256_set1_epi32(std::ptr::read_unaligned(
-            ab.qs.as_ptr().add(at) as *const i32
-        ))
-    }
-}
-
-/// Adds one block's integer sums to the 8-row accumulators of N tokens:
-/// `acc += isum * (dw * d_a) + mw * s_a`, where `a[(t0 + c) * nb]` is token
-/// `t0 + c`'s block (the caller passes the slice starting at the block).
-#[inline]
-#[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn fold_block<const N: usize>(
-    acc: &mut [__m256; N],
-    i32s: &[__m256i; N],
-    dw: __m256,
-    mw: __m256,
-    a: &[BlockQ8A],
-    t0: usize,
-    nb: usize,
-) {
-    for c in 0..N {
-        let ab = &a[(t0 + c) * nb];
-        acc[c] = _mm256_fmadd_ps(
-            _mm256_cvtepi32_ps(i32s[c]),
-            _mm256_mul_ps(dw, _mm256_set1_ps(ab.d)),
-            acc[c],
-        );
-        acc[c] = _mm256_fmadd_ps(mw, _mm256_set1_ps(ab.s), acc[c]);
-    }
-}
-
-/// Interleaved Q4_1 group times N tokens: 8 rows per lane set.
-#[inline]
-#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
-unsafe fn q4_1x8_tile<const N: usize>(
-    g: *const u8,
-    nb: usize,
-    a: &[BlockQ8A],
-    t0: usize,
-) -> [__m256; N] {
-    let mask = _mm256_set1_epi8(0x0F);
-    let mut acc = [_mm256_setzero_ps(); N];
-    for b in 0..nb {
-        // SAFETY: b < nb; the group holds nb blocks.
-        let blk = unsafe { g.add(b * Q4_1X8_BYTES) };
-        let (dw, mw) = unsafe {
-            (
-                _mm256_cvtph_ps(_mm_loadu_si128(blk as *const __m128i)),
-                _mm256_cvtph_ps(_mm_loadu_si128(blk.add(16) as *const __m128i)),
-            )
-        };
-        let mut i32s = [_mm256_setzero_si256(); N];
-        for j in 0..4 {
-            // SAFETY: chunk j lies inside the block.
-            let v = unsafe { _mm256_loadu_si256(blk.add(32 + 32 * j) as *const __m256i) };
-            let lo = _mm256_and_si256(v, mask);
-            let hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), mask);
-            for c in 0..N {
-                let ab = &a[(t0 + c) * nb + b];
-                // SAFETY: offsets 4j and 16 + 4j leave 4 bytes inside qs.
-                let (alo, ahi) = unsafe { (bcast4(ab, 4 * j), bcast4(ab, 16 + 4 * j)) };
-                i32s[c] = _mm256_dpbusd_epi32(i32s[c], lo, alo);
-                i32s[c] = _mm256_dpbusd_epi32(i32s[c], hi, ahi);
-            }
-        }
-        // SAFETY: same features as this function.
-        unsafe { fold_block(&mut acc, &i32s, dw, mw, &a[b..], t0, nb) };
-    }
-    acc
-}
-
-/// Interleaved Q8_0 (`q + 128`) group times N tokens.
-#[inline]
-#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
-unsafe fn q8_0x8_tile<const N: usize>(
-    g: *const u8,
-    nb: usize,
-    a: &[BlockQ8A],
-    t0: usize,
-) -> [__m256; N] {
-    let mut acc = [_mm256_setzero_ps(); N];
-    let m128 = _mm256_set1_ps(-128.0);
-    for b in 0..nb {
-        // SAFETY: b < nb; the group holds nb blocks.
-        let blk = unsafe { g.add(b * Q8_0X8_BYTES) };
-        let dw = unsafe { _mm256_cvtph_ps(_mm_loadu_si128(blk as *const __m128i)) };
-        let mut i32s = [_mm256_setzero_si256(); N];
-        for j in 0..8 {
-            // SAFETY: chunk j lies inside the block.
-            let v = unsafe { _mm256_loadu_si256(blk.add(16 + 32 * j) as *const __m256i) };
-            for c in 0..N {
-                // SAFETY: 4j + 4 <= 32.
-                let av = unsafe { bcast4(&a[(t0 + c) * nb + b], 4 * j) };
-                i32s[c] = _mm256_dpbusd_epi32(i32s[c], v, av);
-            }
-        }
-        let mw = _mm256_mul_ps(dw, m128);
-        // SAFETY: same features as this function.
-        unsafe { fold_block(&mut acc, &i32s, dw, mw, &a[b..], t0, nb) };
-    }
-    acc
-}
-
-/// Two groups' 8 f16 values at byte offset `off` of block `b`, as 16 f32
-/// lanes (group `g0` low, `g1` high).
+/// The 8 f16 values at byte offset `off` of blocks `b0` and `b1` (two
+/// groups' blocks), as 16 f32 lanes, `b0`'s low.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
 unsafe fn halves16(b0: *const u8, b1: *const u8, off: usize) -> __m512 {
@@ -143,8 +35,8 @@ unsafe fn halves16(b0: *const u8, b1: *const u8, off: usize) -> __m512 {
     }
 }
 
-/// Two groups' 32-byte chunks at byte offset `off` of block `b`, in one
-/// 512-bit register (group `g0` low).
+/// The 32-byte chunks at byte offset `off` of blocks `b0` and `b1`, in one
+/// 512-bit register, `b0`'s low.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
 unsafe fn chunk16(b0: *const u8, b1: *const u8, off: usize) -> __m512i {
@@ -158,11 +50,12 @@ unsafe fn chunk16(b0: *const u8, b1: *const u8, off: usize) -> __m512i {
     }
 }
 
-/// `acc += isum * (dw * d_a) + mw * s_a` for 16 rows (two groups), the
-/// same operations per lane as [`fold_block`].
+/// Adds one block's integer sums to the 16-row accumulators of N tokens:
+/// `acc += isum * (dw * d_a) + mw * s_a`, where `a[(t0 + c) * nb]` is token
+/// `t0 + c`'s block (the caller passes the slice starting at the block).
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
-unsafe fn fold_block16<const N: usize>(
+unsafe fn fold_block<const N: usize>(
     acc: &mut [__m512; N],
     i32s: &[__m512i; N],
     dw: __m512,
@@ -185,7 +78,7 @@ unsafe fn fold_block16<const N: usize>(
 /// The 4 activation bytes `qs[at..at + 4]` of token block `ab`, in all 16
 /// lanes.
 #[inline(always)]
-unsafe fn bcast4x16(ab: &BlockQ8A, at: usize) -> __m512i {
+unsafe fn bcast4(ab: &BlockQ8A, at: usize) -> __m512i {
     // SAFETY: at + 4 <= 32 at every call site.
     unsafe {
         _mm512_set1_epi32(std::ptr::read_unaligned(
@@ -194,13 +87,13 @@ unsafe fn bcast4x16(ab: &BlockQ8A, at: usize) -> __m512i {
     }
 }
 
-/// [`q4_1x8_tile`] for two groups at once (`g0`'s rows in the low eight
-/// lanes, `g1`'s in the high): each activation broadcast feeds 16 rows.
-/// Integer sums are exact and the fold is lane-wise the same, so each row
-/// gets the bits the one-group tile gives it.
+/// Interleaved Q4_1 groups `g0` and `g1` (rows in the low and the high
+/// eight lanes; `g1 == g0` for a last odd group) times N tokens: each
+/// activation broadcast feeds 16 rows. Integer sums are exact and the
+/// fold is per lane, so a row's bits do not depend on its partner.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
-unsafe fn q4_1x8_tile2<const N: usize>(
+unsafe fn q4_1x8_tile<const N: usize>(
     g0: *const u8,
     g1: *const u8,
     nb: usize,
@@ -222,21 +115,22 @@ unsafe fn q4_1x8_tile2<const N: usize>(
             for c in 0..N {
                 let ab = &a[(t0 + c) * nb + b];
                 // SAFETY: offsets 4j and 16 + 4j leave 4 bytes inside qs.
-                let (alo, ahi) = unsafe { (bcast4x16(ab, 4 * j), bcast4x16(ab, 16 + 4 * j)) };
+                let (alo, ahi) = unsafe { (bcast4(ab, 4 * j), bcast4(ab, 16 + 4 * j)) };
                 i32s[c] = _mm512_dpbusd_epi32(i32s[c], lo, alo);
                 i32s[c] = _mm512_dpbusd_epi32(i32s[c], hi, ahi);
             }
         }
         // SAFETY: same features as this function.
-        unsafe { fold_block16(&mut acc, &i32s, dw, mw, &a[b..], t0, nb) };
+        unsafe { fold_block(&mut acc, &i32s, dw, mw, &a[b..], t0, nb) };
     }
     acc
 }
 
-/// [`q8_0x8_tile`] for two groups at once, as [`q4_1x8_tile2`].
+/// Interleaved Q8_0 (`q + 128`) groups `g0` and `g1` times N tokens, as
+/// [`q4_1x8_tile`].
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
-unsafe fn q8_0x8_tile2<const N: usize>(
+unsafe fn q8_0x8_tile<const N: usize>(
     g0: *const u8,
     g1: *const u8,
     nb: usize,
@@ -255,46 +149,35 @@ unsafe fn q8_0x8_tile2<const N: usize>(
             let v = unsafe { chunk16(b0, b1, 16 + 32 * j) };
             for c in 0..N {
                 // SAFETY: 4j + 4 <= 32.
-                let av = unsafe { bcast4x16(&a[(t0 + c) * nb + b], 4 * j) };
+                let av = unsafe { bcast4(&a[(t0 + c) * nb + b], 4 * j) };
                 i32s[c] = _mm512_dpbusd_epi32(i32s[c], v, av);
             }
         }
         let mw = _mm512_mul_ps(dw, m128);
         // SAFETY: same features as this function.
-        unsafe { fold_block16(&mut acc, &i32s, dw, mw, &a[b..], t0, nb) };
+        unsafe { fold_block(&mut acc, &i32s, dw, mw, &a[b..], t0, nb) };
     }
     acc
 }
 
-/// Stores the 16 row results of groups `g0 / 8` and `g0 / 8 + 1`, keeping
-/// only rows inside `rows`.
+/// Stores the results of the `n` rows from `r0` (16, or 8 for a group
+/// paired with itself), keeping only rows inside `rows`.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c,avx512f")]
-unsafe fn store_group2(v: __m512, out: OutPtr, t: usize, g0: usize, rows: &Range<usize>) {
+unsafe fn store_rows(v: __m512, out: OutPtr, t: usize, r0: usize, n: usize, rows: &Range<usize>) {
     let mut buf = [0f32; 16];
     // SAFETY: buf has 16 floats.
     unsafe { _mm512_storeu_ps(buf.as_mut_ptr(), v) };
-    let lo = rows.start.max(g0);
-    let hi = rows.end.min(g0 + 16);
-    out.put_run(t, lo, &buf[lo - g0..hi - g0]);
+    let lo = rows.start.max(r0);
+    let hi = rows.end.min(r0 + n);
+    out.put_run(t, lo, &buf[lo - r0..hi - r0]);
 }
 
-/// Stores the 8 row results of a group, keeping only rows inside `rows`.
-#[inline]
-#[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn store_group(v: __m256, out: OutPtr, t: usize, g0: usize, rows: &Range<usize>) {
-    let mut buf = [0f32; 8];
-    // SAFETY: buf has 8 floats.
-    unsafe { _mm256_storeu_ps(buf.as_mut_ptr(), v) };
-    let lo = rows.start.max(g0);
-    let hi = rows.end.min(g0 + 8);
-    out.put_run(t, lo, &buf[lo - g0..hi - g0]);
-}
-
-/// One interleaved layout's rows `rows` times all tokens, through `tile2`
-/// (two groups at a time) and `tile` (a last odd group).
+/// One interleaved layout's rows `rows` times all tokens, through `tile`,
+/// two groups at a time (a last odd group paired with itself, its copy
+/// in the high lanes not stored).
 macro_rules! grouped_rows {
-    ($name:ident, $tile:ident, $tile2:ident, $bytes:expr) => {
+    ($name:ident, $tile:ident, $bytes:expr) => {
         /// Interleaved rows `rows` times all tokens of `x`.
         ///
         /// # Safety
@@ -312,45 +195,27 @@ macro_rules! grouped_rows {
             while p0 < x.t {
                 let p1 = (p0 + TOKENS_PER_PASS).min(x.t);
                 let mut g = g_first;
-                while g + 1 < g_end {
-                    // SAFETY: g + 1 < g_end, asserted in bounds above.
-                    let (gp0, gp1) =
-                        unsafe { (w.as_ptr().add(g * gb), w.as_ptr().add((g + 1) * gb)) };
+                while g < g_end {
+                    let g1 = (g + 1).min(g_end - 1);
+                    let n = 8 * (g1 - g + 1);
+                    // SAFETY: g <= g1 < g_end, asserted in bounds above.
+                    let (gp0, gp1) = unsafe { (w.as_ptr().add(g * gb), w.as_ptr().add(g1 * gb)) };
                     let mut t = p0;
                     unsafe {
                         while t + TILE <= p1 {
-                            let r = $tile2::<TILE>(gp0, gp1, nb, x.q, t);
+                            let r = $tile::<TILE>(gp0, gp1, nb, x.q, t);
                             for (c, v) in r.iter().enumerate() {
-                                store_group2(*v, out, t + c, g * 8, &rows);
+                                store_rows(*v, out, t + c, g * 8, n, &rows);
                             }
                             t += TILE;
                         }
                         while t < p1 {
-                            let [v] = $tile2::<1>(gp0, gp1, nb, x.q, t);
-                            store_group2(v, out, t, g * 8, &rows);
+                            let [v] = $tile::<1>(gp0, gp1, nb, x.q, t);
+                            store_rows(v, out, t, g * 8, n, &rows);
                             t += 1;
                         }
                     }
                     g += 2;
-                }
-                if g < g_end {
-                    // SAFETY: g < g_end, asserted in bounds above.
-                    let gp = unsafe { w.as_ptr().add(g * gb) };
-                    let mut t = p0;
-                    unsafe {
-                        while t + TILE <= p1 {
-                            let r = $tile::<TILE>(gp, nb, x.q, t);
-                            for (c, v) in r.iter().enumerate() {
-                                store_group(*v, out, t + c, g * 8, &rows);
-                            }
-                            t += TILE;
-                        }
-                        while t < p1 {
-                            let [v] = $tile::<1>(gp, nb, x.q, t);
-                            store_group(v, out, t, g * 8, &rows);
-                            t += 1;
-                        }
-                    }
                 }
                 p0 = p1;
             }
@@ -358,8 +223,8 @@ macro_rules! grouped_rows {
     };
 }
 
-grouped_rows!(q4_1x8_rows, q4_1x8_tile, q4_1x8_tile2, Q4_1X8_BYTES);
-grouped_rows!(q8_0x8_rows, q8_0x8_tile, q8_0x8_tile2, Q8_0X8_BYTES);
+grouped_rows!(q4_1x8_rows, q4_1x8_tile, Q4_1X8_BYTES);
+grouped_rows!(q8_0x8_rows, q8_0x8_tile, Q8_0X8_BYTES);
 
 /// Rows of one K or V run as the AVX-512 attention reads them: sixteen
 /// values of a row at a time, widened to f32.

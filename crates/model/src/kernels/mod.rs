@@ -562,9 +562,9 @@ mod tests {
     }
 
     /// The AVX-512 kernels take two 8-row groups per register, a last odd
-    /// group alone: a row gets the same bits whether its group is paired
-    /// with the one before, the one after, or none (so how threads split
-    /// the rows never changes a result).
+    /// group paired with itself: a row gets the same bits whether its
+    /// group is paired with the one before, the one after, or itself (so
+    /// how threads split the rows never changes a result).
     #[test]
     fn avx512_rows_are_the_same_bits_however_groups_pair() {
         if !has_avx512_vnni() {
@@ -598,8 +598,8 @@ mod tests {
                 0..rows,
                 OutPtr::new(&mut pairs, rows, 0),
             );
-            // Groups 1+2, 3+4 (pairs shifted by one), group 0 alone, and
-            // every group alone.
+            // Groups 1+2, 3+4 (pairs shifted by one), group 0 with itself,
+            // and every group with itself.
             let mut shifted = vec![f32::NAN; t * rows];
             let o = OutPtr::new(&mut shifted, rows, 0);
             matmul_rows(Resolved::Avx512Vnni, w, &x, 0..8, o);
