@@ -387,6 +387,41 @@ fn block_rows<'a>(
     }
 }
 
+/// Asks the CPU to start loading block `block`'s K and V runs of
+/// (`layer`, `kh`) into cache: attention calls it for the next block of a
+/// table while it computes the current one, so that a scattered block's
+/// first lines are not each a wait on memory (the hardware prefetcher
+/// learns a stream only after a few misses, and every block starts one).
+#[inline(always)]
+fn prefetch_block(data: &KvData, kv: &KvLayout, block: usize, layer: usize, kh: usize) {
+    #[cfg(target_arch = "x86_64")]
+    {
+        use std::arch::x86_64::{_MM_HINT_T0, _mm_prefetch};
+        let elems = kv.block_size * kv.head_dim;
+        for which in 0..2 {
+            let off = kv.offset(block, layer, which, kh);
+            let (start, bytes, base) = match data {
+                KvData::F32(x) => (off * 4, elems * 4, x.as_ptr() as *const u8),
+                KvData::F16(x) => (off * 2, elems * 2, x.as_ptr() as *const u8),
+                KvData::Int8(x) => {
+                    let (vals, _) = int8_run(off, kv.block_size, kv.head_dim);
+                    (vals, elems + elems / 16, x.as_ptr() as *const u8)
+                }
+            };
+            let mut b = 0;
+            while b < bytes {
+                // SAFETY: a prefetch is only a hint: it never faults and
+                // reads nothing into the program; the address lies inside
+                // the store (the run's own bytes).
+                unsafe { _mm_prefetch::<_MM_HINT_T0>(base.wrapping_add(start + b) as *const i8) };
+                b += 64;
+            }
+        }
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = (data, kv, block, layer, kh);
+}
+
 /// Rows `start..start + n` of the int8 run at value offset `off`, its
 /// scales widened into `d`.
 #[inline(always)]
@@ -543,6 +578,9 @@ pub(crate) fn attend_run(
     for (bi, &block) in table[..n_blocks].iter().enumerate().skip(first(0) / bs) {
         if lanes && shared.contains(&bi) {
             continue;
+        }
+        if let Some(&next) = table[..n_blocks].get(bi + 1) {
+            prefetch_block(&store.data, kv, next as usize, layer, kh);
         }
         let lo = bi * bs;
         // Token t's rows of this block, as `start..end` within it.
