@@ -19,6 +19,12 @@ pub struct BenchArgs {
     /// Prompt length of the prompt-processing test (llama-bench's -p).
     #[arg(long, default_value_t = 512)]
     pp: usize,
+    /// Context already in the cache when the prompt-processing test
+    /// starts, prefilled untimed (llama-bench's -d): a prompt chunk at
+    /// depth, as a chat's next turn after its history (a prefix-cache or
+    /// offload-tier hit) is computed, attention over the depth included.
+    #[arg(long, default_value_t = 0)]
+    pp_depth: usize,
     /// Tokens of the single-stream decode test (llama-bench's -n).
     #[arg(long, default_value_t = 128)]
     tg: usize,
@@ -89,7 +95,7 @@ pub fn run(a: &BenchArgs) -> Result<()> {
     let bs = a.model.block_size;
     let per_seq = (a.batch_prompt + a.batch_gen).div_ceil(bs);
     let blocks = (max_b * per_seq)
-        .max(a.pp.div_ceil(bs))
+        .max((a.pp_depth + a.pp).div_ceil(bs))
         .max((a.tg_depth + a.tg).div_ceil(bs));
     let budget = a.pp.max(max_b).max(a.batch_prompt).min(4096);
     let cfg = a.model.cpu_config(blocks, budget)?;
@@ -114,7 +120,28 @@ pub fn run(a: &BenchArgs) -> Result<()> {
     let table: Vec<u32> = (0..blocks as u32).collect();
     let greedy = OutputKind::Sample(SamplingParams::greedy());
 
-    // pp: one step of `pp` prompt tokens, logits of the last.
+    // Context prefilled untimed: `n` tokens (seed `seed`) from position 0.
+    let fill = |e: &mut CpuExecutor, out: &mut StepOutputs, n: usize, seed: u64| {
+        let depth = tokens(n, seed, vocab);
+        for (i, c) in depth.chunks(budget).enumerate() {
+            e.step(
+                &[SeqInput {
+                    tokens: c,
+                    start_pos: i * budget,
+                    block_table: &table,
+                    output: OutputKind::None,
+                    bias: &[],
+                    draft_bias: &[],
+                    allow: None,
+                }],
+                out,
+            )?;
+        }
+        anyhow::Ok(())
+    };
+    // pp: one step of `pp` prompt tokens after `pp_depth` of context,
+    // logits of the last (each repetition rewrites the same positions).
+    fill(&mut e, &mut out, a.pp_depth, 3)?;
     let prompt = tokens(a.pp, 1, vocab);
     let mut pp = Vec::new();
     for rep in 0..=a.reps {
@@ -122,7 +149,7 @@ pub fn run(a: &BenchArgs) -> Result<()> {
         e.step(
             &[SeqInput {
                 tokens: &prompt,
-                start_pos: 0,
+                start_pos: a.pp_depth,
                 block_table: &table,
                 output: OutputKind::Logits,
                 bias: &[],
@@ -136,21 +163,7 @@ pub fn run(a: &BenchArgs) -> Result<()> {
         }
     }
     // tg: `tg` single-token steps after `tg_depth` tokens of context, greedy.
-    let depth = tokens(a.tg_depth, 7, vocab);
-    for (i, c) in depth.chunks(budget).enumerate() {
-        e.step(
-            &[SeqInput {
-                tokens: c,
-                start_pos: i * budget,
-                block_table: &table,
-                output: OutputKind::None,
-                bias: &[],
-                draft_bias: &[],
-                allow: None,
-            }],
-            &mut out,
-        )?;
-    }
+    fill(&mut e, &mut out, a.tg_depth, 7)?;
     let mut tg = Vec::new();
     for rep in 0..=a.reps.min(2) {
         let mut tok = 1u32;
@@ -237,11 +250,19 @@ pub fn run(a: &BenchArgs) -> Result<()> {
             );
             let kv = peer_kv_args(cfg.kv_dtype);
             eprintln!("llama.cpp KV cache flags: {}", kv.join(" "));
-            let (p, t) = llama_bench(dir, &path, threads, a.pp, (a.tg, a.tg_depth), a.reps, &kv)
-                .unwrap_or_else(|e| {
-                    eprintln!("llama-bench failed: {e:#}");
-                    (None, None)
-                });
+            let (p, t) = llama_bench(
+                dir,
+                &path,
+                threads,
+                (a.pp, a.pp_depth),
+                (a.tg, a.tg_depth),
+                a.reps,
+                &kv,
+            )
+            .unwrap_or_else(|e| {
+                eprintln!("llama-bench failed: {e:#}");
+                (None, None)
+            });
             let b = llama_batched_bench(
                 dir,
                 &path,
@@ -262,7 +283,11 @@ pub fn run(a: &BenchArgs) -> Result<()> {
     let best = |v: &[f64]| v.iter().cloned().fold(0.0, f64::max);
     let mut rows = vec![
         Row {
-            name: format!("pp{}", a.pp),
+            name: if a.pp_depth > 0 {
+                format!("pp{} @ depth {}", a.pp, a.pp_depth)
+            } else {
+                format!("pp{}", a.pp)
+            },
             ours: best(&pp),
             peer: peer_pp,
             target: Some(2.5),
@@ -454,7 +479,7 @@ fn llama_bench(
     dir: &Path,
     model: &Path,
     threads: usize,
-    pp: usize,
+    (pp, pp_depth): (usize, usize),
     (tg, depth): (usize, usize),
     reps: usize,
     kv: &[&str],
@@ -485,13 +510,20 @@ fn llama_bench(
         Ok(json_lines(&out.stdout))
     };
     let s = |v: usize| v.to_string();
-    let mut lines = run(&[
+    // One run for both tests when neither is at depth; else one each, as
+    // llama-bench's -d applies to every test of a run.
+    let together = depth == 0 && pp_depth == 0;
+    let mut first = vec![
         "-p".into(),
         s(pp),
         "-n".into(),
-        s(if depth == 0 { tg } else { 0 }),
-    ])?;
-    if depth > 0 {
+        s(if together { tg } else { 0 }),
+    ];
+    if pp_depth > 0 {
+        first.extend(["-d".into(), s(pp_depth)]);
+    }
+    let mut lines = run(&first)?;
+    if !together {
         lines.extend(run(&[
             "-p".into(),
             s(0),

@@ -213,3 +213,40 @@ fn gemma3_by_name() {
         " the capital of the country of France.\n"
     );
 }
+
+/// `bench-model --pp-depth` runs the prompt test after that much context
+/// (sized into the KV cache and named in the table), beside decode at
+/// depth; a zero length is refused by name.
+#[test]
+fn bench_model_measures_a_prompt_at_depth() {
+    let run = |extra: &[&str]| {
+        flotilla()
+            .args(["bench-model", "--no-peer", "--threads", "1", "--reps", "1"])
+            .args(["--tg", "2", "--tg-depth", "20", "--batches", "2"])
+            .args(["--batch-prompt", "8", "--batch-gen", "2", "--model"])
+            .arg(model_arg())
+            .args(extra)
+            .output()
+            .unwrap()
+    };
+    let out = run(&["--pp", "16", "--pp-depth", "200"]);
+    let (stdout, stderr) = (
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr),
+    );
+    assert!(out.status.success(), "{stderr}");
+    // 216 positions of 16: the prompt test's table, the largest here.
+    assert!(stderr.contains(" x 14 blocks of 16"), "{stderr}");
+    let rate = |name: &str| -> f64 {
+        let line = stdout
+            .lines()
+            .find(|l| l.starts_with(&format!("| {name} |")))
+            .unwrap_or_else(|| panic!("{name} in {stdout}"));
+        line.split('|').nth(2).unwrap().trim().parse().unwrap()
+    };
+    assert!(rate("pp16 @ depth 200") > 0.0);
+    assert!(rate("tg2 @ depth 20") > 0.0);
+    let out = run(&["--pp", "0"]);
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("--pp"));
+}
