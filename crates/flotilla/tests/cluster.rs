@@ -1031,6 +1031,9 @@ fn covered(mut iv: Vec<(u64, u64)>) -> u64 {
 /// least 95 % of the request's wall time. The prompt's text is in no span.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn one_trace_follows_a_request_through_router_prefill_and_decode_nodes() {
+    // Wall time against monotonic time from before the processes start:
+    // a step of the wall clock while they run shows as a change.
+    let (wall0, mono0) = (std::time::SystemTime::now(), std::time::Instant::now());
     let rx = common::OtlpReceiver::start().await;
     let more = format!(
         "\n[telemetry]\notlp_endpoint = \"{}\"\notlp_sample_ratio = 0.0\n",
@@ -1148,24 +1151,38 @@ async fn one_trace_follows_a_request_through_router_prefill_and_decode_nodes() {
         "a step event per decode step: {dd:?}"
     );
     let ms = |ns: u64| ns as f64 / 1e6;
-    // Spans of different processes are compared on different clocks: each
-    // maps its monotonic clock to wall time once, when it starts, and the
-    // two drift apart by up to milliseconds on some machines (as between
-    // nodes of a real cluster). Orders across processes allow that much.
+    // Spans of different processes are compared on different clocks: the
+    // Router reads wall time, a node maps its monotonic clock to wall time
+    // once, when it starts. They agree but for reading noise unless the
+    // wall clock is stepped meanwhile (as the machine's time service may
+    // do), which moves the Router's spans and not the nodes'. Orders across
+    // processes allow 5 ms, and are checked only if no step happened.
     const SKEW: u64 = 5_000_000;
-    assert!(
-        prep.end_ns <= pf.start_ns + SKEW,
-        "prepare, then the prefill: {prep:?} {pf:?}"
-    );
-    assert!(
-        pf.end_ns <= kv.start_ns + SKEW,
-        "prefill, then the transfer"
-    );
-    assert!(
-        kv.start_ns <= dec.start_ns + SKEW && dec.start_ns <= kv.end_ns + SKEW,
-        "import within the transfer: {kv:?} {dec:?}"
-    );
-    assert!(dec.end_ns <= root.end_ns + SKEW);
+    let wall = std::time::SystemTime::now()
+        .duration_since(wall0)
+        .map_or(-1.0, |d| d.as_secs_f64());
+    let stepped = (wall - mono0.elapsed().as_secs_f64()).abs() > 1e-3;
+    if stepped {
+        eprintln!(
+            "the wall clock moved {wall:.6} s in {:.6} s of monotonic time: \
+             orders across processes not checked",
+            mono0.elapsed().as_secs_f64()
+        );
+    } else {
+        assert!(
+            prep.end_ns <= pf.start_ns + SKEW,
+            "prepare, then the prefill: {prep:?} {pf:?}"
+        );
+        assert!(
+            pf.end_ns <= kv.start_ns + SKEW,
+            "prefill, then the transfer"
+        );
+        assert!(
+            kv.start_ns <= dec.start_ns + SKEW && dec.start_ns <= kv.end_ns + SKEW,
+            "import within the transfer: {kv:?} {dec:?}"
+        );
+        assert!(dec.end_ns <= root.end_ns + SKEW);
+    }
     // The phases account for the request's time.
     let kids: Vec<(u64, u64)> = spans
         .iter()
