@@ -1158,15 +1158,16 @@ async fn one_trace_follows_a_request_through_router_prefill_and_decode_nodes() {
     // do), which moves the Router's spans and not the nodes'. Orders across
     // processes allow 5 ms, and are checked only if no step happened.
     const SKEW: u64 = 5_000_000;
-    let wall = std::time::SystemTime::now()
-        .duration_since(wall0)
-        .map_or(-1.0, |d| d.as_secs_f64());
-    let stepped = (wall - mono0.elapsed().as_secs_f64()).abs() > 1e-3;
-    if stepped {
+    let (wall, mono) = (
+        std::time::SystemTime::now()
+            .duration_since(wall0)
+            .map_or(-1.0, |d| d.as_secs_f64()),
+        mono0.elapsed().as_secs_f64(),
+    );
+    if (wall - mono).abs() > 1e-3 {
         eprintln!(
-            "the wall clock moved {wall:.6} s in {:.6} s of monotonic time: \
-             orders across processes not checked",
-            mono0.elapsed().as_secs_f64()
+            "the wall clock moved {wall:.6} s in {mono:.6} s of monotonic time: \
+             orders across processes not checked"
         );
     } else {
         assert!(

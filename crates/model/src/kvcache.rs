@@ -393,33 +393,25 @@ fn block_rows<'a>(
 /// first lines are not each a wait on memory (the hardware prefetcher
 /// learns a stream only after a few misses, and every block starts one).
 #[inline(always)]
-fn prefetch_block(data: &KvData, kv: &KvLayout, block: usize, layer: usize, kh: usize) {
+fn prefetch_block(store: &KvStore, block: usize, layer: usize, kh: usize) {
     #[cfg(target_arch = "x86_64")]
     {
         use std::arch::x86_64::{_MM_HINT_T0, _mm_prefetch};
-        let elems = kv.block_size * kv.head_dim;
+        let kv = &store.layout;
+        // A run's rows, values and (int8) scales, as they lie in the store.
+        let row = store.dtype().row_bytes(kv.head_dim);
+        let bytes = store.bytes();
         for which in 0..2 {
-            let off = kv.offset(block, layer, which, kh);
-            let (start, bytes, base) = match data {
-                KvData::F32(x) => (off * 4, elems * 4, x.as_ptr() as *const u8),
-                KvData::F16(x) => (off * 2, elems * 2, x.as_ptr() as *const u8),
-                KvData::Int8(x) => {
-                    let (vals, _) = int8_run(off, kv.block_size, kv.head_dim);
-                    (vals, elems + elems / 16, x.as_ptr() as *const u8)
-                }
-            };
-            let mut b = 0;
-            while b < bytes {
+            let start = kv.offset(block, layer, which, kh) / kv.head_dim * row;
+            for line in bytes[start..start + kv.block_size * row].chunks(64) {
                 // SAFETY: a prefetch is only a hint: it never faults and
-                // reads nothing into the program; the address lies inside
-                // the store (the run's own bytes).
-                unsafe { _mm_prefetch::<_MM_HINT_T0>(base.wrapping_add(start + b) as *const i8) };
-                b += 64;
+                // reads nothing into the program.
+                unsafe { _mm_prefetch::<_MM_HINT_T0>(line.as_ptr() as *const i8) };
             }
         }
     }
     #[cfg(not(target_arch = "x86_64"))]
-    let _ = (data, kv, block, layer, kh);
+    let _ = (store, block, layer, kh);
 }
 
 /// Rows `start..start + n` of the int8 run at value offset `off`, its
@@ -580,7 +572,7 @@ pub(crate) fn attend_run(
             continue;
         }
         if let Some(&next) = table[..n_blocks].get(bi + 1) {
-            prefetch_block(&store.data, kv, next as usize, layer, kh);
+            prefetch_block(store, next as usize, layer, kh);
         }
         let lo = bi * bs;
         // Token t's rows of this block, as `start..end` within it.
