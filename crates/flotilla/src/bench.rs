@@ -91,6 +91,23 @@ pub fn run(a: &BenchArgs) -> Result<()> {
         bail!("--pp, --tg, --reps, --batches, --batch-prompt and --batch-gen must be positive");
     }
     let path = a.model.path()?;
+    let g = flotilla_gguf::GgufFile::open(&path)?;
+    // Every test's sequence fits the model's context, checked before the
+    // KV cache is sized from them.
+    let ctx = flotilla_model::arch::ModelConfig::from_gguf(&g)?.ctx_len;
+    for (flags, before, len) in [
+        ("--pp-depth and --pp", a.pp_depth, a.pp),
+        ("--tg-depth and --tg", a.tg_depth, a.tg),
+        (
+            "--batch-prompt and --batch-gen",
+            a.batch_prompt,
+            a.batch_gen,
+        ),
+    ] {
+        if before.saturating_add(len) > ctx {
+            bail!("{flags}: {before} + {len} tokens, beyond the model's context of {ctx} tokens");
+        }
+    }
     let max_b = a.batches.iter().copied().max().unwrap_or(1);
     let bs = a.model.block_size;
     let per_seq = (a.batch_prompt + a.batch_gen).div_ceil(bs);
@@ -100,7 +117,7 @@ pub fn run(a: &BenchArgs) -> Result<()> {
     let budget = a.pp.max(max_b).max(a.batch_prompt).min(4096);
     let cfg = a.model.cpu_config(blocks, budget)?;
     let t0 = Instant::now();
-    let mut e = CpuExecutor::load(&path, &cfg).context("loading the model")?;
+    let mut e = CpuExecutor::from_gguf(&g, &cfg).context("loading the model")?;
     let threads = e.threads();
     let vocab = e.model_spec().vocab;
     eprintln!(
@@ -235,6 +252,7 @@ pub fn run(a: &BenchArgs) -> Result<()> {
     }
     let rss_mb = peak_rss_mb();
     let weights = e.model_spec().weight_bytes;
+    let kv_bytes = e.kv_spec().bytes_per_block * blocks;
     drop(e);
 
     let peer = if a.no_peer {
@@ -336,7 +354,7 @@ pub fn run(a: &BenchArgs) -> Result<()> {
     println!();
     println!(
         "threads {threads}; peak RSS {rss_mb:.0} MB (model file {file_mb:.0} MB, KV cache {:.0} MB)",
-        (cfg.num_blocks * bytes_per_block_hint(&path, &cfg)) as f64 / 1e6
+        kv_bytes as f64 / 1e6
     );
     // A single-stream decode reads every weight once per token: its rate of
     // weight reads beside what this machine can read, from a buffer the
@@ -408,20 +426,6 @@ fn last_level_cache() -> Option<String> {
                 .ok()
         })
         .map(|s| s.trim().to_string())
-}
-
-/// Bytes of one KV block for this model and config (reads the header only).
-fn bytes_per_block_hint(path: &Path, cfg: &flotilla_model::CpuConfig) -> usize {
-    let g = match flotilla_gguf::GgufFile::open(path) {
-        Ok(g) => g,
-        Err(_) => return 0,
-    };
-    match flotilla_model::arch::ModelConfig::from_gguf(&g) {
-        Ok(c) => cfg
-            .kv_dtype
-            .bytes_per_block(c.n_layer, c.n_head_kv, c.head_dim, cfg.block_size),
-        Err(_) => 0,
-    }
 }
 
 fn peak_rss_mb() -> f64 {

@@ -249,4 +249,15 @@ fn bench_model_measures_a_prompt_at_depth() {
     let out = run(&["--pp", "0"]);
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("--pp"));
+    // A depth past the model's context (8,192 tokens), however large, is
+    // refused by name before any memory is taken for it.
+    for depth in ["8177", "18446744073709551615"] {
+        let out = run(&["--pp", "16", "--pp-depth", depth]);
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success(), "{err}");
+        assert!(
+            err.contains("--pp-depth and --pp") && err.contains("context of 8192"),
+            "{err}"
+        );
+    }
 }
