@@ -7,6 +7,10 @@
 #     cache (--cache-ram, on by default) on the same script.
 #  2. overload: 48 single-turn streams at once into a KV cache for 16:
 #     flotilla recompute-only vs with the tier.
+# Targets, from docs/BENCHMARKS.md: turns 2-5 TTFT p50 with the tier (in
+# RAM) / without <= 0.3x, and / llama-server's <= 0.5x (checked only when
+# llama-server ran); overload output tok/s with the tier / without >= 1.2x.
+# Exits 1, after the report, when one is missed.
 #   usage: tests/bench/kv-offload.sh [LLAMA_BIN_DIR]
 set -euo pipefail
 cd "$(dirname "$0")/../.."
@@ -54,13 +58,20 @@ rm -f "$OUT/tier.bin"
 # llama-server: 4 slots of 4,096 tokens (its last turns reach ~3,500
 # tokens; 16,384 tokens of KV in all, 1.8x flotilla's 9,200) and its host
 # prompt cache (--cache-ram) at its default size.
-"$LLAMA_BIN/llama-server" -m "$MODEL" -t "$THREADS" -np 4 -c $((4 * 4096)) --port 8416 \
-  >"$OUT/llama.log" 2>&1 &
-pid=$!
-wait_up http://127.0.0.1:8416/health
-printf '%-22s ' "multiturn llama-server"
-python3 tests/bench/multiturn.py http://127.0.0.1:8416 "$SESSIONS" "$TURNS" 4 400 32 | tee -a "$OUT/multiturn.jsonl"
-stop
+# Without a llama-server binary the comparison with it is left unchecked.
+LLAMA=0
+if [ -x "$LLAMA_BIN/llama-server" ]; then
+  LLAMA=1
+  "$LLAMA_BIN/llama-server" -m "$MODEL" -t "$THREADS" -np 4 -c $((4 * 4096)) --port 8416 \
+    >"$OUT/llama.log" 2>&1 &
+  pid=$!
+  wait_up http://127.0.0.1:8416/health
+  printf '%-22s ' "multiturn llama-server"
+  python3 tests/bench/multiturn.py http://127.0.0.1:8416 "$SESSIONS" "$TURNS" 4 400 32 | tee -a "$OUT/multiturn.jsonl"
+  stop
+else
+  echo "multiturn llama-server: not run (no $LLAMA_BIN/llama-server)"
+fi
 
 # Overload: 48 streams of ~200 prompt + 256 output tokens (~29 blocks
 # each) into a cache for 16 of them, 48 seats. With the chat template the
@@ -75,3 +86,40 @@ for mode in off ram; do
   python3 tests/bench/multiturn.py http://127.0.0.1:8415 48 1 48 200 256 | tee -a "$OUT/overload.jsonl"
   stop
 done
+python3 - "$OUT" "$LLAMA" <<'PY'
+import json, sys
+o, llama = sys.argv[1], sys.argv[2] == "1"
+# The lines in the order the script ran them.
+mt = dict(zip(["off", "ram", "file", "llama"], (json.loads(l) for l in open(f"{o}/multiturn.jsonl"))))
+ov = dict(zip(["off", "ram"], (json.loads(l) for l in open(f"{o}/overload.jsonl"))))
+later = {k: v["ttft_ms_later_p50"] for k, v in mt.items()}
+missed, unchecked = [], []
+# The targets this script states: turns 2-5 TTFT p50 tier / no tier <= 0.3x,
+# tier / llama-server <= 0.5x, overload tier / no tier >= 1.2x. Each miss
+# gets its line and fails the script (exit 1) once everything is printed.
+r = later["ram"] / later["off"]
+print(f"turns 2-5 TTFT p50: no tier {later['off']} ms, tier in RAM {later['ram']} ms, "
+      f"tier / no tier {r:.3f}x (file {later['file'] / later['off']:.3f}x)")
+print("target: tier / no tier <= 0.3x")
+if r > 0.3:
+    missed.append(f"turns 2-5 TTFT p50 tier / no tier {r:.3f}x (target <= 0.3x)")
+if llama:
+    r = later["ram"] / later["llama"]
+    print(f"turns 2-5 TTFT p50: llama-server {later['llama']} ms, tier / llama-server {r:.3f}x")
+    print("target: tier / llama-server <= 0.5x")
+    if r > 0.5:
+        missed.append(f"turns 2-5 TTFT p50 tier / llama-server {r:.3f}x (target <= 0.5x)")
+else:
+    unchecked.append("turns 2-5 TTFT p50 tier / llama-server <= 0.5x (llama-server absent)")
+r = ov["ram"]["output_tok_per_s"] / ov["off"]["output_tok_per_s"]
+print(f"overload output tok/s: recompute only {ov['off']['output_tok_per_s']}, "
+      f"with the tier {ov['ram']['output_tok_per_s']}, {r:.3f}x")
+print("target: with the tier / recompute only >= 1.2x")
+if r < 1.2:
+    missed.append(f"overload output tok/s with the tier / recompute only {r:.3f}x (target >= 1.2x)")
+for u in unchecked:
+    print(f"not checked: {u}")
+for m in missed:
+    print(f"MISSED: {m}")
+sys.exit(1 if missed else 0)
+PY

@@ -3,6 +3,7 @@
 # cluster-configs/pd-2p2d.toml with 20% of the clients leaving mid-stream,
 # and one prefill node killed halfway. Prints the KV blocks the surviving
 # nodes hold once the load is over (target 0) and the request outcomes.
+# Exits 1, after the report, when the target is missed.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-target/bench-pd}; mkdir -p "$OUT"
@@ -37,4 +38,9 @@ import re
 log = [re.sub(r"\x1b\[[0-9;]*m", "", l) for l in open(f"{o}/leaks.log")]
 print(f"requests re-run after the kill: {sum('re-running it on' in l for l in log)}")
 print(f"KV blocks used on the nodes that are up, after the run: {r['kv_blocks']['used']} (total {r['kv_blocks']['total']})")
+# The target this script states: no block leaked. A miss fails the script
+# (exit 1) once everything above is printed.
+if r["kv_blocks"]["used"] != 0:
+    print(f"MISSED: leaked blocks {r['kv_blocks']['used']} (target 0)")
+    sys.exit(1)
 PY

@@ -5,6 +5,8 @@
 //! the same prompts and tokenises them in its own way (the report counts
 //! prompt tokens from the server's usage, not from words).
 
+use flotilla_exec::rng::SplitMix64;
+
 /// The fixed vocabulary. Changing it changes every prompt: keep it fixed so
 /// reports from different builds stay comparable.
 const WORDS: [&str; 128] = [
@@ -30,7 +32,7 @@ pub fn cancel_after(seed: u64, index: u64, fraction: f64) -> Option<u64> {
     let mut r =
         SplitMix64(seed ^ index.wrapping_mul(0xA24B_AED4_963E_E407) ^ 0xC0FF_EE00_D15C_A4D5);
     let u = (r.next_u64() >> 11) as f64 / (1u64 << 53) as f64;
-    (u < fraction).then(|| 1 + r.below(8))
+    (u < fraction).then(|| 1 + below(&mut r, 8))
 }
 
 /// The max_tokens of request `index`: uniform over `min..=max`, seeded.
@@ -39,28 +41,14 @@ pub fn max_tokens_for(seed: u64, index: u64, min: u32, max: u32) -> u32 {
         return max;
     }
     let mut r = SplitMix64(seed ^ index.wrapping_mul(0x9FB2_1C65_1E98_DF25) ^ 0x005E_ED0F_0A1E);
-    min + r.below(u64::from(max - min) + 1) as u32
+    min + below(&mut r, u64::from(max - min) + 1) as u32
 }
 
-/// SplitMix64: small, fast, and fully specified, so prompts never depend on
-/// a library's RNG version.
-struct SplitMix64(u64);
-
-impl SplitMix64 {
-    fn next_u64(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
-    }
-
-    /// Uniform in `0..n` (Lemire's multiply-shift; the bias is below 2^-32
-    /// for the small `n` used here).
-    fn below(&mut self, n: u64) -> u64 {
-        debug_assert!(n > 0);
-        ((u128::from(self.next_u64()) * u128::from(n)) >> 64) as u64
-    }
+/// Uniform in `0..n` (Lemire's multiply-shift; the bias is below 2^-32
+/// for the small `n` used here).
+fn below(r: &mut SplitMix64, n: u64) -> u64 {
+    debug_assert!(n > 0);
+    ((u128::from(r.next_u64()) * u128::from(n)) >> 64) as u64
 }
 
 /// The prompt of request `index` under `seed`, `min..=max` words long.
@@ -74,13 +62,13 @@ pub fn prompt(seed: u64, index: u64, words_min: usize, words_max: usize) -> Stri
     let mut rng =
         SplitMix64(SplitMix64(seed).next_u64() ^ index.wrapping_mul(0xD1B5_4A32_D192_ED03));
     let span = (words_max - words_min) as u64 + 1;
-    let len = words_min + rng.below(span) as usize;
+    let len = words_min + below(&mut rng, span) as usize;
     let mut out = String::with_capacity(len * 6);
     for i in 0..len {
         if i > 0 {
             out.push(' ');
         }
-        out.push_str(WORDS[rng.below(WORDS.len() as u64) as usize]);
+        out.push_str(WORDS[below(&mut rng, WORDS.len() as u64) as usize]);
     }
     out
 }

@@ -22,10 +22,8 @@ pub fn block_hashes(prompt: &[u32], block_size: usize, salt: u64) -> Vec<u64> {
         for &t in block {
             h = (h ^ t as u64).wrapping_mul(0x0000_0100_0000_01b3);
         }
-        // splitmix finaliser: spread the FNV state over all bits.
-        h = (h ^ (h >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-        h = (h ^ (h >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-        h ^= h >> 31;
+        // SplitMix64's finaliser spreads the FNV state over all bits.
+        h = flotilla_exec::rng::mix64(h);
         out.push(h);
         parent = h;
     }

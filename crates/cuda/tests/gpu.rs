@@ -28,12 +28,23 @@ fn gpu_or_skip() -> Option<Arc<CudaContext>> {
     match probe(0) {
         Ok(c) => Some(c),
         Err(e) => {
-            let required = std::env::var_os("FLOTILLA_REQUIRE_GPU").is_some_and(|v| v == "1");
-            assert!(!required, "FLOTILLA_REQUIRE_GPU=1 but {e}");
-            eprintln!("SKIPPED: {e}");
+            skip(&e.to_string());
             None
         }
     }
+}
+
+/// Whether the GPU checks must run (tests/cuda/gpu-check.sh sets it where
+/// a device is lent): then nothing they need may be missing.
+fn required() -> bool {
+    std::env::var_os("FLOTILLA_REQUIRE_GPU").is_some_and(|v| v == "1")
+}
+
+/// Says why a check does not run here; a failure under
+/// `FLOTILLA_REQUIRE_GPU=1`, where every check must run.
+fn skip(why: &str) {
+    assert!(!required(), "FLOTILLA_REQUIRE_GPU=1 but {why}");
+    eprintln!("SKIPPED: {why}");
 }
 
 #[test]
@@ -393,9 +404,9 @@ fn gemma3_greedy_tokens_match_the_cpu_backend() {
             match got {
                 Ok(p) => p,
                 Err(e) => {
-                    eprintln!(
-                        "SKIPPED: Gemma 3 270M is not at hand ({e}); set FLOTILLA_TEST_GEMMA3"
-                    );
+                    skip(&format!(
+                        "Gemma 3 270M is not at hand ({e}); set FLOTILLA_TEST_GEMMA3"
+                    ));
                     return;
                 }
             }
@@ -542,11 +553,11 @@ fn tiny_model(arch: &str) -> Option<(PathBuf, bool)> {
                 Ok(o) => String::from_utf8_lossy(&o.stderr).into_owned(),
                 Err(e) => e.to_string(),
             };
-            eprintln!(
-                "SKIPPED: no tiny models: {python} cannot run tests/reference/tiny.py ({why}); \
-                 set FLOTILLA_TINY_MODELS to a directory of them"
-            );
             std::fs::remove_dir_all(&dir).ok();
+            skip(&format!(
+                "no tiny models: {python} cannot run tests/reference/tiny.py ({why}); \
+                 set FLOTILLA_TINY_MODELS to a directory of them"
+            ));
             None
         }
     }
@@ -570,6 +581,8 @@ fn every_architecture_matches_the_f64_reference_on_tiny_models() {
         return;
     }
     for arch in ["llama3", "qwen2", "gemma3", "llama"] {
+        // Every architecture or none: a missing generator is said once
+        // (and fails under FLOTILLA_REQUIRE_GPU=1, inside `tiny_model`).
         let Some((dir, ours)) = tiny_model(arch) else {
             return;
         };

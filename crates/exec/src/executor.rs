@@ -113,7 +113,8 @@ impl std::fmt::Display for KvDtype {
 pub struct ModelSpec {
     /// Model name for `/v1/models`.
     pub name: String,
-    /// Architecture (`llama`).
+    /// Architecture, as the GGUF's `general.architecture` names it
+    /// (`llama`, `qwen2`, `gemma3`, ...).
     pub arch: String,
     /// Transformer blocks.
     pub n_layer: usize,

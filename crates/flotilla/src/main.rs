@@ -292,6 +292,9 @@ fn simulate(
         tracing_subscriber::fmt()
             .with_env_filter(filter)
             .with_writer(std::io::stderr)
+            // Colour only on a terminal: `flotilla cluster` sends each node's
+            // stderr to a log file, where escape codes are noise.
+            .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
             .with_timer(SimTime(tokio::time::Instant::now()))
             .init();
     }

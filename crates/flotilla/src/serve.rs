@@ -447,6 +447,9 @@ pub fn run(args: ServeArgs) -> Result<()> {
     tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_writer(std::io::stderr)
+        // Colour only on a terminal: `flotilla cluster` sends each node's
+        // stderr to a log file, where escape codes are noise.
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .init();
     let r = resolve(&args)?;
     let addr: SocketAddr = format!("{}:{}", args.host, args.port)

@@ -346,9 +346,7 @@ fn run_openai_client(python: &str, base: &str) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn openai_client_through_router_and_two_workers() {
-    let Some(python) = openai_python() else {
-        return;
-    };
+    let python = openai_python();
     let c = start_cluster();
     wait_for(&c.base, "both workers up", |r| {
         node(r, "worker-1")["up"] == true && node(r, "worker-2")["up"] == true
@@ -736,13 +734,23 @@ async fn across_network_namespaces_with_a_slow_lossy_link() {
         .arg("-u")
         .output()
         .is_ok_and(|o| String::from_utf8_lossy(&o.stdout).trim() == "0");
+    // `.ci/run` (as root, with iproute2) sets FLOTILLA_REQUIRE_NETNS=1:
+    // there a missing namespace is a failure, not a skip.
+    let required = std::env::var_os("FLOTILLA_REQUIRE_NETNS").is_some_and(|v| v == "1");
     if !is_root {
-        eprintln!("SKIPPED: network namespaces need root");
+        assert!(!required, "FLOTILLA_REQUIRE_NETNS=1 but not root");
+        eprintln!(
+            "SKIPPED: network namespaces need root (FLOTILLA_REQUIRE_NETNS=1 makes this a failure)"
+        );
         return;
     }
     let net = match make_netns() {
         Ok(n) => n,
         Err(e) => {
+            assert!(
+                !required,
+                "FLOTILLA_REQUIRE_NETNS=1 but cannot make network namespaces: {e}"
+            );
             eprintln!("SKIPPED: cannot make network namespaces here: {e}");
             return;
         }
@@ -828,9 +836,7 @@ async fn gemma3_disaggregated_prefill_and_decode_give_the_colocated_tokens() {
 /// count of each node, and the official OpenAI client's calls all work.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_int8_kv_cluster_migrates_its_blocks_and_serves_the_openai_client() {
-    let Some(python) = openai_python() else {
-        return;
-    };
+    let python = openai_python();
     let int8 = "\n[engine]\nkv_cache_dtype = \"int8\"\n";
     let mut c = start_cluster_config(
         &["prefill", "decode"],

@@ -342,12 +342,9 @@ impl Gateway {
     }
 }
 
-/// SplitMix64: well-spread seeds from a counter.
+/// Well-spread seeds from a counter (SplitMix64's draw at state `n`).
 fn mix(n: u64) -> u64 {
-    let mut z = n.wrapping_add(0x9E37_79B9_7F4A_7C15);
-    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-    z ^ (z >> 31)
+    flotilla_exec::rng::SplitMix64(n).next_u64()
 }
 
 async fn chat(

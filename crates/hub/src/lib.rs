@@ -257,6 +257,9 @@ pub enum HubError {
     },
 }
 
+mod testenv;
+pub use testenv::{TEST_PYTHON_PACKAGES, test_python};
+
 /// The cache root: `$FLOTILLA_CACHE_DIR`, else `$XDG_CACHE_HOME/flotilla`, else `$HOME/.cache/flotilla`.
 pub fn cache_dir() -> Result<PathBuf, HubError> {
     resolve_cache_dir(

@@ -33,14 +33,12 @@ const TAIL_CUTOFF: f32 = 30.0;
 
 /// A uniform draw in [0, 1) from (seed, position): SplitMix64 finalisation.
 pub fn uniform(seed: u64, position: u64) -> f64 {
-    let mut z = seed
-        ^ position
-            .wrapping_mul(0x9E37_79B9_7F4A_7C15)
-            .wrapping_add(0xD1B5_4A32_D192_ED03);
-    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-    z ^= z >> 31;
-    (z >> 11) as f64 / (1u64 << 53) as f64
+    use flotilla_exec::rng::{GAMMA, mix64, unit_f64};
+    unit_f64(mix64(
+        seed ^ position
+            .wrapping_mul(GAMMA)
+            .wrapping_add(0xD1B5_4A32_D192_ED03),
+    ))
 }
 
 /// Picks a token from `logits` plus `bias` (`(token, amount)` pairs, the

@@ -586,7 +586,7 @@ pub struct KvTransferHeader {
     pub block_count: u32,
     /// Raw bytes that follow.
     pub bytes: u64,
-    /// Checksum of the raw bytes (CRC-32C).
+    /// Checksum of the raw bytes (CRC-32/IEEE, as `crc32fast` computes it).
     pub checksum: u64,
     /// The first token, sampled by the prefill side.
     pub first: Sampled,

@@ -39,20 +39,8 @@ static A: Counting = Counting;
 
 const CAP: u32 = 64 * 1024;
 
-/// splitmix64: a seeded stream with no dependency.
-struct Rng(u64);
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-        z ^ (z >> 31)
-    }
-    fn below(&mut self, n: u64) -> u64 {
-        self.next() % n.max(1)
-    }
-}
+/// The project's seeded stream.
+use flotilla_exec::rng::SplitMix64 as Rng;
 
 fn seeds(r: &mut Rng) -> Vec<Message> {
     let n = r.below(40) as usize;
@@ -69,7 +57,7 @@ fn seeds(r: &mut Rng) -> Vec<Message> {
             ..EngineStatus::default()
         }),
         Message::Submit(Submit {
-            req: r.next(),
+            req: r.next_u64(),
             attempt: 1,
             prefill: Some(2),
             kv_move: false,
@@ -164,13 +152,13 @@ fn seeds(r: &mut Rng) -> Vec<Message> {
 fn mutate(r: &mut Rng, f: &mut Vec<u8>) {
     for _ in 0..1 + r.below(8) {
         if f.is_empty() {
-            f.push(r.next() as u8);
+            f.push(r.next_u64() as u8);
         }
         match r.below(5) {
             0 | 1 => {
                 // Flip bytes of the payload mostly, sometimes of the envelope.
                 let i = r.below(f.len() as u64) as usize;
-                f[i] = r.next() as u8;
+                f[i] = r.next_u64() as u8;
             }
             2 => {
                 let i = r.below(f.len() as u64) as usize;
@@ -180,12 +168,12 @@ fn mutate(r: &mut Rng, f: &mut Vec<u8>) {
                 // A plausible-looking length or offset: a large little-endian u32.
                 if f.len() >= 4 {
                     let i = r.below(f.len() as u64 - 3) as usize;
-                    f[i..i + 4].copy_from_slice(&(r.next() as u32 | 0x8000_0000).to_le_bytes());
+                    f[i..i + 4].copy_from_slice(&(r.next_u64() as u32 | 0x8000_0000).to_le_bytes());
                 }
             }
             _ => {
                 for _ in 0..r.below(16) {
-                    f.push(r.next() as u8);
+                    f.push(r.next_u64() as u8);
                 }
             }
         }
@@ -204,7 +192,7 @@ fn random_and_mutated_frames_never_panic_and_stay_bounded() {
     for i in 0..iters {
         let mut frame = if r.below(10) == 0 {
             // Pure noise, sometimes behind a valid-looking envelope.
-            let mut f: Vec<u8> = (0..r.below(256)).map(|_| r.next() as u8).collect();
+            let mut f: Vec<u8> = (0..r.below(256)).map(|_| r.next_u64() as u8).collect();
             if r.below(2) == 0 && f.len() >= 32 {
                 f[0..4].copy_from_slice(b"FLTL");
                 f[4..6].copy_from_slice(&1u16.to_le_bytes());

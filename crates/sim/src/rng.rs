@@ -22,16 +22,15 @@ impl Rng {
 
     /// The next 64 random bits.
     pub fn next_u64(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
+        let mut s = flotilla_exec::rng::SplitMix64(self.0);
+        let z = s.next_u64();
+        self.0 = s.0;
+        z
     }
 
     /// Uniform in `[0, 1)`.
     pub fn f64(&mut self) -> f64 {
-        (self.next_u64() >> 11) as f64 / (1u64 << 53) as f64
+        flotilla_exec::rng::unit_f64(self.next_u64())
     }
 
     /// Uniform in `lo..=hi`.

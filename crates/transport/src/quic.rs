@@ -111,8 +111,8 @@ pub struct LinkFaults {
     pub loss_one_in: u32,
 }
 
-/// Everything the QUIC transport needs; the cluster crate builds it from
-/// the validated config.
+/// Everything the QUIC transport needs; the binary builds it from the
+/// validated config (`flotilla/src/node.rs`, `quic_options`).
 #[derive(Clone, Debug)]
 pub struct QuicOptions {
     /// This node's id (index into `nodes`).
