@@ -12,9 +12,9 @@
 
 use std::sync::Arc;
 
-use crate::gguf::{GgmlType, GgufError, GgufFile, TensorInfo};
 use crate::kernels::{Bytes, QMatrix, Resolved, WData};
 use crate::quant;
+use flotilla_gguf::{GgmlType, GgufError, GgufFile, TensorInfo};
 
 /// How RoPE pairs a head's dimensions.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -567,7 +567,7 @@ pub fn matrix(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::gguf::writer::{W, build};
+    use flotilla_gguf::writer::{W, build};
 
     fn open(bytes: Vec<u8>) -> GgufFile {
         let path = std::env::temp_dir().join(format!(

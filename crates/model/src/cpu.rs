@@ -12,16 +12,16 @@ use std::path::Path;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
 use crate::arch::{self, Activation, ModelConfig, Weights};
-use crate::executor::{
-    BatchLimits, ExecError, Executor, KvDtype, KvSpec, ModelSpec, SeqInput, SeqOutput, StepOutputs,
-    sample_outputs, validate_batch,
-};
-use crate::gguf::{GgufError, GgufFile};
 use crate::kernels::{self, Acts, Kernel, OutPtr, QMatrix, Resolved};
 use crate::kvcache::{KvStore, attend_run, attend_scratch, query_run};
 use crate::pool::{ThreadPool, split_range};
 use crate::quant::{BlockQ8A, QK, quantize_row_q8a};
 use crate::sampling::{SamplerScratch, sample};
+use flotilla_exec::executor::{
+    BatchLimits, ExecError, Executor, KvDtype, KvSpec, ModelSpec, SeqInput, SeqOutput, StepOutputs,
+    sample_outputs, validate_batch,
+};
+use flotilla_gguf::{GgufError, GgufFile};
 
 #[cfg(target_arch = "x86_64")]
 use crate::kernels::avx2;

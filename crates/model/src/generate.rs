@@ -3,8 +3,8 @@
 //! plain free list; the serving engine's KvBlockPool and Scheduler replace
 //! it with prefix caching, quotas and tiers.
 
-use crate::executor::{ExecError, Executor, OutputKind, SeqInput, StepOutputs};
 use crate::sampling::{Sampled, SamplingParams};
+use flotilla_exec::executor::{ExecError, Executor, OutputKind, SeqInput, StepOutputs};
 
 /// Why a sequence stopped.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

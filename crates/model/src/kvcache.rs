@@ -16,9 +16,9 @@ use std::ops::Range;
 use half::f16;
 
 use crate::arch::ModelConfig;
-use crate::executor::{ExecError, KvDtype};
 use crate::kernels::Resolved;
 use crate::quant::quantize_q8_0_group;
+use flotilla_exec::executor::{ExecError, KvDtype};
 
 #[cfg(target_arch = "x86_64")]
 use crate::kernels::avx2;

@@ -9,7 +9,6 @@ pub mod cpu;
 pub mod generate;
 pub mod kernels;
 mod kvcache;
-pub mod model;
 pub mod pool;
 pub mod quality;
 pub mod quant;
@@ -18,12 +17,8 @@ pub mod sampling;
 pub mod testutil;
 
 pub use cpu::{CpuConfig, CpuExecutor, LoadError};
-/// The executor seam lives in `flotilla-exec`; its paths stay valid here.
-pub use flotilla_exec::executor;
 pub use flotilla_exec::{
     BatchLimits, ExecError, Executor, KvDtype, KvSpec, ModelSpec, OutputKind, SeqInput, SeqOutput,
     StepOutputs, sample_outputs, validate_batch,
 };
-/// The GGUF reader; its paths stay valid here.
-pub use flotilla_gguf as gguf;
 pub use sampling::{Sampled, SamplingParams};

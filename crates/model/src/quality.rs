@@ -3,7 +3,7 @@
 //! the KL divergence of one run's from another's, as llama.cpp's
 //! `llama-perplexity --kl-divergence` reports them.
 
-use crate::executor::{ExecError, Executor, OutputKind, SeqInput, StepOutputs};
+use flotilla_exec::executor::{ExecError, Executor, OutputKind, SeqInput, StepOutputs};
 
 /// Log-probabilities of the next token after every prefix of `tokens`
 /// (row `i` follows `tokens[..=i]`), the text's KV in the executor's cache

@@ -12,7 +12,7 @@
 
 use half::{bf16, f16};
 
-use crate::gguf::GgmlType;
+use flotilla_gguf::GgmlType;
 
 /// Elements in one kernel block.
 pub const QK: usize = 32;

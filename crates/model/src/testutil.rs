@@ -8,8 +8,8 @@ pub fn rnd(seed: &mut u64) -> f32 {
     ((*seed >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
 }
 
-use crate::executor::{Executor, OutputKind, SeqInput, StepOutputs};
 use crate::sampling::SamplingParams;
+use flotilla_exec::executor::{Executor, OutputKind, SeqInput, StepOutputs};
 
 /// A batch of one sequence's input, with nothing but `output` to ask.
 pub fn one_seq<'a>(

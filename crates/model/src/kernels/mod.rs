@@ -248,7 +248,7 @@ impl QMatrix {
             WData::Q8_0(b) => {
                 let rb = self.cols / QK * Q8_0_BYTES;
                 quant::dequantize(
-                    crate::gguf::GgmlType::Q8_0,
+                    flotilla_gguf::GgmlType::Q8_0,
                     &b.as_slice()[r * rb..(r + 1) * rb],
                     out,
                 )
