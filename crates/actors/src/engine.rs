@@ -27,84 +27,9 @@ use ractor::{Actor, ActorProcessingErr, ActorRef, RpcReplyPort, SupervisionEvent
 use tokio::sync::mpsc;
 
 use crate::Clock;
+use crate::msg::{PendingImport, SchedMsg, StepResult, WorkerMsg};
 use crate::trace::{End, Entry, Traces};
-use crate::worker::{GpuWorker, Offload, StepResult, WorkerArgs, WorkerMsg};
-
-/// Messages of the Scheduler actor.
-pub(crate) enum SchedMsg {
-    /// Admit a request (or refuse it at once); its events go to its own
-    /// stream, or with a `sink` there, per step.
-    Submit {
-        req: EngineRequest,
-        sink: Option<EventSink>,
-        reply: RpcReplyPort<Result<RequestStream, Rejection>>,
-    },
-    /// The client went away: drop the request wherever it is.
-    Cancel(RequestId),
-    /// The Router ended the request at a stop string: finish it now.
-    StopString(RequestId),
-    /// The worker finished a step.
-    StepDone(Box<StepResult>),
-    /// A queue deadline may have passed.
-    Wake,
-    /// Figures for `/ready`.
-    Status(RpcReplyPort<EngineStatus>),
-    /// Admit a request whose blocks stay held after it finishes.
-    SubmitHeld {
-        req: EngineRequest,
-        hold_for: Duration,
-        reply: RpcReplyPort<Result<RequestStream, Rejection>>,
-    },
-    /// Read a finished request's held blocks (through the worker).
-    Export {
-        id: RequestId,
-        reply: RpcReplyPort<Result<KvExport, String>>,
-    },
-    /// Stop a running request and hold its KV for a move.
-    Detach {
-        id: RequestId,
-        hold: Duration,
-        reply: RpcReplyPort<Result<Vec<u32>, String>>,
-    },
-    /// Give back held blocks.
-    Release {
-        id: RequestId,
-        reply: RpcReplyPort<bool>,
-    },
-    /// Reserve blocks for an import.
-    Reserve {
-        tenant: TenantId,
-        tokens: u32,
-        ttl: Duration,
-        reply: RpcReplyPort<Result<RequestId, Rejection>>,
-    },
-    /// Write KV into a reservation (through the worker), then continue the request.
-    Import(Box<PendingImport>, Vec<u8>),
-    /// The worker wrote (or failed to write) an import's blocks.
-    Imported(Box<PendingImport>, Result<(), String>),
-    /// Give back a reservation.
-    CancelReservation {
-        id: RequestId,
-        reply: RpcReplyPort<bool>,
-    },
-    /// Ids that hold KV or a seat.
-    KvHolders(RpcReplyPort<Vec<RequestId>>),
-    /// Give back whatever an orphaned id holds.
-    DropOrphan {
-        id: RequestId,
-        reply: RpcReplyPort<bool>,
-    },
-}
-
-/// An import on its way through the worker.
-pub(crate) struct PendingImport {
-    reservation: RequestId,
-    tokens: u32,
-    req: EngineRequest,
-    first: Sampled,
-    sink: Option<EventSink>,
-    reply: RpcReplyPort<Result<RequestStream, Rejection>>,
-}
+use crate::worker::{GpuWorker, Offload, WorkerArgs};
 
 /// Messages between two full invariant checks (see
 /// [`EngineOptions::check_invariants`]).
@@ -452,35 +377,7 @@ impl Actor for SchedulerActor {
                 let _ = reply.send(st.sched.cancel_reservation(id));
             }
             SchedMsg::Import(p, data) => start_import(&myself, st, p, data),
-            SchedMsg::Imported(p, written) => {
-                let PendingImport {
-                    reservation,
-                    req,
-                    first,
-                    sink,
-                    reply,
-                    ..
-                } = *p;
-                let answer = match written {
-                    Err(e) => {
-                        tracing::error!(error = %e, "writing imported KV failed");
-                        st.sched.cancel_reservation(reservation);
-                        Err(Rejection::Unavailable)
-                    }
-                    Ok(()) => {
-                        let tier = st.tier_of(req.tenant);
-                        let traced = st.trace_head(&req);
-                        // Live before the first token is delivered below.
-                        st.sched
-                            .submit_imported(now, reservation, req, first)
-                            .map(|()| {
-                                st.trace_start(reservation, traced, Entry::Imported, tier, now);
-                                open_stream(&myself, st, reservation, tier, sink)
-                            })
-                    }
-                };
-                let _ = reply.send(answer);
-            }
+            SchedMsg::Imported(p, written) => finish_import(&myself, st, now, p, written),
             SchedMsg::Cancel(id) => {
                 let live = st.live.remove(&id);
                 st.traces.end(&st.tracing, id, End::Cancelled, now);
@@ -501,53 +398,7 @@ impl Actor for SchedulerActor {
                 // event; `deliver` drops the live entry.
                 st.sched.finish_early(now, id);
             }
-            SchedMsg::StepDone(r) => {
-                let StepResult {
-                    plan,
-                    sampled,
-                    elapsed,
-                    ran,
-                    moved,
-                    move_time,
-                    worker_ok,
-                } = *r;
-                st.busy = false;
-                st.traces.step_done(&plan.items, now);
-                // A multi-step plan's steps count one by one, each its share
-                // (tier moves run before the first).
-                let ran = ran.max(1);
-                let compute = elapsed.saturating_sub(move_time) / ran as u32;
-                let each = compute + move_time;
-                st.metrics.step_time(each.as_secs_f64());
-                for _ in 1..ran {
-                    st.metrics.step_time(compute.as_secs_f64());
-                }
-                st.offload_cost
-                    .observe(moved, move_time, plan.num_tokens(), each);
-                st.sched.observe_step(&plan, each.saturating_sub(move_time));
-                if let Some(c) = st.sched.step_cost() {
-                    st.metrics.step_cost(c.fixed, c.per_token, c.per_output);
-                }
-                if let Some(pays) = st.offload_cost.pays(st.sched.config().block_size) {
-                    st.sched.set_offload_pays(pays);
-                }
-                let error = match sampled {
-                    Ok(s) => {
-                        st.sched.complete(now, &plan, &s);
-                        None
-                    }
-                    Err(e) => {
-                        tracing::error!(error = %e, "step failed");
-                        st.sched.fail_step(now, &plan, &e);
-                        Some(e)
-                    }
-                };
-                if !worker_ok {
-                    let why = error.unwrap_or_else(|| "the GPU worker is broken".into());
-                    worker_lost(st, now, why);
-                }
-                record_load(st);
-            }
+            SchedMsg::StepDone(r) => step_done(st, now, *r),
             // `pump` below expires what is due and arms the next wake-up;
             // cleared even if it came early, so that one is armed again.
             SchedMsg::Wake => st.wake_at = None,
@@ -565,41 +416,11 @@ impl Actor for SchedulerActor {
                 let _ = reply.send(dropped);
             }
             SchedMsg::Status(reply) => {
-                let mut s = st.sched.status();
-                s.ready = st.worker_ok;
-                s.kv.dtype = st.kv_dtype;
-                if s.kv.offload.total > 0 {
-                    let ns = |secs: Option<f64>| secs.map_or(0, |v| (v * 1e9) as u64);
-                    let bs = f64::from(st.sched.config().block_size);
-                    s.kv.offload.move_ns = ns(st.offload_cost.per_block);
-                    s.kv.offload.recompute_ns = ns(st.offload_cost.per_token.map(|t| t * bs));
-                }
-                let _ = reply.send(s);
+                let _ = reply.send(status(st));
             }
         }
         pump(&myself, st, now);
-        if let Some(hook) = st.check.clone() {
-            st.handled += 1;
-            let full = st.handled.is_multiple_of(FULL_CHECK_EVERY);
-            let sched = &mut st.sched;
-            let checked = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-                if full {
-                    sched.check_invariants()
-                } else {
-                    sched.check_kv_accounting()
-                }
-            }));
-            if let Err(p) = checked {
-                let what = p
-                    .downcast_ref::<String>()
-                    .cloned()
-                    .or_else(|| p.downcast_ref::<&str>().map(|s| s.to_string()))
-                    .unwrap_or_else(|| "an invariant".into());
-                hook(format!("scheduler invariant broken: {what}"));
-                // Reported once; the state is suspect from here on.
-                st.check = None;
-            }
-        }
+        check_after(st);
         Ok(())
     }
 
@@ -797,6 +618,136 @@ fn flush_moves(st: &mut SchedState) {
         let _ = st
             .worker
             .cast(WorkerMsg::Moves(st.sched.take_block_moves()));
+    }
+}
+
+/// An import's KV was written (or not): the reservation becomes a running
+/// request with its first token, or goes back.
+fn finish_import(
+    myself: &ActorRef<SchedMsg>,
+    st: &mut SchedState,
+    now: Duration,
+    p: Box<PendingImport>,
+    written: Result<(), String>,
+) {
+    let PendingImport {
+        reservation,
+        req,
+        first,
+        sink,
+        reply,
+        ..
+    } = *p;
+    let answer = match written {
+        Err(e) => {
+            tracing::error!(error = %e, "writing imported KV failed");
+            st.sched.cancel_reservation(reservation);
+            Err(Rejection::Unavailable)
+        }
+        Ok(()) => {
+            let tier = st.tier_of(req.tenant);
+            let traced = st.trace_head(&req);
+            // Live before the first token is delivered below.
+            st.sched
+                .submit_imported(now, reservation, req, first)
+                .map(|()| {
+                    st.trace_start(reservation, traced, Entry::Imported, tier, now);
+                    open_stream(myself, st, reservation, tier, sink)
+                })
+        }
+    };
+    let _ = reply.send(answer);
+}
+
+/// A step's results: metrics and cost model first, then the state
+/// machine (tokens, or the step's failure), then the worker's health.
+fn step_done(st: &mut SchedState, now: Duration, r: StepResult) {
+    let StepResult {
+        plan,
+        sampled,
+        elapsed,
+        ran,
+        moved,
+        move_time,
+        worker_ok,
+    } = r;
+    st.busy = false;
+    st.traces.step_done(&plan.items, now);
+    // A multi-step plan's steps count one by one, each its share
+    // (tier moves run before the first).
+    let ran = ran.max(1);
+    let compute = elapsed.saturating_sub(move_time) / ran as u32;
+    let each = compute + move_time;
+    st.metrics.step_time(each.as_secs_f64());
+    for _ in 1..ran {
+        st.metrics.step_time(compute.as_secs_f64());
+    }
+    st.offload_cost
+        .observe(moved, move_time, plan.num_tokens(), each);
+    st.sched.observe_step(&plan, each.saturating_sub(move_time));
+    if let Some(c) = st.sched.step_cost() {
+        st.metrics.step_cost(c.fixed, c.per_token, c.per_output);
+    }
+    if let Some(pays) = st.offload_cost.pays(st.sched.config().block_size) {
+        st.sched.set_offload_pays(pays);
+    }
+    let error = match sampled {
+        Ok(s) => {
+            st.sched.complete(now, &plan, &s);
+            None
+        }
+        Err(e) => {
+            tracing::error!(error = %e, "step failed");
+            st.sched.fail_step(now, &plan, &e);
+            Some(e)
+        }
+    };
+    if !worker_ok {
+        let why = error.unwrap_or_else(|| "the GPU worker is broken".into());
+        worker_lost(st, now, why);
+    }
+    record_load(st);
+}
+
+/// The engine's status as `/ready` and the heartbeats report it.
+fn status(st: &mut SchedState) -> EngineStatus {
+    let mut s = st.sched.status();
+    s.ready = st.worker_ok;
+    s.kv.dtype = st.kv_dtype;
+    if s.kv.offload.total > 0 {
+        let ns = |secs: Option<f64>| secs.map_or(0, |v| (v * 1e9) as u64);
+        let bs = f64::from(st.sched.config().block_size);
+        s.kv.offload.move_ns = ns(st.offload_cost.per_block);
+        s.kv.offload.recompute_ns = ns(st.offload_cost.per_token.map(|t| t * bs));
+    }
+    s
+}
+
+/// Under a check hook (the simulator), the scheduler's invariants after
+/// a handled message: KV accounting every time, everything every
+/// `FULL_CHECK_EVERY`; the first broken one is reported once.
+fn check_after(st: &mut SchedState) {
+    if let Some(hook) = st.check.clone() {
+        st.handled += 1;
+        let full = st.handled.is_multiple_of(FULL_CHECK_EVERY);
+        let sched = &mut st.sched;
+        let checked = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            if full {
+                sched.check_invariants()
+            } else {
+                sched.check_kv_accounting()
+            }
+        }));
+        if let Err(p) = checked {
+            let what = p
+                .downcast_ref::<String>()
+                .cloned()
+                .or_else(|| p.downcast_ref::<&str>().map(|s| s.to_string()))
+                .unwrap_or_else(|| "an invariant".into());
+            hook(format!("scheduler invariant broken: {what}"));
+            // Reported once; the state is suspect from here on.
+            st.check = None;
+        }
     }
 }
 

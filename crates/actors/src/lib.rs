@@ -13,6 +13,7 @@
 //! KvBlockPool actor earns its mailbox.
 
 mod engine;
+mod msg;
 mod trace;
 mod worker;
 

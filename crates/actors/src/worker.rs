@@ -11,62 +11,10 @@ use flotilla_exec::{ExecError, Executor, OffloadTier, SeqInput, SeqOutput, StepO
 use flotilla_kv::BlockMove;
 use flotilla_proto::KvExport;
 use flotilla_sched::Plan;
-use ractor::{Actor, ActorProcessingErr, ActorRef, RpcReplyPort};
+use ractor::{Actor, ActorProcessingErr, ActorRef};
 
 use crate::Clock;
-use crate::engine::{PendingImport, SchedMsg};
-
-/// What the worker is asked to do. Messages run in the order sent, so a
-/// block read or write sent before a step happens before it.
-///
-/// The worker is the one owner of the KV bytes: steps, migration reads and
-/// writes and the moves between KV tiers all run here, one at a time, in
-/// the order the Scheduler actor decided them; none can race another.
-pub(crate) enum WorkerMsg {
-    /// Perform `moves` (between the KV tiers, in order), then run one step
-    /// and send `SchedMsg::StepDone` back.
-    Step {
-        plan: Plan,
-        moves: Vec<BlockMove>,
-        reply: ActorRef<SchedMsg>,
-    },
-    /// Perform moves between the KV tiers decided outside a step (before a
-    /// block read or write, or when no step follows).
-    Moves(Vec<BlockMove>),
-    /// Read held blocks out for export (`tokens` tokens of KV).
-    ReadBlocks {
-        blocks: Vec<u32>,
-        tokens: u32,
-        reply: RpcReplyPort<Result<KvExport, String>>,
-    },
-    /// Write imported KV into reserved blocks and send
-    /// `SchedMsg::Imported` back.
-    WriteBlocks {
-        blocks: Vec<u32>,
-        data: Vec<u8>,
-        pending: Box<PendingImport>,
-        reply: ActorRef<SchedMsg>,
-    },
-}
-
-/// The result of one step, sent back with its plan.
-pub(crate) struct StepResult {
-    pub plan: Plan,
-    /// One entry per plan item: its sampled token (after the draft tokens
-    /// it accepted) where the item asked.
-    pub sampled: Result<Vec<SeqOutput>, String>,
-    pub elapsed: Duration,
-    /// Steps run: 1, or of a multi-step plan those that ran before the
-    /// Scheduler cut it short (each item's samples but the last are in its
-    /// output's `accepted`).
-    pub ran: usize,
-    /// Tier moves performed since the last step's result (this step's
-    /// included) and their time (within `elapsed` for this step's).
-    pub moved: u32,
-    pub move_time: Duration,
-    /// False once the executor can no longer be trusted.
-    pub worker_ok: bool,
-}
+use crate::msg::{SchedMsg, StepResult, WorkerMsg};
 
 pub(crate) struct GpuWorker;
 

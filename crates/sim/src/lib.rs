@@ -14,6 +14,6 @@ pub mod run;
 pub mod scenario;
 pub mod swarm;
 
-pub use run::{Report, SimError, TierReport, run};
+pub use run::{Report, SimError, TenantReport, TierReport, run};
 pub use scenario::Scenario;
 pub use swarm::{SeedResult, SwarmReport, SwarmTotals, swarm};

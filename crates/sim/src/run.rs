@@ -75,6 +75,25 @@ pub struct TierReport {
     pub tpot_ms: (f64, f64),
 }
 
+/// One tenant's share of a run.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct TenantReport {
+    /// Name.
+    pub name: String,
+    /// Its tier's name.
+    pub tier: String,
+    /// Its fair-share weight within the tier.
+    pub weight: u32,
+    /// Requests sent.
+    pub sent: u64,
+    /// Finished normally.
+    pub finished: u64,
+    /// Refused at admission.
+    pub refused: u64,
+    /// Output tokens its clients received (finished or not).
+    pub output_tokens: u64,
+}
+
 /// What a run measured.
 #[derive(Clone, Debug, Default, PartialEq)]
 pub struct Report {
@@ -82,6 +101,8 @@ pub struct Report {
     pub seed: u64,
     /// Per tier.
     pub tiers: Vec<TierReport>,
+    /// Per tenant.
+    pub tenants: Vec<TenantReport>,
     /// Simulated seconds from the first arrival to the last end.
     pub sim_s: f64,
     /// Output tokens of finished requests.
@@ -158,6 +179,15 @@ impl std::fmt::Display for Report {
                 t.tpot_ms.0,
                 t.tpot_ms.1,
                 good
+            )?;
+        }
+        // Tenants sharing a tier: how the tier's share split (by weight).
+        let shared = |tier: &str| self.tenants.iter().filter(|t| t.tier == tier).count() > 1;
+        for t in self.tenants.iter().filter(|t| shared(&t.tier)) {
+            writeln!(
+                f,
+                "  tenant {:<12} (tier {}, weight {}): sent {}, ok {}, refused {}, {} output tokens",
+                t.name, t.tier, t.weight, t.sent, t.finished, t.refused, t.output_tokens
             )?;
         }
         writeln!(
@@ -305,6 +335,7 @@ impl Trace {
 #[derive(Clone, Debug)]
 struct Outcome {
     tier: usize,
+    tenant: usize,
     end: End,
     ttft: Option<Duration>,
     tpot: Option<Duration>,
@@ -603,6 +634,7 @@ async fn simulate(sc: &Scenario, seed: u64) -> Result<Report, SimError> {
     Ok(Report {
         seed,
         tiers: tier_reports(&world.sc, &outcomes),
+        tenants: tenant_reports(&world.sc, &outcomes),
         sim_s,
         output_tokens: outcomes
             .iter()
@@ -982,6 +1014,7 @@ async fn one_request(w: &Arc<World>, tenant: usize, rng: &mut Rng) {
     };
     let mut out = Outcome {
         tier,
+        tenant,
         end: End::Refused,
         ttft: None,
         tpot: None,
@@ -1159,6 +1192,26 @@ fn percentile(v: &mut [f64], p: f64) -> f64 {
     v.sort_by(f64::total_cmp);
     let i = ((p / 100.0) * (v.len() - 1) as f64).round() as usize;
     v[i]
+}
+
+fn tenant_reports(sc: &Scenario, outcomes: &[Outcome]) -> Vec<TenantReport> {
+    sc.tenants
+        .iter()
+        .enumerate()
+        .map(|(i, t)| {
+            let mine = || outcomes.iter().filter(move |o| o.tenant == i);
+            let count = |e: End| mine().filter(|o| o.end == e).count() as u64;
+            TenantReport {
+                name: t.name.clone(),
+                tier: t.tier.clone(),
+                weight: t.weight,
+                sent: mine().count() as u64,
+                finished: count(End::Finished),
+                refused: count(End::Refused),
+                output_tokens: mine().map(|o| o.tokens).sum(),
+            }
+        })
+        .collect()
 }
 
 fn tier_reports(sc: &Scenario, outcomes: &[Outcome]) -> Vec<TierReport> {

@@ -228,6 +228,9 @@ pub struct TierSection {
     /// step_time_max_ms`), sized by the simulated steps' measured cost.
     #[serde(default)]
     pub step_time_max_ms: Option<f64>,
+    /// KV blocks no lower tier may take (`[[tiers]] kv_reserved_blocks`).
+    #[serde(default)]
+    pub kv_reserved_blocks: u32,
 }
 
 fn one() -> u32 {
@@ -249,6 +252,20 @@ pub struct TenantSection {
     /// Most requests in flight (0 = no limit).
     #[serde(default)]
     pub max_concurrent: u32,
+    /// Fair-share weight within its tier (`[[tenants]] weight`).
+    #[serde(default = "one")]
+    pub weight: u32,
+    /// Most requests admitted per minute (`[[tenants]]
+    /// requests_per_minute`; none by default).
+    #[serde(default)]
+    pub requests_per_minute: Option<u32>,
+    /// Most KV blocks its requests may hold (`[[tenants]] kv_blocks_max`).
+    #[serde(default)]
+    pub kv_blocks_max: Option<u32>,
+    /// Its prefixes are cached apart from other tenants'
+    /// (`[[tenants]] isolate_prefix_cache`).
+    #[serde(default)]
+    pub isolate_prefix_cache: bool,
     /// How requests arrive.
     pub arrivals: Arrivals,
     /// Prompt lengths, tokens.
@@ -453,7 +470,7 @@ impl Scenario {
                 weight: t.weight,
                 priority: t.priority,
                 queue_len_max: t.queue_len_max,
-                kv_reserved_blocks: 0,
+                kv_reserved_blocks: t.kv_reserved_blocks,
                 step_tokens_max: t.step_tokens_max,
                 step_time_max_ms: t.step_time_max_ms,
             })
@@ -470,11 +487,11 @@ impl Scenario {
                 name: t.name.clone(),
                 tier,
                 api_keys: Vec::new(),
-                weight: 1,
+                weight: t.weight,
                 max_concurrent: t.max_concurrent,
-                requests_per_minute: None,
-                kv_blocks_max: None,
-                isolate_prefix_cache: false,
+                requests_per_minute: t.requests_per_minute,
+                kv_blocks_max: t.kv_blocks_max,
+                isolate_prefix_cache: t.isolate_prefix_cache,
             });
         }
         ClusterConfig::from_parts(engine, tiers, tenants).map_err(ScenarioError::Invalid)

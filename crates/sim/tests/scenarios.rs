@@ -505,3 +505,98 @@ fn the_offload_tier_turns_preemption_recompute_into_restores() {
     );
     eprintln!("without a tier: {without}\nwith a tier: {with}");
 }
+
+/// The real config's tenant weights and tier reservations reach the
+/// simulated engines (the scenario's tables carry them as a config file's
+/// do), and the figures show the weights at work: two tenants of one tier
+/// that both keep more requests waiting than the engine runs split its
+/// output about as their weights, 3 to 1.
+#[test]
+fn tenant_weights_and_tier_reservations_reach_the_engines_and_the_figures() {
+    let text = r#"
+[run]
+duration_s = 6.0
+drain_s = 60.0
+
+[model]
+preset = "smollm2-135m"
+
+[gpu]
+preset = "cpu"
+
+[engine]
+max_num_seqs = 4
+max_num_batched_tokens = 256
+max_model_len = 1024
+
+[[tiers]]
+name = "paid"
+priority = 2
+kv_reserved_blocks = 24
+slo_ttft_ms = 2000
+slo_tpot_ms = 200
+
+[[tiers]]
+name = "free"
+slo_ttft_ms = 60000
+slo_tpot_ms = 5000
+
+[[tenants]]
+name = "p"
+tier = "paid"
+arrivals = { kind = "poisson", rate_per_s = 0.5 }
+prompt = { kind = "fixed", tokens = 32 }
+output = { kind = "fixed", tokens = 8 }
+
+[[tenants]]
+name = "heavy"
+tier = "free"
+weight = 3
+arrivals = { kind = "closed", clients = 12 }
+prompt = { kind = "fixed", tokens = 32 }
+output = { kind = "fixed", tokens = 32 }
+
+[[tenants]]
+name = "light"
+tier = "free"
+weight = 1
+arrivals = { kind = "closed", clients = 12 }
+prompt = { kind = "fixed", tokens = 32 }
+output = { kind = "fixed", tokens = 32 }
+"#;
+    let sc = Scenario::parse(text).unwrap();
+    let cfg = sc.engine_config().unwrap();
+    assert_eq!(cfg.tiers[0].kv_reserved_blocks, 24);
+    let weights: Vec<u32> = cfg.tenants.iter().map(|t| t.weight).collect();
+    assert_eq!(weights, [1, 3, 1]);
+    let r = run(&sc, 3).unwrap();
+    let by = |n: &str| r.tenants.iter().find(|t| t.name == n).unwrap().clone();
+    let (heavy, light) = (by("heavy"), by("light"));
+    assert_eq!((heavy.weight, light.weight), (3, 1));
+    let ratio = heavy.output_tokens as f64 / light.output_tokens.max(1) as f64;
+    eprintln!("{r}heavy/light output tokens: {ratio:.2}");
+    assert!(
+        (1.8..4.5).contains(&ratio),
+        "weights 3:1 split the tier's output {ratio:.2}:1\n{r}"
+    );
+    let shown = r.to_string();
+    assert!(
+        shown.contains("tenant heavy") && shown.contains("weight 3"),
+        "{shown}"
+    );
+    // The split is the weights' doing: equal weights split it evenly.
+    let even = Scenario::parse(&text.replace("weight = 3", "weight = 1")).unwrap();
+    let r = run(&even, 3).unwrap();
+    let by = |n: &str| {
+        r.tenants
+            .iter()
+            .find(|t| t.name == n)
+            .unwrap()
+            .output_tokens as f64
+    };
+    let ratio = by("heavy") / by("light").max(1.0);
+    assert!(
+        (0.75..1.33).contains(&ratio),
+        "equal weights split it {ratio:.2}:1\n{r}"
+    );
+}

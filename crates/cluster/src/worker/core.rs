@@ -1389,241 +1389,296 @@ impl NodeCore {
         self.grant_slots(out);
     }
 
+    /// An engine call's answer, to the handler of its kind.
     fn on_answer(&mut self, now: Duration, a: EngineAnswer, out: &mut Vec<NodeOutput>) {
         match a {
-            EngineAnswer::Submitted { ticket, result } => {
-                self.answered();
-                let Some(Pending::Submit { key, attempt }) = self.pending.remove(&ticket) else {
-                    self.broken
-                        .get_or_insert_with(|| format!("submit answer {ticket} unasked"));
-                    return;
-                };
-                let (router, _, req) = key;
-                let reply = match result {
-                    Ok(id) => {
-                        self.active.insert(key, id, attempt, false, out);
-                        Message::Admitted { req }
-                    }
-                    Err(rejection) => Message::Refused { req, rejection },
-                };
-                Self::send(out, router, req, reply);
-            }
-            EngineAnswer::Reserved { ticket, result } => {
-                self.answered();
-                let Some(Pending::Reserve {
-                    router,
-                    epoch,
-                    submit,
-                    prefill,
-                }) = self.pending.remove(&ticket)
-                else {
-                    self.broken
-                        .get_or_insert_with(|| format!("reserve answer {ticket} unasked"));
-                    return;
-                };
-                let req = submit.req;
-                let reservation = match result {
-                    Ok(r) => r,
-                    Err(rejection) => {
-                        Self::send(out, router, req, Message::Refused { req, rejection });
-                        return;
-                    }
-                };
-                Self::send(out, router, req, Message::Admitted { req });
-                let ask = Message::Prefill(PrefillMsg {
-                    router,
-                    submit: Submit {
-                        prefill: None,
-                        ..submit.clone()
-                    },
-                    priority: self.opts.priority(submit.request.tenant.0),
-                });
-                Self::send(out, prefill, req, ask);
-                let resumed = submit.kv_move;
-                let mut submit = submit;
-                if resumed {
-                    // Continued from its last prompt token, which the
-                    // import feeds as its first (and does not send: the
-                    // client has it), so one more token is allowed.
-                    submit.request.prompt.pop();
-                    submit.request.max_tokens += 1;
-                    tracing::debug!(
-                        req,
-                        from = prefill,
-                        "KV reserved, asked for the moving request's KV"
-                    );
-                } else {
-                    tracing::debug!(req, prefill, "KV reserved, prefill asked");
-                }
-                let e = Importing {
-                    epoch,
-                    reservation,
-                    prefill,
-                    deadline: now + self.opts.reservation_ttl,
-                    submit,
-                    writing: false,
-                    resumed,
-                };
-                self.importing.insert((router, req), e);
-            }
+            EngineAnswer::Submitted { ticket, result } => self.on_submitted(ticket, result, out),
+            EngineAnswer::Reserved { ticket, result } => self.on_reserved(now, ticket, result, out),
             EngineAnswer::ExportSubmitted { ticket, result } => {
-                self.answered();
-                let Some(Pending::Export {
-                    key,
-                    attempt,
-                    priority,
-                    trace,
-                }) = self.pending.remove(&ticket)
-                else {
-                    self.broken
-                        .get_or_insert_with(|| format!("prefill answer {ticket} unasked"));
-                    return;
-                };
-                match result {
-                    Ok(id) => {
-                        let p = Prefill {
-                            id,
-                            attempt,
-                            priority,
-                            first: None,
-                            state: PfState::Running,
-                            kv_tokens: None,
-                            xfer: trace.map(|parent| Box::new(Xfer::new(parent, false))),
-                        };
-                        self.prefills.insert(key, p);
-                        self.pf_by_id.insert(id, key);
-                    }
-                    Err(r) => {
-                        let (decode, _, router, req) = key;
-                        Self::prefill_failed(out, decode, router, req, r.to_string());
-                    }
-                }
+                self.on_export_submitted(ticket, result, out)
             }
             EngineAnswer::Detached { ticket, result } => {
                 self.answered();
                 self.on_detached(ticket, result, out);
             }
-            EngineAnswer::Status(mut report) => {
-                self.answered();
-                report.orphans = self.orphans.found;
-                report.draining = self.drain_until.is_some();
-                for &r in &self.opts.routers {
-                    // Unreachable Routers are noticed by their silence.
-                    Self::send(out, r, 0, Message::Heartbeat(report.clone()));
-                }
-            }
+            EngineAnswer::Status(report) => self.on_status(report, out),
             EngineAnswer::Holders(holders) => {
                 self.answered();
                 self.on_holders(holders, out);
             }
-            EngineAnswer::OrphanDropped { id, dropped } => {
-                self.answered();
-                if dropped {
-                    let what = format!(
-                        "node {}: engine lease {id} owned by no request here",
-                        self.me
-                    );
-                    self.orphan(what, out);
-                } else {
-                    self.orphans.unowned.insert(id);
-                }
-            }
+            EngineAnswer::OrphanDropped { id, dropped } => self.on_orphan_dropped(id, dropped, out),
             EngineAnswer::Imported {
                 reservation,
                 result,
             } => self.on_imported(reservation, result, out),
-            EngineAnswer::Exported { id, result } => {
-                let Some(&key) = self.pf_by_id.get(&id) else {
-                    // Ended meanwhile.
-                    return;
-                };
-                let p = &self.prefills[&key];
-                if p.state != PfState::Exporting {
-                    return;
-                }
-                let (mut exp, first) = match (result, p.first.clone()) {
-                    (Ok(exp), Some(first)) => (exp, first),
-                    (Err(why), _) => return self.end_prefill(key, Some(why), out),
-                    (Ok(_), None) => {
-                        let why = "the prefill sampled no token".to_string();
-                        return self.end_prefill(key, Some(why), out);
-                    }
-                };
-                let Some(layout) = &self.layout else {
-                    return self.end_prefill(key, Some("this node exports no KV".into()), out);
-                };
-                if let Some(n) = p.kv_tokens {
-                    // A moved request's KV: as much as the mover asked for
-                    // (it may have run ahead of what its Router had seen).
-                    let blocks = n.div_ceil(layout.block_size.max(1));
-                    if n > exp.tokens || blocks > exp.blocks {
-                        let why = format!("{n} tokens asked for, {} held", exp.tokens);
-                        return self.end_prefill(key, Some(why), out);
-                    }
-                    exp.data
-                        .truncate((u64::from(blocks) * layout.bytes_per_block) as usize);
-                    exp.tokens = n;
-                    exp.blocks = blocks;
-                }
-                let (decode, _, router, req) = key;
-                let header = KvTransferHeader {
-                    router,
-                    req,
-                    epoch: self.epoch,
-                    model: self.opts.model.clone(),
-                    block_size: layout.block_size,
-                    dtype: layout.dtype,
-                    layout: layout.layout,
-                    layer_start: 0,
-                    layer_end: layout.layers,
-                    token_count: exp.tokens,
-                    block_count: exp.blocks,
-                    bytes: exp.data.len() as u64,
-                    checksum: u64::from(crc32fast::hash(&exp.data)),
-                    first,
-                };
-                if let Some(p) = self.prefills.get_mut(&key) {
-                    p.state = PfState::Sending;
-                    if let Some(x) = &mut p.xfer {
-                        x.send = Some(now);
-                        x.bytes = header.bytes;
-                        x.blocks = header.block_count;
-                        x.tokens = header.token_count;
-                    }
-                }
-                out.push(NodeOutput::SendBulk {
-                    id,
-                    to: decode,
-                    header,
-                    data: Bytes::from(exp.data),
-                });
+            EngineAnswer::Exported { id, result } => self.on_exported(now, id, result, out),
+            EngineAnswer::BulkSent { id, result } => self.on_bulk_sent(now, id, result, out),
+        }
+    }
+
+    /// A Router's request was admitted or refused by the engine.
+    fn on_submitted(
+        &mut self,
+        ticket: Ticket,
+        result: Result<RequestId, Rejection>,
+        out: &mut Vec<NodeOutput>,
+    ) {
+        self.answered();
+        let Some(Pending::Submit { key, attempt }) = self.pending.remove(&ticket) else {
+            self.broken
+                .get_or_insert_with(|| format!("submit answer {ticket} unasked"));
+            return;
+        };
+        let (router, _, req) = key;
+        let reply = match result {
+            Ok(id) => {
+                self.active.insert(key, id, attempt, false, out);
+                Message::Admitted { req }
             }
-            EngineAnswer::BulkSent { id, result } => {
-                let Some(&key) = self.pf_by_id.get(&id) else {
-                    return;
+            Err(rejection) => Message::Refused { req, rejection },
+        };
+        Self::send(out, router, req, reply);
+    }
+
+    /// KV blocks were reserved (or refused) for a request whose prompt
+    /// another node computes: admit it and ask that node for the KV.
+    fn on_reserved(
+        &mut self,
+        now: Duration,
+        ticket: Ticket,
+        result: Result<RequestId, Rejection>,
+        out: &mut Vec<NodeOutput>,
+    ) {
+        self.answered();
+        let Some(Pending::Reserve {
+            router,
+            epoch,
+            submit,
+            prefill,
+        }) = self.pending.remove(&ticket)
+        else {
+            self.broken
+                .get_or_insert_with(|| format!("reserve answer {ticket} unasked"));
+            return;
+        };
+        let req = submit.req;
+        let reservation = match result {
+            Ok(r) => r,
+            Err(rejection) => {
+                Self::send(out, router, req, Message::Refused { req, rejection });
+                return;
+            }
+        };
+        Self::send(out, router, req, Message::Admitted { req });
+        let ask = Message::Prefill(PrefillMsg {
+            router,
+            submit: Submit {
+                prefill: None,
+                ..submit.clone()
+            },
+            priority: self.opts.priority(submit.request.tenant.0),
+        });
+        Self::send(out, prefill, req, ask);
+        let resumed = submit.kv_move;
+        let mut submit = submit;
+        if resumed {
+            // Continued from its last prompt token, which the
+            // import feeds as its first (and does not send: the
+            // client has it), so one more token is allowed.
+            submit.request.prompt.pop();
+            submit.request.max_tokens += 1;
+            tracing::debug!(
+                req,
+                from = prefill,
+                "KV reserved, asked for the moving request's KV"
+            );
+        } else {
+            tracing::debug!(req, prefill, "KV reserved, prefill asked");
+        }
+        let e = Importing {
+            epoch,
+            reservation,
+            prefill,
+            deadline: now + self.opts.reservation_ttl,
+            submit,
+            writing: false,
+            resumed,
+        };
+        self.importing.insert((router, req), e);
+    }
+
+    /// A prefill for a decode node was admitted (or refused) here.
+    fn on_export_submitted(
+        &mut self,
+        ticket: Ticket,
+        result: Result<RequestId, Rejection>,
+        out: &mut Vec<NodeOutput>,
+    ) {
+        self.answered();
+        let Some(Pending::Export {
+            key,
+            attempt,
+            priority,
+            trace,
+        }) = self.pending.remove(&ticket)
+        else {
+            self.broken
+                .get_or_insert_with(|| format!("prefill answer {ticket} unasked"));
+            return;
+        };
+        match result {
+            Ok(id) => {
+                let p = Prefill {
+                    id,
+                    attempt,
+                    priority,
+                    first: None,
+                    state: PfState::Running,
+                    kv_tokens: None,
+                    xfer: trace.map(|parent| Box::new(Xfer::new(parent, false))),
                 };
-                let p = self.prefills.get_mut(&key).expect("indexed");
-                if p.state != PfState::Sending {
-                    return;
+                self.prefills.insert(key, p);
+                self.pf_by_id.insert(id, key);
+            }
+            Err(r) => {
+                let (decode, _, router, req) = key;
+                Self::prefill_failed(out, decode, router, req, r.to_string());
+            }
+        }
+    }
+
+    /// The engine's status, sent to every Router as this node's heartbeat.
+    fn on_status(&mut self, mut report: EngineStatus, out: &mut Vec<NodeOutput>) {
+        self.answered();
+        report.orphans = self.orphans.found;
+        report.draining = self.drain_until.is_some();
+        for &r in &self.opts.routers {
+            // Unreachable Routers are noticed by their silence.
+            Self::send(out, r, 0, Message::Heartbeat(report.clone()));
+        }
+    }
+
+    /// An engine lease owned by no request here was dropped (or was gone).
+    fn on_orphan_dropped(&mut self, id: RequestId, dropped: bool, out: &mut Vec<NodeOutput>) {
+        self.answered();
+        if dropped {
+            let what = format!(
+                "node {}: engine lease {id} owned by no request here",
+                self.me
+            );
+            self.orphan(what, out);
+        } else {
+            self.orphans.unowned.insert(id);
+        }
+    }
+
+    /// A prefill's KV was exported: checksum it and send it to its decode
+    /// node.
+    fn on_exported(
+        &mut self,
+        now: Duration,
+        id: RequestId,
+        result: Result<KvExport, String>,
+        out: &mut Vec<NodeOutput>,
+    ) {
+        let Some(&key) = self.pf_by_id.get(&id) else {
+            // Ended meanwhile.
+            return;
+        };
+        let p = &self.prefills[&key];
+        if p.state != PfState::Exporting {
+            return;
+        }
+        let (mut exp, first) = match (result, p.first.clone()) {
+            (Ok(exp), Some(first)) => (exp, first),
+            (Err(why), _) => return self.end_prefill(key, Some(why), out),
+            (Ok(_), None) => {
+                let why = "the prefill sampled no token".to_string();
+                return self.end_prefill(key, Some(why), out);
+            }
+        };
+        let Some(layout) = &self.layout else {
+            return self.end_prefill(key, Some("this node exports no KV".into()), out);
+        };
+        if let Some(n) = p.kv_tokens {
+            // A moved request's KV: as much as the mover asked for
+            // (it may have run ahead of what its Router had seen).
+            let blocks = n.div_ceil(layout.block_size.max(1));
+            if n > exp.tokens || blocks > exp.blocks {
+                let why = format!("{n} tokens asked for, {} held", exp.tokens);
+                return self.end_prefill(key, Some(why), out);
+            }
+            exp.data
+                .truncate((u64::from(blocks) * layout.bytes_per_block) as usize);
+            exp.tokens = n;
+            exp.blocks = blocks;
+        }
+        let (decode, _, router, req) = key;
+        let header = KvTransferHeader {
+            router,
+            req,
+            epoch: self.epoch,
+            model: self.opts.model.clone(),
+            block_size: layout.block_size,
+            dtype: layout.dtype,
+            layout: layout.layout,
+            layer_start: 0,
+            layer_end: layout.layers,
+            token_count: exp.tokens,
+            block_count: exp.blocks,
+            bytes: exp.data.len() as u64,
+            checksum: u64::from(crc32fast::hash(&exp.data)),
+            first,
+        };
+        if let Some(p) = self.prefills.get_mut(&key) {
+            p.state = PfState::Sending;
+            if let Some(x) = &mut p.xfer {
+                x.send = Some(now);
+                x.bytes = header.bytes;
+                x.blocks = header.block_count;
+                x.tokens = header.token_count;
+            }
+        }
+        out.push(NodeOutput::SendBulk {
+            id,
+            to: decode,
+            header,
+            data: Bytes::from(exp.data),
+        });
+    }
+
+    /// A prefill's KV went out (or could not): hold it for the decode
+    /// node's ack, or end the prefill.
+    fn on_bulk_sent(
+        &mut self,
+        now: Duration,
+        id: RequestId,
+        result: Result<(), String>,
+        out: &mut Vec<NodeOutput>,
+    ) {
+        let Some(&key) = self.pf_by_id.get(&id) else {
+            return;
+        };
+        let p = self.prefills.get_mut(&key).expect("indexed");
+        if p.state != PfState::Sending {
+            return;
+        }
+        match result {
+            Ok(()) => {
+                // The decode node acks once it has read it all; a
+                // dead one never does.
+                let until = now + self.opts.hold_ttl;
+                p.state = PfState::Sent { until };
+                if let Some(x) = &mut p.xfer {
+                    x.sent = Some(now);
                 }
-                match result {
-                    Ok(()) => {
-                        // The decode node acks once it has read it all; a
-                        // dead one never does.
-                        let until = now + self.opts.hold_ttl;
-                        p.state = PfState::Sent { until };
-                        if let Some(x) = &mut p.xfer {
-                            x.sent = Some(now);
-                        }
-                        self.holds.insert((until, key));
-                        self.slots.free += 1;
-                        self.grant_slots(out);
-                    }
-                    Err(e) => {
-                        let why = format!("sending KV to node {}: {e}", key.0);
-                        self.end_prefill(key, Some(why), out);
-                    }
-                }
+                self.holds.insert((until, key));
+                self.slots.free += 1;
+                self.grant_slots(out);
+            }
+            Err(e) => {
+                let why = format!("sending KV to node {}: {e}", key.0);
+                self.end_prefill(key, Some(why), out);
             }
         }
     }
