@@ -285,22 +285,7 @@ impl Actor for SchedulerActor {
         }
         match msg {
             SchedMsg::Submit { req, sink, reply } => {
-                let id = RequestId(st.next_id);
-                st.next_id += 1;
-                let tier = st
-                    .tenant_tier
-                    .get(req.tenant.0 as usize)
-                    .copied()
-                    .unwrap_or(0);
-                let answer = if !st.worker_ok {
-                    Err(Rejection::Unavailable)
-                } else {
-                    let traced = st.trace_head(&req);
-                    st.sched.submit(now, id, req).map(|()| {
-                        st.trace_start(id, traced, Entry::Whole, tier, now);
-                        open_stream(&myself, st, id, tier, sink)
-                    })
-                };
+                let answer = admit(&myself, st, now, req, sink, None);
                 // The caller may have given up waiting; then the stream it
                 // would have got is dropped here and cancels itself.
                 let _ = reply.send(answer);
@@ -310,19 +295,7 @@ impl Actor for SchedulerActor {
                 hold_for,
                 reply,
             } => {
-                let id = RequestId(st.next_id);
-                st.next_id += 1;
-                let tier = st.tier_of(req.tenant);
-                let answer = if !st.worker_ok {
-                    Err(Rejection::Unavailable)
-                } else {
-                    let traced = st.trace_head(&req);
-                    st.sched.submit_held(now, id, req, hold_for).map(|()| {
-                        st.trace_start(id, traced, Entry::PrefillForDecode, tier, now);
-                        open_stream(&myself, st, id, tier, None)
-                    })
-                };
-                let _ = reply.send(answer);
+                let _ = reply.send(admit(&myself, st, now, req, None, Some(hold_for)));
             }
             SchedMsg::Export { id, reply } => match st.sched.held_kv(id) {
                 None => {
@@ -619,6 +592,37 @@ fn flush_moves(st: &mut SchedState) {
             .worker
             .cast(WorkerMsg::Moves(st.sched.take_block_moves()));
     }
+}
+
+/// Admits a request (or refuses it at once) and opens its stream: a whole
+/// request, or with `hold_for` a prefill whose blocks stay held for a
+/// decode node after it finishes.
+fn admit(
+    myself: &ActorRef<SchedMsg>,
+    st: &mut SchedState,
+    now: Duration,
+    req: EngineRequest,
+    sink: Option<EventSink>,
+    hold_for: Option<Duration>,
+) -> Result<RequestStream, Rejection> {
+    let id = RequestId(st.next_id);
+    st.next_id += 1;
+    let tier = st.tier_of(req.tenant);
+    if !st.worker_ok {
+        return Err(Rejection::Unavailable);
+    }
+    let traced = st.trace_head(&req);
+    let (admitted, entry) = match hold_for {
+        None => (st.sched.submit(now, id, req), Entry::Whole),
+        Some(hold) => (
+            st.sched.submit_held(now, id, req, hold),
+            Entry::PrefillForDecode,
+        ),
+    };
+    admitted.map(|()| {
+        st.trace_start(id, traced, entry, tier, now);
+        open_stream(myself, st, id, tier, sink)
+    })
 }
 
 /// An import's KV was written (or not): the reservation becomes a running
