@@ -15,11 +15,11 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
+use flotilla_engine::{BoxFuture, Engine, EventSink, KvMigration, RequestStream};
 use flotilla_exec::{Executor, KvDtype};
 use flotilla_proto::{
-    BoxFuture, Engine, EngineEvent, EngineFailure, EngineRequest, EngineStatus, EventSink,
-    KvExport, KvLayout, KvMigration, Rejection, RequestId, RequestStream, Sampled, StepEvents,
-    TenantId, TierId,
+    EngineEvent, EngineFailure, EngineRequest, EngineStatus, KvExport, KvLayout, Rejection,
+    RequestId, Sampled, StepEvents, TenantId, TierId,
 };
 use flotilla_sched::{SchedConfig, SchedEvent, Scheduler, Timings};
 use flotilla_telemetry::{Metrics, PhaseTimes, Terminal, Tracing};

@@ -4,11 +4,11 @@
 
 use std::time::Duration;
 
+use flotilla_engine::{EventSink, RequestStream};
 use flotilla_exec::SeqOutput;
 use flotilla_kv::BlockMove;
 use flotilla_proto::{
-    EngineRequest, EngineStatus, EventSink, KvExport, Rejection, RequestId, RequestStream, Sampled,
-    TenantId,
+    EngineRequest, EngineStatus, KvExport, Rejection, RequestId, Sampled, TenantId,
 };
 use flotilla_sched::Plan;
 use ractor::{ActorRef, RpcReplyPort};

@@ -5,14 +5,12 @@ use std::sync::Arc;
 use std::sync::mpsc as std_mpsc;
 use std::time::{Duration, Instant};
 
+use flotilla_engine::{Engine, KvMigration, RequestStream};
 use flotilla_exec::{
     ExecError, Executor, KvDtype, KvSpec, ModelSpec, OutputKind, Sampled, SamplingParams, SeqInput,
     SeqOutput, StepOutputs,
 };
-use flotilla_proto::{
-    Engine, EngineEvent, EngineFailure, EngineRequest, KvMigration, Rejection, RequestStream,
-    TenantId, TierId,
-};
+use flotilla_proto::{EngineEvent, EngineFailure, EngineRequest, Rejection, TenantId, TierId};
 use flotilla_sched::{Batching, SchedConfig, TenantConfig, TierConfig};
 use flotilla_telemetry::Metrics;
 use tokio::sync::mpsc;

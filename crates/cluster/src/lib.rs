@@ -1,5 +1,5 @@
 //! Engines across nodes. The Router's side is [`ClusterEngine`], an
-//! [`flotilla_proto::Engine`] whose requests run on engine nodes: an actor
+//! [`flotilla_engine::Engine`] whose requests run on engine nodes: an actor
 //! around [`RouterCore`], the Router's state machine; the engine node's
 //! side is [`run_worker`], an actor around [`NodeCore`], the node's state
 //! machine, which feeds what arrives to the node's own engine. Both speak

@@ -10,10 +10,10 @@ use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use flotilla_engine::{BoxFuture, Engine, EventSink, KvMigration, RequestStream};
 use flotilla_proto::{
-    BoxFuture, Engine, EngineEvent, EngineFailure, EngineRequest, EngineStatus, EventSink,
-    FinishReason, KvExport, KvLayout, KvMigration, KvUsage, Rejection, RequestId, RequestStream,
-    Role, Sampled, SamplingParams, TenantId, Usage,
+    EngineEvent, EngineFailure, EngineRequest, EngineStatus, FinishReason, KvExport, KvLayout,
+    KvUsage, Rejection, RequestId, Role, Sampled, SamplingParams, TenantId, Usage,
 };
 use flotilla_transport::NodeId;
 use tokio::sync::mpsc;

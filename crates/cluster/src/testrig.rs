@@ -6,7 +6,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use flotilla_config::ClusterSection;
-use flotilla_proto::{EngineEvent, RequestStream, Role};
+use flotilla_engine::RequestStream;
+use flotilla_proto::{EngineEvent, Role};
 
 use crate::memnet::MemNet;
 use crate::{ClusterEngine, RouterOptions, WorkerOptions};

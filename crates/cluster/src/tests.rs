@@ -8,9 +8,10 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use flotilla_engine::{BoxFuture, Engine, RequestStream};
 use flotilla_proto::{
-    BoxFuture, DrainRefusal, Engine, EngineEvent, EngineRequest, EngineStatus, FinishReason,
-    KvUsage, Rejection, RequestId, RequestStream, Role, Sampled, SamplingParams, TenantId, Usage,
+    DrainRefusal, EngineEvent, EngineRequest, EngineStatus, FinishReason, KvUsage, Rejection,
+    RequestId, Role, Sampled, SamplingParams, TenantId, Usage,
 };
 use tokio::sync::mpsc;
 

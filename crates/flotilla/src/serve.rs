@@ -529,7 +529,7 @@ async fn serve(
 /// Serves the OpenAI API over `engine` at `addr` until Ctrl-C, after one
 /// line that names the URL (scripts and tests wait for it).
 pub async fn serve_http(
-    engine: Arc<dyn flotilla_proto::Engine>,
+    engine: Arc<dyn flotilla_engine::Engine>,
     text: TextSide,
     metrics: Arc<Metrics>,
     gw: GatewayConfig,

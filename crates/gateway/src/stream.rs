@@ -12,7 +12,8 @@ use std::time::Duration;
 use axum::body::{Body, Bytes};
 use axum::http::{HeaderValue, header};
 use axum::response::{IntoResponse, Response};
-use flotilla_proto::{EngineEvent, EngineFailure, FinishReason, RequestStream, Usage};
+use flotilla_engine::RequestStream;
+use flotilla_proto::{EngineEvent, EngineFailure, FinishReason, Usage};
 use serde_json::{Value, json};
 
 use crate::error::ApiError;

@@ -16,10 +16,11 @@ use flotilla_actors::{Clock, EngineOptions, InvariantHook, LocalEngine, spawn_en
 use flotilla_cluster::{
     CheckHook, ClusterEngine, OrphanHook, RouterOptions, WorkerEnd, WorkerOptions, run_worker,
 };
+use flotilla_engine::{Engine, StreamChunk};
 use flotilla_exec::Executor;
 use flotilla_proto::{
-    Engine, EngineEvent, EngineFailure, EngineRequest, FinishReason, Rejection, Role,
-    SamplingParams, StreamChunk, TenantId,
+    EngineEvent, EngineFailure, EngineRequest, FinishReason, Rejection, Role, SamplingParams,
+    TenantId,
 };
 use flotilla_sched::SchedConfig;
 use flotilla_telemetry::Metrics;
@@ -733,7 +734,7 @@ async fn start_engine(w: &Arc<World>, node: u32, life: u64) -> Result<(), SimErr
     let epoch = (u64::from(node) << 32) | life;
     let (t, rx) = w.net.join(node, epoch);
     let engine_arc = Arc::new(engine.clone());
-    let kv: Option<Arc<dyn flotilla_proto::KvMigration>> = Some(engine_arc.clone() as _);
+    let kv: Option<Arc<dyn flotilla_engine::KvMigration>> = Some(engine_arc.clone() as _);
     let (drain_tx, drain_rx) = tokio::sync::watch::channel(None);
     let opts = WorkerOptions {
         drain: Some(drain_rx),

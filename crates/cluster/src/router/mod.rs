@@ -21,9 +21,9 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
+use flotilla_engine::{BoxFuture, Engine, RequestStream, StreamChunk};
 use flotilla_proto::{
-    BoxFuture, DrainRefusal, Engine, EngineEvent, EngineRequest, EngineStatus, Rejection,
-    RequestId, RequestStream, StreamChunk,
+    DrainRefusal, EngineEvent, EngineRequest, EngineStatus, Rejection, RequestId,
 };
 use flotilla_transport::{Inbound, Transport};
 use ractor::{Actor, ActorProcessingErr, ActorRef, RpcReplyPort};

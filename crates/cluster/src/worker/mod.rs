@@ -32,10 +32,9 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use flotilla_config::ClusterSection;
+use flotilla_engine::{Engine, EventSink, KvMigration, RequestStream};
 use flotilla_proto::wire::KvTransferHeader;
-use flotilla_proto::{
-    Engine, EventSink, KvMigration, Rejection, RequestId, RequestStream, Role, StepEvents,
-};
+use flotilla_proto::{Rejection, RequestId, Role, StepEvents};
 use flotilla_transport::{Inbound, NodeId, Transport};
 use ractor::{Actor, ActorProcessingErr, ActorRef};
 use tokio::sync::mpsc;
@@ -639,7 +638,7 @@ async fn import(
     h: KvTransferHeader,
     data: Vec<Bytes>,
     req: flotilla_proto::EngineRequest,
-    sink: flotilla_proto::EventSink,
+    sink: flotilla_engine::EventSink,
 ) -> Result<RequestStream, String> {
     let mut bytes = Vec::with_capacity(h.bytes as usize);
     let mut crc = crc32fast::Hasher::new();

@@ -8,10 +8,11 @@ use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
 use flotilla_config::ClusterConfig;
+use flotilla_engine::{BoxFuture, Engine, RequestStream};
 use flotilla_gateway::{GatewayConfig, router};
 use flotilla_proto::{
-    BoxFuture, Engine, EngineEvent, EngineFailure, EngineRequest, EngineStatus, FinishReason,
-    KvUsage, Rejection, RequestId, RequestStream, Sampled, TierStatus, Usage,
+    EngineEvent, EngineFailure, EngineRequest, EngineStatus, FinishReason, KvUsage, Rejection,
+    RequestId, Sampled, TierStatus, Usage,
 };
 use flotilla_telemetry::Metrics;
 use flotilla_text::TextSide;
