@@ -60,7 +60,8 @@ pub fn teacher_forced_logprobs(
     Ok(rows)
 }
 
-fn log_softmax(l: &[f32]) -> Vec<f32> {
+/// Log-probabilities of `l`'s logits (the sum taken in f64).
+pub fn log_softmax(l: &[f32]) -> Vec<f32> {
     let m = l.iter().fold(f32::NEG_INFINITY, |a, &b| a.max(b));
     let z: f64 = l.iter().map(|&v| ((v - m) as f64).exp()).sum();
     let lz = m as f64 + z.ln();

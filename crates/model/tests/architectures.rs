@@ -134,6 +134,34 @@ fn chunked(
     ends.into_iter().zip(rows).collect()
 }
 
+/// Every case's logits at every position, in one prefill and in chunks of 3
+/// and 1 over `table`, each within `bound` of the reference; returns the
+/// largest difference seen.
+fn worst_against_reference(
+    e: &mut CpuExecutor,
+    want: &Expected,
+    table: &[u32],
+    bound: f64,
+    what: &str,
+) -> f64 {
+    let mut worst = 0f64;
+    for c in &want.cases {
+        for chunk in [c.ids.len(), 3, 1] {
+            for (pos, got) in chunked(e, &c.ids, chunk, table) {
+                let d = max_abs_diff(&got, &c.logits_all_positions[pos]);
+                worst = worst.max(d);
+                assert!(
+                    d < bound,
+                    "{what} {} at position {pos} (chunks of {chunk}): max |logit - ref| = {d} \
+                     (bound {bound})",
+                    c.name
+                );
+            }
+        }
+    }
+    worst
+}
+
 /// The exact path (f32 weights and activations, f32 KV) matches the f64
 /// reference at every position, in one prefill and in chunks over a shuffled
 /// block table; greedy decoding through the KV cache gives its tokens.
@@ -143,20 +171,7 @@ fn every_architecture_matches_the_reference() {
         let (dir, want) = generate(arch, "reference");
         let mut e = exec(&dir, Kernel::Exact);
         let table: Vec<u32> = vec![9, 3, 17, 0, 41, 5, 12, 30, 2, 7];
-        let mut worst = 0f64;
-        for c in &want.cases {
-            for chunk in [c.ids.len(), 3, 1] {
-                for (pos, got) in chunked(&mut e, &c.ids, chunk, &table) {
-                    let d = max_abs_diff(&got, &c.logits_all_positions[pos]);
-                    worst = worst.max(d);
-                    assert!(
-                        d < 1e-3,
-                        "{arch} {} at position {pos} (chunks of {chunk}): max |logit - ref| = {d}",
-                        c.name
-                    );
-                }
-            }
-        }
+        let worst = worst_against_reference(&mut e, &want, &table, 1e-3, arch);
         eprintln!("{arch}: worst max |logit - ref| = {worst:.2e}");
         // Greedy, one token at a time after the prompt.
         let g = &want.greedy;
@@ -206,38 +221,25 @@ fn every_simd_kernel_and_kv_dtype_matches_the_reference() {
     for arch in ARCHS {
         let (dir, want) = generate(arch, "simd");
         let table: Vec<u32> = vec![9, 3, 17, 0, 41, 5, 12, 30, 2, 7];
+        // An int8 cache groups 32 values per scale: only files whose head
+        // dimension is a multiple of 32 can have one.
+        let g = flotilla_gguf::GgufFile::open(&dir.join("model.gguf")).unwrap();
+        let hd = flotilla_model::arch::ModelConfig::from_gguf(&g)
+            .unwrap()
+            .head_dim;
         for &(kname, kernel) in &kernels {
             for (dtype, bound) in [
                 (KvDtype::F32, 1e-4),
                 (KvDtype::F16, 2e-2),
                 (KvDtype::Int8, 0.2),
             ] {
-                // An int8 cache groups 32 values per scale: only files
-                // whose head dimension is a multiple of 32 can have one.
-                let g = flotilla_gguf::GgufFile::open(&dir.join("model.gguf")).unwrap();
-                let hd = flotilla_model::arch::ModelConfig::from_gguf(&g)
-                    .unwrap()
-                    .head_dim;
                 if dtype == KvDtype::Int8 && !hd.is_multiple_of(32) {
                     continue;
                 }
                 let mut e = exec_kv(&dir, kernel, dtype);
-                let mut worst = 0f64;
-                for c in &want.cases {
-                    for chunk in [c.ids.len(), 3, 1] {
-                        for (pos, got) in chunked(&mut e, &c.ids, chunk, &table) {
-                            let d = max_abs_diff(&got, &c.logits_all_positions[pos]);
-                            worst = worst.max(d);
-                            assert!(
-                                d < bound,
-                                "{arch} {kname} kv {dtype:?} {} at position {pos} (chunks of \
-                                 {chunk}): max |logit - ref| = {d} (bound {bound})",
-                                c.name
-                            );
-                        }
-                    }
-                }
-                eprintln!("{arch} {kname} kv {dtype:?}: worst max |logit - ref| = {worst:.2e}");
+                let what = format!("{arch} {kname} kv {dtype:?}");
+                let worst = worst_against_reference(&mut e, &want, &table, bound, &what);
+                eprintln!("{what}: worst max |logit - ref| = {worst:.2e}");
             }
         }
         std::fs::remove_dir_all(&dir).ok();

@@ -25,7 +25,7 @@
 use std::path::PathBuf;
 
 use flotilla_model::kernels::Kernel;
-use flotilla_model::quality::{divergence, teacher_forced_logprobs};
+use flotilla_model::quality::{divergence, log_softmax, teacher_forced_logprobs};
 use flotilla_model::{CpuConfig, CpuExecutor, KvDtype};
 
 mod common;
@@ -82,13 +82,6 @@ fn kernels() -> Vec<(&'static str, Kernel)> {
 /// Largest |a - b| over a row of log-probabilities.
 fn max_abs(a: &[f32], b: &[f32]) -> f32 {
     a.iter().zip(b).fold(0f32, |m, (x, y)| m.max((x - y).abs()))
-}
-
-fn log_softmax(l: &[f32]) -> Vec<f32> {
-    let m = l.iter().fold(f32::NEG_INFINITY, |a, &b| a.max(b));
-    let z: f64 = l.iter().map(|&v| ((v - m) as f64).exp()).sum();
-    let lz = m as f64 + z.ln();
-    l.iter().map(|&v| (v as f64 - lz) as f32).collect()
 }
 
 /// Bounds every kernel x KV dtype against the exact path on one model.
