@@ -550,23 +550,17 @@ fn start_import(
     if !st.worker_ok {
         return refuse(st, p, Rejection::Unavailable);
     }
-    let (blocks, tokens) = match st.sched.start_import(p.reservation) {
+    let size = (p.tokens, data.len() as u64, st.bytes_per_block);
+    let blocks = match st
+        .sched
+        .start_import_sized(p.reservation, size.0, size.1, size.2)
+    {
         Ok(b) => b,
         Err(e) => {
             let _ = p.reply.send(Err(Rejection::Invalid(e)));
             return;
         }
     };
-    let expected = blocks.len() as u64 * st.bytes_per_block;
-    if tokens != p.tokens as usize || data.len() as u64 != expected {
-        let why = format!(
-            "{} bytes of KV for {} tokens; the reservation holds {tokens} tokens in {} bytes",
-            data.len(),
-            p.tokens,
-            expected
-        );
-        return refuse(st, p, Rejection::Invalid(why));
-    }
     flush_moves(st);
     let write = WorkerMsg::WriteBlocks {
         blocks,

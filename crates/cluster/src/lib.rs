@@ -4,19 +4,45 @@
 //! side is [`run_worker`], an actor around [`NodeCore`], the node's state
 //! machine, which feeds what arrives to the node's own engine. Both speak
 //! only through a [`flotilla_transport::Transport`], so the same code runs
-//! over QUIC and over the simulated network. The cores read no clock and
-//! spawn nothing (`clippy.toml`); the actors around them do both.
+//! over QUIC and over the simulated network. The cores are their own crate
+//! (`flotilla-cores`: no clock, no runtime, no I/O); these shells own the
+//! clock, the transport, the tasks and the hooks.
 
 pub mod memnet;
-pub mod prefix;
 pub mod router;
+mod settings;
 pub mod worker;
 
-pub use router::{CheckHook, ClusterEngine, RouterCore, RouterInput, RouterOptions, RouterOutput};
-pub use worker::{
-    EngineAnswer, EngineCall, NodeCore, NodeInput, NodeOutput, OrphanHook, WorkerEnd,
-    WorkerOptions, run_worker,
+pub use flotilla_cores::node::{
+    EngineAnswer, EngineCall, NodeCore, NodeInput, NodeOutput, NodeSettings,
 };
+pub use flotilla_cores::router::{Reach, RouterCore, RouterInput, RouterOptions, RouterOutput};
+pub use router::{CheckHook, ClusterEngine, RouterHooks, RouterStep};
+pub use settings::{node_settings, router_options};
+pub use worker::{NodeStep, OrphanHook, WorkerEnd, WorkerOptions, run_worker};
+
+/// Collects what a shell hands it, in order (a test's record of every
+/// input a core handled).
+#[derive(Clone, Debug)]
+pub struct Recorder<T>(std::sync::Arc<std::sync::Mutex<Vec<T>>>);
+
+impl<T> Default for Recorder<T> {
+    fn default() -> Self {
+        Recorder(std::sync::Arc::default())
+    }
+}
+
+impl<T: Clone> Recorder<T> {
+    /// Appends one.
+    pub fn push(&self, t: T) {
+        self.0.lock().unwrap_or_else(|e| e.into_inner()).push(t);
+    }
+
+    /// Everything so far.
+    pub fn take(&self) -> Vec<T> {
+        std::mem::take(&mut *self.0.lock().unwrap_or_else(|e| e.into_inner()))
+    }
+}
 
 #[cfg(test)]
 mod pd_tests;

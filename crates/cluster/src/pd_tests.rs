@@ -19,8 +19,11 @@ use flotilla_transport::NodeId;
 use tokio::sync::mpsc;
 
 use crate::memnet::MemNet;
-use crate::testrig::{drain, start_router, wait_up};
-use crate::{ClusterEngine, WorkerOptions, run_worker};
+use crate::testrig::{drain, router_opts, start_router, start_router_with, wait_up};
+use crate::{
+    ClusterEngine, NodeCore, NodeSettings, NodeStep, Recorder, RouterCore, RouterHooks,
+    RouterInput, RouterStep, WorkerOptions, run_worker,
+};
 
 const HB: Duration = Duration::from_millis(20);
 const DOWN: Duration = Duration::from_millis(80);
@@ -382,8 +385,8 @@ struct Rig {
     engines: Vec<FakePd>,
 }
 
-fn opts(role: Role) -> WorkerOptions {
-    WorkerOptions {
+fn opts(role: Role) -> NodeSettings {
+    NodeSettings {
         model: "fake".into(),
         reservation_ttl: TTL,
         hold_ttl: TTL,
@@ -395,9 +398,10 @@ fn start(net: &Arc<MemNet>, node: NodeId, epoch: u64, role: Role, e: &FakePd) {
     start_with(net, node, epoch, e, opts(role));
 }
 
-fn start_with(net: &Arc<MemNet>, node: NodeId, epoch: u64, e: &FakePd, o: WorkerOptions) {
+fn start_with(net: &Arc<MemNet>, node: NodeId, epoch: u64, e: &FakePd, o: NodeSettings) {
     let (t, rx) = net.join(node, epoch);
     let kv: Arc<dyn KvMigration> = Arc::new(e.clone());
+    let o = WorkerOptions::new(o);
     tokio::spawn(run_worker(t, rx, Arc::new(e.clone()), Some(kv), o));
 }
 
@@ -407,7 +411,7 @@ async fn rig(roles: &[Role]) -> Rig {
 }
 
 /// [`rig`] with the nodes' options changed by `f`.
-async fn rig_with(roles: &[Role], f: impl Fn(WorkerOptions) -> WorkerOptions) -> Rig {
+async fn rig_with(roles: &[Role], f: impl Fn(NodeSettings) -> NodeSettings) -> Rig {
     let net = MemNet::new(roles.len() + 1);
     let router = start_router(&net, roles, BS as usize, HB, DOWN).await;
     let engines: Vec<FakePd> = roles.iter().map(|_| FakePd::new(1000)).collect();
@@ -586,7 +590,7 @@ async fn a_prefill_node_that_dies_mid_transfer_is_replaced() {
 async fn a_decode_node_lost_after_its_kv_arrived_frees_the_prefill_side_at_once() {
     // Holds that would last a minute: only the Router's abandon frees
     // them within the test's wait.
-    let long = |o: WorkerOptions| WorkerOptions {
+    let long = |o: NodeSettings| NodeSettings {
         hold_ttl: Duration::from_secs(60),
         ..o
     };
@@ -621,7 +625,7 @@ async fn a_decode_node_lost_after_its_kv_arrived_frees_the_prefill_side_at_once(
 
 #[tokio::test]
 async fn a_lease_no_request_owns_is_found_and_given_back() {
-    let quick = |o: WorkerOptions| WorkerOptions {
+    let quick = |o: NodeSettings| NodeSettings {
         reconcile_interval: HB * 2,
         ..o
     };
@@ -695,7 +699,13 @@ async fn kv_for_another_model_is_refused_and_the_request_runs_colocated() {
     let kv: Arc<dyn KvMigration> = Arc::new(d.clone());
     let mut o = opts(Role::Decode);
     o.model = "another".into();
-    tokio::spawn(run_worker(t, rx, Arc::new(d.clone()), Some(kv), o));
+    tokio::spawn(run_worker(
+        t,
+        rx,
+        Arc::new(d.clone()),
+        Some(kv),
+        WorkerOptions::new(o),
+    ));
     wait_up(&router, 2).await;
     let q = req(10, 5, 8);
     let (toks, _) = drain(router.submit(q.clone()).await.unwrap()).await;
@@ -738,5 +748,85 @@ async fn many_requests_with_cancellations_and_a_killed_node_leak_no_blocks() {
     }
     for i in 1..4 {
         until("blocks back", || r.engines[i].used() == 0).await;
+    }
+}
+
+/// Every input each core handled in a cluster run (P/D requests, a
+/// client gone mid-stream, heartbeats, ticks), recorded by the shells and
+/// fed to a fresh core: the same outputs, step by step. The cores' inputs
+/// (time, messages, engine answers, reachability) describe a run whole.
+#[tokio::test]
+async fn a_recorded_cluster_run_replays_each_core_to_the_same_outputs() {
+    let roles = [Role::Prefill, Role::Decode];
+    let net = MemNet::new(roles.len() + 1);
+    let router_rec = Recorder::<RouterStep>::default();
+    let hooks = RouterHooks {
+        check: None,
+        record: Some(router_rec.clone()),
+    };
+    let ropts = router_opts(&roles, BS as usize, HB, DOWN);
+    let router = start_router_with(&net, ropts.clone(), hooks).await;
+    let engines: Vec<FakePd> = roles.iter().map(|_| FakePd::new(1000)).collect();
+    let mut node_recs = Vec::new();
+    for (i, role) in roles.iter().enumerate() {
+        let rec = Recorder::<NodeStep>::default();
+        let (t, rx) = net.join(i as NodeId + 1, 1);
+        let kv: Arc<dyn KvMigration> = Arc::new(engines[i].clone());
+        let o = WorkerOptions {
+            record: Some(rec.clone()),
+            ..WorkerOptions::new(opts(*role))
+        };
+        tokio::spawn(run_worker(t, rx, Arc::new(engines[i].clone()), Some(kv), o));
+        node_recs.push(rec);
+    }
+    wait_up(&router, roles.len()).await;
+    for i in 0..3 {
+        let q = req(10 + i, 6, i);
+        let (toks, _) = drain(router.submit(q.clone()).await.unwrap()).await;
+        assert_eq!(toks, expected(&q));
+    }
+    let mut s = router.submit(req(12, 40, 9)).await.unwrap();
+    let _ = s.recv().await;
+    drop(s);
+    for _ in 0..400 {
+        if engines.iter().all(|e| e.used() == 0) {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    // Stop the Router (and with it the recording) before reading.
+    drop(router);
+    tokio::time::sleep(HB).await;
+
+    let steps = router_rec.take();
+    let submits = steps
+        .iter()
+        .filter(|s| matches!(s.input, RouterInput::Submit { .. }))
+        .count();
+    let gone = steps
+        .iter()
+        .filter(|s| matches!(s.input, RouterInput::ClientGone { .. }))
+        .count();
+    // Every stream's drop tells the Router, finished or not.
+    assert_eq!((submits, gone), (4, 4), "the run the test made");
+    let mut core = RouterCore::new(ropts, Duration::ZERO);
+    for (i, s) in steps.into_iter().enumerate() {
+        let mut out = Vec::new();
+        core.handle(s.now, s.input.clone(), &s.reach, &mut out);
+        // As text: a logprob may be NaN, which equals nothing.
+        let (got, recorded) = (format!("{out:?}"), format!("{:?}", s.outputs));
+        assert_eq!(got, recorded, "router step {i}: {:?}", s.input);
+    }
+    for (i, role) in roles.iter().enumerate() {
+        let steps = node_recs[i].take();
+        assert!(steps.len() > 10, "node {} handled {}", i + 1, steps.len());
+        let layout = Some(engines[i].kv_layout());
+        let mut core = NodeCore::new(opts(*role), i as NodeId + 1, 1, layout, Duration::ZERO);
+        for (k, s) in steps.into_iter().enumerate() {
+            let mut out = Vec::new();
+            core.handle(s.now, s.input.clone(), &mut out);
+            let (got, recorded) = (format!("{out:?}"), format!("{:?}", s.outputs));
+            assert_eq!(got, recorded, "node {} step {k}: {:?}", i + 1, s.input);
+        }
     }
 }

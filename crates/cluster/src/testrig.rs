@@ -10,7 +10,9 @@ use flotilla_engine::RequestStream;
 use flotilla_proto::{EngineEvent, Role};
 
 use crate::memnet::MemNet;
-use crate::{ClusterEngine, RouterOptions, WorkerOptions};
+use crate::{
+    ClusterEngine, NodeSettings, RouterHooks, RouterOptions, node_settings, router_options,
+};
 
 /// A cluster config's settings with the tests' fast heartbeat and down
 /// bound (a whole number of heartbeats).
@@ -25,16 +27,39 @@ pub(crate) fn cluster(heartbeat: Duration, down_after: Duration) -> ClusterSecti
 
 /// An engine node's settings for the tests: their timing, orphans looked
 /// for once a second (as long as the tests' transfers can take).
-pub(crate) fn node_opts(heartbeat: Duration, down_after: Duration, role: Role) -> WorkerOptions {
+pub(crate) fn node_opts(heartbeat: Duration, down_after: Duration, role: Role) -> NodeSettings {
     let cl = cluster(heartbeat, down_after);
     assert_eq!(
         cl.down_after(),
         down_after,
         "the down bound is whole heartbeats"
     );
-    WorkerOptions {
+    NodeSettings {
         reconcile_interval: Duration::from_secs(1),
-        ..WorkerOptions::from_config(&cl, vec![0], role)
+        ..node_settings(&cl, vec![0], role)
+    }
+}
+
+/// The Router's settings for engine nodes 1.. of `roles`, named
+/// `{role}-{node}`.
+pub(crate) fn router_opts(
+    roles: &[Role],
+    block_size: usize,
+    heartbeat: Duration,
+    down_after: Duration,
+) -> RouterOptions {
+    RouterOptions {
+        prefix_blocks_max: 1000,
+        ..router_options(
+            &cluster(heartbeat, down_after),
+            roles
+                .iter()
+                .enumerate()
+                .map(|(i, r)| (i as u32 + 1, format!("{r}-{}", i + 1), *r))
+                .collect(),
+            block_size,
+            vec![0],
+        )
     }
 }
 
@@ -47,26 +72,20 @@ pub(crate) async fn start_router(
     heartbeat: Duration,
     down_after: Duration,
 ) -> ClusterEngine {
+    let opts = router_opts(roles, block_size, heartbeat, down_after);
+    start_router_with(net, opts, RouterHooks::default()).await
+}
+
+/// A Router at node 0 of `net` with `opts` and the shell's `hooks`.
+pub(crate) async fn start_router_with(
+    net: &Arc<MemNet>,
+    opts: RouterOptions,
+    hooks: RouterHooks,
+) -> ClusterEngine {
     let (t, rx) = net.join(0, 1);
-    ClusterEngine::start(
-        t,
-        rx,
-        RouterOptions {
-            prefix_blocks_max: 1000,
-            ..RouterOptions::from_config(
-                &cluster(heartbeat, down_after),
-                roles
-                    .iter()
-                    .enumerate()
-                    .map(|(i, r)| (i as u32 + 1, format!("{r}-{}", i + 1), *r))
-                    .collect(),
-                block_size,
-                vec![0],
-            )
-        },
-    )
-    .await
-    .expect("router starts")
+    ClusterEngine::start_with(t, rx, opts, hooks)
+        .await
+        .expect("router starts")
 }
 
 /// Waits until exactly `n` nodes are up (two seconds at most).

@@ -101,7 +101,7 @@ struct Rig {
 }
 
 fn worker_opts() -> WorkerOptions {
-    testrig::node_opts(HB, DOWN, Role::Worker)
+    WorkerOptions::new(testrig::node_opts(HB, DOWN, Role::Worker))
 }
 
 fn start_worker(net: &Arc<MemNet>, node: u32, epoch: u64) -> Arc<FakeEngine> {

@@ -8,7 +8,10 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
 use flotilla_actors::{Clock, EngineOptions, spawn_engine};
-use flotilla_cluster::{ClusterEngine, RouterOptions, WorkerEnd, WorkerOptions, run_worker};
+use flotilla_cluster::{
+    ClusterEngine, NodeSettings, WorkerEnd, WorkerOptions, node_settings, router_options,
+    run_worker,
+};
 use flotilla_config::{ClusterConfig, ClusterSection, Role};
 use flotilla_engine::KvMigration;
 use flotilla_gateway::GatewayConfig;
@@ -201,7 +204,7 @@ pub fn run(args: NodeArgs) -> Result<()> {
             let engine = ClusterEngine::start(
                 t,
                 inbound,
-                RouterOptions::from_config(
+                router_options(
                     &cl,
                     cl.engines()
                         .map(|(i, n)| (i, n.name.clone(), n.role))
@@ -275,7 +278,7 @@ pub fn run(args: NodeArgs) -> Result<()> {
                 node.listen,
                 t.epoch()
             );
-            let opts = WorkerOptions {
+            let settings = NodeSettings {
                 num_tenants: cfg.tenants.len().max(1) as u32,
                 model: r.model_name.clone(),
                 tenant_priority: cfg
@@ -283,7 +286,7 @@ pub fn run(args: NodeArgs) -> Result<()> {
                     .iter()
                     .map(|t| cfg.tiers[t.tier].priority)
                     .collect(),
-                ..WorkerOptions::from_config(&cl, vec![cl.router().0], node.role)
+                ..node_settings(&cl, vec![cl.router().0], node.role)
             };
             let transport: Arc<dyn Transport> = t.clone();
             let engine = Arc::new(engine);
@@ -294,7 +297,7 @@ pub fn run(args: NodeArgs) -> Result<()> {
             let opts = WorkerOptions {
                 drain: Some(drain_rx),
                 tracing: tracing.clone(),
-                ..opts
+                ..WorkerOptions::new(settings)
             };
             let mut term =
                 tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())

@@ -76,6 +76,9 @@ pub struct EngineRequest {
     pub trace: Option<TraceContext>,
 }
 
+/// A node's index in the cluster config.
+pub type NodeId = u32;
+
 /// W3C trace context of a traced request: the trace and the span that
 /// engine spans are children of (the Router's HTTP request span). Travels
 /// in the request to every node that runs a part of it.

@@ -289,6 +289,34 @@ impl Scheduler {
         Ok((r.lease.blocks().to_vec(), r.tokens))
     }
 
+    /// [`Scheduler::start_import`] for a transfer of `bytes` bytes of KV
+    /// for `tokens` tokens, checked against the reservation first (its
+    /// token count, and `bytes_per_block` for each of its blocks). A
+    /// transfer that does not fit gives the reservation back. Returns the
+    /// blocks to write.
+    pub fn start_import_sized(
+        &mut self,
+        id: RequestId,
+        tokens: u32,
+        bytes: u64,
+        bytes_per_block: u64,
+    ) -> Result<Vec<u32>, String> {
+        let Some(r) = self.reservations.get(&id) else {
+            return Err(format!("no reservation {id} (it expired or was cancelled)"));
+        };
+        let expected = r.lease.blocks().len() as u64 * bytes_per_block;
+        if r.deadline.is_some() && (r.tokens != tokens as usize || bytes != expected) {
+            let why = format!(
+                "{bytes} bytes of KV for {tokens} tokens; the reservation holds {} tokens in \
+                 {expected} bytes",
+                r.tokens
+            );
+            self.cancel_reservation(id);
+            return Err(why);
+        }
+        self.start_import(id).map(|(blocks, _)| blocks)
+    }
+
     /// Turns an imported reservation into a request with the same id: its
     /// prompt's KV is in the reservation's blocks and `first` was sampled
     /// after it. Emits `Token(first)` now; the request then waits for a seat

@@ -14,7 +14,8 @@ use std::time::Duration;
 
 use flotilla_actors::{Clock, EngineOptions, InvariantHook, LocalEngine, spawn_engine};
 use flotilla_cluster::{
-    CheckHook, ClusterEngine, OrphanHook, RouterOptions, WorkerEnd, WorkerOptions, run_worker,
+    CheckHook, ClusterEngine, NodeSettings, OrphanHook, RouterHooks, WorkerEnd, WorkerOptions,
+    node_settings, router_options, run_worker,
 };
 use flotilla_engine::{Engine, StreamChunk};
 use flotilla_exec::Executor;
@@ -444,10 +445,10 @@ async fn simulate(sc: &Scenario, seed: u64) -> Result<Report, SimError> {
             lock(&slot).get_or_insert((at, what.to_string()));
         }))
     });
-    let router = ClusterEngine::start_checked(
+    let router = ClusterEngine::start_with(
         rt,
         rx,
-        RouterOptions::from_config(
+        router_options(
             &sc.cluster_config(),
             (1..=n as u32)
                 .map(|i| (i, format!("engine-{i}"), sc.role_of(i)))
@@ -455,7 +456,10 @@ async fn simulate(sc: &Scenario, seed: u64) -> Result<Report, SimError> {
             e.block_size,
             cfg.tenants.iter().map(|t| t.prefix_salt()).collect(),
         ),
-        check,
+        RouterHooks {
+            check,
+            record: None,
+        },
     )
     .await
     .map_err(SimError::Start)?;
@@ -713,7 +717,7 @@ async fn start_engine(w: &Arc<World>, node: u32, life: u64) -> Result<(), SimErr
     .map_err(|e| SimError::Start(e.to_string()))?;
     let hb = Duration::from_millis(w.sc.cluster.heartbeat_ms);
     let role = w.sc.role_of(node);
-    let opts = WorkerOptions {
+    let settings = NodeSettings {
         num_tenants: w.sc.tenants.len() as u32,
         model: w.sc.model_shape()?.name,
         tenant_priority: w
@@ -722,6 +726,9 @@ async fn start_engine(w: &Arc<World>, node: u32, life: u64) -> Result<(), SimErr
             .iter()
             .map(|t| w.sched.tiers[usize::from(t.tier.0)].priority)
             .collect(),
+        ..node_settings(&w.sc.cluster_config(), vec![0], role)
+    };
+    let opts = WorkerOptions {
         on_orphan: Some(orphan_hook(w, hb)),
         // The node's protocol bookkeeping, checked with its scheduler's.
         check: w
@@ -729,7 +736,7 @@ async fn start_engine(w: &Arc<World>, node: u32, life: u64) -> Result<(), SimErr
             .run
             .check_every_step
             .then(|| CheckHook(Arc::new(move |what: &str| hook(what.to_string())))),
-        ..WorkerOptions::from_config(&w.sc.cluster_config(), vec![0], role)
+        ..WorkerOptions::new(settings)
     };
     let epoch = (u64::from(node) << 32) | life;
     let (t, rx) = w.net.join(node, epoch);

@@ -27,8 +27,7 @@ pub mod tls;
 /// A boxed future, so `dyn Transport` works.
 pub type BoxFuture<T> = Pin<Box<dyn Future<Output = T> + Send + 'static>>;
 
-/// A node's index in the cluster config.
-pub type NodeId = u32;
+pub use flotilla_proto::NodeId;
 
 /// What the transport hands the node: messages and transfers from peers.
 #[derive(Debug)]

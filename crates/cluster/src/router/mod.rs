@@ -3,7 +3,7 @@
 //! (`flotilla-gateway`) drives it exactly as it drives an engine in its own
 //! process; it cannot tell the difference.
 //!
-//! Every decision is [`RouterCore`]'s (a state machine, see [`core`]); this
+//! Every decision is [`RouterCore`]'s (a state machine in `flotilla-cores`); this
 //! is the actor around it (ractor), which only moves messages: the
 //! transport's inbound messages, clients' submits and drops, and its own
 //! timer go into the core with the time; the core's outputs go out to the
@@ -11,10 +11,9 @@
 //! goes back into the core, which places the request elsewhere.
 
 // The actor owns the clock and spawns the task that feeds it; the core
-// does neither: each shell function that reads the clock or spawns says so
-// (`allow` per function), so clippy still bans both in `core`.
-
-pub mod core;
+// (its own crate, `flotilla-cores`) does neither, and its build bans both.
+// Each shell function that reads the clock or spawns says so (`allow` per
+// function).
 
 use std::collections::VecDeque;
 use std::sync::Arc;
@@ -31,7 +30,9 @@ use rustc_hash::FxHashMap;
 use tokio::sync::{mpsc, oneshot};
 use tokio::time::Instant;
 
-pub use self::core::{RouterCore, RouterInput, RouterOptions, RouterOutput};
+use flotilla_cores::router::{Reach, RouterCore, RouterInput, RouterOptions, RouterOutput};
+
+use crate::Recorder;
 
 /// Messages of the Router actor.
 enum RouterMsg {
@@ -76,7 +77,7 @@ struct Client {
 }
 
 /// Told what broke when a checked Router's bookkeeping goes wrong
-/// ([`ClusterEngine::start_checked`]).
+/// ([`ClusterEngine::start_with`]).
 #[derive(Clone)]
 pub struct CheckHook(pub Arc<dyn Fn(&str) + Send + Sync>);
 
@@ -115,6 +116,33 @@ struct RouterState {
     /// The Tick already asked for, if any.
     tick_at: Option<Duration>,
     out: Vec<RouterOutput>,
+    /// Records every input with its time, reach and outputs (tests).
+    record: Option<Recorder<RouterStep>>,
+}
+
+/// One input the Router's core handled, with its time, what the transport
+/// could reach, and what it did: a recorded run replays to the same
+/// outputs ([`RouterCore`] is a function of these).
+#[derive(Clone, Debug, PartialEq)]
+pub struct RouterStep {
+    /// The core's time.
+    pub now: Duration,
+    /// The nodes out of reach.
+    pub reach: Reach,
+    /// The input.
+    pub input: RouterInput,
+    /// Its outputs, in order.
+    pub outputs: Vec<RouterOutput>,
+}
+
+/// What the Router's shell carries besides the core's settings.
+#[derive(Clone, Debug, Default)]
+pub struct RouterHooks {
+    /// Checks the core's invariants after every input and is told the
+    /// first that breaks (tests, the simulator).
+    pub check: Option<CheckHook>,
+    /// Records every input (tests).
+    pub record: Option<Recorder<RouterStep>>,
 }
 
 struct RouterActor;
@@ -122,7 +150,7 @@ struct RouterActor;
 struct RouterArgs {
     transport: Arc<dyn Transport>,
     opts: RouterOptions,
-    check: Option<CheckHook>,
+    hooks: RouterHooks,
 }
 
 impl Actor for RouterActor {
@@ -141,7 +169,8 @@ impl Actor for RouterActor {
     ) -> Result<RouterState, ActorProcessingErr> {
         let mut st = RouterState {
             core: RouterCore::new(a.opts, Duration::ZERO),
-            check: a.check,
+            check: a.hooks.check,
+            record: a.hooks.record,
             transport: a.transport,
             t0: Instant::now(),
             clients: FxHashMap::default(),
@@ -231,9 +260,19 @@ impl RouterState {
         // What the outputs send back (refused sends, clients gone): rare.
         let mut later: VecDeque<RouterInput> = VecDeque::new();
         while let Some(input) = next.take().or_else(|| later.pop_front()) {
+            // What the transport can reach is an input too, taken now.
             let transport = &self.transport;
-            let reachable = |n| transport.is_reachable(n);
-            self.core.handle(now, input, &reachable, &mut self.out);
+            let reach = Reach::except(self.core.nodes().filter(|&n| !transport.is_reachable(n)));
+            let recorded = self.record.as_ref().map(|_| (input.clone(), reach.clone()));
+            self.core.handle(now, input, &reach, &mut self.out);
+            if let (Some(r), Some((input, reach))) = (&self.record, recorded) {
+                r.push(RouterStep {
+                    now,
+                    reach,
+                    input,
+                    outputs: self.out.clone(),
+                });
+            }
             let core = &self.core;
             CheckHook::run(
                 &mut self.check,
@@ -320,25 +359,25 @@ impl ClusterEngine {
         inbound: mpsc::Receiver<Inbound>,
         opts: RouterOptions,
     ) -> Result<ClusterEngine, String> {
-        Self::start_checked(transport, inbound, opts, None).await
+        Self::start_with(transport, inbound, opts, RouterHooks::default()).await
     }
 
-    /// [`ClusterEngine::start`], checking the core's invariants after
-    /// every input and telling `check` the first that breaks.
+    /// [`ClusterEngine::start`] with the shell's hooks: the core's
+    /// invariants checked after every input, every input recorded.
     #[allow(
         clippy::disallowed_methods,
         reason = "the shell owns the clock and the tasks"
     )]
-    pub async fn start_checked(
+    pub async fn start_with(
         transport: Arc<dyn Transport>,
         mut inbound: mpsc::Receiver<Inbound>,
         opts: RouterOptions,
-        check: Option<CheckHook>,
+        hooks: RouterHooks,
     ) -> Result<ClusterEngine, String> {
         let args = RouterArgs {
             transport,
             opts,
-            check,
+            hooks,
         };
         let (actor, _) = Actor::spawn(None, RouterActor, args)
             .await

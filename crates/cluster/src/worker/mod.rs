@@ -6,7 +6,7 @@
 //! ([`Engine::submit_to`]), and it leaves as one frame per Router (split
 //! only near the frame cap). No task and no channel per request.
 //!
-//! Every decision is [`NodeCore`]'s (a state machine, see [`core`]); this
+//! Every decision is [`NodeCore`]'s (a state machine in `flotilla-cores`); this
 //! is the actor around it (ractor), which only moves messages: what the
 //! transport delivers, the engine's step events and answers, and its own
 //! timer go into the core with the time; the core's outputs go out to the
@@ -19,11 +19,9 @@
 //! their KV blocks back: a dead Router never strands work on a worker.
 
 // The shell owns the clock and spawns the engine calls that take time;
-// the core does neither: each shell function that reads the clock or
-// spawns says so (`allow` per function), so clippy still bans both in
-// `core`.
-
-pub mod core;
+// the core (its own crate, `flotilla-cores`) does neither, and its build
+// bans both. Each shell function that reads the clock or spawns says so
+// (`allow` per function).
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
@@ -31,52 +29,28 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use bytes::Bytes;
-use flotilla_config::ClusterSection;
 use flotilla_engine::{Engine, EventSink, KvMigration, RequestStream};
 use flotilla_proto::wire::KvTransferHeader;
-use flotilla_proto::{Rejection, RequestId, Role, StepEvents};
+use flotilla_proto::{Rejection, RequestId, StepEvents};
 use flotilla_transport::{Inbound, NodeId, Transport};
 use ractor::{Actor, ActorProcessingErr, ActorRef};
 use tokio::sync::mpsc;
 use tokio::time::Instant;
 
-pub use self::core::{EngineAnswer, EngineCall, NodeCore, NodeInput, NodeOutput};
-use crate::CheckHook;
+use flotilla_cores::node::{
+    EngineAnswer, EngineCall, NodeCore, NodeInput, NodeOutput, NodeSettings, TransferSpan,
+};
+use flotilla_telemetry::{EventRec, SpanRec};
 
-/// How an engine node serves remote Routers.
+use crate::{CheckHook, Recorder};
+
+/// How an engine node serves remote Routers: the core's settings (plain
+/// data) and what only the shell holds.
 #[derive(Clone, Debug)]
 pub struct WorkerOptions {
-    /// Router nodes to report load to.
-    pub routers: Vec<NodeId>,
-    /// Heartbeat period.
-    pub heartbeat_interval: Duration,
-    /// A Router silent this long is gone: its requests are cancelled.
-    pub down_after: Duration,
-    /// Tenants in the config; a Submit naming another is refused.
-    pub num_tenants: u32,
-    /// Cap on one frame's payload; event batches are split below it.
-    pub frame_len_max_bytes: u32,
-    /// `Worker` runs whole requests; `Prefill` computes prompts for decode
-    /// nodes; `Decode` continues them (and runs whole requests sent
-    /// without a prefill node).
-    pub role: Role,
-    /// Served model name; KV from another model is refused.
-    pub model: String,
-    /// Decode side: how long reserved blocks wait for their KV.
-    pub reservation_ttl: Duration,
-    /// Prefill side: how long a finished prefill's blocks wait for the
-    /// decode side's ack.
-    pub hold_ttl: Duration,
-    /// Priority of each tenant's tier (higher goes first): the order of
-    /// waiting KV transfers.
-    pub tenant_priority: Vec<u8>,
-    /// KV transfers a prefill node sends at once.
-    pub transfers_max: usize,
-    /// How often the node looks for orphaned leases: engine leases that
-    /// none of its requests own, and requests the Router no longer has
-    /// here (asked with `Holding`). A lease is given back as an orphan
-    /// only when found twice in a row, so it is at least this old.
-    pub reconcile_interval: Duration,
+    /// The core's settings ([`crate::node_settings`] builds them from the
+    /// config).
+    pub settings: NodeSettings,
     /// Told of every orphan given back (the simulator's leak check).
     pub on_orphan: Option<OrphanHook>,
     /// Checks the core's bookkeeping after every input and is told the
@@ -90,6 +64,23 @@ pub struct WorkerOptions {
     /// Exports the spans this node measures of traced requests (KV
     /// transfers); `None`: tracing is off.
     pub tracing: Option<flotilla_telemetry::Tracing>,
+    /// Records every input the core handles, with its time and outputs
+    /// (tests: a recorded run replays to the same outputs).
+    pub record: Option<Recorder<NodeStep>>,
+}
+
+impl WorkerOptions {
+    /// The shell around a core with `settings`, with no hooks.
+    pub fn new(settings: NodeSettings) -> WorkerOptions {
+        WorkerOptions {
+            settings,
+            on_orphan: None,
+            check: None,
+            drain: None,
+            tracing: None,
+            record: None,
+        }
+    }
 }
 
 /// Why [`run_worker`] returned.
@@ -108,41 +99,6 @@ pub struct OrphanHook(pub Arc<dyn Fn(&str) + Send + Sync>);
 impl std::fmt::Debug for OrphanHook {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.write_str("OrphanHook")
-    }
-}
-
-impl WorkerOptions {
-    /// An engine node's settings from the cluster config: the one place
-    /// they are built (`flotilla node`, the simulator and the tests start
-    /// from here). The served model, tenants and their priorities come
-    /// from the engine's own settings.
-    pub fn from_config(cl: &ClusterSection, routers: Vec<NodeId>, role: Role) -> WorkerOptions {
-        WorkerOptions {
-            routers,
-            heartbeat_interval: Duration::from_millis(cl.heartbeat_interval_ms),
-            down_after: cl.down_after(),
-            num_tenants: 1,
-            frame_len_max_bytes: cl.frame_len_max_bytes,
-            role,
-            model: String::new(),
-            reservation_ttl: Duration::from_millis(cl.kv_reservation_ttl_ms),
-            hold_ttl: Duration::from_millis(cl.kv_hold_ttl_ms),
-            tenant_priority: Vec::new(),
-            transfers_max: cl.kv_transfers_max,
-            // Orphans are looked for once per down bound.
-            reconcile_interval: cl.down_after(),
-            on_orphan: None,
-            check: None,
-            drain: None,
-            tracing: None,
-        }
-    }
-
-    fn priority(&self, tenant: u32) -> u8 {
-        self.tenant_priority
-            .get(tenant as usize)
-            .copied()
-            .unwrap_or(0)
     }
 }
 
@@ -193,6 +149,8 @@ struct NodeState {
     tick_at: Option<Duration>,
     left: Arc<AtomicBool>,
     out: Vec<NodeOutput>,
+    /// Records every input with its time and outputs (tests).
+    record: Option<Recorder<NodeStep>>,
     /// The node's trace exporter, on this actor's clock.
     tracing: Option<flotilla_telemetry::Tracing>,
 }
@@ -225,7 +183,8 @@ impl Actor for NodeActor {
             tracing,
             on_orphan: a.opts.on_orphan.clone(),
             check: a.opts.check.clone(),
-            core: NodeCore::new(a.opts, me, epoch, layout, Duration::ZERO),
+            record: a.opts.record.clone(),
+            core: NodeCore::new(a.opts.settings, me, epoch, layout, Duration::ZERO),
             transport: a.transport,
             engine: a.engine,
             kv: a.kv,
@@ -317,7 +276,15 @@ impl NodeState {
             .or_else(|| later.pop_front())
         {
             let now = self.now();
+            let recorded = self.record.as_ref().map(|_| input.clone());
             self.core.handle(now, input, &mut self.out);
+            if let (Some(r), Some(input)) = (&self.record, recorded) {
+                r.push(NodeStep {
+                    now,
+                    input,
+                    outputs: self.out.clone(),
+                });
+            }
             let (core, transport) = (&self.core, &self.transport);
             CheckHook::run(
                 &mut self.check,
@@ -372,7 +339,7 @@ impl NodeState {
                     NodeOutput::Left => tracing::info!("drained: leaving"),
                     NodeOutput::Span { parent, span } => {
                         if let Some(t) = &self.tracing {
-                            t.export(&parent, span);
+                            t.export(&parent, transfer_span(span));
                         }
                     }
                 }
@@ -630,8 +597,8 @@ pub async fn run_worker(
     end
 }
 
-/// Verifies a transfer's checksum, then writes it into its reservation
-/// and continues the request from the prefill node's first token.
+/// Writes a transfer (checked by the core) into its reservation and
+/// continues the request from the prefill node's first token.
 async fn import(
     kv: &dyn KvMigration,
     reservation: RequestId,
@@ -641,23 +608,47 @@ async fn import(
     sink: flotilla_engine::EventSink,
 ) -> Result<RequestStream, String> {
     let mut bytes = Vec::with_capacity(h.bytes as usize);
-    let mut crc = crc32fast::Hasher::new();
     for c in &data {
-        crc.update(c);
         bytes.extend_from_slice(c);
     }
     drop(data);
-    let sum = u64::from(crc.finalize());
-    if bytes.len() as u64 != h.bytes || sum != h.checksum {
-        kv.cancel_reservation(reservation).await;
-        return Err(format!(
-            "KV transfer corrupt: {} of {} bytes, checksum {sum:#x}, expected {:#x}",
-            bytes.len(),
-            h.bytes,
-            h.checksum
-        ));
-    }
     kv.import_kv(reservation, h.token_count, bytes, req, h.first, Some(sink))
         .await
         .map_err(|r| format!("decode node refused the KV: {r}"))
+}
+
+/// A KV transfer's times, as the core measured them, as a span.
+fn transfer_span(t: TransferSpan) -> SpanRec {
+    let mut s = SpanRec::new("kv.transfer", t.start, t.end)
+        .attr("flotilla.kv.decode_node", i64::from(t.decode))
+        .attr("flotilla.kv.bytes", t.bytes as i64)
+        .attr("flotilla.kv.blocks", i64::from(t.blocks))
+        .attr("flotilla.kv.tokens", i64::from(t.tokens))
+        .attr("flotilla.kv.acked", t.acked)
+        .attr(
+            "flotilla.kv.purpose",
+            if t.moving { "move" } else { "prefill" },
+        );
+    for (name, at) in [("export", t.export), ("send", t.send), ("sent", t.sent)] {
+        if let Some(at) = at {
+            s.events.push(EventRec {
+                name: name.into(),
+                at,
+                attrs: Vec::new(),
+            });
+        }
+    }
+    s.error = t.failure;
+    s
+}
+
+/// One input a node's core handled, with its time and what it did.
+#[derive(Clone, Debug, PartialEq)]
+pub struct NodeStep {
+    /// The core's time.
+    pub now: Duration,
+    /// The input.
+    pub input: NodeInput,
+    /// Its outputs, in order.
+    pub outputs: Vec<NodeOutput>,
 }

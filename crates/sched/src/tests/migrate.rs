@@ -281,9 +281,23 @@ fn reservations_go_back_at_their_deadline_or_on_cancel_but_not_mid_import() {
     );
     assert!(d.s.cancel_reservation(a));
     assert!(!d.s.cancel_reservation(a));
+    // A transfer of the wrong size for c is refused, and c goes back.
+    let used = d.used();
+    let c_blocks = 3u32;
+    let short = 64 * u64::from(c_blocks - 1);
+    let why = d.s.start_import_sized(c, 40, short, 64).unwrap_err();
+    assert!(why.contains("the reservation holds 40 tokens"), "{why}");
+    assert_eq!(d.used(), used - c_blocks, "c's blocks back");
+    assert!(!d.s.cancel_reservation(c), "c is gone");
+    d.s.reserve(d.now + TTL, c, TenantId(1), 40, TTL).unwrap();
     // b is being written: its deadline no longer applies.
-    d.s.start_import(b).unwrap();
+    let blocks = d.s.start_import_sized(b, 17, 64 * 2, 64).unwrap();
+    assert_eq!(blocks.len(), 2);
     assert!(d.s.start_import(b).is_err(), "imported twice");
+    assert!(
+        d.s.start_import_sized(b, 17, 64 * 2, 64).is_err(),
+        "imported twice"
+    );
     assert_eq!(d.s.next_deadline(), Some(d.now + TTL + TTL));
     d.s.expire(d.now + TTL + TTL);
     assert_eq!(d.used(), 2, "c expired, b pinned");

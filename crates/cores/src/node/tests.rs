@@ -9,10 +9,10 @@ use flotilla_proto::{
     EngineEvent, EngineFailure, EngineRequest, EngineStatus, FinishReason, KvExport, KvLayout,
     Rejection, RequestId, Role, Sampled, SamplingParams, TenantId, TraceContext, Usage,
 };
-use flotilla_telemetry::SpanRec;
 
-use super::{EngineAnswer, EngineCall, NodeCore, NodeInput, NodeOutput};
-use crate::WorkerOptions;
+use super::{
+    EngineAnswer, EngineCall, NodeCore, NodeInput, NodeOutput, NodeSettings, TransferSpan,
+};
 use crate::testrig;
 
 const HB: Duration = Duration::from_millis(100);
@@ -61,12 +61,12 @@ struct H {
     /// What the engine answers to a detach.
     detach: Result<Vec<u32>, String>,
     /// Spans the core measured.
-    spans: Vec<(TraceContext, SpanRec)>,
+    spans: Vec<(TraceContext, TransferSpan)>,
 }
 
 impl H {
-    fn new(role: Role, kv: bool, f: impl Fn(WorkerOptions) -> WorkerOptions) -> H {
-        let opts = f(WorkerOptions {
+    fn new(role: Role, kv: bool, f: impl Fn(NodeSettings) -> NodeSettings) -> H {
+        let opts = f(NodeSettings {
             model: "m".into(),
             reservation_ttl: TTL,
             hold_ttl: TTL,
@@ -305,7 +305,8 @@ fn header(req: u64, model: &str) -> KvTransferHeader {
         token_count: 6,
         block_count: 2,
         bytes: 128,
-        checksum: 0,
+        // The bytes the tests send: 128 zeros.
+        checksum: u64::from(crc32fast::hash(&[0u8; 128])),
         first: sampled(9),
     }
 }
@@ -607,6 +608,68 @@ fn a_reservation_whose_kv_never_comes_is_given_back_and_the_router_told() {
     ));
 }
 
+#[test]
+fn a_transfer_whose_bytes_are_not_the_headers_is_refused_before_it_is_written() {
+    // One byte changed on the way, then a transfer cut short: each is
+    // refused here, with nothing handed to the engine to write.
+    let cases: [(&str, Vec<Bytes>); 2] = [
+        ("changed", {
+            let mut b = vec![0u8; 128];
+            b[77] = 1;
+            vec![Bytes::from(b)]
+        }),
+        ("cut short", vec![Bytes::from(vec![0u8; 64])]),
+    ];
+    for (what, data) in cases {
+        let mut h = H::new(Role::Decode, true, |o| o);
+        h.msg(ROUTER, 1, submit(4, 0, Some(PREFILL)));
+        let reservation = h.last_id();
+        h.take_sent();
+        h.input(NodeInput::Bulk {
+            from: PREFILL,
+            header: header(4, "m"),
+            data,
+        });
+        assert!(h.later.is_empty(), "{what}: no import: {:?}", h.later);
+        assert!(
+            matches!(h.given_back[..], [EngineCall::CancelReservation(r)] if r == reservation),
+            "{what}: the reservation given back: {:?}",
+            h.given_back
+        );
+        // The Router hears why; the prefill node may free its blocks.
+        match &h.events()[..] {
+            [(4, 0, 0, ev)] => match &ev[..] {
+                [EngineEvent::Failed(EngineFailure::KvTransfer(why))] => {
+                    assert!(why.contains("KV transfer corrupt"), "{what}: {why}")
+                }
+                other => panic!("{what}: {other:?}"),
+            },
+            other => panic!("{what}: {other:?}"),
+        }
+        assert!(
+            matches!(
+                h.take_sent()[..],
+                [(
+                    PREFILL,
+                    Message::KvAck {
+                        req: 4,
+                        ok: false,
+                        ..
+                    }
+                )]
+            ),
+            "{what}"
+        );
+        // Nothing of it is left: the same KV again finds no request.
+        h.input(NodeInput::Bulk {
+            from: PREFILL,
+            header: header(4, "m"),
+            data: vec![Bytes::from(vec![0u8; 128])],
+        });
+        assert!(h.later.is_empty(), "{what}");
+    }
+}
+
 fn ask(req: u64, tenant: u32, priority: u8) -> Message {
     Message::Prefill(PrefillMsg {
         router: ROUTER,
@@ -670,20 +733,13 @@ fn a_traced_prefill_reports_its_kv_transfer_as_a_span_from_its_end_to_the_ack() 
     );
     let (parent, s) = h.spans.pop().expect("the transfer's span");
     assert_eq!(parent, cx);
+    assert_eq!((s.decode, s.start, s.end), (DECODE, ms(10), ms(45)));
     assert_eq!(
-        (s.name.as_ref(), s.start, s.end),
-        ("kv.transfer", ms(10), ms(45))
+        (s.export, s.send, s.sent),
+        (Some(ms(10)), Some(ms(20)), Some(ms(30)))
     );
-    let at: Vec<(&str, Duration)> = s.events.iter().map(|e| (e.name.as_ref(), e.at)).collect();
-    assert_eq!(at, [("export", ms(10)), ("send", ms(20)), ("sent", ms(30))]);
-    let has = |k: &str, v: flotilla_telemetry::Value| {
-        s.attrs
-            .iter()
-            .any(|kv| kv.key.as_str() == k && kv.value == v)
-    };
-    assert!(has("flotilla.kv.bytes", 128i64.into()), "{:?}", s.attrs);
-    assert!(has("flotilla.kv.acked", true.into()));
-    assert_eq!(s.error, None);
+    assert_eq!((s.bytes, s.acked, s.moving), (128, true, false), "{s:?}");
+    assert_eq!(s.failure, None);
     // The second's send fails: its span ends in error.
     h.step(vec![(ids[1], tok(12)), (ids[1], finished())]);
     h.input(NodeInput::Answer(EngineAnswer::Exported {
@@ -696,7 +752,7 @@ fn a_traced_prefill_reports_its_kv_transfer_as_a_span_from_its_end_to_the_ack() 
     }));
     let (_, s) = h.spans.pop().expect("the failed transfer's span");
     assert!(
-        s.error.as_deref().is_some_and(|e| e.contains("reset")),
+        s.failure.as_deref().is_some_and(|e| e.contains("reset")),
         "{s:?}"
     );
     // The untraced one reports nothing.

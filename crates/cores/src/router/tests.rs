@@ -8,7 +8,7 @@ use flotilla_proto::{
     KvUsage, Rejection, Role, Sampled, SamplingParams, TenantId, Usage,
 };
 
-use super::{RouterCore, RouterInput, RouterOptions, RouterOutput};
+use super::{Reach, RouterCore, RouterInput, RouterOptions, RouterOutput};
 
 const HB: Duration = Duration::from_millis(100);
 const DOWN: Duration = Duration::from_millis(400);
@@ -62,9 +62,8 @@ impl H {
 
     fn input(&mut self, i: RouterInput) -> Vec<RouterOutput> {
         let mut out = Vec::new();
-        let unreachable = self.unreachable.clone();
-        self.core
-            .handle(self.now, i, &|n| !unreachable.contains(&n), &mut out);
+        let reach = Reach::except(self.unreachable.iter().copied());
+        self.core.handle(self.now, i, &reach, &mut out);
         self.core.check_invariants().unwrap();
         out
     }

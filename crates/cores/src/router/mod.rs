@@ -4,7 +4,7 @@
 //! (messages to send, admissions and events for clients, a reconnect) come
 //! out. It does no I/O, reads no clock and spawns nothing, so a test
 //! drives it with a plain clock and a list of messages; the actor around it
-//! ([`super::ClusterEngine`]) only moves messages.
+//! (`flotilla_cluster::ClusterEngine`) only moves messages.
 //!
 //! - Membership: every engine node sends a heartbeat with its status each
 //!   interval. A node silent for `down_after` is marked down: no new work
@@ -32,13 +32,11 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::time::Duration;
 
-use flotilla_config::ClusterSection;
 use flotilla_proto::wire::{Held, Message, ReqEvents, Submit};
 use flotilla_proto::{
     DrainRefusal, EngineEvent, EngineFailure, EngineRequest, EngineStatus, KvDtype, KvUsage,
-    NodeStatus, Rejection, Role, TierStatus,
+    NodeId, NodeStatus, Rejection, Role, TierStatus,
 };
-use flotilla_transport::NodeId;
 use rustc_hash::FxHashMap;
 
 use crate::prefix::{PrefixIndex, block_hashes};
@@ -74,31 +72,42 @@ pub const MOVES_MAX: u32 = 3;
 /// Blocks the Router's prefix index remembers per node.
 pub const PREFIX_BLOCKS_MAX: usize = 1 << 20;
 
-impl RouterOptions {
-    /// The Router's settings from the cluster config: the one place they
-    /// are built (`flotilla node`, the simulator and the tests start from
-    /// here). `block_size` and the tenants' prefix salts are the engines'.
-    pub fn from_config(
-        cl: &ClusterSection,
-        workers: Vec<(NodeId, String, Role)>,
-        block_size: usize,
-        tenant_salts: Vec<u64>,
-    ) -> RouterOptions {
-        RouterOptions {
-            workers,
-            heartbeat_interval: Duration::from_millis(cl.heartbeat_interval_ms),
-            down_after: cl.down_after(),
-            block_size,
-            tenant_salts,
-            reruns_max: RERUNS_MAX,
-            moves_max: MOVES_MAX,
-            prefix_blocks_max: PREFIX_BLOCKS_MAX,
-        }
+/// The engine nodes the transport has no way to now (their link is down
+/// and redials): an input of every [`RouterCore::handle`], taken by the
+/// shell just before it, so that the inputs alone describe a run.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Reach {
+    /// Sorted, without repeats.
+    unreachable: Vec<NodeId>,
+}
+
+impl Reach {
+    /// Every node reachable.
+    pub fn all() -> Reach {
+        Reach::default()
+    }
+
+    /// Every node but `nodes`.
+    pub fn except(nodes: impl IntoIterator<Item = NodeId>) -> Reach {
+        let mut unreachable: Vec<NodeId> = nodes.into_iter().collect();
+        unreachable.sort_unstable();
+        unreachable.dedup();
+        Reach { unreachable }
+    }
+
+    /// Whether a message sent to `node` now has a way there.
+    pub fn reaches(&self, node: NodeId) -> bool {
+        self.unreachable.binary_search(&node).is_err()
+    }
+
+    /// The nodes out of reach, in order.
+    pub fn unreachable(&self) -> &[NodeId] {
+        &self.unreachable
     }
 }
 
 /// What happens to the Router.
-#[derive(Debug)]
+#[derive(Clone, Debug, PartialEq)]
 pub enum RouterInput {
     /// A client's request, under an id the caller chose (unique).
     Submit {
@@ -145,7 +154,7 @@ pub enum RouterInput {
 }
 
 /// What the Router does.
-#[derive(Debug, PartialEq)]
+#[derive(Clone, Debug, PartialEq)]
 pub enum RouterOutput {
     /// Send a message to a node.
     Send {
@@ -338,26 +347,33 @@ impl RouterCore {
         }
     }
 
-    /// Handles one input at `now`; `reachable` says whether the transport
-    /// has a way to a node now (false while its link redials). The outputs
+    /// The engine nodes it routes to: those whose reachability the shell
+    /// reports in each input's [`Reach`].
+    pub fn nodes(&self) -> impl Iterator<Item = NodeId> + '_ {
+        self.workers.iter().map(|w| w.node)
+    }
+
+    /// Handles one input at `now`; `reach` says which nodes the transport
+    /// has no way to now (their link redials), as the shell saw it just
+    /// before this input. The outputs
     /// are appended to `out`, in the order they must be carried out.
     pub fn handle(
         &mut self,
         now: Duration,
         input: RouterInput,
-        reachable: &dyn Fn(NodeId) -> bool,
+        reach: &Reach,
         out: &mut Vec<RouterOutput>,
     ) {
         debug_assert!(self.out.is_empty());
         self.now = now;
         match input {
-            RouterInput::Submit { id, req } => self.submit(now, id, req, reachable),
+            RouterInput::Submit { id, req } => self.submit(now, id, req, reach),
             RouterInput::ClientGone { id, stop_string } => self.abandon(id, stop_string),
             RouterInput::Message { from, epoch, msg } => {
-                self.on_message(now, from, epoch, msg, reachable)
+                self.on_message(now, from, epoch, msg, reach)
             }
-            RouterInput::Undelivered { to, msg } => self.undelivered(to, msg, reachable),
-            RouterInput::Tick => self.tick(now, reachable),
+            RouterInput::Undelivered { to, msg } => self.undelivered(to, msg, reach),
+            RouterInput::Tick => self.tick(now, reach),
             RouterInput::Drain { node, grace } => {
                 if let Ok(w) = self.drain_target(&node) {
                     let grace_ms = grace.as_millis().min(u128::from(u64::MAX)) as u64;
@@ -509,13 +525,7 @@ impl RouterCore {
         });
     }
 
-    fn submit(
-        &mut self,
-        now: Duration,
-        id: u64,
-        req: EngineRequest,
-        reachable: &dyn Fn(NodeId) -> bool,
-    ) {
+    fn submit(&mut self, now: Duration, id: u64, req: EngineRequest, reach: &Reach) {
         let hashes = self.hashes(&req);
         let blocks = (req.prompt.len() as u64 + req.max_tokens as u64)
             .div_ceil(self.opts.block_size.max(1) as u64);
@@ -546,7 +556,7 @@ impl RouterCore {
             },
         );
         assert!(old.is_none(), "request id {id} submitted twice");
-        if !self.route(id, &hashes, None, reachable) {
+        if !self.route(id, &hashes, None, reach) {
             self.unplace(id);
             // Said here: the client's 503 is all that tells of it otherwise.
             tracing::info!(
@@ -562,13 +572,8 @@ impl RouterCore {
     }
 
     /// Whether node `i` can take work now.
-    fn usable(
-        w: &WorkerView,
-        i: usize,
-        exclude: Option<usize>,
-        reachable: &dyn Fn(NodeId) -> bool,
-    ) -> bool {
-        w.up && w.load.ready && !w.load.draining && Some(i) != exclude && reachable(w.node)
+    fn usable(w: &WorkerView, i: usize, exclude: Option<usize>, reach: &Reach) -> bool {
+        w.up && w.load.ready && !w.load.draining && Some(i) != exclude && reach.reaches(w.node)
     }
 
     /// The cheapest up node for a request, skipping `exclude`, and the
@@ -584,7 +589,7 @@ impl RouterCore {
         exclude: Option<usize>,
         colocate: bool,
         kv_like: Option<KvDtype>,
-        reachable: &dyn Fn(NodeId) -> bool,
+        reach: &Reach,
     ) -> Option<(usize, Option<usize>)> {
         // The best prefill node of each KV dtype.
         let prefill_for = |dtype: KvDtype| -> Option<usize> {
@@ -597,7 +602,7 @@ impl RouterCore {
                 .filter(|(i, w)| {
                     w.role == Role::Prefill
                         && w.load.kv.dtype == dtype
-                        && Self::usable(w, *i, exclude, reachable)
+                        && Self::usable(w, *i, exclude, reach)
                 })
                 .min_by_key(|(_, w)| {
                     let compute = (hashes.len() - w.prefix.matched(hashes)) as u64;
@@ -617,7 +622,7 @@ impl RouterCore {
             .filter(|(i, w)| {
                 w.role != Role::Prefill
                     && kv_like.is_none_or(|d| w.load.kv.dtype == d)
-                    && Self::usable(w, *i, exclude, reachable)
+                    && Self::usable(w, *i, exclude, reach)
             })
             .min_by_key(|(_, w)| {
                 // A worker whose whole cache is too small comes last; if it
@@ -645,18 +650,12 @@ impl RouterCore {
 
     /// Picks a node (and prefill node) for pending request `id` and sends
     /// it there.
-    fn route(
-        &mut self,
-        id: u64,
-        hashes: &[u64],
-        exclude: Option<usize>,
-        reachable: &dyn Fn(NodeId) -> bool,
-    ) -> bool {
+    fn route(&mut self, id: u64, hashes: &[u64], exclude: Option<usize>, reach: &Reach) -> bool {
         let (need, colocate) = {
             let p = &self.pending[&id];
             (p.blocks, p.colocate)
         };
-        let Some((w, prefill)) = self.pick(hashes, need, exclude, colocate, None, reachable) else {
+        let Some((w, prefill)) = self.pick(hashes, need, exclude, colocate, None, reach) else {
             return false;
         };
         self.dispatch(w, prefill, id, hashes, false);
@@ -666,16 +665,10 @@ impl RouterCore {
     /// Moves pending request `id` (its prompt holds every token its client
     /// has) to another node that continues it with the KV of node `from`,
     /// which it leaves. False if no node can take it.
-    fn route_with_kv(
-        &mut self,
-        id: u64,
-        hashes: &[u64],
-        from: usize,
-        reachable: &dyn Fn(NodeId) -> bool,
-    ) -> bool {
+    fn route_with_kv(&mut self, id: u64, hashes: &[u64], from: usize, reach: &Reach) -> bool {
         let need = self.pending[&id].blocks;
         let dtype = self.workers[from].load.kv.dtype;
-        let Some((w, _)) = self.pick(hashes, need, Some(from), true, Some(dtype), reachable) else {
+        let Some((w, _)) = self.pick(hashes, need, Some(from), true, Some(dtype), reach) else {
             return false;
         };
         self.dispatch(w, Some(from), id, hashes, true);
@@ -706,6 +699,17 @@ impl RouterCore {
         };
         let blocks = p.blocks;
         let node = self.workers[w].node;
+        // What the node checks when it lands (its tenant, its placement
+        // newer than any it holds): placed only on a node up and taking
+        // work, and never back on the node it is moving off with its KV.
+        debug_assert!(
+            self.workers[w].up && !self.workers[w].load.draining,
+            "request {id} placed on node {node}, which is down or draining"
+        );
+        debug_assert!(
+            !kv_move || prefill != Some(w),
+            "request {id} moved with its KV onto the node it leaves"
+        );
         self.send(node, id, Message::Submit(submit));
         let view = &mut self.workers[w];
         view.in_flight += 1;
@@ -841,7 +845,7 @@ impl RouterCore {
     /// The transport would not take a message. A `Submit` of the current
     /// placement goes to another node; anything else is left to the
     /// silence and reconcile paths (as a message lost with its peer).
-    fn undelivered(&mut self, to: NodeId, msg: Message, reachable: &dyn Fn(NodeId) -> bool) {
+    fn undelivered(&mut self, to: NodeId, msg: Message, reach: &Reach) {
         let Message::Submit(s) = msg else { return };
         let Some(&w) = self.by_node.get(&to) else {
             return;
@@ -861,7 +865,7 @@ impl RouterCore {
         if p.undelivered <= 2 {
             let hashes = self.hashes(&p.req);
             self.replace(s.req, p);
-            if self.route(s.req, &hashes, Some(w), reachable) {
+            if self.route(s.req, &hashes, Some(w), reach) {
                 return;
             }
             p = self.unplace(s.req);
@@ -879,13 +883,7 @@ impl RouterCore {
     /// was computing for a decode node are cancelled there and re-run.
     /// With `kv`, the node left in order (drained) and still serves its
     /// KV for a while: what ran there moves with it.
-    fn worker_lost(
-        &mut self,
-        w: usize,
-        why: &str,
-        (kv, silent): (bool, bool),
-        reachable: &dyn Fn(NodeId) -> bool,
-    ) {
+    fn worker_lost(&mut self, w: usize, why: &str, (kv, silent): (bool, bool), reach: &Reach) {
         let mut ids: Vec<u64> = self
             .pending
             .iter()
@@ -920,7 +918,7 @@ impl RouterCore {
             } else {
                 Fallback::Nothing
             };
-            self.rerun_or_fail(id, Some(w), &format!("{name} {why}"), fallback, reachable);
+            self.rerun_or_fail(id, Some(w), &format!("{name} {why}"), fallback, reach);
             let kv_moved = self
                 .pending
                 .get(&id)
@@ -953,7 +951,7 @@ impl RouterCore {
         exclude: Option<usize>,
         why: &str,
         fallback: Fallback,
-        reachable: &dyn Fn(NodeId) -> bool,
+        reach: &Reach,
     ) {
         let Some(mut p) = self.finish(id) else {
             return;
@@ -986,16 +984,16 @@ impl RouterCore {
             self.replace(id, p);
             let routed = match fallback {
                 Fallback::KvOf(from) if movable => {
-                    self.route_with_kv(id, &hashes, from, reachable)
-                        || self.route(id, &hashes, exclude, reachable)
+                    self.route_with_kv(id, &hashes, from, reach)
+                        || self.route(id, &hashes, exclude, reach)
                 }
                 Fallback::Whole => {
-                    self.route(id, &hashes, exclude, reachable) || {
+                    self.route(id, &hashes, exclude, reach) || {
                         self.pending.get_mut(&id).expect("replaced").colocate = true;
-                        self.route(id, &hashes, None, reachable)
+                        self.route(id, &hashes, None, reach)
                     }
                 }
-                _ => self.route(id, &hashes, exclude, reachable),
+                _ => self.route(id, &hashes, exclude, reach),
             };
             if routed {
                 if movable {
@@ -1044,13 +1042,13 @@ impl RouterCore {
 
     /// Places what waits for a node where one can take it now; ends what
     /// waited too long.
-    fn unpark(&mut self, now: Duration, reachable: &dyn Fn(NodeId) -> bool) {
+    fn unpark(&mut self, now: Duration, reach: &Reach) {
         let ids: Vec<u64> = self.parked.keys().copied().collect();
         for id in ids {
             let (until, p, why) = self.parked.remove(&id).expect("listed above");
             let hashes = self.hashes(&p.req);
             self.replace(id, p);
-            if self.route(id, &hashes, None, reachable) {
+            if self.route(id, &hashes, None, reach) {
                 let to = &self.workers[self.pending[&id].worker].name;
                 tracing::info!("request {id}: placed on {to} after waiting for a node");
                 continue;
@@ -1082,14 +1080,7 @@ impl RouterCore {
         block_hashes(&req.prompt, self.opts.block_size, salt)
     }
 
-    fn on_message(
-        &mut self,
-        now: Duration,
-        from: NodeId,
-        epoch: u64,
-        msg: Message,
-        reachable: &dyn Fn(NodeId) -> bool,
-    ) {
+    fn on_message(&mut self, now: Duration, from: NodeId, epoch: u64, msg: Message, reach: &Reach) {
         let Some(&w) = self.by_node.get(&from) else {
             return;
         };
@@ -1103,7 +1094,7 @@ impl RouterCore {
                 self.out.push(RouterOutput::Reconnect(from));
                 // Its old life's requests are gone with it.
                 self.workers[w].recall.clear();
-                self.worker_lost(w, "restarted", (false, false), reachable);
+                self.worker_lost(w, "restarted", (false, false), reach);
                 tracing::info!(node = %self.workers[w].name, "rejoined with a new epoch");
             }
             self.workers[w].epoch = epoch;
@@ -1137,7 +1128,7 @@ impl RouterCore {
                 v.left_epoch = epoch;
                 v.up = false;
                 tracing::info!(node = %v.name, "left (drained)");
-                self.worker_lost(w, "left (drained)", (true, false), reachable);
+                self.worker_lost(w, "left (drained)", (true, false), reach);
             }
             Message::Holding { held } => {
                 // What it still holds that we no longer run there (we ended
@@ -1195,7 +1186,7 @@ impl RouterCore {
                         Fallback::Nothing
                     };
                     let why = format!("{} refused it ({rejection})", self.workers[w].name);
-                    self.rerun_or_fail(req, Some(w), &why, fallback, reachable);
+                    self.rerun_or_fail(req, Some(w), &why, fallback, reach);
                 } else if let Some(p) = self.finish(req) {
                     let f = EngineFailure::Internal(format!("re-run refused: {rejection}"));
                     self.fail(req, p, rejection, f);
@@ -1203,7 +1194,7 @@ impl RouterCore {
             }
             Message::Events(batch) => {
                 for ev in batch {
-                    self.on_events(now, w, from, ev, reachable);
+                    self.on_events(now, w, from, ev, reach);
                 }
             }
             _ => {}
@@ -1211,14 +1202,7 @@ impl RouterCore {
     }
 
     /// One request's batch from node `w`: applied in stream order.
-    fn on_events(
-        &mut self,
-        now: Duration,
-        w: usize,
-        from: NodeId,
-        ev: ReqEvents,
-        reachable: &dyn Fn(NodeId) -> bool,
-    ) {
+    fn on_events(&mut self, now: Duration, w: usize, from: NodeId, ev: ReqEvents, reach: &Reach) {
         let ours = self
             .pending
             .get_mut(&ev.req)
@@ -1251,7 +1235,7 @@ impl RouterCore {
         }
         let mut next = Some(ev);
         while let Some(ev) = next.take() {
-            self.apply_events(w, ev, reachable);
+            self.apply_events(w, ev, reach);
             let Some(p) = self.pending.get_mut(&req) else {
                 break;
             };
@@ -1267,7 +1251,7 @@ impl RouterCore {
 
     /// Delivers one in-order batch (`first <= tokens_sent`): the tokens
     /// the client has not had yet, then the end, if any.
-    fn apply_events(&mut self, w: usize, ev: ReqEvents, reachable: &dyn Fn(NodeId) -> bool) {
+    fn apply_events(&mut self, w: usize, ev: ReqEvents, reach: &Reach) {
         let id = ev.req;
         let Some(p) = self.pending.get_mut(&id) else {
             return;
@@ -1280,7 +1264,7 @@ impl RouterCore {
                 // node this time.
                 p.colocate = true;
                 let why = format!("{}: KV transfer failed: {why}", self.workers[w].name);
-                self.rerun_or_fail(id, None, &why, Fallback::Nothing, reachable);
+                self.rerun_or_fail(id, None, &why, Fallback::Nothing, reach);
                 return;
             }
             Some(EngineEvent::Failed(EngineFailure::RouterLost(why)))
@@ -1290,7 +1274,7 @@ impl RouterCore {
                 // was cut) and dropped it: the client's tokens so far are
                 // all it will get from there.
                 let why = format!("{} dropped it: {why}", self.workers[w].name);
-                self.rerun_or_fail(id, Some(w), &why, Fallback::Nothing, reachable);
+                self.rerun_or_fail(id, Some(w), &why, Fallback::Nothing, reach);
                 return;
             }
             _ => {}
@@ -1353,7 +1337,7 @@ impl RouterCore {
         self.fail(id, p, Rejection::Unavailable, EngineFailure::Internal(msg));
     }
 
-    fn tick(&mut self, now: Duration, reachable: &dyn Fn(NodeId) -> bool) {
+    fn tick(&mut self, now: Duration, reach: &Reach) {
         // Clients that waited too long for their admission answer.
         let late: Vec<u64> = self
             .admit_by
@@ -1381,9 +1365,9 @@ impl RouterCore {
         while self.next_check <= now {
             self.next_check += period.max(Duration::from_micros(1));
         }
-        self.check_silence(now, reachable);
+        self.check_silence(now, reach);
         if !self.parked.is_empty() {
-            self.unpark(now, reachable);
+            self.unpark(now, reach);
         }
         if self.checks_to_heartbeat == 0 {
             self.checks_to_heartbeat = 4;
@@ -1397,7 +1381,7 @@ impl RouterCore {
         self.checks_to_heartbeat -= 1;
     }
 
-    fn check_silence(&mut self, now: Duration, reachable: &dyn Fn(NodeId) -> bool) {
+    fn check_silence(&mut self, now: Duration, reach: &Reach) {
         let down_after = self.opts.down_after;
         // A gap in a request's events that outlasts the down bound is a
         // loss, not a reorder.
@@ -1427,7 +1411,7 @@ impl RouterCore {
                     w,
                     &format!("stopped responding (no heartbeat for {ms} ms)"),
                     (false, true),
-                    reachable,
+                    reach,
                 );
             }
         }
