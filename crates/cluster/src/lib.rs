@@ -8,7 +8,6 @@
 //! (`flotilla-cores`: no clock, no runtime, no I/O); these shells own the
 //! clock, the transport, the tasks and the hooks.
 
-pub mod memnet;
 pub mod router;
 mod settings;
 pub mod worker;
@@ -17,7 +16,7 @@ pub use flotilla_cores::node::{
     EngineAnswer, EngineCall, NodeCore, NodeInput, NodeOutput, NodeSettings,
 };
 pub use flotilla_cores::router::{Reach, RouterCore, RouterInput, RouterOptions, RouterOutput};
-pub use router::{CheckHook, ClusterEngine, RouterHooks, RouterStep};
+pub use router::{CheckHook, ClusterEngine, Connect, RouterHooks, RouterStep};
 pub use settings::{node_settings, router_options};
 pub use worker::{NodeStep, OrphanHook, WorkerEnd, WorkerOptions, run_worker};
 

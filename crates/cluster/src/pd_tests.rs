@@ -1,8 +1,8 @@
-//! Disaggregated prefill and decode over the in-process network, with a
+//! Disaggregated prefill and decode over the simulated network, with a
 //! fake engine that keeps real block accounting: the happy path and every
 //! abort path, each ending with every block back on every node.
 
-// Tests run nodes on a real runtime and clock.
+// Tests spawn nodes on the runtime (on a paused clock: see `testrig`).
 #![allow(clippy::disallowed_methods)]
 
 use std::collections::HashMap;
@@ -18,12 +18,14 @@ use flotilla_proto::{
 use flotilla_transport::NodeId;
 use tokio::sync::mpsc;
 
-use crate::memnet::MemNet;
-use crate::testrig::{drain, router_opts, start_router, start_router_with, wait_up};
+use crate::testrig::{
+    drain, net, pass, router_opts, start_router, start_router_with, until, wait_up,
+};
 use crate::{
     ClusterEngine, NodeCore, NodeSettings, NodeStep, Recorder, RouterCore, RouterHooks,
     RouterInput, RouterStep, WorkerOptions, run_worker,
 };
+use flotilla_transport::sim::SimNet;
 
 const HB: Duration = Duration::from_millis(20);
 const DOWN: Duration = Duration::from_millis(80);
@@ -126,7 +128,7 @@ impl FakePd {
         let plen = prompt.len() as u32;
         tokio::spawn(async move {
             for k in from..max {
-                tokio::time::sleep(Duration::from_millis(2)).await;
+                pass(Duration::from_millis(2)).await;
                 if tx
                     .send(EngineEvent::Token(sampled(tok(&prompt, k))))
                     .is_err()
@@ -216,7 +218,7 @@ impl KvMigration for FakePd {
             let delay = Duration::from_millis(me.0.prefill_ms.load(Ordering::SeqCst));
             let m2 = me.clone();
             tokio::spawn(async move {
-                tokio::time::sleep(delay).await;
+                pass(delay).await;
                 {
                     let mut slots = m2.0.slots.lock().unwrap();
                     // Cancelled meanwhile.
@@ -230,7 +232,7 @@ impl KvMigration for FakePd {
                     reason: FinishReason::Length,
                     usage: Usage::default(),
                 });
-                tokio::time::sleep(hold_for).await;
+                pass(hold_for).await;
                 m2.free_if(id, |s| matches!(s, Slot::Held(..)));
             });
             let m3 = me.clone();
@@ -289,7 +291,7 @@ impl KvMigration for FakePd {
             me.0.slots.lock().unwrap().insert(id, Slot::Reserved(n));
             let m2 = me.clone();
             tokio::spawn(async move {
-                tokio::time::sleep(ttl).await;
+                pass(ttl).await;
                 m2.free_if(id, |s| matches!(s, Slot::Reserved(_)));
             });
             Ok(RequestId(id))
@@ -307,7 +309,7 @@ impl KvMigration for FakePd {
     ) -> BoxFuture<Result<RequestStream, Rejection>> {
         let me = self.clone();
         Box::pin(async move {
-            tokio::time::sleep(Duration::from_millis(me.0.import_ms.load(Ordering::SeqCst))).await;
+            pass(Duration::from_millis(me.0.import_ms.load(Ordering::SeqCst))).await;
             let id = reservation.0;
             let reserved = match me.0.slots.lock().unwrap().remove(&id) {
                 Some(Slot::Reserved(n)) => n,
@@ -379,7 +381,7 @@ impl KvMigration for FakePd {
 }
 
 struct Rig {
-    net: Arc<MemNet>,
+    net: Arc<SimNet>,
     router: ClusterEngine,
     /// Node `i + 1`'s engine.
     engines: Vec<FakePd>,
@@ -394,15 +396,15 @@ fn opts(role: Role) -> NodeSettings {
     }
 }
 
-fn start(net: &Arc<MemNet>, node: NodeId, epoch: u64, role: Role, e: &FakePd) {
+fn start(net: &Arc<SimNet>, node: NodeId, epoch: u64, role: Role, e: &FakePd) {
     start_with(net, node, epoch, e, opts(role));
 }
 
-fn start_with(net: &Arc<MemNet>, node: NodeId, epoch: u64, e: &FakePd, o: NodeSettings) {
-    let (t, rx) = net.join(node, epoch);
+fn start_with(net: &Arc<SimNet>, node: NodeId, epoch: u64, e: &FakePd, o: NodeSettings) {
     let kv: Arc<dyn KvMigration> = Arc::new(e.clone());
     let o = WorkerOptions::new(o);
-    tokio::spawn(run_worker(t, rx, Arc::new(e.clone()), Some(kv), o));
+    let connect = crate::testrig::connect(net, node, epoch);
+    tokio::spawn(run_worker(connect, Arc::new(e.clone()), Some(kv), o));
 }
 
 /// Router at node 0, then one node per role, each with a 1000-block cache.
@@ -412,7 +414,7 @@ async fn rig(roles: &[Role]) -> Rig {
 
 /// [`rig`] with the nodes' options changed by `f`.
 async fn rig_with(roles: &[Role], f: impl Fn(NodeSettings) -> NodeSettings) -> Rig {
-    let net = MemNet::new(roles.len() + 1);
+    let net = net(roles);
     let router = start_router(&net, roles, BS as usize, HB, DOWN).await;
     let engines: Vec<FakePd> = roles.iter().map(|_| FakePd::new(1000)).collect();
     for (i, r) in roles.iter().enumerate() {
@@ -448,27 +450,18 @@ fn expected(r: &EngineRequest) -> Vec<u32> {
 
 /// Waits until no engine of the rig holds a block.
 async fn all_blocks_back(r: &Rig) {
+    crate::testrig::no_frame_refused(&r.net);
     for _ in 0..400 {
         if r.engines.iter().all(|e| e.used() == 0) {
             return;
         }
-        tokio::time::sleep(Duration::from_millis(5)).await;
+        pass(Duration::from_millis(5)).await;
     }
     let used: Vec<u32> = r.engines.iter().map(|e| e.used()).collect();
     panic!("blocks still used per node: {used:?}");
 }
 
-async fn until(what: &str, f: impl Fn() -> bool) {
-    for _ in 0..400 {
-        if f() {
-            return;
-        }
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    }
-    panic!("timed out waiting for {what}");
-}
-
-#[tokio::test]
+#[tokio::test(start_paused = true)]
 async fn a_disaggregated_request_continues_from_the_prefill_nodes_state() {
     let r = rig(&[Role::Prefill, Role::Decode]).await;
     for i in 0..4 {
@@ -484,7 +477,7 @@ async fn a_disaggregated_request_continues_from_the_prefill_nodes_state() {
     all_blocks_back(&r).await;
 }
 
-#[tokio::test]
+#[tokio::test(start_paused = true)]
 async fn a_full_decode_node_is_skipped_and_all_full_is_a_clear_refusal() {
     let r = rig(&[Role::Prefill, Role::Decode, Role::Decode]).await;
     r.engines[1].0.refuse_reserve.store(true, Ordering::SeqCst);
@@ -501,7 +494,7 @@ async fn a_full_decode_node_is_skipped_and_all_full_is_a_clear_refusal() {
     all_blocks_back(&r).await;
 }
 
-#[tokio::test]
+#[tokio::test(start_paused = true)]
 async fn a_client_gone_during_prefill_frees_both_sides() {
     let r = rig(&[Role::Prefill, Role::Decode]).await;
     r.engines[0].0.prefill_ms.store(200, Ordering::SeqCst);
@@ -510,12 +503,12 @@ async fn a_client_gone_during_prefill_frees_both_sides() {
     assert!(r.engines[1].used() > 0, "the decode side reserved nothing");
     drop(s);
     all_blocks_back(&r).await;
-    tokio::time::sleep(Duration::from_millis(250)).await;
+    pass(Duration::from_millis(250)).await;
     assert_eq!(r.engines[0].0.exports.load(Ordering::SeqCst), 0);
     all_blocks_back(&r).await;
 }
 
-#[tokio::test]
+#[tokio::test(start_paused = true)]
 async fn a_client_gone_during_the_transfer_frees_both_sides() {
     let r = rig(&[Role::Prefill, Role::Decode]).await;
     r.engines[1].0.import_ms.store(150, Ordering::SeqCst);
@@ -531,7 +524,7 @@ async fn a_client_gone_during_the_transfer_frees_both_sides() {
     assert_eq!(r.engines[1].0.imports.load(Ordering::SeqCst), 1);
 }
 
-#[tokio::test]
+#[tokio::test(start_paused = true)]
 async fn a_client_gone_during_decode_frees_both_sides() {
     let r = rig(&[Role::Prefill, Role::Decode]).await;
     let mut s = r.router.submit(req(12, 400, 3)).await.unwrap();
@@ -542,7 +535,7 @@ async fn a_client_gone_during_decode_frees_both_sides() {
     all_blocks_back(&r).await;
 }
 
-#[tokio::test]
+#[tokio::test(start_paused = true)]
 async fn a_reservation_past_its_deadline_is_freed_and_the_request_runs_colocated() {
     let r = rig(&[Role::Prefill, Role::Decode]).await;
     // The prefill takes longer than the reservation lives.
@@ -553,12 +546,12 @@ async fn a_reservation_past_its_deadline_is_freed_and_the_request_runs_colocated
     assert!(matches!(end, EngineEvent::Finished { .. }));
     // It ran whole on the decode node; the cancelled prefill never exported.
     assert_eq!(r.engines[1].0.imports.load(Ordering::SeqCst), 0);
-    tokio::time::sleep(Duration::from_millis(800)).await;
+    pass(Duration::from_millis(800)).await;
     assert_eq!(r.engines[0].0.exports.load(Ordering::SeqCst), 0);
     all_blocks_back(&r).await;
 }
 
-#[tokio::test]
+#[tokio::test(start_paused = true)]
 async fn a_prefill_node_that_dies_mid_transfer_is_replaced() {
     let r = rig(&[Role::Prefill, Role::Prefill, Role::Decode]).await;
     r.engines[0].0.prefill_ms.store(5_000, Ordering::SeqCst);
@@ -575,7 +568,7 @@ async fn a_prefill_node_that_dies_mid_transfer_is_replaced() {
         (1, 0)
     };
     r.engines[alive].0.prefill_ms.store(0, Ordering::SeqCst);
-    r.net.kill(dead as NodeId + 1);
+    r.net.crash(dead as NodeId + 1);
     let (toks, end) = drain(s).await;
     assert_eq!(toks, expected(&q));
     assert!(matches!(end, EngineEvent::Finished { .. }));
@@ -586,7 +579,7 @@ async fn a_prefill_node_that_dies_mid_transfer_is_replaced() {
     }
 }
 
-#[tokio::test]
+#[tokio::test(start_paused = true)]
 async fn a_decode_node_lost_after_its_kv_arrived_frees_the_prefill_side_at_once() {
     // Holds that would last a minute: only the Router's abandon frees
     // them within the test's wait.
@@ -610,7 +603,7 @@ async fn a_decode_node_lost_after_its_kv_arrived_frees_the_prefill_side_at_once(
         (2, 1)
     };
     r.engines[alive].0.import_ms.store(0, Ordering::SeqCst);
-    r.net.kill(dead as NodeId + 1);
+    r.net.crash(dead as NodeId + 1);
     let (toks, end) = drain(s).await;
     assert_eq!(toks, expected(&q));
     assert!(matches!(end, EngineEvent::Finished { .. }));
@@ -623,7 +616,7 @@ async fn a_decode_node_lost_after_its_kv_arrived_frees_the_prefill_side_at_once(
     }
 }
 
-#[tokio::test]
+#[tokio::test(start_paused = true)]
 async fn a_lease_no_request_owns_is_found_and_given_back() {
     let quick = |o: NodeSettings| NodeSettings {
         reconcile_interval: HB * 2,
@@ -652,19 +645,19 @@ async fn a_lease_no_request_owns_is_found_and_given_back() {
         {
             return;
         }
-        tokio::time::sleep(Duration::from_millis(5)).await;
+        pass(Duration::from_millis(5)).await;
     }
     panic!("the Router never showed decode-2's orphan");
 }
 
-#[tokio::test]
+#[tokio::test(start_paused = true)]
 async fn a_decode_node_that_dies_mid_stream_with_no_other_ends_the_stream_after_a_wait() {
     let r = rig(&[Role::Prefill, Role::Decode]).await;
     let mut s = r.router.submit(req(12, 900, 7)).await.unwrap();
     for _ in 0..3 {
         assert!(matches!(s.recv().await, Some(EngineEvent::Token(_))));
     }
-    r.net.kill(2);
+    r.net.crash(2);
     let killed = tokio::time::Instant::now();
     // No other decode node: the stream waits for one (the down bound
     // three times, and 5 s), then ends with the reason.
@@ -689,19 +682,17 @@ async fn a_decode_node_that_dies_mid_stream_with_no_other_ends_the_stream_after_
     until("prefill blocks back", || r.engines[0].used() == 0).await;
 }
 
-#[tokio::test]
+#[tokio::test(start_paused = true)]
 async fn kv_for_another_model_is_refused_and_the_request_runs_colocated() {
-    let net = MemNet::new(3);
+    let net = net(&[Role::Prefill, Role::Decode]);
     let router = start_router(&net, &[Role::Prefill, Role::Decode], BS as usize, HB, DOWN).await;
     let (p, d) = (FakePd::new(1000), FakePd::new(1000));
     start(&net, 1, 1, Role::Prefill, &p);
-    let (t, rx) = net.join(2, 1);
     let kv: Arc<dyn KvMigration> = Arc::new(d.clone());
     let mut o = opts(Role::Decode);
     o.model = "another".into();
     tokio::spawn(run_worker(
-        t,
-        rx,
+        crate::testrig::connect(&net, 2, 1),
         Arc::new(d.clone()),
         Some(kv),
         WorkerOptions::new(o),
@@ -715,7 +706,7 @@ async fn kv_for_another_model_is_refused_and_the_request_runs_colocated() {
     until("blocks back", || p.used() == 0 && d.used() == 0).await;
 }
 
-#[tokio::test]
+#[tokio::test(start_paused = true)]
 async fn many_requests_with_cancellations_and_a_killed_node_leak_no_blocks() {
     let r = rig(&[Role::Prefill, Role::Prefill, Role::Decode, Role::Decode]).await;
     let mut handles = Vec::new();
@@ -739,9 +730,9 @@ async fn many_requests_with_cancellations_and_a_killed_node_leak_no_blocks() {
             }
         }));
         if i == 100 {
-            r.net.kill(1);
+            r.net.crash(1);
         }
-        tokio::time::sleep(Duration::from_millis(1)).await;
+        pass(Duration::from_millis(1)).await;
     }
     for h in handles {
         h.await.unwrap();
@@ -755,10 +746,10 @@ async fn many_requests_with_cancellations_and_a_killed_node_leak_no_blocks() {
 /// client gone mid-stream, heartbeats, ticks), recorded by the shells and
 /// fed to a fresh core: the same outputs, step by step. The cores' inputs
 /// (time, messages, engine answers, reachability) describe a run whole.
-#[tokio::test]
+#[tokio::test(start_paused = true)]
 async fn a_recorded_cluster_run_replays_each_core_to_the_same_outputs() {
     let roles = [Role::Prefill, Role::Decode];
-    let net = MemNet::new(roles.len() + 1);
+    let net = net(&roles);
     let router_rec = Recorder::<RouterStep>::default();
     let hooks = RouterHooks {
         check: None,
@@ -770,13 +761,18 @@ async fn a_recorded_cluster_run_replays_each_core_to_the_same_outputs() {
     let mut node_recs = Vec::new();
     for (i, role) in roles.iter().enumerate() {
         let rec = Recorder::<NodeStep>::default();
-        let (t, rx) = net.join(i as NodeId + 1, 1);
+        let connect = crate::testrig::connect(&net, i as NodeId + 1, 1);
         let kv: Arc<dyn KvMigration> = Arc::new(engines[i].clone());
         let o = WorkerOptions {
             record: Some(rec.clone()),
             ..WorkerOptions::new(opts(*role))
         };
-        tokio::spawn(run_worker(t, rx, Arc::new(engines[i].clone()), Some(kv), o));
+        tokio::spawn(run_worker(
+            connect,
+            Arc::new(engines[i].clone()),
+            Some(kv),
+            o,
+        ));
         node_recs.push(rec);
     }
     wait_up(&router, roles.len()).await;
@@ -792,11 +788,11 @@ async fn a_recorded_cluster_run_replays_each_core_to_the_same_outputs() {
         if engines.iter().all(|e| e.used() == 0) {
             break;
         }
-        tokio::time::sleep(Duration::from_millis(5)).await;
+        pass(Duration::from_millis(5)).await;
     }
     // Stop the Router (and with it the recording) before reading.
     drop(router);
-    tokio::time::sleep(HB).await;
+    pass(HB).await;
 
     let steps = router_rec.take();
     let submits = steps

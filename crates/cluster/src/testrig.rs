@@ -1,6 +1,12 @@
-//! What the Router tests (`tests`, `pd_tests`) share: a Router on node 0 of
-//! an in-process network, waiting for nodes to come up, reading a stream
-//! to its end.
+//! What the Router tests (`tests`, `pd_tests`) share: the simulated network
+//! (`flotilla_transport::sim`: every message through the frame codec, cap
+//! and role checks, with a modelled latency), a Router on its node 0,
+//! waiting for nodes to come up, reading a stream to its end.
+//!
+//! Every test runs on a paused tokio clock (`start_paused = true`): when
+//! every task waits, the runtime jumps to the next due timer, so a test
+//! that models seconds of heartbeats and transfers takes milliseconds of
+//! wall time and runs the same way each time.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -9,9 +15,12 @@ use flotilla_config::ClusterSection;
 use flotilla_engine::RequestStream;
 use flotilla_proto::{EngineEvent, Role};
 
-use crate::memnet::MemNet;
+use flotilla_exec::rng::Rng;
+use flotilla_transport::Transport;
+use flotilla_transport::sim::{LinkConfig, SimNet};
+
 use crate::{
-    ClusterEngine, NodeSettings, RouterHooks, RouterOptions, node_settings, router_options,
+    ClusterEngine, Connect, NodeSettings, RouterHooks, RouterOptions, node_settings, router_options,
 };
 
 /// A cluster config's settings with the tests' fast heartbeat and down
@@ -66,7 +75,7 @@ pub(crate) fn router_opts(
 /// A Router at node 0 of `net` that knows one engine node per entry of
 /// `roles` (nodes 1..), named `{role}-{node}`.
 pub(crate) async fn start_router(
-    net: &Arc<MemNet>,
+    net: &Arc<SimNet>,
     roles: &[Role],
     block_size: usize,
     heartbeat: Duration,
@@ -78,12 +87,11 @@ pub(crate) async fn start_router(
 
 /// A Router at node 0 of `net` with `opts` and the shell's `hooks`.
 pub(crate) async fn start_router_with(
-    net: &Arc<MemNet>,
+    net: &Arc<SimNet>,
     opts: RouterOptions,
     hooks: RouterHooks,
 ) -> ClusterEngine {
-    let (t, rx) = net.join(0, 1);
-    ClusterEngine::start_with(t, rx, opts, hooks)
+    ClusterEngine::start_with(connect(net, 0, 1), opts, hooks)
         .await
         .expect("router starts")
 }
@@ -94,7 +102,7 @@ pub(crate) async fn wait_up(router: &ClusterEngine, n: usize) {
         if router.up_nodes().await.len() == n {
             return;
         }
-        tokio::time::sleep(Duration::from_millis(5)).await;
+        pass(Duration::from_millis(5)).await;
     }
     panic!("only {:?} came up", router.up_nodes().await);
 }
@@ -112,4 +120,49 @@ pub(crate) async fn drain(mut s: RequestStream) -> (Vec<u32>, EngineEvent) {
             e => return (toks, e),
         }
     }
+}
+
+/// The network of a test: node 0 the Router, nodes 1.. of `roles`. Links
+/// of the simulator's default latency; a dead peer's connection idles out
+/// in 300 ms (a transfer to it hangs that long, as over QUIC).
+pub(crate) fn net(roles: &[Role]) -> Arc<SimNet> {
+    let all = std::iter::once(Role::Router)
+        .chain(roles.iter().copied())
+        .collect();
+    let link = LinkConfig {
+        idle_timeout_ms: 300,
+        ..LinkConfig::default()
+    };
+    SimNet::new(all, link, Rng::new(1))
+}
+
+/// Joins `node` to `net` at `epoch` when its actor starts.
+pub(crate) fn connect(net: &Arc<SimNet>, node: u32, epoch: u64) -> Connect {
+    let net = net.clone();
+    Box::new(move |sink| Ok(net.join(node, epoch, sink) as Arc<dyn Transport>))
+}
+
+/// Lets `d` of (virtual) time pass for the calling task: a timeout on a
+/// future that never ends, the clock's plain wait. On the paused clock it
+/// costs no wall time.
+pub(crate) async fn pass(d: Duration) {
+    let never = std::future::pending::<()>();
+    let _ = tokio::time::timeout(d, never).await;
+}
+
+/// Waits (virtual time, 2 s at most) until `f` holds.
+pub(crate) async fn until(what: &str, f: impl Fn() -> bool) {
+    for _ in 0..400 {
+        if f() {
+            return;
+        }
+        pass(Duration::from_millis(5)).await;
+    }
+    panic!("timed out waiting for {what}");
+}
+
+/// Fails if the network refused a frame (a message over the cap, a kind
+/// its sender's role may not send, a payload that does not round-trip).
+pub(crate) fn no_frame_refused(net: &SimNet) {
+    assert_eq!(net.refused_frame(), None, "the codec refused a frame");
 }

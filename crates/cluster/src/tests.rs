@@ -1,7 +1,7 @@
-//! Router and worker bridge over the in-process network, with a fake
+//! Router and worker bridge over the simulated network, with a fake
 //! engine: routing, membership, re-runs, epochs and cleanup.
 
-// Tests run nodes on a real runtime and clock.
+// Tests spawn nodes on the runtime (on a paused clock: see `testrig`).
 #![allow(clippy::disallowed_methods)]
 
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -15,9 +15,9 @@ use flotilla_proto::{
 };
 use tokio::sync::mpsc;
 
-use crate::memnet::MemNet;
-use crate::testrig::{self, start_router, wait_up};
+use crate::testrig::{self, pass, start_router, wait_up};
 use crate::{ClusterEngine, WorkerOptions, run_worker};
+use flotilla_transport::sim::SimNet;
 
 const HB: Duration = Duration::from_millis(20);
 const DOWN: Duration = Duration::from_millis(60);
@@ -45,9 +45,9 @@ impl Engine for FakeEngine {
             let l2 = live.clone();
             let first = Duration::from_millis(if eager { 0 } else { req.prompt[0] as u64 });
             tokio::spawn(async move {
-                tokio::time::sleep(first).await;
+                pass(first).await;
                 for i in 0..req.max_tokens {
-                    tokio::time::sleep(Duration::from_millis(5)).await;
+                    pass(Duration::from_millis(5)).await;
                     let t = Sampled {
                         token: i,
                         logprob: f32::NAN,
@@ -95,7 +95,7 @@ impl Engine for FakeEngine {
 }
 
 struct Rig {
-    net: Arc<MemNet>,
+    net: Arc<SimNet>,
     router: ClusterEngine,
     engines: Vec<Arc<FakeEngine>>,
 }
@@ -104,14 +104,14 @@ fn worker_opts() -> WorkerOptions {
     WorkerOptions::new(testrig::node_opts(HB, DOWN, Role::Worker))
 }
 
-fn start_worker(net: &Arc<MemNet>, node: u32, epoch: u64) -> Arc<FakeEngine> {
+fn start_worker(net: &Arc<SimNet>, node: u32, epoch: u64) -> Arc<FakeEngine> {
     start_engine(net, node, epoch, FakeEngine::default())
 }
 
-fn start_engine(net: &Arc<MemNet>, node: u32, epoch: u64, e: FakeEngine) -> Arc<FakeEngine> {
+fn start_engine(net: &Arc<SimNet>, node: u32, epoch: u64, e: FakeEngine) -> Arc<FakeEngine> {
     let e = Arc::new(e);
-    let (t, rx) = net.join(node, epoch);
-    tokio::spawn(run_worker(t, rx, e.clone(), None, worker_opts()));
+    let connect = testrig::connect(net, node, epoch);
+    tokio::spawn(run_worker(connect, e.clone(), None, worker_opts()));
     e
 }
 
@@ -121,7 +121,7 @@ async fn rig(workers: usize) -> Rig {
 
 /// A Router that knows `workers` engine nodes, of which the first `started` run.
 async fn rig_with(workers: usize, started: usize) -> Rig {
-    let net = MemNet::new(workers + 1);
+    let net = testrig::net(&vec![Role::Worker; workers]);
     let router = start_router(&net, &vec![Role::Worker; workers], 4, HB, DOWN).await;
     let engines = (1..=started as u32)
         .map(|n| start_worker(&net, n, 1))
@@ -167,7 +167,7 @@ async fn routed(r: &Rig) -> Vec<u64> {
     s.nodes.iter().map(|n| n.routed).collect()
 }
 
-#[tokio::test]
+#[tokio::test(start_paused = true)]
 async fn requests_stream_from_both_workers() {
     let r = rig(2).await;
     let mut streams = Vec::new();
@@ -194,7 +194,7 @@ async fn requests_stream_from_both_workers() {
     }
 }
 
-#[tokio::test]
+#[tokio::test(start_paused = true)]
 async fn a_cached_prefix_wins_unless_its_worker_is_much_busier() {
     let r = rig(2).await;
     let first = r.router.submit(req(0, 32, 2, 0)).await.unwrap();
@@ -232,7 +232,7 @@ async fn a_cached_prefix_wins_unless_its_worker_is_much_busier() {
     drop(busy);
 }
 
-#[tokio::test]
+#[tokio::test(start_paused = true)]
 async fn a_dead_worker_is_marked_down_and_its_requests_move_or_rerun() {
     // The second worker starts later, so the first takes both requests.
     let r = rig_with(2, 1).await;
@@ -249,7 +249,7 @@ async fn a_dead_worker_is_marked_down_and_its_requests_move_or_rerun() {
         ..FakeEngine::default()
     };
     let _e2 = start_engine(&net2, 2, 1, eager);
-    r.net.kill(1);
+    r.net.crash(1);
     // The streaming one moves to worker-2 with the tokens it had sent:
     // the client sees a pause, then the rest, every token once.
     let (n, end) = drain(streaming).await;
@@ -271,15 +271,15 @@ async fn a_dead_worker_is_marked_down_and_its_requests_move_or_rerun() {
     assert_eq!(n, 2);
 }
 
-#[tokio::test]
+#[tokio::test(start_paused = true)]
 async fn a_restarted_worker_rejoins_with_a_new_epoch_and_takes_work() {
     let r = rig(2).await;
-    r.net.kill(1);
+    r.net.crash(1);
     for _ in 0..100 {
         if r.router.up_nodes().await == ["worker-2"] {
             break;
         }
-        tokio::time::sleep(Duration::from_millis(5)).await;
+        pass(Duration::from_millis(5)).await;
     }
     assert_eq!(r.router.up_nodes().await, ["worker-2"]);
     let e1 = start_worker(&r.net, 1, 2);
@@ -297,7 +297,7 @@ async fn a_restarted_worker_rejoins_with_a_new_epoch_and_takes_work() {
     );
 }
 
-#[tokio::test]
+#[tokio::test(start_paused = true)]
 async fn a_dropped_stream_frees_the_request_on_its_worker() {
     let r = rig(1).await;
     let mut s = r.router.submit(req(0, 8, 10_000, 1)).await.unwrap();
@@ -308,29 +308,29 @@ async fn a_dropped_stream_frees_the_request_on_its_worker() {
         if r.engines[0].live.load(Ordering::SeqCst) == 0 {
             return;
         }
-        tokio::time::sleep(Duration::from_millis(5)).await;
+        pass(Duration::from_millis(5)).await;
     }
     panic!("the worker kept the cancelled request");
 }
 
-#[tokio::test]
+#[tokio::test(start_paused = true)]
 async fn a_silent_router_gets_its_requests_cancelled_on_the_workers() {
     let r = rig(1).await;
     let mut s = r.router.submit(req(0, 8, 10_000, 1)).await.unwrap();
     assert!(matches!(s.recv().await, Some(EngineEvent::Token(_))));
-    r.net.kill(0);
+    r.net.crash(0);
     for _ in 0..100 {
         if r.engines[0].live.load(Ordering::SeqCst) == 0 {
             return;
         }
-        tokio::time::sleep(Duration::from_millis(5)).await;
+        pass(Duration::from_millis(5)).await;
     }
     panic!("the worker kept a dead router's request");
 }
 
-#[tokio::test]
+#[tokio::test(start_paused = true)]
 async fn no_worker_up_is_a_refusal_not_a_hang() {
-    let net = MemNet::new(2);
+    let net = testrig::net(&[Role::Worker]);
     let router = start_router(&net, &[Role::Worker], 4, HB, DOWN).await;
     assert!(matches!(
         router.submit(req(0, 4, 1, 0)).await,
@@ -339,7 +339,7 @@ async fn no_worker_up_is_a_refusal_not_a_hang() {
     assert!(!router.status().await.ready);
 }
 
-#[tokio::test]
+#[tokio::test(start_paused = true)]
 async fn an_operator_s_drain_reaches_the_node_which_leaves_and_its_stream_moves() {
     let r = rig(2).await;
     let refused = r.router.drain_node("worker-9", Duration::ZERO).await;

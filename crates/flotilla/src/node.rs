@@ -3,13 +3,13 @@
 //! try-out) and `flotilla certs` (the cluster CA and node certificates).
 
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
 use flotilla_actors::{Clock, EngineOptions, spawn_engine};
 use flotilla_cluster::{
-    ClusterEngine, NodeSettings, WorkerEnd, WorkerOptions, node_settings, router_options,
+    ClusterEngine, Connect, NodeSettings, WorkerEnd, WorkerOptions, node_settings, router_options,
     run_worker,
 };
 use flotilla_config::{ClusterConfig, ClusterSection, Role};
@@ -142,7 +142,6 @@ fn quic_options(cl: &ClusterSection, node: u32, faults: LinkFaults) -> QuicOptio
         epoch: new_epoch(),
         frame_len_max_bytes: cl.frame_len_max_bytes,
         send_queue_len_max: cl.send_queue_len_max,
-        inbound_queue_len_max: 65_536,
         bulk_len_max_bytes: 4 << 30,
         keep_alive: hb,
         idle_timeout: Duration::from_millis(cl.idle_timeout_ms),
@@ -197,13 +196,12 @@ pub fn run(args: NodeArgs) -> Result<()> {
     let ran = rt.block_on(async move {
         if node.role == Role::Router {
             let f = serve::front(&args.serve)?;
-            let (t, inbound) = QuicTransport::start(quic_options(&cl, id, faults), &certs)
-                .with_context(|| format!("starting QUIC on {}", node.listen))?;
-            let epoch = t.epoch();
+            let quic = quic_options(&cl, id, faults);
+            let epoch = quic.epoch;
             let block_size = cfg.engine.block_size.unwrap_or(args.serve.model.block_size);
+            let (connect, _quic) = connect_quic(quic, certs, node.listen);
             let engine = ClusterEngine::start(
-                t,
-                inbound,
+                connect,
                 router_options(
                     &cl,
                     cl.engines()
@@ -269,14 +267,10 @@ pub fn run(args: NodeArgs) -> Result<()> {
             )
             .await
             .context("starting the engine")?;
-            let (t, inbound) = QuicTransport::start(quic_options(&cl, id, faults), &certs)
-                .with_context(|| format!("starting QUIC on {}", node.listen))?;
+            let quic = quic_options(&cl, id, faults);
             eprintln!(
                 "flotilla: node {} ({}) on QUIC {} epoch {}; KV cache {blocks} {dtype} blocks",
-                node.name,
-                node.role,
-                node.listen,
-                t.epoch()
+                node.name, node.role, node.listen, quic.epoch
             );
             let settings = NodeSettings {
                 num_tenants: cfg.tenants.len().max(1) as u32,
@@ -288,7 +282,6 @@ pub fn run(args: NodeArgs) -> Result<()> {
                     .collect(),
                 ..node_settings(&cl, vec![cl.router().0], node.role)
             };
-            let transport: Arc<dyn Transport> = t.clone();
             let engine = Arc::new(engine);
             // Every role moves KV: prefill and decode nodes for P/D, and
             // any node a drained one's requests move to (or from).
@@ -303,12 +296,14 @@ pub fn run(args: NodeArgs) -> Result<()> {
                 tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
                     .context("installing the SIGTERM handler")?;
             let grace = Duration::from_secs(args.drain_grace_s);
-            let worker = run_worker(transport, inbound, engine.clone(), kv, opts);
+            let (connect, quic) = connect_quic(quic, certs, node.listen);
+            let worker = run_worker(connect, engine.clone(), kv, opts);
             tokio::pin!(worker);
             let mut draining = false;
             loop {
                 tokio::select! {
                     end = &mut worker => {
+                        let end = end.map_err(anyhow::Error::msg)?;
                         if end == WorkerEnd::Left {
                             // The Leaving frame is queued: give it a moment
                             // to go out (if it is lost, the Router notices
@@ -334,7 +329,9 @@ pub fn run(args: NodeArgs) -> Result<()> {
                     _ = tokio::signal::ctrl_c() => break,
                 }
             }
-            t.close();
+            if let Some(t) = quic.get() {
+                t.close();
+            }
             engine.stop();
             Ok(())
         }
@@ -343,6 +340,25 @@ pub fn run(args: NodeArgs) -> Result<()> {
         t.shutdown();
     }
     ran
+}
+
+/// What makes a node's QUIC transport when its actor starts (its arrivals
+/// go to the actor), and where the transport is kept once made (to close
+/// it at exit).
+fn connect_quic(
+    opts: QuicOptions,
+    certs: TlsMaterial,
+    listen: std::net::SocketAddr,
+) -> (Connect, Arc<OnceLock<Arc<QuicTransport>>>) {
+    let made = Arc::new(OnceLock::new());
+    let keep = made.clone();
+    let connect: Connect = Box::new(move |sink| {
+        let t = QuicTransport::start(opts, &certs, sink)
+            .map_err(|e| format!("starting QUIC on {listen}: {e}"))?;
+        let _ = keep.set(t.clone());
+        Ok(t as Arc<dyn Transport>)
+    });
+    (connect, made)
 }
 
 /// Creates the CA and any missing node certificates for a local try-out.

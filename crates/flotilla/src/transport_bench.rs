@@ -107,7 +107,6 @@ pub fn run(args: &TransportBenchArgs) -> Result<()> {
         epoch: 1,
         frame_len_max_bytes: 1 << 20,
         send_queue_len_max: 4096,
-        inbound_queue_len_max: 65_536,
         bulk_len_max_bytes: 1 << 32,
         keep_alive: Duration::from_millis(500),
         idle_timeout: Duration::from_secs(10),
@@ -122,12 +121,12 @@ pub fn run(args: &TransportBenchArgs) -> Result<()> {
     let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
     // The receiver echoes pings and counts what arrives.
     let receiver = side("receiver", async move {
-        let (t, rx) = QuicTransport::start(ropts, &recv_certs).expect("receiver starts");
+        let (t, rx) = start_quic(ropts, &recv_certs).expect("receiver starts");
         echo(t, rx, stop_rx).await
     });
     let a = args.clone();
     let sender = side("sender", async move {
-        let (t, rx) = QuicTransport::start(sopts, &send_certs).expect("sender starts");
+        let (t, rx) = start_quic(sopts, &send_certs).expect("sender starts");
         measure(t, rx, &a).await
     });
     let report = sender.join().expect("sender thread")?;
@@ -192,7 +191,7 @@ pub fn run(args: &TransportBenchArgs) -> Result<()> {
 
 async fn echo(
     t: Arc<QuicTransport>,
-    mut rx: mpsc::Receiver<Inbound>,
+    mut rx: mpsc::UnboundedReceiver<Inbound>,
     mut stop: tokio::sync::oneshot::Receiver<()>,
 ) {
     loop {
@@ -248,7 +247,7 @@ async fn send_retrying(t: &QuicTransport, seq: u64, pad: Vec<u8>) -> Result<()> 
     }
 }
 
-async fn pong(rx: &mut mpsc::Receiver<Inbound>) -> Result<u64> {
+async fn pong(rx: &mut mpsc::UnboundedReceiver<Inbound>) -> Result<u64> {
     loop {
         let m = tokio::time::timeout(Duration::from_secs(10), rx.recv())
             .await
@@ -266,7 +265,7 @@ async fn pong(rx: &mut mpsc::Receiver<Inbound>) -> Result<u64> {
 
 async fn measure(
     t: Arc<QuicTransport>,
-    mut rx: mpsc::Receiver<Inbound>,
+    mut rx: mpsc::UnboundedReceiver<Inbound>,
     args: &TransportBenchArgs,
 ) -> Result<Report> {
     let pad = vec![7u8; args.message_bytes];
@@ -386,7 +385,11 @@ fn header(bytes: u64) -> KvTransferHeader {
     }
 }
 
-async fn run_bulk(t: &QuicTransport, rx: &mut mpsc::Receiver<Inbound>, data: Bytes) -> Result<()> {
+async fn run_bulk(
+    t: &QuicTransport,
+    rx: &mut mpsc::UnboundedReceiver<Inbound>,
+    data: Bytes,
+) -> Result<()> {
     t.send_bulk(1, header(data.len() as u64), data)
         .await
         .map_err(|e| anyhow::anyhow!("bulk transfer: {e}"))?;
@@ -433,4 +436,16 @@ fn tcp_baseline(bytes: usize) -> Result<f64> {
         .map_err(|_| anyhow::anyhow!("tcp sender panicked"))?;
     let _ = recv.join();
     Ok(gbps)
+}
+
+/// Starts a QUIC transport whose arrivals come out of a channel.
+fn start_quic(
+    opts: QuicOptions,
+    certs: &TlsMaterial,
+) -> Result<
+    (Arc<QuicTransport>, mpsc::UnboundedReceiver<Inbound>),
+    flotilla_transport::quic::StartError,
+> {
+    let (sink, rx) = flotilla_transport::Sink::channel();
+    QuicTransport::start(opts, certs, sink).map(|t| (t, rx))
 }

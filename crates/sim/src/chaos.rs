@@ -11,8 +11,8 @@
 
 use serde::Deserialize;
 
-use crate::rng::Rng;
 use crate::scenario::{FaultKind, FaultSection, Scenario};
+use flotilla_exec::rng::Rng;
 
 /// `[chaos]`: how many faults of each kind to draw, and their spans.
 #[derive(Clone, Debug, Deserialize)]

@@ -8,7 +8,7 @@ use flotilla_exec::{
 };
 
 use crate::cost::{GpuParams, ModelShape, SeqCost, step_time_masked};
-use crate::rng::Rng;
+use flotilla_exec::rng::Rng;
 
 /// Bytes a simulated KV block carries when it migrates.
 pub const SIM_BLOCK_BYTES: usize = 8;

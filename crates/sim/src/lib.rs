@@ -8,8 +8,6 @@
 pub mod chaos;
 pub mod cost;
 pub mod exec;
-pub mod net;
-pub mod rng;
 pub mod run;
 pub mod scenario;
 pub mod swarm;

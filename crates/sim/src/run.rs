@@ -29,9 +29,10 @@ use tokio::task::JoinSet;
 use tokio::time::Instant;
 
 use crate::exec::{DecodeLog, DecodeTap, SimExecutor};
-use crate::net::{FaultCounts, SimNet};
-use crate::rng::Rng;
 use crate::scenario::{Arrivals, FaultKind, Lengths, Scenario, ScenarioError};
+use flotilla_exec::rng::Rng;
+use flotilla_transport::Transport;
+use flotilla_transport::sim::{FaultCounts, SimNet};
 
 /// Why a run did not complete.
 #[derive(Debug, thiserror::Error)]
@@ -433,7 +434,9 @@ async fn simulate(sc: &Scenario, seed: u64) -> Result<Report, SimError> {
         .collect();
     let net = SimNet::new(roles, link, root.split(1));
     let hb = Duration::from_millis(sc.cluster.heartbeat_ms);
-    let (rt, rx) = net.join(0, 1);
+    let router_net = net.clone();
+    let router_connect: flotilla_cluster::Connect =
+        Box::new(move |sink| Ok(router_net.join(0, 1, sink) as Arc<dyn Transport>));
     // The Router's bookkeeping checked after every input it handles, with
     // the schedulers' (`check_every_step`): the first break, with its time.
     let router_broken: Arc<Mutex<Option<(Duration, String)>>> = Arc::default();
@@ -446,8 +449,7 @@ async fn simulate(sc: &Scenario, seed: u64) -> Result<Report, SimError> {
         }))
     });
     let router = ClusterEngine::start_with(
-        rt,
-        rx,
+        router_connect,
         router_options(
             &sc.cluster_config(),
             (1..=n as u32)
@@ -739,7 +741,9 @@ async fn start_engine(w: &Arc<World>, node: u32, life: u64) -> Result<(), SimErr
         ..WorkerOptions::new(settings)
     };
     let epoch = (u64::from(node) << 32) | life;
-    let (t, rx) = w.net.join(node, epoch);
+    let node_net = w.net.clone();
+    let connect: flotilla_cluster::Connect =
+        Box::new(move |sink| Ok(node_net.join(node, epoch, sink) as Arc<dyn Transport>));
     let engine_arc = Arc::new(engine.clone());
     let kv: Option<Arc<dyn flotilla_engine::KvMigration>> = Some(engine_arc.clone() as _);
     let (drain_tx, drain_rx) = tokio::sync::watch::channel(None);
@@ -751,7 +755,7 @@ async fn start_engine(w: &Arc<World>, node: u32, life: u64) -> Result<(), SimErr
     let span = tracing::info_span!("node", n = node, life);
     let weak = Arc::downgrade(w);
     let worker = async move {
-        if run_worker(t, rx, engine_arc, kv, opts).await == WorkerEnd::Left
+        if run_worker(connect, engine_arc, kv, opts).await == Ok(WorkerEnd::Left)
             && let Some(w) = weak.upgrade()
         {
             // Drained: this life ends as a process would exit.

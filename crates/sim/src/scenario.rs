@@ -6,7 +6,7 @@ use std::path::Path;
 use serde::Deserialize;
 
 use crate::cost::{GpuParams, ModelShape};
-use crate::net::LinkConfig;
+use flotilla_transport::sim::LinkConfig;
 
 /// One scenario.
 #[derive(Clone, Debug, Deserialize)]

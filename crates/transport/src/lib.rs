@@ -2,6 +2,11 @@
 //! ([`quic::QuicTransport`], quinn with mutual TLS under a cluster CA) and,
 //! for the deterministic simulation, over a simulated network.
 //!
+//! The simulated network ([`sim::SimNet`]) is the in-process transport of
+//! the simulator and of every cluster test: modelled latency and bandwidth
+//! on the (paused) tokio clock, the faults a scenario enables, and the same
+//! frame encoder, cap and checks as QUIC.
+//!
 //! A transport moves [`Message`]s between node ids (indexes in the cluster
 //! config). Control messages to one peer travel in order on one stream; a
 //! bulk transfer (KV blocks) gets a stream of its own so that it never sits
@@ -13,15 +18,17 @@
 
 use std::future::Future;
 use std::pin::Pin;
-use std::sync::Mutex;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
 
 use bytes::Bytes;
 use flotilla_proto::Role;
 use flotilla_proto::wire::{KvTransferHeader, Message};
+use tokio::sync::mpsc;
 
 pub mod frames;
 pub mod quic;
+pub mod sim;
 pub mod tls;
 
 /// A boxed future, so `dyn Transport` works.
@@ -55,6 +62,9 @@ pub enum Inbound {
         /// arrived in.
         data: Vec<Bytes>,
     },
+    /// The transport closed (it was shut down, or in a simulation this
+    /// node crashed or restarted): nothing more arrives through it.
+    Closed,
     /// A control message this node's `send` accepted that never left: the
     /// link could not reach the peer (its dial failed, or its connection
     /// was lost) and dropped what was queued for it. The node learns of it
@@ -68,6 +78,38 @@ pub enum Inbound {
         /// Why.
         reason: SendFailure,
     },
+}
+
+/// Where a transport hands what arrives, from its own tasks, in arrival
+/// order per peer: the node's actor mailbox, with no task between them.
+/// `deliver` returns false once nobody listens (the actor stopped); the
+/// transport then drops what comes for it.
+#[derive(Clone)]
+pub struct Sink(Arc<dyn Fn(Inbound) -> bool + Send + Sync>);
+
+impl Sink {
+    /// A sink that calls `f` for each arrival.
+    pub fn new(f: impl Fn(Inbound) -> bool + Send + Sync + 'static) -> Sink {
+        Sink(Arc::new(f))
+    }
+
+    /// Hands `m` on; false if nobody listens any more.
+    pub fn deliver(&self, m: Inbound) -> bool {
+        (self.0)(m)
+    }
+
+    /// A sink into a channel, and the channel's receiver: for tools and
+    /// tests that read what arrives themselves.
+    pub fn channel() -> (Sink, mpsc::UnboundedReceiver<Inbound>) {
+        let (tx, rx) = mpsc::unbounded_channel();
+        (Sink::new(move |m| tx.send(m).is_ok()), rx)
+    }
+}
+
+impl std::fmt::Debug for Sink {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Sink")
+    }
 }
 
 /// Why a control message was not queued; the message comes back so the

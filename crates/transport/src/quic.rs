@@ -32,7 +32,7 @@ use tokio::sync::mpsc;
 use crate::frames::encode_checked;
 use crate::tls::{self, TlsMaterial};
 use crate::{
-    BoxFuture, BulkError, Counters, EpochFilter, Inbound, NodeId, SendError, SendFailure,
+    BoxFuture, BulkError, Counters, EpochFilter, Inbound, NodeId, SendError, SendFailure, Sink,
     Transport, TransportStats,
 };
 
@@ -130,8 +130,6 @@ pub struct QuicOptions {
     pub frame_len_max_bytes: u32,
     /// Control frames waiting per peer.
     pub send_queue_len_max: usize,
-    /// Messages waiting for the node to take them.
-    pub inbound_queue_len_max: usize,
     /// Cap on one bulk transfer, bytes.
     pub bulk_len_max_bytes: u64,
     /// QUIC keep-alive interval.
@@ -433,16 +431,19 @@ pub struct QuicTransport {
     /// segmentation offload (see `LARGE_DATAGRAM_MTU_MIN`).
     bulk_large: quinn::ClientConfig,
     bulk_gso: quinn::ClientConfig,
+    /// Where arrivals go; told [`Inbound::Closed`] on `close`.
+    sink: Sink,
 }
 
 impl QuicTransport {
     /// Binds the endpoint, starts accepting peers and dialing them. Must be
-    /// called inside a tokio runtime. Returns the transport and the stream
-    /// of what peers send.
+    /// called inside a tokio runtime. What peers send goes to `sink`, from
+    /// the tasks that read it.
     pub fn start(
         opts: QuicOptions,
         certs: &TlsMaterial,
-    ) -> Result<(Arc<QuicTransport>, mpsc::Receiver<Inbound>), StartError> {
+        sink: Sink,
+    ) -> Result<Arc<QuicTransport>, StartError> {
         let me = opts
             .nodes
             .get(opts.node as usize)
@@ -493,7 +494,7 @@ impl QuicTransport {
             .port();
 
         let counters = Arc::new(Counters::default());
-        let (in_tx, in_rx) = mpsc::channel(opts.inbound_queue_len_max.max(1));
+        let in_tx = sink;
         let epochs = Arc::new(EpochFilter::new(opts.nodes.len()));
         let opts = Arc::new(opts);
         let closed = Arc::new(AtomicBool::new(false));
@@ -545,23 +546,21 @@ impl QuicTransport {
         tokio::spawn(accept(endpoint.clone(), Plane::Control { bulk_port }).run());
         bulk.handle
             .spawn(accept(bulk.endpoint.clone(), Plane::Bulk).run());
-        Ok((
-            Arc::new(QuicTransport {
-                node: opts.node,
-                epoch: opts.epoch,
-                role: me.role,
-                frame_cap: opts.frame_len_max_bytes,
-                links,
-                endpoint,
-                bulk,
-                counters,
-                closed,
-                connect_timeout: opts.connect_timeout,
-                bulk_large,
-                bulk_gso,
-            }),
-            in_rx,
-        ))
+        Ok(Arc::new(QuicTransport {
+            node: opts.node,
+            epoch: opts.epoch,
+            role: me.role,
+            frame_cap: opts.frame_len_max_bytes,
+            links,
+            endpoint,
+            bulk,
+            counters,
+            closed,
+            connect_timeout: opts.connect_timeout,
+            bulk_large,
+            bulk_gso,
+            sink: in_tx,
+        }))
     }
 
     /// The bound UDP address.
@@ -594,7 +593,9 @@ impl QuicTransport {
 
     /// Closes every connection; further sends fail.
     pub fn close(&self) {
-        self.closed.store(true, Ordering::Release);
+        if !self.closed.swap(true, Ordering::AcqRel) {
+            self.sink.deliver(Inbound::Closed);
+        }
         self.endpoint
             .close(VarInt::from_u32(close::SHUTDOWN), b"shutdown");
         self.bulk
@@ -838,7 +839,7 @@ fn give_back(
     rx: &mut mpsc::Receiver<Vec<u8>>,
     to: NodeId,
     cap: u32,
-    in_tx: &mpsc::Sender<Inbound>,
+    in_tx: &Sink,
     counters: &Counters,
 ) {
     while let Ok(frame) = rx.try_recv() {
@@ -847,7 +848,7 @@ fn give_back(
             continue;
         };
         counters.undelivered.fetch_add(1, Ordering::Relaxed);
-        let _ = in_tx.try_send(Inbound::Undelivered {
+        in_tx.deliver(Inbound::Undelivered {
             to,
             msg,
             reason: SendFailure::PeerGone,
@@ -866,7 +867,7 @@ async fn run_link(
     opts: Arc<QuicOptions>,
     counters: Arc<Counters>,
     closed: Arc<AtomicBool>,
-    in_tx: mpsc::Sender<Inbound>,
+    in_tx: Sink,
 ) {
     let peer = state.peer.clone();
     let cap = opts.frame_len_max_bytes;
@@ -1074,7 +1075,7 @@ struct Accept {
     plane: Plane,
     links: Arc<Vec<Option<Arc<LinkState>>>>,
     opts: Arc<QuicOptions>,
-    in_tx: mpsc::Sender<Inbound>,
+    in_tx: Sink,
     epochs: Arc<EpochFilter>,
     counters: Arc<Counters>,
     bufs: Arc<RecvBuffers>,
@@ -1226,14 +1227,12 @@ async fn read_stream(mut recv: RecvStream, conn: Connection, from: NodeId, role:
                 counters.frames_stale_epoch.fetch_add(1, Ordering::Relaxed);
                 return;
             }
-            let _ = in_tx
-                .send(Inbound::Bulk {
-                    from,
-                    epoch: header.epoch,
-                    header: h,
-                    data,
-                })
-                .await;
+            in_tx.deliver(Inbound::Bulk {
+                from,
+                epoch: header.epoch,
+                header: h,
+                data,
+            });
             return;
         }
         if !current {
@@ -1246,7 +1245,7 @@ async fn read_stream(mut recv: RecvStream, conn: Connection, from: NodeId, role:
             correlation: header.correlation,
             msg,
         };
-        if in_tx.send(inbound).await.is_err() {
+        if !in_tx.deliver(inbound) {
             return;
         }
     }

@@ -24,7 +24,7 @@ use flotilla_engine::{BoxFuture, Engine, RequestStream, StreamChunk};
 use flotilla_proto::{
     DrainRefusal, EngineEvent, EngineRequest, EngineStatus, Rejection, RequestId,
 };
-use flotilla_transport::{Inbound, Transport};
+use flotilla_transport::{Inbound, Sink, Transport};
 use ractor::{Actor, ActorProcessingErr, ActorRef, RpcReplyPort};
 use rustc_hash::FxHashMap;
 use tokio::sync::{mpsc, oneshot};
@@ -148,10 +148,14 @@ pub struct RouterHooks {
 struct RouterActor;
 
 struct RouterArgs {
-    transport: Arc<dyn Transport>,
+    connect: Connect,
     opts: RouterOptions,
     hooks: RouterHooks,
 }
+
+/// Makes a node's transport, given the sink its arrivals go to (the
+/// node's actor mailbox): called once, as the actor starts.
+pub type Connect = Box<dyn FnOnce(Sink) -> Result<Arc<dyn Transport>, String> + Send>;
 
 impl Actor for RouterActor {
     type Msg = RouterMsg;
@@ -167,11 +171,15 @@ impl Actor for RouterActor {
         myself: ActorRef<RouterMsg>,
         a: RouterArgs,
     ) -> Result<RouterState, ActorProcessingErr> {
+        // The transport hands what arrives straight to this actor.
+        let me = myself.clone();
+        let sink = Sink::new(move |m| me.cast(RouterMsg::Net(m)).is_ok());
+        let transport = (a.connect)(sink)?;
         let mut st = RouterState {
             core: RouterCore::new(a.opts, Duration::ZERO),
             check: a.hooks.check,
             record: a.hooks.record,
-            transport: a.transport,
+            transport,
             t0: Instant::now(),
             clients: FxHashMap::default(),
             tick_at: None,
@@ -210,8 +218,8 @@ impl Actor for RouterActor {
             RouterMsg::Net(Inbound::Message {
                 from, epoch, msg, ..
             }) => RouterInput::Message { from, epoch, msg },
-            // The Router takes no bulk transfers.
-            RouterMsg::Net(Inbound::Bulk { .. }) => return Ok(()),
+            // The Router takes no bulk transfers; its life is its handle's.
+            RouterMsg::Net(Inbound::Bulk { .. } | Inbound::Closed) => return Ok(()),
             RouterMsg::Net(Inbound::Undelivered { to, msg, reason }) => {
                 crate::log_undelivered(to, &msg, &reason);
                 RouterInput::Undelivered { to, msg }
@@ -352,14 +360,10 @@ pub struct ClusterEngine {
 }
 
 impl ClusterEngine {
-    /// Starts the Router actor, and a task that moves the transport's
-    /// inbound messages to it, on the current tokio runtime.
-    pub async fn start(
-        transport: Arc<dyn Transport>,
-        inbound: mpsc::Receiver<Inbound>,
-        opts: RouterOptions,
-    ) -> Result<ClusterEngine, String> {
-        Self::start_with(transport, inbound, opts, RouterHooks::default()).await
+    /// Starts the Router actor on the current tokio runtime; `connect`
+    /// makes its transport, which delivers to the actor's mailbox.
+    pub async fn start(connect: Connect, opts: RouterOptions) -> Result<ClusterEngine, String> {
+        Self::start_with(connect, opts, RouterHooks::default()).await
     }
 
     /// [`ClusterEngine::start`] with the shell's hooks: the core's
@@ -369,27 +373,18 @@ impl ClusterEngine {
         reason = "the shell owns the clock and the tasks"
     )]
     pub async fn start_with(
-        transport: Arc<dyn Transport>,
-        mut inbound: mpsc::Receiver<Inbound>,
+        connect: Connect,
         opts: RouterOptions,
         hooks: RouterHooks,
     ) -> Result<ClusterEngine, String> {
         let args = RouterArgs {
-            transport,
+            connect,
             opts,
             hooks,
         };
         let (actor, _) = Actor::spawn(None, RouterActor, args)
             .await
             .map_err(|e| format!("starting the Router actor: {e}"))?;
-        let to = actor.clone();
-        tokio::spawn(async move {
-            while let Some(m) = inbound.recv().await {
-                if to.cast(RouterMsg::Net(m)).is_err() {
-                    return;
-                }
-            }
-        });
         Ok(ClusterEngine {
             actor: Arc::new(Handle(actor)),
             next_id: Arc::new(AtomicU64::new(1)),

@@ -32,7 +32,7 @@ use bytes::Bytes;
 use flotilla_engine::{Engine, EventSink, KvMigration, RequestStream};
 use flotilla_proto::wire::KvTransferHeader;
 use flotilla_proto::{Rejection, RequestId, StepEvents};
-use flotilla_transport::{Inbound, NodeId, Transport};
+use flotilla_transport::{Inbound, NodeId, Sink, Transport};
 use ractor::{Actor, ActorProcessingErr, ActorRef};
 use tokio::sync::mpsc;
 use tokio::time::Instant;
@@ -42,7 +42,7 @@ use flotilla_cores::node::{
 };
 use flotilla_telemetry::{EventRec, SpanRec};
 
-use crate::{CheckHook, Recorder};
+use crate::{CheckHook, Connect, Recorder};
 
 /// How an engine node serves remote Routers: the core's settings (plain
 /// data) and what only the shell holds.
@@ -122,7 +122,7 @@ enum NodeMsg {
 }
 
 struct NodeArgs {
-    transport: Arc<dyn Transport>,
+    connect: Connect,
     engine: Arc<dyn Engine>,
     kv: Option<Arc<dyn KvMigration>>,
     opts: WorkerOptions,
@@ -172,7 +172,11 @@ impl Actor for NodeActor {
         a: NodeArgs,
     ) -> Result<NodeState, ActorProcessingErr> {
         let layout = a.kv.as_ref().map(|k| k.kv_layout());
-        let (me, epoch) = (a.transport.node(), a.transport.epoch());
+        // The transport hands what arrives straight to this actor.
+        let to = myself.clone();
+        let sink = Sink::new(move |m| to.cast(NodeMsg::Net(m)).is_ok());
+        let transport = (a.connect)(sink)?;
+        let (me, epoch) = (transport.node(), transport.epoch());
         let t0 = Instant::now();
         let tracing = a
             .opts
@@ -185,7 +189,7 @@ impl Actor for NodeActor {
             check: a.opts.check.clone(),
             record: a.opts.record.clone(),
             core: NodeCore::new(a.opts.settings, me, epoch, layout, Duration::ZERO),
-            transport: a.transport,
+            transport,
             engine: a.engine,
             kv: a.kv,
             sink: a.sink,
@@ -212,6 +216,12 @@ impl Actor for NodeActor {
             NodeMsg::Net(Inbound::Bulk {
                 from, header, data, ..
             }) => NodeInput::Bulk { from, header, data },
+            NodeMsg::Net(Inbound::Closed) => {
+                // This life's transport is gone (shut down, or the node
+                // crashed in a simulation): every handle ends with the actor.
+                myself.stop(Some("transport closed".into()));
+                return Ok(());
+            }
             NodeMsg::Net(Inbound::Undelivered { to, msg, reason }) => {
                 crate::log_undelivered(to, &msg, &reason);
                 NodeInput::Undelivered {
@@ -510,42 +520,39 @@ impl NodeState {
 }
 
 /// Serves remote Routers (and, on prefill and decode nodes, each other)
-/// until `inbound` closes or the node has drained (`opts.drain`): starts
-/// the node actor and moves the transport's messages and the engine's step
-/// events to it. `kv` is the engine's migration side; without it the node
-/// serves whole requests only. When it returns the actor has stopped and
-/// every request it held is ended.
+/// until its transport closes or the node has drained (`opts.drain`):
+/// starts the node actor, whose transport (made by `connect`) delivers to
+/// its mailbox, and moves the engine's step events to it. `kv` is the
+/// engine's migration side; without it the node serves whole requests
+/// only. When it returns the actor has stopped and every request it held
+/// is ended. An error: the actor could not start (its transport could not
+/// be made, say), with why.
 #[allow(
     clippy::disallowed_methods,
     reason = "the shell owns the clock and the tasks"
 )]
 pub async fn run_worker(
-    transport: Arc<dyn Transport>,
-    mut inbound: mpsc::Receiver<Inbound>,
+    connect: Connect,
     engine: Arc<dyn Engine>,
     kv: Option<Arc<dyn KvMigration>>,
     mut opts: WorkerOptions,
-) -> WorkerEnd {
+) -> Result<WorkerEnd, String> {
     // Every request's events come through one sink, a message per engine
     // step, and leave as one frame per Router.
     let (sink, mut sink_rx) = mpsc::unbounded_channel::<StepEvents>();
     let drain = opts.drain.take();
     let left = Arc::new(AtomicBool::new(false));
     let args = NodeArgs {
-        transport,
+        connect,
         engine,
         kv,
         opts,
         sink,
         left: left.clone(),
     };
-    let (actor, mut done) = match Actor::spawn(None, NodeActor, args).await {
-        Ok(a) => a,
-        Err(e) => {
-            tracing::error!("starting the node actor: {e}");
-            return WorkerEnd::Closed;
-        }
-    };
+    let (actor, done) = Actor::spawn(None, NodeActor, args)
+        .await
+        .map_err(|e| format!("starting the node actor: {e}"))?;
     let to = actor.clone();
     let steps = tokio::spawn(async move {
         while let Some(s) = sink_rx.recv().await {
@@ -569,32 +576,16 @@ pub async fn run_worker(
             }
         })
     });
-    let end = loop {
-        tokio::select! {
-            m = inbound.recv() => match m {
-                Some(m) => {
-                    if actor.cast(NodeMsg::Net(m)).is_err() {
-                        break WorkerEnd::Closed;
-                    }
-                }
-                None => break WorkerEnd::Closed,
-            },
-            _ = &mut done => break if left.load(Ordering::Acquire) {
-                WorkerEnd::Left
-            } else {
-                WorkerEnd::Closed
-            },
-        }
-    };
-    if end == WorkerEnd::Closed {
-        actor.stop(None);
-        let _ = done.await;
-    }
+    let _ = done.await;
     steps.abort();
     if let Some(d) = drains {
         d.abort();
     }
-    end
+    Ok(if left.load(Ordering::Acquire) {
+        WorkerEnd::Left
+    } else {
+        WorkerEnd::Closed
+    })
 }
 
 /// Writes a transfer (checked by the core) into its reservation and

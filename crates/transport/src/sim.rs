@@ -16,7 +16,7 @@
 //!
 //! What travels is the encoded frame, not the Rust value: a send goes
 //! through the same encoder, frame cap and role policy as QUIC
-//! ([`flotilla_transport::frames`]), and every delivery through the same
+//! ([`crate::frames`]), and every delivery through the same
 //! validating decoder and sender checks, so a simulation catches a wire
 //! bug (a message over the cap, a kind a role may not send, a payload that
 //! does not round-trip). Refused frames are counted; the run fails on any.
@@ -25,19 +25,19 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
+use crate::frames::{accept_frame, encode_checked};
+use crate::{
+    BoxFuture, BulkError, Inbound, NodeId, SendError, SendFailure, Sink, Transport, TransportStats,
+    live_peer,
+};
 use bytes::Bytes;
 use flotilla_proto::Role;
 use flotilla_proto::wire::{KvTransferHeader, Message};
-use flotilla_transport::frames::{accept_frame, encode_checked};
-use flotilla_transport::{
-    BoxFuture, BulkError, Inbound, NodeId, SendError, SendFailure, Transport, TransportStats,
-    live_peer,
-};
 use serde::Deserialize;
 use tokio::sync::mpsc;
 use tokio::time::Instant;
 
-use crate::rng::Rng;
+use flotilla_exec::rng::Rng;
 
 /// Link figures and the per-message fault rates.
 #[derive(Clone, Debug, Deserialize)]
@@ -139,7 +139,8 @@ type Delivery = (Instant, u64, Wire);
 
 struct NodeSlot {
     epoch: u64,
-    inbox: mpsc::Sender<Inbound>,
+    /// Where this life's arrivals go (its actor's mailbox).
+    inbox: Sink,
 }
 
 struct NetState {
@@ -204,34 +205,34 @@ impl SimNet {
             .unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 
-    /// Node `node` (re)joins at `epoch`; a rejoin counts as a restart.
-    pub fn join(
-        self: &Arc<SimNet>,
-        node: NodeId,
-        epoch: u64,
-    ) -> (Arc<SimTransport>, mpsc::Receiver<Inbound>) {
-        let (tx, rx) = mpsc::channel(INBOX);
+    /// Node `node` (re)joins at `epoch`, its arrivals to `sink`; a life
+    /// still joined is told it is over ([`Inbound::Closed`]).
+    pub fn join(self: &Arc<SimNet>, node: NodeId, epoch: u64, sink: Sink) -> Arc<SimTransport> {
         let mut st = self.lock();
-        st.nodes[node as usize] = Some(NodeSlot { epoch, inbox: tx });
+        let old = st.nodes[node as usize].replace(NodeSlot { epoch, inbox: sink });
         st.crashed_at.remove(&node);
-        (
-            Arc::new(SimTransport {
-                net: self.clone(),
-                node,
-                epoch,
-            }),
-            rx,
-        )
+        drop(st);
+        if let Some(old) = old {
+            old.inbox.deliver(Inbound::Closed);
+        }
+        Arc::new(SimTransport {
+            net: self.clone(),
+            node,
+            epoch,
+        })
     }
 
     /// Node `node` crashes: nothing in flight reaches it, nothing it sends
-    /// arrives, its inbox closes.
+    /// arrives, and it is told its transport closed.
     pub fn crash(&self, node: NodeId) {
         let mut st = self.lock();
-        if st.nodes[node as usize].take().is_some() {
-            st.faults.crashes += 1;
-            st.crashed_at.insert(node, Instant::now());
-        }
+        let Some(old) = st.nodes[node as usize].take() else {
+            return;
+        };
+        st.faults.crashes += 1;
+        st.crashed_at.insert(node, Instant::now());
+        drop(st);
+        old.inbox.deliver(Inbound::Closed);
     }
 
     /// Node `node`'s life `epoch` drained and leaves: like a crash for
@@ -242,7 +243,9 @@ impl SimNet {
             .as_ref()
             .is_some_and(|s| s.epoch == epoch)
         {
-            st.nodes[node as usize] = None;
+            if let Some(old) = st.nodes[node as usize].take() {
+                old.inbox.deliver(Inbound::Closed);
+            }
             st.faults.drained += 1;
         }
     }
@@ -365,7 +368,7 @@ impl NetState {
             (Err(e), _) => return self.refuse(format!("from node {from} to node {to}: {e}")),
         };
         if let Some(slot) = &self.nodes[to as usize] {
-            let _ = slot.inbox.try_send(inbound);
+            slot.inbox.deliver(inbound);
         }
     }
 
@@ -406,10 +409,6 @@ impl SimTransport {
             .is_some_and(|s| s.epoch == self.epoch)
     }
 }
-
-/// A node's inbox: deep enough that the simulated runs never fill it (a
-/// full inbox drops, as a QUIC peer that stops reading would stall).
-const INBOX: usize = 1 << 16;
 
 /// A clogged link is polled this often until it opens.
 const CLOG_POLL: Duration = Duration::from_millis(5);
@@ -616,8 +615,10 @@ mod tests {
                 ..LinkConfig::default()
             };
             let net = SimNet::new(vec![Role::Router, Role::Worker], link, Rng::new(1));
-            let (router, _rrx) = net.join(0, 7);
-            let (worker, mut wrx) = net.join(1, 9);
+            let (router_sink, _rrx) = Sink::channel();
+            let router = net.join(0, 7, router_sink);
+            let (worker_sink, mut wrx) = Sink::channel();
+            let worker = net.join(1, 9, worker_sink);
             let submit = Message::Submit(Submit {
                 req: 5,
                 attempt: 1,
