@@ -36,18 +36,22 @@ preset = "cpu"
 max_num_seqs = 32
 max_num_batched_tokens = 512
 max_model_len = 8192
-[cluster]
+[topology]
 engines = 1
 [network]
 latency_us = 20
 jitter_us = 0
 [[tiers]]
 name = "paid"
-slo_ttft_ms = 1000000
-slo_tpot_ms = 1000000
+[[slos]]
+tier = "paid"
+ttft_ms = 1000000
+tpot_ms = 1000000
 [[tenants]]
 name = "bench"
 tier = "paid"
+[[traffic]]
+tenant = "bench"
 arrivals = { kind = "closed", clients = $c, requests = $n }
 prompt = { kind = "fixed", tokens = $P }
 output = { kind = "fixed", tokens = 64 }

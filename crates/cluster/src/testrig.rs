@@ -11,7 +11,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use flotilla_config::ClusterSection;
+use flotilla_config::{ClusterConfig, ClusterSection};
 use flotilla_engine::RequestStream;
 use flotilla_proto::{EngineEvent, Role};
 
@@ -45,7 +45,7 @@ pub(crate) fn node_opts(heartbeat: Duration, down_after: Duration, role: Role) -
     );
     NodeSettings {
         reconcile_interval: Duration::from_secs(1),
-        ..node_settings(&cl, vec![0], role)
+        ..node_settings(&ClusterConfig::open(), &cl, vec![0], role, "")
     }
 }
 
@@ -60,6 +60,7 @@ pub(crate) fn router_opts(
     RouterOptions {
         prefix_blocks_max: 1000,
         ..router_options(
+            &ClusterConfig::open(),
             &cluster(heartbeat, down_after),
             roles
                 .iter()
@@ -67,7 +68,6 @@ pub(crate) fn router_opts(
                 .map(|(i, r)| (i as u32 + 1, format!("{r}-{}", i + 1), *r))
                 .collect(),
             block_size,
-            vec![0],
         )
     }
 }

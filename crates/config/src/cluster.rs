@@ -358,7 +358,7 @@ fn idle_covers_heartbeats(idle_timeout_ms: u64, heartbeat_interval_ms: u64) -> R
 
 /// The `[cluster]` settings with defaults filled in and ranges checked;
 /// `nodes` is left empty.
-fn settings(
+pub(crate) fn settings(
     cluster: Option<&toml::Spanned<RawCluster>>,
     invalid: Invalid<'_>,
 ) -> Result<ClusterSection, ConfigError> {

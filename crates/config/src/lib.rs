@@ -178,8 +178,9 @@ pub struct TelemetrySection {
     pub otlp_sample_ratio: Option<f64>,
 }
 
+/// A file's top-level tables (unknown ones are refused by `parse`, which
+/// names them: see [`ClusterConfig::parse_embedded`]).
 #[derive(Deserialize)]
-#[serde(deny_unknown_fields)]
 struct RawFile {
     #[serde(default)]
     engine: EngineSection,
@@ -358,16 +359,77 @@ impl ClusterConfig {
 
     /// Parses and validates config text; `origin` names it in errors.
     pub fn parse(text: &str, origin: &str) -> Result<ClusterConfig, ConfigError> {
-        let raw: RawFile = toml::from_str(text).map_err(|e| ConfigError::Syntax {
+        ClusterConfig::parse_as(text, origin, None)
+    }
+
+    /// Parses the config tables of a file that holds more than a config
+    /// (a simulation scenario): `[engine]`, `[[tiers]]`, `[[tenants]]`,
+    /// `[cluster]` and `[telemetry]`, by the same code and with the same
+    /// errors (line and field) as [`ClusterConfig::parse`]. The file's own
+    /// top-level tables are `own` (any other is refused); its tenants need
+    /// no API keys (nothing authenticates), and its `[cluster]` holds the
+    /// timing and limits only (no `[[nodes]]`: the file places its nodes
+    /// itself).
+    pub fn parse_embedded(
+        text: &str,
+        origin: &str,
+        own: &[&str],
+    ) -> Result<ClusterConfig, ConfigError> {
+        ClusterConfig::parse_as(text, origin, Some(own))
+    }
+
+    fn parse_as(
+        text: &str,
+        origin: &str,
+        embedded: Option<&[&str]>,
+    ) -> Result<ClusterConfig, ConfigError> {
+        let syntax = |e: toml::de::Error| ConfigError::Syntax {
             origin: origin.to_string(),
             line: e.span().map(|s| line_of(text, s.start)).unwrap_or(0),
             message: e.message().to_string(),
-        })?;
+        };
+        let raw: RawFile = toml::from_str(text).map_err(syntax)?;
         let invalid = |offset: usize, message: String| ConfigError::Invalid {
             origin: origin.to_string(),
             line: line_of(text, offset),
             message,
         };
+        // Top-level tables: the config's, and an embedding file's own.
+        let ours = [
+            "engine",
+            "tiers",
+            "tenants",
+            "cluster",
+            "nodes",
+            "telemetry",
+        ];
+        let top: std::collections::BTreeMap<toml::Spanned<String>, serde::de::IgnoredAny> =
+            toml::from_str(text).map_err(syntax)?;
+        for key in top.keys() {
+            let k = key.get_ref().as_str();
+            if !ours.contains(&k) && !embedded.unwrap_or(&[]).contains(&k) {
+                let mut expected: Vec<&str> = ours.to_vec();
+                expected.extend(embedded.unwrap_or(&[]));
+                return Err(ConfigError::Syntax {
+                    origin: origin.to_string(),
+                    line: line_of(text, key.span().start),
+                    message: format!(
+                        "unknown field `{k}`, expected one of {}",
+                        expected
+                            .iter()
+                            .map(|e| format!("`{e}`"))
+                            .collect::<Vec<_>>()
+                            .join(", ")
+                    ),
+                });
+            }
+        }
+        if embedded.is_some() && !raw.nodes.is_empty() {
+            return Err(invalid(
+                raw.nodes[0].span().start,
+                "[[nodes]] in a file that places its own nodes".into(),
+            ));
+        }
         if raw.tiers.is_empty() {
             return Err(invalid(
                 0,
@@ -444,7 +506,7 @@ impl ClusterConfig {
             // No tenants: the deployment runs open as one default tenant of
             // the first tier.
             tenants.push(Tenant::open_default(0));
-        } else if keys.is_empty() {
+        } else if keys.is_empty() && embedded.is_none() {
             return Err(invalid(
                 0,
                 "tenants are defined but none has api_keys: give each tenant keys, or define no tenants to run open"
@@ -475,7 +537,12 @@ impl ClusterConfig {
                 format!("telemetry.otlp_sample_ratio {r}: expected a number in 0..=1"),
             ));
         }
-        let cluster = cluster::validate(raw.cluster.as_ref(), &raw.nodes, &invalid)?;
+        let cluster = match (embedded, raw.cluster.as_ref()) {
+            // Timing and limits only: the embedding file places the nodes.
+            (Some(_), Some(c)) => Some(cluster::settings(Some(c), &invalid)?),
+            (Some(_), None) => None,
+            (None, c) => cluster::validate(c, &raw.nodes, &invalid)?,
+        };
         if let Some(c) = &cluster
             && c.admin_keys.iter().any(|k| keys.contains_key(k))
         {

@@ -9,8 +9,7 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, Result, bail};
 use flotilla_actors::{Clock, EngineOptions, spawn_engine};
 use flotilla_cluster::{
-    ClusterEngine, Connect, NodeSettings, WorkerEnd, WorkerOptions, node_settings, router_options,
-    run_worker,
+    ClusterEngine, Connect, WorkerEnd, WorkerOptions, node_settings, router_options, run_worker,
 };
 use flotilla_config::{ClusterConfig, ClusterSection, Role};
 use flotilla_engine::KvMigration;
@@ -203,12 +202,12 @@ pub fn run(args: NodeArgs) -> Result<()> {
             let engine = ClusterEngine::start(
                 connect,
                 router_options(
+                    &cfg,
                     &cl,
                     cl.engines()
                         .map(|(i, n)| (i, n.name.clone(), n.role))
                         .collect(),
                     block_size,
-                    cfg.tenants.iter().map(|t| t.prefix_salt()).collect(),
                 ),
             )
             .await
@@ -272,16 +271,7 @@ pub fn run(args: NodeArgs) -> Result<()> {
                 "flotilla: node {} ({}) on QUIC {} epoch {}; KV cache {blocks} {dtype} blocks",
                 node.name, node.role, node.listen, quic.epoch
             );
-            let settings = NodeSettings {
-                num_tenants: cfg.tenants.len().max(1) as u32,
-                model: r.model_name.clone(),
-                tenant_priority: cfg
-                    .tenants
-                    .iter()
-                    .map(|t| cfg.tiers[t.tier].priority)
-                    .collect(),
-                ..node_settings(&cl, vec![cl.router().0], node.role)
-            };
+            let settings = node_settings(&cfg, &cl, vec![cl.router().0], node.role, &r.model_name);
             let engine = Arc::new(engine);
             // Every role moves KV: prefill and decode nodes for P/D, and
             // any node a drained one's requests move to (or from).

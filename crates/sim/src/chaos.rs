@@ -213,17 +213,23 @@ duration_s = 30.0
 preset = "llama3-8b"
 [gpu]
 preset = "a100"
-[cluster]
+[topology]
 engines = 0
 prefill = 2
 decode = 2
 [[tiers]]
 name = "paid"
-slo_ttft_ms = 1000
-slo_tpot_ms = 100
+
+[[slos]]
+tier = "paid"
+ttft_ms = 1000
+tpot_ms = 100
 [[tenants]]
 name = "app"
 tier = "paid"
+
+[[traffic]]
+tenant = "app"
 arrivals = {{ kind = "poisson", rate_per_s = 1.0 }}
 prompt = {{ kind = "fixed", tokens = 64 }}
 output = {{ kind = "fixed", tokens = 8 }}
@@ -316,7 +322,8 @@ output = {{ kind = "fixed", tokens = 8 }}
         ] {
             let text = format!(
                 "[run]\nduration_s = 30.0\n[model]\npreset = \"llama3-8b\"\n[gpu]\npreset = \"a100\"\n\
-                 [[tiers]]\nname = \"paid\"\nslo_ttft_ms = 1000\nslo_tpot_ms = 100\n[[tenants]]\nname = \"app\"\ntier = \"paid\"\n\
+                 [[tiers]]\nname = \"paid\"\n[[slos]]\ntier = \"paid\"\nttft_ms = 1000\ntpot_ms = 100\n\
+                 [[tenants]]\nname = \"app\"\ntier = \"paid\"\n[[traffic]]\ntenant = \"app\"\n\
                  arrivals = {{ kind = \"poisson\", rate_per_s = 1.0 }}\n\
                  prompt = {{ kind = \"fixed\", tokens = 64 }}\noutput = {{ kind = \"fixed\", tokens = 8 }}\n\
                  [chaos]\n{bad}\n"

@@ -14,8 +14,8 @@ use std::time::Duration;
 
 use flotilla_actors::{Clock, EngineOptions, InvariantHook, LocalEngine, spawn_engine};
 use flotilla_cluster::{
-    CheckHook, ClusterEngine, NodeSettings, OrphanHook, RouterHooks, WorkerEnd, WorkerOptions,
-    node_settings, router_options, run_worker,
+    CheckHook, ClusterEngine, OrphanHook, RouterHooks, WorkerEnd, WorkerOptions, node_settings,
+    router_options, run_worker,
 };
 use flotilla_engine::{Engine, StreamChunk};
 use flotilla_exec::Executor;
@@ -76,6 +76,11 @@ pub struct TierReport {
     pub ttft_ms: (f64, f64),
     /// Mean TPOT per request, p50 / p99, ms.
     pub tpot_ms: (f64, f64),
+    /// Its fair-share weight among the tiers (`[[tiers]] weight`).
+    pub weight: u32,
+    /// KV blocks no lower tier may take, per engine
+    /// (`[[tiers]] kv_reserved_blocks`).
+    pub kv_reserved_blocks: u32,
 }
 
 /// One tenant's share of a run.
@@ -183,6 +188,18 @@ impl std::fmt::Display for Report {
                 t.tpot_ms.1,
                 good
             )?;
+        }
+        // What protects each tier beyond its queue: its weight among
+        // several tiers, a KV reservation.
+        let several = self.tiers.len() > 1;
+        for t in &self.tiers {
+            if several || t.kv_reserved_blocks > 0 {
+                writeln!(
+                    f,
+                    "  tier {:<14} weight {}, {} KV blocks reserved per engine",
+                    t.name, t.weight, t.kv_reserved_blocks
+                )?;
+            }
         }
         // Tenants sharing a tier: how the tier's share split (by weight).
         let shared = |tier: &str| self.tenants.iter().filter(|t| t.tier == tier).count() > 1;
@@ -403,22 +420,14 @@ async fn simulate(sc: &Scenario, seed: u64) -> Result<Report, SimError> {
         root.split(0),
     )
     .map_err(|m| SimError::Scenario(ScenarioError::Invalid(m)))?;
-    // The Scheduler's settings from the scenario, built and checked by
-    // the same code as `flotilla serve`'s.
-    let cfg = sc.engine_config().map_err(SimError::Scenario)?;
+    // The Scheduler's settings from the scenario's config tables, built
+    // and checked by the same code as `flotilla serve`'s.
+    let cfg = &sc.config;
     let invalid = |m: String| SimError::Scenario(ScenarioError::Invalid(m));
-    let settings = cfg
-        .engine
-        .resolve(
-            &flotilla_config::EngineSection::default(),
-            &e.batching,
-            &flotilla_config::engine::EngineDefaults::serve(e.block_size),
-        )
-        .map_err(invalid)?;
     let sched = cfg
         .sched_config(
-            &settings,
-            e.max_model_len,
+            e,
+            sc.max_model_len,
             (
                 probe.kv_spec().num_blocks as u32,
                 (e.block_size * shape.kv_bytes_per_token()) as u64,
@@ -433,7 +442,7 @@ async fn simulate(sc: &Scenario, seed: u64) -> Result<Report, SimError> {
         .chain((1..=n as u32).map(|i| sc.role_of(i)))
         .collect();
     let net = SimNet::new(roles, link, root.split(1));
-    let hb = Duration::from_millis(sc.cluster.heartbeat_ms);
+    let hb = sc.heartbeat();
     let router_net = net.clone();
     let router_connect: flotilla_cluster::Connect =
         Box::new(move |sink| Ok(router_net.join(0, 1, sink) as Arc<dyn Transport>));
@@ -451,12 +460,12 @@ async fn simulate(sc: &Scenario, seed: u64) -> Result<Report, SimError> {
     let router = ClusterEngine::start_with(
         router_connect,
         router_options(
-            &sc.cluster_config(),
+            &sc.config,
+            &sc.cluster,
             (1..=n as u32)
                 .map(|i| (i, format!("engine-{i}"), sc.role_of(i)))
                 .collect(),
             e.block_size,
-            cfg.tenants.iter().map(|t| t.prefix_salt()).collect(),
         ),
         RouterHooks {
             check,
@@ -508,7 +517,7 @@ async fn simulate(sc: &Scenario, seed: u64) -> Result<Report, SimError> {
         });
     }
     let end_of_arrivals = start + Duration::from_secs_f64(sc.run.duration_s);
-    for (ti, t) in sc.tenants.iter().enumerate() {
+    for (ti, t) in sc.traffic.iter().enumerate() {
         let mut rng = world.rng.split(1000 + ti as u64);
         match t.arrivals {
             Arrivals::Closed { clients, requests } => {
@@ -717,19 +726,10 @@ async fn start_engine(w: &Arc<World>, node: u32, life: u64) -> Result<(), SimErr
     )
     .await
     .map_err(|e| SimError::Start(e.to_string()))?;
-    let hb = Duration::from_millis(w.sc.cluster.heartbeat_ms);
+    let hb = w.sc.heartbeat();
     let role = w.sc.role_of(node);
-    let settings = NodeSettings {
-        num_tenants: w.sc.tenants.len() as u32,
-        model: w.sc.model_shape()?.name,
-        tenant_priority: w
-            .sched
-            .tenants
-            .iter()
-            .map(|t| w.sched.tiers[usize::from(t.tier.0)].priority)
-            .collect(),
-        ..node_settings(&w.sc.cluster_config(), vec![0], role)
-    };
+    let model = w.sc.model_shape()?.name;
+    let settings = node_settings(&w.sc.config, &w.sc.cluster, vec![0], role, &model);
     let opts = WorkerOptions {
         on_orphan: Some(orphan_hook(w, hb)),
         // The node's protocol bookkeeping, checked with its scheduler's.
@@ -908,7 +908,7 @@ fn cut(w: &World, kind: Cut, begins: bool) {
 /// drops a silent Router's requests; the Router cancels work it no longer
 /// wants when that work's tokens reach it), not let both run on.
 fn check_single_dispatch(w: &World) {
-    let hb = Duration::from_millis(w.sc.cluster.heartbeat_ms);
+    let hb = w.sc.heartbeat();
     let grace = hb * (w.sc.cluster.down_after_missed + 2);
     let cuts = lock(&w.cuts).windows.clone();
     for (req, a, b) in w.decodes.overlaps() {
@@ -982,14 +982,10 @@ fn draw(l: &Lengths, rng: &mut Rng) -> u32 {
 /// One client request: submit through the Router, read the stream, check
 /// it, record it.
 async fn one_request(w: &Arc<World>, tenant: usize, rng: &mut Rng) {
-    let t = &w.sc.tenants[tenant];
-    let tier =
-        w.sc.tiers
-            .iter()
-            .position(|x| x.name == t.tier)
-            .unwrap_or(0);
+    let t = &w.sc.traffic[tenant];
+    let tier = w.sc.tier_of(tenant);
     let prompt_len = draw(&t.prompt, rng);
-    let max_len = w.sc.engine.max_model_len as u32;
+    let max_len = w.sc.max_model_len as u32;
     let max_tokens = draw(&t.output, rng).min(max_len.saturating_sub(prompt_len).max(1));
     let cancel_after = rng
         .chance(t.cancel_fraction)
@@ -1159,7 +1155,7 @@ async fn check_engines(w: &Arc<World>, at_end: bool) -> (u64, flotilla_proto::Kv
         // Admission refuses at the cap; requests preempted back into the
         // queue (at most a batch of them) may stand beyond it.
         let seats = w.sc.engine.max_num_seqs;
-        for (t, cfg) in s.tiers.iter().zip(&w.sc.tiers) {
+        for (t, cfg) in s.tiers.iter().zip(&w.sc.config.tiers) {
             if t.queued > cfg.queue_len_max + seats {
                 broken.push(format!(
                     "tier {} queue {} over its cap {} plus {seats} preempted",
@@ -1207,7 +1203,8 @@ fn percentile(v: &mut [f64], p: f64) -> f64 {
 }
 
 fn tenant_reports(sc: &Scenario, outcomes: &[Outcome]) -> Vec<TenantReport> {
-    sc.tenants
+    sc.config
+        .tenants
         .iter()
         .enumerate()
         .map(|(i, t)| {
@@ -1215,7 +1212,7 @@ fn tenant_reports(sc: &Scenario, outcomes: &[Outcome]) -> Vec<TenantReport> {
             let count = |e: End| mine().filter(|o| o.end == e).count() as u64;
             TenantReport {
                 name: t.name.clone(),
-                tier: t.tier.clone(),
+                tier: sc.config.tiers[t.tier].name.clone(),
                 weight: t.weight,
                 sent: mine().count() as u64,
                 finished: count(End::Finished),
@@ -1227,10 +1224,12 @@ fn tenant_reports(sc: &Scenario, outcomes: &[Outcome]) -> Vec<TenantReport> {
 }
 
 fn tier_reports(sc: &Scenario, outcomes: &[Outcome]) -> Vec<TierReport> {
-    sc.tiers
+    sc.config
+        .tiers
         .iter()
+        .zip(&sc.slos)
         .enumerate()
-        .map(|(i, t)| {
+        .map(|(i, (t, slo))| {
             let mine: Vec<&Outcome> = outcomes.iter().filter(|o| o.tier == i).collect();
             let count = |e: End| mine.iter().filter(|o| o.end == e).count() as u64;
             let ms = |d: Duration| d.as_secs_f64() * 1e3;
@@ -1240,8 +1239,8 @@ fn tier_reports(sc: &Scenario, outcomes: &[Outcome]) -> Vec<TierReport> {
             let within = done
                 .iter()
                 .filter(|o| {
-                    o.ttft.is_some_and(|d| ms(d) <= t.slo_ttft_ms)
-                        && o.tpot.is_none_or(|d| ms(d) <= t.slo_tpot_ms)
+                    o.ttft.is_some_and(|d| ms(d) <= slo.ttft_ms)
+                        && o.tpot.is_none_or(|d| ms(d) <= slo.tpot_ms)
                 })
                 .count() as u64;
             TierReport {
@@ -1254,6 +1253,8 @@ fn tier_reports(sc: &Scenario, outcomes: &[Outcome]) -> Vec<TierReport> {
                 within_slo: within,
                 ttft_ms: (percentile(&mut ttft, 50.0), percentile(&mut ttft, 99.0)),
                 tpot_ms: (percentile(&mut tpot, 50.0), percentile(&mut tpot, 99.0)),
+                weight: t.weight,
+                kv_reserved_blocks: t.kv_reserved_blocks,
             }
         })
         .collect()

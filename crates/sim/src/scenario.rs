@@ -8,9 +8,12 @@ use serde::Deserialize;
 use crate::cost::{GpuParams, ModelShape};
 use flotilla_transport::sim::LinkConfig;
 
-/// One scenario.
-#[derive(Clone, Debug, Deserialize)]
-#[serde(deny_unknown_fields)]
+/// One scenario: its own tables (the run, the hardware, where the nodes
+/// are, the network, the traffic and the objectives, the faults) and a
+/// cluster config's (`[engine]`, `[[tiers]]`, `[[tenants]]`, `[cluster]`),
+/// which `flotilla_config` reads as it reads a config file: the same keys,
+/// the same checks, the same errors naming line and field.
+#[derive(Clone, Debug)]
 pub struct Scenario {
     /// Length of the run.
     pub run: RunSection,
@@ -18,26 +21,90 @@ pub struct Scenario {
     pub model: Named,
     /// The accelerator of every engine node (a preset name or every field).
     pub gpu: Named,
-    /// Engine limits, as `flotilla serve` takes them.
-    #[serde(default)]
-    pub engine: EngineSection,
-    /// Nodes and membership timing.
-    #[serde(default)]
-    pub cluster: ClusterSection,
-    /// Link figures and per-message fault rates.
-    #[serde(default)]
+    /// The config tables: tiers, tenants (weights, quotas, reservations
+    /// as a config sets them), `[engine]` and `[cluster]` as written.
+    pub config: flotilla_config::ClusterConfig,
+    /// `[engine]` resolved over the simulator's defaults
+    /// ([`sim_engine_defaults`]) by the code `flotilla serve` resolves it
+    /// with; `[flags] batching` is the flag the file cannot set.
+    pub engine: flotilla_config::engine::EngineSettings,
+    /// Longest prompt + output (`[engine] max_model_len`, default 4096).
+    pub max_model_len: usize,
+    /// `[cluster]`: heartbeat, down bound, transfer limits, frame cap,
+    /// idle timeout (a cluster config's defaults where not set).
+    pub cluster: flotilla_config::ClusterSection,
+    /// How many engine nodes of each role.
+    pub topology: Topology,
+    /// Link figures and per-message fault rates (its frame cap and idle
+    /// timeout are `[cluster]`'s).
     pub network: LinkConfig,
-    /// Service tiers.
-    pub tiers: Vec<TierSection>,
-    /// Tenants and their traffic.
-    pub tenants: Vec<TenantSection>,
+    /// Each tier's latency objective, in tier order.
+    pub slos: Vec<SloSection>,
+    /// Each tenant's traffic, in tenant order.
+    pub traffic: Vec<TrafficSection>,
     /// Scheduled faults.
-    #[serde(default)]
     pub faults: Vec<FaultSection>,
     /// Faults drawn by the seed, beside the scheduled ones.
-    #[serde(default)]
     pub chaos: Option<crate::chaos::ChaosSection>,
 }
+
+/// The scenario's own top-level tables, read by serde; the config's are
+/// read by `flotilla_config` ([`ClusterConfig::parse_embedded`]).
+///
+/// [`ClusterConfig::parse_embedded`]: flotilla_config::ClusterConfig::parse_embedded
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawScenario {
+    run: RunSection,
+    model: Named,
+    gpu: Named,
+    #[serde(default)]
+    topology: Topology,
+    #[serde(default)]
+    flags: Flags,
+    #[serde(default)]
+    network: LinkConfig,
+    #[serde(default)]
+    slos: Vec<SloSection>,
+    #[serde(default)]
+    traffic: Vec<TrafficSection>,
+    #[serde(default)]
+    faults: Vec<FaultSection>,
+    #[serde(default)]
+    chaos: Option<crate::chaos::ChaosSection>,
+    // The config's tables: `flotilla_config` reads them.
+    #[serde(default, rename = "engine")]
+    _engine: serde::de::IgnoredAny,
+    #[serde(default, rename = "tiers")]
+    _tiers: serde::de::IgnoredAny,
+    #[serde(default, rename = "tenants")]
+    _tenants: serde::de::IgnoredAny,
+    #[serde(default, rename = "cluster")]
+    _cluster: serde::de::IgnoredAny,
+}
+
+/// The scenario's own top-level tables (beside the config's).
+const OWN_TABLES: [&str; 10] = [
+    "run", "model", "gpu", "topology", "flags", "network", "slos", "traffic", "faults", "chaos",
+];
+
+/// What the simulator takes where `[engine]` says nothing: a GPU
+/// server's batch sizes (not the CPU's `flotilla serve` defaults), no
+/// speculation (the simulated tokens are random, so a draft almost never
+/// matches).
+pub fn sim_engine_defaults() -> flotilla_config::engine::EngineDefaults {
+    flotilla_config::engine::EngineDefaults {
+        max_num_seqs: 256,
+        max_num_batched_tokens: 2048,
+        block_size: 16,
+        queue_timeout_s: 60.0,
+        speculation: flotilla_sched::Speculation::OFF,
+        step_time_max_ms: None,
+    }
+}
+
+/// Longest prompt + output where `[engine] max_model_len` is not set.
+pub const MAX_MODEL_LEN_DEFAULT: usize = 4096;
 
 /// How long arrivals go on, and how long the run may take to drain.
 #[derive(Clone, Debug, Deserialize)]
@@ -107,165 +174,65 @@ fn with_fields<T: serde::Serialize + serde::de::DeserializeOwned>(
         .map_err(|e: toml::de::Error| bad(e.message().to_string()))
 }
 
-/// Engine limits.
+/// What `flotilla serve` takes as flags only (a config file cannot set it).
 #[derive(Clone, Debug, Deserialize)]
 #[serde(deny_unknown_fields, default)]
-pub struct EngineSection {
-    /// Tokens per KV block.
-    pub block_size: usize,
-    /// Most sequences in a batch.
-    pub max_num_seqs: usize,
-    /// Most tokens in a step.
-    pub max_num_batched_tokens: usize,
-    /// Longest prompt + output.
-    pub max_model_len: usize,
-    /// `continuous` or `static`.
+pub struct Flags {
+    /// `--batching`: `continuous` or `static`.
     pub batching: String,
-    /// Longest wait in a queue before a request fails, seconds.
-    pub queue_timeout_s: f64,
-    /// KV cache element type (`f16`, `int8`, `f32`): the block count per
-    /// GPU, the bytes a transfer moves and attention reads follow from it.
-    pub kv_cache_dtype: String,
-    /// `ngram` or `off` (the default: the simulator's tokens are random,
-    /// so a draft almost never matches; on, it charges the verify
-    /// positions of whatever drafts the lookup finds).
-    pub speculative: String,
-    /// Bytes of host memory per engine for the KV offload tier (0: none):
-    /// evicted prefix blocks spill there and come back on a hit, each move
-    /// charged at `[gpu] host_link_bw`.
-    pub kv_offload_bytes: u64,
-    /// Longest a step carrying prefill chunks should take, milliseconds,
-    /// by the simulated steps' measured cost (`[engine] step_time_max_ms`
-    /// of a server); none by default.
-    pub step_time_max_ms: Option<f64>,
-    /// Most decode steps one plan may run back to back when the batch is
-    /// all decodes and nothing waits (`[engine] decode_steps` of a server;
-    /// 1, the default: one step per plan). Each plan's tokens reach the
-    /// clients when it ends, so the simulator advances many tokens per
-    /// event; a plan is cut after the step in progress when its engine is
-    /// told anything (a request, a cancel, KV), so arrivals wait no longer
-    /// than with single steps. TTFT and each request's mean TPOT are the
-    /// same; the gaps between a stream's tokens grow.
-    pub decode_steps: usize,
 }
 
-impl Default for EngineSection {
+impl Default for Flags {
     fn default() -> Self {
-        EngineSection {
-            block_size: 16,
-            max_num_seqs: 256,
-            max_num_batched_tokens: 2048,
-            max_model_len: 4096,
+        Flags {
             batching: "continuous".into(),
-            queue_timeout_s: 60.0,
-            kv_cache_dtype: "f16".into(),
-            speculative: "off".into(),
-            kv_offload_bytes: 0,
-            step_time_max_ms: None,
-            decode_steps: 1,
         }
     }
 }
 
-/// The engine nodes and membership timing. Node 0 is the Router; then the
-/// mixed engines, then the prefill nodes, then the decode nodes.
+/// The engine nodes: node 0 is the Router; then the mixed engines, then
+/// the prefill nodes, then the decode nodes.
 #[derive(Clone, Debug, Deserialize)]
 #[serde(deny_unknown_fields, default)]
-pub struct ClusterSection {
+pub struct Topology {
     /// Mixed engine nodes (whole requests).
     pub engines: usize,
     /// Prefill nodes (disaggregated serving; needs decode nodes).
     pub prefill: usize,
     /// Decode nodes.
     pub decode: usize,
-    /// Transfers a prefill node sends at once.
-    pub kv_transfers_max: usize,
-    /// Heartbeat period, ms.
-    pub heartbeat_ms: u64,
-    /// Missed heartbeats before a node is down.
-    pub down_after_missed: u32,
 }
 
-impl Default for ClusterSection {
-    /// One engine; timing and limits as a cluster config's defaults.
+impl Default for Topology {
+    /// One engine.
     fn default() -> Self {
-        let d = flotilla_config::ClusterSection::defaults();
-        ClusterSection {
+        Topology {
             engines: 1,
             prefill: 0,
             decode: 0,
-            kv_transfers_max: d.kv_transfers_max,
-            heartbeat_ms: d.heartbeat_interval_ms,
-            down_after_missed: d.down_after_missed,
         }
     }
 }
 
-/// A tier and its latency objective.
+/// A tier's latency objective: a finished request meets it if its TTFT
+/// is at most `ttft_ms` and its mean TPOT at most `tpot_ms` (goodput).
 #[derive(Clone, Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
-pub struct TierSection {
-    /// Name.
-    pub name: String,
-    /// Fair-share weight.
-    #[serde(default = "one")]
-    pub weight: u32,
-    /// Higher is more protected.
-    #[serde(default)]
-    pub priority: u8,
-    /// Queue cap.
-    #[serde(default = "queue_len")]
-    pub queue_len_max: usize,
-    /// A request meets the SLO if its TTFT is at most this...
-    pub slo_ttft_ms: f64,
-    /// ...and its mean TPOT at most this.
-    pub slo_tpot_ms: f64,
-    /// Latency budget in tokens per step (the engine's `[[tiers]]
-    /// step_tokens_max`).
-    #[serde(default)]
-    pub step_tokens_max: Option<usize>,
-    /// The same budget as a step time in milliseconds (`[[tiers]]
-    /// step_time_max_ms`), sized by the simulated steps' measured cost.
-    #[serde(default)]
-    pub step_time_max_ms: Option<f64>,
-    /// KV blocks no lower tier may take (`[[tiers]] kv_reserved_blocks`).
-    #[serde(default)]
-    pub kv_reserved_blocks: u32,
-}
-
-fn one() -> u32 {
-    1
-}
-
-fn queue_len() -> usize {
-    1024
-}
-
-/// A tenant and its traffic.
-#[derive(Clone, Debug, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct TenantSection {
-    /// Name.
-    pub name: String,
-    /// Its tier's name.
+pub struct SloSection {
+    /// The tier (a `[[tiers]]` name).
     pub tier: String,
-    /// Most requests in flight (0 = no limit).
-    #[serde(default)]
-    pub max_concurrent: u32,
-    /// Fair-share weight within its tier (`[[tenants]] weight`).
-    #[serde(default = "one")]
-    pub weight: u32,
-    /// Most requests admitted per minute (`[[tenants]]
-    /// requests_per_minute`; none by default).
-    #[serde(default)]
-    pub requests_per_minute: Option<u32>,
-    /// Most KV blocks its requests may hold (`[[tenants]] kv_blocks_max`).
-    #[serde(default)]
-    pub kv_blocks_max: Option<u32>,
-    /// Its prefixes are cached apart from other tenants'
-    /// (`[[tenants]] isolate_prefix_cache`).
-    #[serde(default)]
-    pub isolate_prefix_cache: bool,
+    /// Time to first token, ms.
+    pub ttft_ms: f64,
+    /// Mean time per output token, ms.
+    pub tpot_ms: f64,
+}
+
+/// A tenant's traffic.
+#[derive(Clone, Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TrafficSection {
+    /// The tenant (a `[[tenants]]` name).
+    pub tenant: String,
     /// How requests arrive.
     pub arrivals: Arrivals,
     /// Prompt lengths, tokens.
@@ -426,81 +393,23 @@ pub enum ScenarioError {
 impl Scenario {
     /// Engine nodes of every role.
     pub fn engine_nodes(&self) -> usize {
-        self.cluster.engines + self.cluster.prefill + self.cluster.decode
+        self.topology.engines + self.topology.prefill + self.topology.decode
     }
 
-    /// The cluster settings the simulated nodes run with: a cluster
-    /// config's defaults, with the scenario's timing and limits.
+    /// The cluster settings the simulated nodes run with (`[cluster]`).
     pub fn cluster_config(&self) -> flotilla_config::ClusterSection {
-        flotilla_config::ClusterSection {
-            heartbeat_interval_ms: self.cluster.heartbeat_ms,
-            down_after_missed: self.cluster.down_after_missed,
-            kv_transfers_max: self.cluster.kv_transfers_max,
-            frame_len_max_bytes: self.network.frame_len_max_bytes,
-            idle_timeout_ms: self.network.idle_timeout_ms,
-            ..flotilla_config::ClusterSection::defaults()
-        }
+        self.cluster.clone()
     }
 
-    /// The engine's side of the scenario as a cluster config (its
-    /// `[engine]` numbers, tiers and tenants, no keys), checked as a
-    /// file's is: the Scheduler's config is built from it by the same
-    /// code as `flotilla serve`'s ([`flotilla_config::ClusterConfig::sched_config`]).
-    pub fn engine_config(&self) -> Result<flotilla_config::ClusterConfig, ScenarioError> {
-        use flotilla_config::{ClusterConfig, EngineSection, Tenant, Tier};
-        let e = &self.engine;
-        let engine = EngineSection {
-            max_model_len: Some(e.max_model_len),
-            max_num_seqs: Some(e.max_num_seqs),
-            max_num_batched_tokens: Some(e.max_num_batched_tokens),
-            block_size: Some(e.block_size),
-            queue_timeout_s: Some(e.queue_timeout_s),
-            kv_cache_dtype: Some(e.kv_cache_dtype.clone()),
-            speculative: Some(e.speculative.clone()),
-            kv_offload_bytes: Some(e.kv_offload_bytes),
-            step_time_max_ms: e.step_time_max_ms,
-            decode_steps: Some(e.decode_steps),
-            ..EngineSection::default()
-        };
-        let tiers = self
-            .tiers
-            .iter()
-            .map(|t| Tier {
-                name: t.name.clone(),
-                weight: t.weight,
-                priority: t.priority,
-                queue_len_max: t.queue_len_max,
-                kv_reserved_blocks: t.kv_reserved_blocks,
-                step_tokens_max: t.step_tokens_max,
-                step_time_max_ms: t.step_time_max_ms,
-            })
-            .collect();
-        let mut tenants = Vec::new();
-        for t in &self.tenants {
-            let Some(tier) = self.tiers.iter().position(|x| x.name == t.tier) else {
-                return Err(ScenarioError::Invalid(format!(
-                    "tenant '{}': unknown tier '{}'",
-                    t.name, t.tier
-                )));
-            };
-            tenants.push(Tenant {
-                name: t.name.clone(),
-                tier,
-                api_keys: Vec::new(),
-                weight: t.weight,
-                max_concurrent: t.max_concurrent,
-                requests_per_minute: t.requests_per_minute,
-                kv_blocks_max: t.kv_blocks_max,
-                isolate_prefix_cache: t.isolate_prefix_cache,
-            });
-        }
-        ClusterConfig::from_parts(engine, tiers, tenants).map_err(ScenarioError::Invalid)
+    /// The heartbeat period.
+    pub fn heartbeat(&self) -> std::time::Duration {
+        std::time::Duration::from_millis(self.cluster.heartbeat_interval_ms)
     }
 
     /// The role of engine node `node` (1-based).
     pub fn role_of(&self, node: u32) -> flotilla_proto::Role {
         let n = node as usize;
-        let c = &self.cluster;
+        let c = &self.topology;
         if n <= c.engines {
             flotilla_proto::Role::Worker
         } else if n <= c.engines + c.prefill {
@@ -510,29 +419,116 @@ impl Scenario {
         }
     }
 
+    /// The tier of tenant `tenant` (an index into the config's tiers).
+    pub fn tier_of(&self, tenant: usize) -> usize {
+        self.config.tenants.get(tenant).map_or(0, |t| t.tier)
+    }
+
     /// Reads and validates a scenario file.
     pub fn load(path: &Path) -> Result<Scenario, ScenarioError> {
         let text = std::fs::read_to_string(path).map_err(|err| ScenarioError::Read {
             path: path.display().to_string(),
             err,
         })?;
-        Scenario::parse(&text).map_err(|e| match e {
-            ScenarioError::Parse { err, .. } => ScenarioError::Parse {
-                path: path.display().to_string(),
-                err,
-            },
-            other => other,
-        })
+        Scenario::parse_named(&text, &path.display().to_string())
     }
 
     /// Parses and validates scenario text.
     pub fn parse(text: &str) -> Result<Scenario, ScenarioError> {
-        let s: Scenario = toml::from_str(text).map_err(|e| ScenarioError::Parse {
-            path: "scenario".into(),
+        Scenario::parse_named(text, "scenario")
+    }
+
+    /// Parses and validates scenario text; `origin` names it in errors.
+    fn parse_named(text: &str, origin: &str) -> Result<Scenario, ScenarioError> {
+        let raw: RawScenario = toml::from_str(text).map_err(|e| ScenarioError::Parse {
+            path: origin.into(),
             err: e.to_string(),
         })?;
-        s.validate()?;
-        Ok(s)
+        // The config's tables, as `flotilla serve` and `flotilla node` read
+        // them from a config file.
+        // (Its errors name the origin and line themselves.)
+        let config = flotilla_config::ClusterConfig::parse_embedded(text, origin, &OWN_TABLES)
+            .map_err(|e| ScenarioError::Invalid(e.to_string()))?;
+        let bad = |m: String| ScenarioError::Invalid(m);
+        let engine = config
+            .engine
+            .resolve(
+                &flotilla_config::EngineSection::default(),
+                &raw.flags.batching,
+                &sim_engine_defaults(),
+            )
+            .map_err(bad)?;
+        let max_model_len = config.engine.max_model_len.unwrap_or(MAX_MODEL_LEN_DEFAULT);
+        let cluster = config
+            .cluster
+            .clone()
+            .unwrap_or_else(flotilla_config::ClusterSection::defaults);
+        let mut network = raw.network;
+        network.frame_len_max_bytes = cluster.frame_len_max_bytes;
+        network.idle_timeout_ms = cluster.idle_timeout_ms;
+        // The objectives and the traffic in the config's tier and tenant
+        // order, one each.
+        let mut slos = Vec::with_capacity(config.tiers.len());
+        for t in &config.tiers {
+            let mut mine = raw.slos.iter().filter(|s| s.tier == t.name);
+            match (mine.next(), mine.next()) {
+                (Some(s), None) => slos.push(s.clone()),
+                (None, _) => return Err(bad(format!("tier '{}' has no [[slos]] table", t.name))),
+                (Some(_), Some(_)) => {
+                    return Err(bad(format!("tier '{}' has two [[slos]] tables", t.name)));
+                }
+            }
+        }
+        if let Some(s) = raw
+            .slos
+            .iter()
+            .find(|s| !config.tiers.iter().any(|t| t.name == s.tier))
+        {
+            return Err(bad(format!("[[slos]] names unknown tier '{}'", s.tier)));
+        }
+        let mut traffic = Vec::with_capacity(config.tenants.len());
+        for t in &config.tenants {
+            let mut mine = raw.traffic.iter().filter(|x| x.tenant == t.name);
+            match (mine.next(), mine.next()) {
+                (Some(x), None) => traffic.push(x.clone()),
+                (None, _) => {
+                    return Err(bad(format!("tenant '{}' has no [[traffic]] table", t.name)));
+                }
+                (Some(_), Some(_)) => {
+                    return Err(bad(format!(
+                        "tenant '{}' has two [[traffic]] tables",
+                        t.name
+                    )));
+                }
+            }
+        }
+        if let Some(x) = raw
+            .traffic
+            .iter()
+            .find(|x| !config.tenants.iter().any(|t| t.name == x.tenant))
+        {
+            return Err(bad(format!(
+                "[[traffic]] names unknown tenant '{}' (a scenario's tenants are its [[tenants]] tables)",
+                x.tenant
+            )));
+        }
+        let sc = Scenario {
+            run: raw.run,
+            model: raw.model,
+            gpu: raw.gpu,
+            config,
+            engine,
+            max_model_len,
+            cluster,
+            topology: raw.topology,
+            network,
+            slos,
+            traffic,
+            faults: raw.faults,
+            chaos: raw.chaos,
+        };
+        sc.validate()?;
+        Ok(sc)
     }
 
     /// The accelerator's figures.
@@ -566,7 +562,7 @@ impl Scenario {
             Named::Gpu(_) => return Err(ScenarioError::Invalid("[model] holds gpu fields".into())),
         };
         let bad = |why: String| ScenarioError::Invalid(format!("engine.kv_cache_dtype: {why}"));
-        m.kv_dtype = flotilla_exec::KvDtype::parse(&self.engine.kv_cache_dtype).map_err(bad)?;
+        m.kv_dtype = self.engine.kv_dtype;
         m.kv_dtype.check_head_dim(m.head_dim).map_err(bad)?;
         Ok(m)
     }
@@ -613,7 +609,7 @@ impl Scenario {
                 "engine.max_num_batched_tokens",
                 self.engine.max_num_batched_tokens,
             ),
-            ("engine.max_model_len", self.engine.max_model_len),
+            ("engine.max_model_len", self.max_model_len),
         ] {
             if x == 0 {
                 return bad(format!("{what} must be at least 1"));
@@ -621,16 +617,6 @@ impl Scenario {
         }
         if m.vocab < 4 {
             return bad(format!("model.vocab {} must be at least 4", m.vocab));
-        }
-        if !(1..=1024).contains(&self.engine.block_size) {
-            return bad(format!(
-                "engine.block_size {} is not in 1..=1024",
-                self.engine.block_size
-            ));
-        }
-        let q = self.engine.queue_timeout_s;
-        if !(q.is_finite() && q > 0.0 && q <= 86_400.0) {
-            return bad(format!("engine.queue_timeout_s {q} is not in (0, 86400]"));
         }
         if !(self.run.duration_s > 0.0 && self.run.duration_s <= 86_400.0) {
             return bad(format!(
@@ -644,30 +630,18 @@ impl Scenario {
                 self.run.drain_s
             ));
         }
-        let c = &self.cluster;
+        let c = &self.topology;
         let total = c.engines + c.prefill + c.decode;
         if total == 0 || total > 4096 {
             return bad(format!("{total} engine nodes: the cluster needs 1..=4096"));
         }
         if c.prefill > 0 && c.decode == 0 {
-            return bad("cluster.prefill nodes need at least one decode node".into());
+            return bad("topology.prefill nodes need at least one decode node".into());
         }
-        if let Err(why) = self.cluster_config().check() {
-            return bad(format!(
-                "{why} (a scenario sets these as cluster.heartbeat_ms, cluster.down_after_missed, \
-                 cluster.kv_transfers_max, network.frame_len_max_bytes and network.idle_timeout_ms)"
-            ));
-        }
-        if self.engine.max_model_len > m.ctx_len {
+        if self.max_model_len > m.ctx_len {
             return bad(format!(
                 "engine.max_model_len {} exceeds the model's context {}",
-                self.engine.max_model_len, m.ctx_len
-            ));
-        }
-        if !["continuous", "static"].contains(&self.engine.batching.as_str()) {
-            return bad(format!(
-                "engine.batching '{}' (expected continuous or static)",
-                self.engine.batching
+                self.max_model_len, m.ctx_len
             ));
         }
         for p in [
@@ -679,20 +653,17 @@ impl Scenario {
                 return bad(format!("{} {} is not in [0, 1]", p.0, p.1));
             }
         }
-        if self.tiers.is_empty() || self.tenants.is_empty() {
-            return bad("a scenario needs at least one tier and one tenant".into());
-        }
-        for t in &self.tenants {
-            if !self.tiers.iter().any(|x| x.name == t.tier) {
-                return bad(format!(
-                    "tenant '{}' names unknown tier '{}'",
-                    t.name, t.tier
-                ));
-            }
+        for t in &self.traffic {
             if !(0.0..=1.0).contains(&t.cancel_fraction) {
                 return bad(format!(
                     "tenant '{}': cancel_fraction not in [0, 1]",
-                    t.name
+                    t.tenant
+                ));
+            }
+            if !(0.0..=1.0).contains(&t.constrained_fraction) {
+                return bad(format!(
+                    "tenant '{}': constrained_fraction not in [0, 1]",
+                    t.tenant
                 ));
             }
             let positive = match t.arrivals {
@@ -705,7 +676,7 @@ impl Scenario {
                 } => rate_per_s >= 0.0 && burst > 0 && every_s > 0.0,
             };
             if !positive {
-                return bad(format!("tenant '{}': arrivals must be positive", t.name));
+                return bad(format!("tenant '{}': arrivals must be positive", t.tenant));
             }
             for (what, l) in [("prompt", &t.prompt), ("output", &t.output)] {
                 let (lo, hi) = match *l {
@@ -717,7 +688,7 @@ impl Scenario {
                 if lo == 0 || lo > hi {
                     return bad(format!(
                         "tenant '{}': {what} lengths need 1 <= min <= max",
-                        t.name
+                        t.tenant
                     ));
                 }
             }

@@ -30,26 +30,37 @@ max_num_seqs = 16
 max_num_batched_tokens = 256
 max_model_len = 1024
 
-[cluster]
+[topology]
 engines = 2
-heartbeat_ms = 100
+
+[cluster]
+heartbeat_interval_ms = 100
 down_after_missed = 3
 
 [[tiers]]
 name = "paid"
 priority = 2
 weight = 4
-slo_ttft_ms = 2000
-slo_tpot_ms = 200
+
+[[slos]]
+tier = "paid"
+ttft_ms = 2000
+tpot_ms = 200
 
 [[tiers]]
 name = "free"
-slo_ttft_ms = 5000
-slo_tpot_ms = 500
+
+[[slos]]
+tier = "free"
+ttft_ms = 5000
+tpot_ms = 500
 
 [[tenants]]
 name = "p"
 tier = "paid"
+
+[[traffic]]
+tenant = "p"
 arrivals = {{ kind = "poisson", rate_per_s = 4.0 }}
 prompt = {{ kind = "lognormal", mu = 4.0, sigma = 0.6, min = 8, max = 400 }}
 output = {{ kind = "uniform", min = 4, max = 24 }}
@@ -58,6 +69,9 @@ cancel_fraction = 0.1
 [[tenants]]
 name = "f"
 tier = "free"
+
+[[traffic]]
+tenant = "f"
 arrivals = {{ kind = "closed", clients = 3 }}
 prompt = {{ kind = "fixed", tokens = 64 }}
 output = {{ kind = "fixed", tokens = 16 }}
@@ -193,7 +207,39 @@ fn bad_scenarios_are_refused_with_the_reason() {
             "preset = \"a100\"\nmem_bytes = \"big\"",
             "[gpu]: invalid type",
         ),
-        ("tier = \"paid\"", "tier = \"gold\"", "unknown tier 'gold'"),
+        // The config's tables are read as a config file's: the error
+        // names the line and the field.
+        (
+            "name = \"app\"\ntier = \"paid\"",
+            "name = \"app\"\ntier = \"gold\"",
+            "scenario:46: tenant 'app': unknown tier 'gold' (tiers: paid)",
+        ),
+        (
+            "name = \"app\"\n",
+            "name = \"app\"\nwieght = 2\n",
+            "unknown field `wieght`",
+        ),
+        (
+            "[[tiers]]\nname = \"paid\"\n",
+            "[[tiers]]\nname = \"paid\"\nweight = 0\n",
+            "weight must be > 0",
+        ),
+        // Every tier has its objective and every tenant its traffic.
+        (
+            "[[slos]]\ntier = \"paid\"",
+            "[[slos]]\ntier = \"gold\"",
+            "has no [[slos]] table",
+        ),
+        (
+            "tenant = \"app\"",
+            "tenant = \"apq\"",
+            "has no [[traffic]] table",
+        ),
+        (
+            "[topology]\n",
+            "[topology]\nnodes = 3\n",
+            "unknown field `nodes`",
+        ),
         ("node = 2", "node = 9", "outside"),
         ("loss = 0.001", "loss = 2.0", "network.loss"),
         ("kind = \"crash\"", "kind = \"explode\"", "unknown variant"),
@@ -211,19 +257,25 @@ fn bad_scenarios_are_refused_with_the_reason() {
         ("at_s = 5.0", "at_s = inf", "outside"),
         // Timing and limits are checked as a cluster config's are.
         (
-            "heartbeat_ms = 100",
-            "heartbeat_ms = 5",
+            "heartbeat_interval_ms = 100",
+            "heartbeat_interval_ms = 5",
             "cluster.heartbeat_interval_ms = 5 is out of range 10..=60000",
         ),
         (
-            "[network]\n",
-            "[network]\nframe_len_max_bytes = 100\n",
+            "[cluster]\n",
+            "[cluster]\nframe_len_max_bytes = 100\n",
             "cluster.frame_len_max_bytes = 100",
         ),
         (
+            "[cluster]\n",
+            "[cluster]\nidle_timeout_ms = 150\n",
+            "idle_timeout_ms = 150 must be at least",
+        ),
+        // The frame cap and idle timeout are the cluster's, not the link's.
+        (
             "[network]\n",
             "[network]\nidle_timeout_ms = 150\n",
-            "idle_timeout_ms = 150 must be at least",
+            "unknown field `idle_timeout_ms`",
         ),
     ] {
         assert!(base.contains(from), "{from}");
@@ -311,9 +363,9 @@ fn the_shipped_disaggregated_fault_storm_holds() {
 fn disaggregated_serving_survives_a_dead_prefill_node() {
     use flotilla_sim::scenario::{FaultKind, FaultSection};
     let mut sc = small("");
-    sc.cluster.engines = 0;
-    sc.cluster.prefill = 2;
-    sc.cluster.decode = 2;
+    sc.topology.engines = 0;
+    sc.topology.prefill = 2;
+    sc.topology.decode = 2;
     // Node 1 is the first prefill node.
     sc.faults.push(FaultSection {
         at_s: 1.5,
@@ -334,12 +386,13 @@ fn disaggregated_serving_survives_a_dead_prefill_node() {
 #[test]
 fn closed_clients_stop_after_their_request_count() {
     let mut sc = small("");
-    sc.tenants.truncate(1);
-    sc.tenants[0].arrivals = flotilla_sim::scenario::Arrivals::Closed {
+    sc.config.tenants.truncate(1);
+    sc.traffic.truncate(1);
+    sc.traffic[0].arrivals = flotilla_sim::scenario::Arrivals::Closed {
         clients: 3,
         requests: Some(10),
     };
-    sc.tenants[0].cancel_fraction = 0.0;
+    sc.traffic[0].cancel_fraction = 0.0;
     let r = run(&sc, 2).unwrap_or_else(|e| panic!("{e}"));
     assert_eq!((r.tiers[0].sent, r.tiers[0].finished), (10, 10), "{r}");
 }
@@ -377,15 +430,22 @@ preset = "cpu"
 max_num_seqs = 4
 max_num_batched_tokens = 256
 max_model_len = 1024
-[cluster]
+[topology]
 engines = 1
+
 [[tiers]]
 name = "paid"
-slo_ttft_ms = 100000
-slo_tpot_ms = 100000
+
+[[slos]]
+tier = "paid"
+ttft_ms = 100000
+tpot_ms = 100000
 [[tenants]]
 name = "a"
 tier = "paid"
+
+[[traffic]]
+tenant = "a"
 arrivals = {{ kind = "closed", clients = 1, requests = 1 }}
 prompt = {{ kind = "fixed", tokens = 100 }}
 output = {{ kind = "fixed", tokens = 101 }}
@@ -460,17 +520,23 @@ max_model_len = 2048
 queue_timeout_s = 600
 kv_offload_bytes = {offload_bytes}
 
-[cluster]
+[topology]
 engines = 1
 
 [[tiers]]
 name = "paid"
-slo_ttft_ms = 60000
-slo_tpot_ms = 1000
+
+[[slos]]
+tier = "paid"
+ttft_ms = 60000
+tpot_ms = 1000
 
 [[tenants]]
 name = "app"
 tier = "paid"
+
+[[traffic]]
+tenant = "app"
 arrivals = {{ kind = "closed", clients = 24, requests = 48 }}
 prompt = {{ kind = "fixed", tokens = 600 }}
 output = {{ kind = "fixed", tokens = 600 }}
@@ -533,17 +599,26 @@ max_model_len = 1024
 name = "paid"
 priority = 2
 kv_reserved_blocks = 24
-slo_ttft_ms = 2000
-slo_tpot_ms = 200
+
+[[slos]]
+tier = "paid"
+ttft_ms = 2000
+tpot_ms = 200
 
 [[tiers]]
 name = "free"
-slo_ttft_ms = 60000
-slo_tpot_ms = 5000
+
+[[slos]]
+tier = "free"
+ttft_ms = 60000
+tpot_ms = 5000
 
 [[tenants]]
 name = "p"
 tier = "paid"
+
+[[traffic]]
+tenant = "p"
 arrivals = { kind = "poisson", rate_per_s = 0.5 }
 prompt = { kind = "fixed", tokens = 32 }
 output = { kind = "fixed", tokens = 8 }
@@ -552,6 +627,9 @@ output = { kind = "fixed", tokens = 8 }
 name = "heavy"
 tier = "free"
 weight = 3
+
+[[traffic]]
+tenant = "heavy"
 arrivals = { kind = "closed", clients = 12 }
 prompt = { kind = "fixed", tokens = 32 }
 output = { kind = "fixed", tokens = 32 }
@@ -560,12 +638,15 @@ output = { kind = "fixed", tokens = 32 }
 name = "light"
 tier = "free"
 weight = 1
+
+[[traffic]]
+tenant = "light"
 arrivals = { kind = "closed", clients = 12 }
 prompt = { kind = "fixed", tokens = 32 }
 output = { kind = "fixed", tokens = 32 }
 "#;
     let sc = Scenario::parse(text).unwrap();
-    let cfg = sc.engine_config().unwrap();
+    let cfg = &sc.config;
     assert_eq!(cfg.tiers[0].kv_reserved_blocks, 24);
     let weights: Vec<u32> = cfg.tenants.iter().map(|t| t.weight).collect();
     assert_eq!(weights, [1, 3, 1]);
@@ -598,5 +679,96 @@ output = { kind = "fixed", tokens = 32 }
     assert!(
         (0.75..1.33).contains(&ratio),
         "equal weights split it {ratio:.2}:1\n{r}"
+    );
+}
+
+/// A paid tier's KV reservation under a free flood that fills the KV
+/// cache, as a config file sets it (`[[tiers]] kv_reserved_blocks`): with
+/// it, paid requests find blocks at once instead of waiting for (or
+/// preempting) free ones, and the figures show both the setting and its
+/// effect.
+#[test]
+fn a_tier_reservation_keeps_a_paid_tier_fast_under_a_free_flood_that_fills_the_kv() {
+    const TEXT: &str = r#"
+[run]
+duration_s = 20.0
+drain_s = 120.0
+
+[model]
+preset = "smollm2-135m"
+ctx_len = 1024
+
+[gpu]
+preset = "cpu"
+name = "cpu-small-kv"
+mem_bytes = 1.91e8
+
+[engine]
+max_num_seqs = 32
+max_num_batched_tokens = 256
+max_model_len = 1024
+
+[[tiers]]
+name = "paid"
+priority = 2
+kv_reserved_blocks = RESV
+
+[[slos]]
+tier = "paid"
+ttft_ms = 1000
+tpot_ms = 200
+
+[[tiers]]
+name = "free"
+
+[[slos]]
+tier = "free"
+ttft_ms = 60000
+tpot_ms = 5000
+
+[[tenants]]
+name = "p"
+tier = "paid"
+
+[[traffic]]
+tenant = "p"
+arrivals = { kind = "poisson", rate_per_s = 1.0 }
+prompt = { kind = "fixed", tokens = 256 }
+output = { kind = "fixed", tokens = 64 }
+
+[[tenants]]
+name = "flood"
+tier = "free"
+
+[[traffic]]
+tenant = "flood"
+arrivals = { kind = "closed", clients = 32 }
+prompt = { kind = "fixed", tokens = 256 }
+output = { kind = "fixed", tokens = 512 }
+"#;
+    let with = |blocks: u32| {
+        let sc = Scenario::parse(&TEXT.replace("RESV", &blocks.to_string())).unwrap();
+        assert_eq!(sc.config.tiers[0].kv_reserved_blocks, blocks);
+        run(&sc, 3).unwrap_or_else(|e| panic!("{e}"))
+    };
+    let (open, reserved) = (with(0), with(64));
+    eprintln!("{open}{reserved}");
+    let (a, b) = (&open.tiers[0], &reserved.tiers[0]);
+    assert_eq!((a.name.as_str(), a.failed, b.failed), ("paid", 0, 0));
+    // The flood fills the cache: without a reservation paid requests
+    // wait behind it.
+    assert!(open.kv_util > 0.8, "{open}");
+    assert!(
+        b.ttft_ms.1 * 4.0 < a.ttft_ms.1,
+        "paid TTFT p99 {:.0} ms reserved vs {:.0} ms open",
+        b.ttft_ms.1,
+        a.ttft_ms.1
+    );
+    assert!(b.within_slo > a.within_slo, "{open}{reserved}");
+    assert!(reserved.preemptions < open.preemptions, "{open}{reserved}");
+    let shown = reserved.to_string();
+    assert!(
+        shown.contains("tier paid") && shown.contains("64 KV blocks reserved per engine"),
+        "{shown}"
     );
 }

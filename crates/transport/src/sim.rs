@@ -56,10 +56,14 @@ pub struct LinkConfig {
     /// Probability that a control message skips the per-link order.
     pub reorder: f64,
     /// A link that carries nothing for this long closes, dropping what it
-    /// held, ms (QUIC's idle timeout).
+    /// held, ms (QUIC's idle timeout; a scenario sets it as the cluster
+    /// config does, `[cluster] idle_timeout_ms`).
+    #[serde(skip)]
     pub idle_timeout_ms: u64,
-    /// Cap on one frame's payload, bytes, as `frame_len_max_bytes` in a
-    /// cluster config: the engine nodes split event batches below it.
+    /// Cap on one frame's payload, bytes (`[cluster] frame_len_max_bytes`
+    /// of the scenario, as of a cluster config): the engine nodes split
+    /// event batches below it.
+    #[serde(skip)]
     pub frame_len_max_bytes: u32,
     /// Bytes a migrated token's KV really has (set from the model: the
     /// simulated blocks carry stand-in bytes, transfers take the real time).
