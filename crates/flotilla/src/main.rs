@@ -36,7 +36,8 @@ struct Cli {
 /// Options shared by the commands that load a model.
 #[derive(clap::Args, Clone)]
 struct ModelArgs {
-    /// A model by name (smollm2-135m, gemma3-270m: fetched on first use) or
+    /// A model by name (smollm2-135m, gemma3-270m, qwen2.5-coder-0.5b,
+    /// qwen2.5-coder-1.5b: fetched on first use) or
     /// a GGUF file's path; default: smollm2-135m (SmolLM2-135M-Instruct, Q4_1).
     #[arg(long)]
     model: Option<PathBuf>,

@@ -82,7 +82,7 @@ fn bad_input_is_a_clear_error() {
     let cases: &[(&[&str], &str)] = &[
         (
             &["generate", "--prompt", "x", "--model", "/nonexistent.gguf"],
-            "no such file, and not a known model name (smollm2-135m, gemma3-270m)",
+            "no such file, and not a known model name (smollm2-135m, gemma3-270m, qwen2.5-coder-0.5b, qwen2.5-coder-1.5b)",
         ),
         (
             &["generate", "--prompt", "x", "--model", "gemma3-27b"],

@@ -214,6 +214,21 @@ async fn openai_python_client_against_gemma3() {
     run_openai_client(&python, &srv);
 }
 
+/// The same client against Qwen2.5-Coder (0.5B here; the 1.5B with
+/// `FLOTILLA_TEST_QWEN`): byte-level BPE of a 151k vocabulary, the file's
+/// ChatML template, and its native tool-call format (`<tool_call>` JSON)
+/// on the chat endpoint.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn openai_python_client_against_qwen25_coder() {
+    let python = openai_python();
+    let srv = start_model(
+        &flotilla_hub::test_qwen_path(),
+        &config(4, 8),
+        &["--max-model-len", "4096"],
+    );
+    run_openai_client(&python, &srv);
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn openai_python_client_chat_and_completions() {
     let python = openai_python();

