@@ -362,8 +362,12 @@ fn greedy_choices_are_the_references_up_to_near_ties_on_the_default_model() {
     greedy_departures("SmolLM2", &flotilla_hub::test_model_path(), 1.0);
 }
 
-/// At size: the best kernel this CPU has (see above).
+/// At size: the best kernel this CPU has (see above). Not in CI's run (it
+/// takes 70-120 s there, on top of the teacher-forced check above, which
+/// holds the same paths at size): run it with `cargo nextest run -p
+/// flotilla-model --test kernel_parity --run-ignored all qwen`.
 #[test]
+#[ignore = "at size, ~70 s: the teacher-forced check runs in CI; run with --run-ignored"]
 fn greedy_choices_are_the_references_up_to_near_ties_on_qwen25_coder() {
     let best: Vec<(&'static str, Kernel)> = kernels().into_iter().last().into_iter().collect();
     greedy_departures_of("Qwen2.5-Coder", &flotilla_hub::test_qwen_path(), &best, 1.0);
