@@ -121,12 +121,12 @@ pub fn run(args: &TransportBenchArgs) -> Result<()> {
     let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
     // The receiver echoes pings and counts what arrives.
     let receiver = side("receiver", async move {
-        let (t, rx) = start_quic(ropts, &recv_certs).expect("receiver starts");
+        let (t, rx) = QuicTransport::start_channel(ropts, &recv_certs).expect("receiver starts");
         echo(t, rx, stop_rx).await
     });
     let a = args.clone();
     let sender = side("sender", async move {
-        let (t, rx) = start_quic(sopts, &send_certs).expect("sender starts");
+        let (t, rx) = QuicTransport::start_channel(sopts, &send_certs).expect("sender starts");
         measure(t, rx, &a).await
     });
     let report = sender.join().expect("sender thread")?;
@@ -436,16 +436,4 @@ fn tcp_baseline(bytes: usize) -> Result<f64> {
         .map_err(|_| anyhow::anyhow!("tcp sender panicked"))?;
     let _ = recv.join();
     Ok(gbps)
-}
-
-/// Starts a QUIC transport whose arrivals come out of a channel.
-fn start_quic(
-    opts: QuicOptions,
-    certs: &TlsMaterial,
-) -> Result<
-    (Arc<QuicTransport>, mpsc::UnboundedReceiver<Inbound>),
-    flotilla_transport::quic::StartError,
-> {
-    let (sink, rx) = flotilla_transport::Sink::channel();
-    QuicTransport::start(opts, certs, sink).map(|t| (t, rx))
 }

@@ -686,6 +686,7 @@ async fn start_engine(w: &Arc<World>, node: u32, life: u64) -> Result<(), SimErr
     let e = &w.sc.engine;
     let shape = w.sc.model_shape()?;
     let vocab = shape.vocab;
+    let model = shape.name.clone();
     let mut exec = SimExecutor::new(
         w.sc.gpu_params()?,
         shape,
@@ -728,7 +729,6 @@ async fn start_engine(w: &Arc<World>, node: u32, life: u64) -> Result<(), SimErr
     .map_err(|e| SimError::Start(e.to_string()))?;
     let hb = w.sc.heartbeat();
     let role = w.sc.role_of(node);
-    let model = w.sc.model_shape()?.name;
     let settings = node_settings(&w.sc.config, &w.sc.cluster, vec![0], role, &model);
     let opts = WorkerOptions {
         on_orphan: Some(orphan_hook(w, hb)),

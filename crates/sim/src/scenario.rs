@@ -174,6 +174,34 @@ fn with_fields<T: serde::Serialize + serde::de::DeserializeOwned>(
         .map_err(|e: toml::de::Error| bad(e.message().to_string()))
 }
 
+/// The one table of `tables` that names each of `names`, in their order;
+/// a name with none or two, or a table naming none of them, is refused
+/// (`what` = the kind of name and the tables' header).
+fn one_each<T: Clone>(
+    tables: &[T],
+    names: &[&str],
+    name_of: impl Fn(&T) -> &String,
+    (kind, header): (&str, &str),
+) -> Result<Vec<T>, ScenarioError> {
+    let bad = |m: String| Err(ScenarioError::Invalid(m));
+    let mut out = Vec::with_capacity(names.len());
+    for n in names {
+        let mut mine = tables.iter().filter(|t| name_of(t) == n);
+        match (mine.next(), mine.next()) {
+            (Some(t), None) => out.push(t.clone()),
+            (None, _) => return bad(format!("{kind} '{n}' has no {header} table")),
+            (Some(_), Some(_)) => return bad(format!("{kind} '{n}' has two {header} tables")),
+        }
+    }
+    if let Some(t) = tables
+        .iter()
+        .find(|t| !names.contains(&name_of(t).as_str()))
+    {
+        return bad(format!("{header} names unknown {kind} '{}'", name_of(t)));
+    }
+    Ok(out)
+}
+
 /// What `flotilla serve` takes as flags only (a config file cannot set it).
 #[derive(Clone, Debug, Deserialize)]
 #[serde(deny_unknown_fields, default)]
@@ -468,50 +496,15 @@ impl Scenario {
         network.idle_timeout_ms = cluster.idle_timeout_ms;
         // The objectives and the traffic in the config's tier and tenant
         // order, one each.
-        let mut slos = Vec::with_capacity(config.tiers.len());
-        for t in &config.tiers {
-            let mut mine = raw.slos.iter().filter(|s| s.tier == t.name);
-            match (mine.next(), mine.next()) {
-                (Some(s), None) => slos.push(s.clone()),
-                (None, _) => return Err(bad(format!("tier '{}' has no [[slos]] table", t.name))),
-                (Some(_), Some(_)) => {
-                    return Err(bad(format!("tier '{}' has two [[slos]] tables", t.name)));
-                }
-            }
-        }
-        if let Some(s) = raw
-            .slos
-            .iter()
-            .find(|s| !config.tiers.iter().any(|t| t.name == s.tier))
-        {
-            return Err(bad(format!("[[slos]] names unknown tier '{}'", s.tier)));
-        }
-        let mut traffic = Vec::with_capacity(config.tenants.len());
-        for t in &config.tenants {
-            let mut mine = raw.traffic.iter().filter(|x| x.tenant == t.name);
-            match (mine.next(), mine.next()) {
-                (Some(x), None) => traffic.push(x.clone()),
-                (None, _) => {
-                    return Err(bad(format!("tenant '{}' has no [[traffic]] table", t.name)));
-                }
-                (Some(_), Some(_)) => {
-                    return Err(bad(format!(
-                        "tenant '{}' has two [[traffic]] tables",
-                        t.name
-                    )));
-                }
-            }
-        }
-        if let Some(x) = raw
-            .traffic
-            .iter()
-            .find(|x| !config.tenants.iter().any(|t| t.name == x.tenant))
-        {
-            return Err(bad(format!(
-                "[[traffic]] names unknown tenant '{}' (a scenario's tenants are its [[tenants]] tables)",
-                x.tenant
-            )));
-        }
+        let tiers: Vec<&str> = config.tiers.iter().map(|t| t.name.as_str()).collect();
+        let slos = one_each(&raw.slos, &tiers, |s| &s.tier, ("tier", "[[slos]]"))?;
+        let tenants: Vec<&str> = config.tenants.iter().map(|t| t.name.as_str()).collect();
+        let traffic = one_each(
+            &raw.traffic,
+            &tenants,
+            |x| &x.tenant,
+            ("tenant", "[[traffic]]"),
+        )?;
         let sc = Scenario {
             run: raw.run,
             model: raw.model,

@@ -563,6 +563,22 @@ impl QuicTransport {
         }))
     }
 
+    /// [`QuicTransport::start`] with its arrivals in a channel, for tools
+    /// and tests that read them themselves.
+    pub fn start_channel(
+        opts: QuicOptions,
+        certs: &TlsMaterial,
+    ) -> Result<
+        (
+            Arc<QuicTransport>,
+            tokio::sync::mpsc::UnboundedReceiver<Inbound>,
+        ),
+        StartError,
+    > {
+        let (sink, rx) = Sink::channel();
+        QuicTransport::start(opts, certs, sink).map(|t| (t, rx))
+    }
+
     /// The bound UDP address.
     pub fn local_addr(&self) -> std::io::Result<SocketAddr> {
         self.endpoint.local_addr()

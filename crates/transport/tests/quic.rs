@@ -73,7 +73,7 @@ impl Cluster {
         epoch: u64,
     ) -> (Arc<QuicTransport>, mpsc::UnboundedReceiver<Inbound>) {
         let m = TlsMaterial::load(self.certs(), &self.nodes[node as usize].name).unwrap();
-        start_quic(self.opts(node, epoch), &m).unwrap()
+        QuicTransport::start_channel(self.opts(node, epoch), &m).unwrap()
     }
 
     fn certs(&self) -> &Path {
@@ -212,7 +212,7 @@ async fn a_restarted_node_is_heard_and_its_old_life_is_dropped() {
     let mut opts = c.opts(1, 200);
     opts.listen = format!("127.0.0.1:{}", free_port()).parse().unwrap();
     let m = TlsMaterial::load(c.certs(), "worker-1").unwrap();
-    let (new, _nrx) = start_quic(opts, &m).unwrap();
+    let (new, _nrx) = QuicTransport::start_channel(opts, &m).unwrap();
     send_when_up(&new, 0, 0, Message::Heartbeat(EngineStatus::default())).await;
     assert!(matches!(
         next(&mut rrx).await,
@@ -400,7 +400,7 @@ async fn transfers_go_to_the_peer_s_bulk_endpoint_which_the_link_learns_again_af
     let mut opts = c.opts(1, 1);
     opts.bulk_port = free_port();
     let m = TlsMaterial::load(c.certs(), "worker-2").unwrap();
-    let (d, mut drx) = start_quic(opts.clone(), &m).unwrap();
+    let (d, mut drx) = QuicTransport::start_channel(opts.clone(), &m).unwrap();
     assert_eq!(d.bulk_addr().unwrap().port(), opts.bulk_port);
     assert_ne!(d.bulk_addr().unwrap(), d.local_addr().unwrap());
     send_when_up(&p, 1, 0, Message::Heartbeat(EngineStatus::default())).await;
@@ -419,7 +419,7 @@ async fn transfers_go_to_the_peer_s_bulk_endpoint_which_the_link_learns_again_af
     opts2.bulk_port = 0;
     let mut restarted = None;
     for _ in 0..200 {
-        match start_quic(opts2.clone(), &m) {
+        match QuicTransport::start_channel(opts2.clone(), &m) {
             Ok(t) => {
                 restarted = Some(t);
                 break;
@@ -456,7 +456,7 @@ async fn the_delay_hook_fires_on_outgoing_frames() {
         loss_one_in: 2,
     };
     let m = TlsMaterial::load(c.certs(), "router").unwrap();
-    let (r, _rrx) = start_quic(opts, &m).unwrap();
+    let (r, _rrx) = QuicTransport::start_channel(opts, &m).unwrap();
     let (_w, mut wrx) = c.start(1, 1);
     send_when_up(&r, 1, 0, Message::Heartbeat(EngineStatus::default())).await;
     next(&mut wrx).await;
@@ -491,7 +491,7 @@ async fn a_peer_that_dials_in_cuts_the_redial_backoff_short() {
     opts.reconnect_backoff_max = Duration::from_secs(60);
     opts.connect_timeout = Duration::from_millis(50);
     let m = TlsMaterial::load(c.certs(), "router").unwrap();
-    let (r, _rrx) = start_quic(opts, &m).unwrap();
+    let (r, _rrx) = QuicTransport::start_channel(opts, &m).unwrap();
     // worker-1 is absent long enough for the router's backoff to grow to
     // seconds: dials of 50 ms with sleeps of 20 ms doubling put it in a
     // sleep from about 2.9 s to 5.5 s.
@@ -517,16 +517,4 @@ async fn a_peer_that_dials_in_cuts_the_redial_backoff_short() {
         next(&mut wrx).await,
         Inbound::Message { correlation: 4, .. }
     ));
-}
-
-/// Starts a QUIC transport whose arrivals come out of a channel.
-fn start_quic(
-    opts: QuicOptions,
-    certs: &TlsMaterial,
-) -> Result<
-    (Arc<QuicTransport>, mpsc::UnboundedReceiver<Inbound>),
-    flotilla_transport::quic::StartError,
-> {
-    let (sink, rx) = flotilla_transport::Sink::channel();
-    QuicTransport::start(opts, certs, sink).map(|t| (t, rx))
 }
