@@ -15,7 +15,12 @@
 // (block_size*head_dim/32 f16, [slot][group]): value = scale * q, scale =
 // max|x| / 127 over each 32 values, q = round(x / scale) in [-127, 127].
 // head_dim must be a multiple of 32. The CPU backend (crates/model/src/kvcache.rs)
-// stores exactly these bytes.
+// stores exactly these bytes. Where head_dim is a multiple of 64, the rows an
+// int8 cache holds are rotated first (hadamard_rows below): each head's K by
+// the Hadamard matrix of the largest power of two dividing head_dim (and each
+// query head by the same, so q.k is unchanged), each V by that of size 64 (and
+// the attention output back by it), so that a few large key channels do not
+// set the scale of every value beside them (kvcache.rs, int8_rotations).
 
 __device__ __forceinline__ unsigned short f32_to_f16_bits(float f) {
     unsigned short h;
@@ -116,4 +121,31 @@ extern "C" __global__ void copy_block(unsigned short* kv, int src, int dst,
     } else {
         for (size_t i = first; i < (size_t)block_elems; i += stride) d[i] = s[i];
     }
+}
+
+// Rotates, in place, each n values of columns [col0, col0 + n_cols) of every
+// row of x (rows of row_w floats) by the orthonormal Sylvester Hadamard matrix
+// of size n (a power of two, 2 to 256): the CPU backend's butterflies
+// (kvcache.rs, hadamard) stage by stage from stride 1 up, then one multiply by
+// `scale` (1/sqrt(n), computed by the host as the CPU does), so both give the
+// same bits.
+// Launch: grid = (n_rows, n_cols / n), block = (n / 2).
+extern "C" __global__ void hadamard_rows(float* x, int n_rows, int row_w, int col0, int n,
+                                         float scale) {
+    __shared__ float s[256];
+    const int r = blockIdx.x;
+    if (r >= n_rows) return;
+    float* p = x + (size_t)r * row_w + col0 + (size_t)blockIdx.y * n;
+    for (int i = threadIdx.x; i < n; i += blockDim.x) s[i] = p[i];
+    __syncthreads();
+    for (int h = 1; h < n; h *= 2) {
+        for (int k = threadIdx.x; k < n / 2; k += blockDim.x) {
+            const int j = (k / h) * 2 * h + (k % h);
+            const float a = s[j], b = s[j + h];
+            s[j] = a + b;
+            s[j + h] = a - b;
+        }
+        __syncthreads();
+    }
+    for (int i = threadIdx.x; i < n; i += blockDim.x) p[i] = s[i] * scale;
 }

@@ -194,6 +194,7 @@ struct Funcs {
     kv_append: CudaFunction,
     kv_append_q8: CudaFunction,
     copy_block: CudaFunction,
+    hadamard_rows: CudaFunction,
     paged_attention: CudaFunction,
     paged_attention_q8: CudaFunction,
     swiglu: CudaFunction,
@@ -392,6 +393,7 @@ impl CudaExecutor {
             kv_append: take("kv_append")?,
             kv_append_q8: take("kv_append_q8")?,
             copy_block: take("copy_block")?,
+            hadamard_rows: take("hadamard_rows")?,
             paged_attention: take("paged_attention")?,
             paged_attention_q8: take("paged_attention_q8")?,
             swiglu: take("swiglu")?,
@@ -663,6 +665,33 @@ impl CudaExecutor {
         Ok(())
     }
 
+    /// `hadamard_rows`: rotates each `n` of columns `col0..col0 + cols` of
+    /// `rows_n` rows of `row_w` floats at `x`, in place.
+    fn hadamard(
+        &self,
+        x: u64,
+        rows_n: usize,
+        row_w: usize,
+        col0: usize,
+        cols: usize,
+        n: usize,
+    ) -> Result<(), ExecError> {
+        let mut l = self.stream.launch_builder(&self.f.hadamard_rows);
+        let (nr, w, c0, n32) = (rows_n as i32, row_w as i32, col0 as i32, n as i32);
+        let scale = flotilla_model::hadamard_scale(n);
+        l.arg(&x).arg(&nr).arg(&w).arg(&c0).arg(&n32).arg(&scale);
+        let cfg = LaunchConfig {
+            grid_dim: (rows_n as u32, (cols / n) as u32, 1),
+            block_dim: ((n / 2) as u32, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: argument types match the kernel's signature; every row
+        // holds `col0 + cols` floats and `n` (a power of two <= 256)
+        // divides `cols`.
+        unsafe { l.launch(cfg) }.map_err(exec_err)?;
+        Ok(())
+    }
+
     /// `rms_norm_residual` over `rows_n` rows of `n_embd`: the residual add
     /// `x += delta` (`delta_w` null) or `x += rmsnorm(delta) * delta_w`
     /// (a post norm) when `delta` is not null, then `out = f16(rmsnorm(x) * w)`
@@ -759,6 +788,10 @@ impl CudaExecutor {
         );
         let kv = ptr(&self.kv, st);
         let null = 0u64;
+        let rot = match self.kv_dtype {
+            KvDtype::Int8 => flotilla_model::int8_rotations(hd),
+            _ => None,
+        };
         let (n_tok, n_layer, n_head, n_kv, hd32, bs, mb) = (
             t_all as i32,
             self.cfg.n_layer as i32,
@@ -828,6 +861,12 @@ impl CudaExecutor {
                 // SAFETY: see above; `freqs` is row `spec.rope` of inv_freq.
                 unsafe { l.launch(rows(t_all, rope_threads)) }.map_err(exec_err)?;
             }
+            // An int8 cache holds its rows rotated (kv.cu, hadamard_rows):
+            // the queries and keys by one matrix, the values by another.
+            if let Some((rk, rv)) = rot {
+                self.hadamard(qkv, t_all, qkv_w, 0, qd + kvd, rk)?;
+                self.hadamard(qkv, t_all, qkv_w, qd + kvd, kvd, rv)?;
+            }
             {
                 let q8 = self.kv_dtype == KvDtype::Int8;
                 let mut l = st.launch_builder(if q8 {
@@ -883,6 +922,9 @@ impl CudaExecutor {
                 };
                 // SAFETY: see above.
                 unsafe { l.launch(cfg) }.map_err(exec_err)?;
+            }
+            if let Some((_, rv)) = rot {
+                self.hadamard(att, t_all, qd, 0, qd, rv)?;
             }
             self.to_f16(att, h16, t_all * qd)?;
             self.gemm(ptr(&w.wo, st), h16, delta, d, qd, t_all)?;

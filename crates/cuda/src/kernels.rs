@@ -29,7 +29,7 @@ pub const SOURCES: &[Source] = &[
     Source {
         file: "kv.cu",
         code: include_str!("../../../kernels/kv.cu"),
-        kernels: &["kv_append", "kv_append_q8", "copy_block"],
+        kernels: &["kv_append", "kv_append_q8", "copy_block", "hadamard_rows"],
     },
     Source {
         file: "attention.cu",

@@ -73,6 +73,60 @@ fn paged_attention_matches_a_plain_reference() {
     }
 }
 
+/// `hadamard_rows` (the int8 cache's rotation on the GPU) gives the CPU's
+/// `hadamard` bit for bit, for every size a head can use, on columns
+/// inside a row (the queries' and keys' part, the values' part) and on
+/// whole rows; the columns outside are untouched.
+#[test]
+fn the_gpu_rotates_rows_as_the_cpu_does() {
+    let Some(ctx) = gpu_or_skip() else { return };
+    let (major, minor) = ctx.compute_capability().unwrap();
+    let arch = kernels::arch_name(major, minor).unwrap();
+    let src = SOURCES.iter().find(|s| s.file == "kv.cu").unwrap();
+    let m = ctx
+        .load_module(kernels::compile(src, arch).unwrap())
+        .unwrap();
+    let f = m.load_function("hadamard_rows").unwrap();
+    let st = ctx.default_stream();
+    for (n, row_w, col0, cols) in [
+        (64, 448, 64, 256),
+        (128, 1024, 0, 768),
+        (256, 512, 256, 256),
+    ] {
+        let rows_n = 37usize;
+        let mut seed = n as u64;
+        let x: Vec<f32> = (0..rows_n * row_w).map(|_| 40.0 * rnd(&mut seed)).collect();
+        let mut want = x.clone();
+        for r in want.chunks_exact_mut(row_w) {
+            flotilla_model::hadamard(&mut r[col0..col0 + cols], n);
+        }
+        let mut d = st.clone_htod(&x).unwrap();
+        let (nr, w, c0, n32) = (rows_n as i32, row_w as i32, col0 as i32, n as i32);
+        let scale = flotilla_model::hadamard_scale(n);
+        let mut l = st.launch_builder(&f);
+        l.arg(&mut d)
+            .arg(&nr)
+            .arg(&w)
+            .arg(&c0)
+            .arg(&n32)
+            .arg(&scale);
+        let cfg = LaunchConfig {
+            grid_dim: (rows_n as u32, (cols / n) as u32, 1),
+            block_dim: ((n / 2) as u32, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: argument types match the kernel; the buffer holds every row.
+        unsafe { l.launch(cfg) }.unwrap();
+        let got = st.clone_dtoh(&d).unwrap();
+        let differ = got
+            .iter()
+            .zip(&want)
+            .filter(|(a, b)| a.to_bits() != b.to_bits())
+            .count();
+        assert_eq!(differ, 0, "n {n}: {differ} values differ from the CPU's");
+    }
+}
+
 /// A K or V row (of `hd` values) as the int8 cache holds it: 32 values per
 /// f16 scale `max|x| / 127`, `q = round(x / scale)`.
 fn int8_row(x: &[f32]) -> Vec<f32> {

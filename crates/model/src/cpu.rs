@@ -13,7 +13,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 
 use crate::arch::{self, Activation, ModelConfig, Weights};
 use crate::kernels::{self, Acts, Kernel, OutPtr, QMatrix, Resolved};
-use crate::kvcache::{KvStore, attend_run, attend_scratch, query_run};
+use crate::kvcache::{KvStore, attend_run, attend_scratch, hadamard, int8_rotations, query_run};
 use crate::pool::{ThreadPool, split_range};
 use crate::quant::{BlockQ8A, QK, quantize_row_q8a};
 use crate::sampling::{SamplerScratch, sample};
@@ -139,6 +139,9 @@ pub struct CpuExecutor {
     /// self-draft's forward pass: exiting early or skipping layers);
     /// `None`: all of them.
     layers: Option<Vec<usize>>,
+    /// The int8 cache's rotations (`kvcache::int8_rotations`); `None` for
+    /// f32 and f16 caches.
+    int8_rot: Option<(usize, usize)>,
 }
 
 impl std::fmt::Debug for CpuExecutor {
@@ -241,6 +244,10 @@ impl CpuExecutor {
             .iter()
             .map(|&b| arch::inv_freq(b, cfg.head_dim, w.rope_factors.as_deref()))
             .collect();
+        let int8_rot = match c.kv_dtype {
+            KvDtype::Int8 => int8_rotations(cfg.head_dim),
+            _ => None,
+        };
         Ok(CpuExecutor {
             kernel: c.kernel.resolve(),
             pool: ThreadPool::new(c.threads),
@@ -252,6 +259,7 @@ impl CpuExecutor {
             kv,
             s,
             layers: None,
+            int8_rot,
         })
     }
 
@@ -438,6 +446,7 @@ impl CpuExecutor {
             let n_kv = self.cfg.n_head_kv;
             let bs = self.kv.block_size;
             let kernel = self.kernel;
+            let rot = self.int8_rot;
             par_tokens(&self.pool, t_all, &|r: Range<usize>| {
                 let mut normed = [0f32; 1024];
                 for t in r {
@@ -463,6 +472,12 @@ impl CpuExecutor {
                             h[ia] = a * c - b * sn;
                             h[ib] = a * sn + b * c;
                         }
+                    }
+                    // An int8 cache stores keys and values rotated (see
+                    // int8_rotations); the query turns with the keys.
+                    if let Some((rk, rv)) = rot {
+                        hadamard(&mut row[..qd + kvd], rk);
+                        hadamard(&mut row[qd + kvd..], rv);
                     }
                     let seq = &batch[tok_seq[t] as usize];
                     let pos = tok_pos[t];
@@ -515,6 +530,7 @@ impl CpuExecutor {
             let kernel = self.kernel;
             let scale = self.cfg.attn_scale;
             let window = spec.window;
+            let rot = self.int8_rot;
             self.pool.run(&|ti, _| {
                 // SAFETY: thread ti alone uses its slice of the scratch buffer.
                 let buf = unsafe { scratch.slice(ti * per..(ti + 1) * per) };
@@ -547,6 +563,9 @@ impl CpuExecutor {
                         scale,
                         work,
                     );
+                    if let Some((_, rv)) = rot {
+                        hadamard(&mut or[..nq * rows], rv);
+                    }
                     for (i, o) in or.chunks_exact(rows).enumerate() {
                         let at = (t0 + i) * qd + kh * rows;
                         // SAFETY: the heads of (t, kh) are written by this task only.

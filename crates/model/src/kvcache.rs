@@ -262,6 +262,59 @@ pub(crate) fn quantize_int8_row(src: &[f32], q: &mut [i8], d: &mut [u8]) {
     }
 }
 
+/// The orthonormal Walsh-Hadamard rotations an int8 cache applies before it
+/// quantises, as `(k, v)` sizes, or `None` where `head_dim` is not a
+/// multiple of 64 (the rows are then stored as they are).
+///
+/// A model whose keys carry a few large channels (Qwen2's K bias puts
+/// values of 100-200 beside values of 1-10 in some layers) loses the small
+/// channels to a per-32 scale set by the large one. Rotating each head's
+/// key, blockwise by `k`, spreads every channel over the block, so one
+/// scale fits them all; the query is rotated by the same matrix, so
+/// `q . k` is unchanged up to rounding. Values are rotated blockwise by
+/// `v` and the attention output rotated back (the matrix is its own
+/// inverse). `k` is the largest power of two that divides `head_dim`, `v`
+/// is 64: the choice llama.cpp makes for its quantised caches. The CUDA
+/// backend (kernels/kv.cu, `hadamard_rows`) applies the same butterflies
+/// in the same order, so both store the same bytes.
+pub fn int8_rotations(head_dim: usize) -> Option<(usize, usize)> {
+    if head_dim == 0 || !head_dim.is_multiple_of(64) {
+        return None;
+    }
+    Some((1 << head_dim.trailing_zeros(), 64))
+}
+
+/// Rotates each `n` values of `x` in place by the orthonormal Sylvester
+/// Hadamard matrix of size `n` (a power of two): the butterflies of the
+/// fast transform, stage by stage from stride 1 up, then one multiply by
+/// `1 / sqrt(n)` (as f32).
+pub fn hadamard(x: &mut [f32], n: usize) {
+    debug_assert!(n.is_power_of_two() && x.len().is_multiple_of(n));
+    let scale = hadamard_scale(n);
+    for c in x.chunks_exact_mut(n) {
+        let mut h = 1;
+        while h < n {
+            for i in (0..n).step_by(2 * h) {
+                for j in i..i + h {
+                    let (a, b) = (c[j], c[j + h]);
+                    c[j] = a + b;
+                    c[j + h] = a - b;
+                }
+            }
+            h *= 2;
+        }
+        for v in c.iter_mut() {
+            *v *= scale;
+        }
+    }
+}
+
+/// `1 / sqrt(n)` as [`hadamard`] multiplies by it (the CUDA backend is
+/// handed this value, so both round alike).
+pub fn hadamard_scale(n: usize) -> f32 {
+    (1.0 / (n as f64).sqrt()) as f32
+}
+
 /// Query rows (tokens x query heads of one KV head) one call of
 /// [`attend_run`] takes at most: a prompt's tokens go through attention in
 /// runs of up to `QUERY_ROWS / group` consecutive positions, so that each
@@ -842,6 +895,96 @@ mod tests {
     use super::*;
 
     use crate::testutil::rnd;
+
+    fn rnd_vec(n: usize, mut seed: u64) -> Vec<f32> {
+        (0..n).map(|_| rnd(&mut seed)).collect()
+    }
+
+    /// The fast transform is the orthonormal Sylvester matrix (built by
+    /// doubling, as its definition reads), applied blockwise, and its own
+    /// inverse.
+    #[test]
+    fn hadamard_is_the_orthonormal_sylvester_matrix_and_its_own_inverse() {
+        assert_eq!(int8_rotations(64), Some((64, 64)));
+        assert_eq!(int8_rotations(128), Some((128, 64)));
+        assert_eq!(int8_rotations(192), Some((64, 64)));
+        assert_eq!(int8_rotations(256), Some((256, 64)));
+        assert_eq!(int8_rotations(96), None);
+        assert_eq!(int8_rotations(32), None);
+        for n in [64usize, 128, 256] {
+            let mut m = vec![0f64; n * n];
+            m[0] = 1.0;
+            let mut s = 1;
+            while s < n {
+                for i in 0..s {
+                    for j in 0..s {
+                        let v = m[i * n + j];
+                        m[(i + s) * n + j] = v;
+                        m[i * n + j + s] = v;
+                        m[(i + s) * n + j + s] = -v;
+                    }
+                }
+                s *= 2;
+            }
+            let x = rnd_vec(2 * n, n as u64);
+            let mut y = x.clone();
+            hadamard(&mut y, n);
+            for (b, (xb, yb)) in x.chunks(n).zip(y.chunks(n)).enumerate() {
+                for i in 0..n {
+                    let want: f64 = (0..n).map(|j| m[i * n + j] * xb[j] as f64).sum::<f64>()
+                        / (n as f64).sqrt();
+                    assert!(
+                        (yb[i] as f64 - want).abs() < 1e-5,
+                        "n {n} block {b} row {i}"
+                    );
+                }
+            }
+            let mut z = y.clone();
+            hadamard(&mut z, n);
+            assert!(
+                x.iter().zip(&z).all(|(a, b)| (a - b).abs() < 1e-5),
+                "n {n}: not involutive"
+            );
+        }
+    }
+
+    /// Keys with one large channel per head (Qwen2's, from its K bias):
+    /// rotated before quantisation, `q . k` from the int8 rows is several
+    /// times closer to the f32 product than without the rotation.
+    #[test]
+    fn rotating_keys_with_a_large_channel_keeps_their_dot_products() {
+        let hd = 64;
+        let (mut plain, mut turned) = (0f64, 0f64);
+        for t in 0..64u64 {
+            let mut k: Vec<f32> = rnd_vec(hd, 100 + t).iter().map(|v| v * 6.0).collect();
+            k[31] = 210.0;
+            k[62] = -110.0;
+            let q: Vec<f32> = rnd_vec(hd, 900 + t).iter().map(|v| v * 3.0).collect();
+            let exact: f32 = q.iter().zip(&k).map(|(a, b)| a * b).sum();
+            let round_trip = |x: &[f32]| -> Vec<f32> {
+                let (mut qs, mut d) = (vec![0i8; hd], vec![0u8; hd / G * 2]);
+                quantize_int8_row(x, &mut qs, &mut d);
+                qs.iter()
+                    .enumerate()
+                    .map(|(i, &v)| {
+                        let s = f16::from_le_bytes([d[i / G * 2], d[i / G * 2 + 1]]);
+                        s.to_f32() * v as f32
+                    })
+                    .collect()
+            };
+            let kq = round_trip(&k);
+            plain += (q.iter().zip(&kq).map(|(a, b)| a * b).sum::<f32>() - exact).abs() as f64;
+            let (mut qr, mut kr) = (q.clone(), k.clone());
+            hadamard(&mut qr, hd);
+            hadamard(&mut kr, hd);
+            let kq = round_trip(&kr);
+            turned += (qr.iter().zip(&kq).map(|(a, b)| a * b).sum::<f32>() - exact).abs() as f64;
+        }
+        assert!(
+            turned * 3.0 < plain,
+            "rotated error {turned:.2} vs plain {plain:.2}"
+        );
+    }
 
     fn store(
         dtype: KvDtype,

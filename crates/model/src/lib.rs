@@ -21,4 +21,5 @@ pub use flotilla_exec::{
     BatchLimits, ExecError, Executor, KvDtype, KvSpec, ModelSpec, OutputKind, SeqInput, SeqOutput,
     StepOutputs, sample_outputs, validate_batch,
 };
+pub use kvcache::{hadamard, hadamard_scale, int8_rotations};
 pub use sampling::{Sampled, SamplingParams};

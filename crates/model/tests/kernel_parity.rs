@@ -84,75 +84,41 @@ fn max_abs(a: &[f32], b: &[f32]) -> f32 {
     a.iter().zip(b).fold(0f32, |m, (x, y)| m.max((x - y).abs()))
 }
 
-/// Bounds every kernel x KV dtype against the exact path on one model.
-/// `kl_max` bounds the worst position's KL, `kl_mean` the mean, `diff_max`
-/// the largest log-probability difference among the reference's top 20
-/// tokens (where a departure changes what is sampled).
-fn check_model(name: &str, path: &std::path::Path, kl_mean: f64, kl_max: f64, diff_max: f32) {
-    check_kernels(name, path, &kernels(), (kl_mean, kl_max, diff_max), None);
-}
+/// `(KL mean, KL max, top-20 |dlogp|)`: `KL max` bounds the worst
+/// position's KL, `KL mean` the mean, `top-20 |dlogp|` the largest
+/// log-probability difference among the reference's top 20 tokens (where
+/// a departure changes what is sampled).
+type Bounds = (f64, f64, f32);
 
-/// The reference's log-probabilities over `ids` (teacher-forced decode
-/// rows) and at the ends of uneven prompt chunks.
-fn reference_rows(
-    path: &std::path::Path,
-    dtype: KvDtype,
-    ids: &[u32],
-    ends: &[usize],
-    table: &[u32],
-) -> (Vec<Vec<f32>>, Vec<Vec<f32>>) {
-    let mut reference = exec(path, Kernel::Exact, dtype);
-    let want = teacher_forced_logprobs(&mut reference, ids).unwrap();
-    let want_chunks: Vec<Vec<f32>> = common::logits_at(&mut reference, ids, ends, table)
-        .iter()
-        .map(|l| log_softmax(l))
-        .collect();
-    (want, want_chunks)
+/// Bounds every kernel x KV dtype against the exact path on one model.
+fn check_model(name: &str, path: &std::path::Path, bounds: Bounds) {
+    check_kernels(name, path, &kernels(), bounds, bounds);
 }
 
 /// `kernels` with every KV dtype against the f32 reference (`Kernel::Exact`,
-/// f32 KV), within `(KL mean, KL max, top-20 |dlogp|)`. With `int8_own`,
-/// the int8 KV runs are held to `Kernel::Exact` with int8 KV instead (what
-/// the kernel adds), and the int8 KV's own departure from f32 KV (the
-/// exact path's) to a KL max of `int8_own`: a model whose keys defeat a
-/// per-32 scale.
+/// f32 KV): f32 and f16 KV within `fine`, int8 KV within `int8`.
 fn check_kernels(
     name: &str,
     path: &std::path::Path,
     kernels: &[(&'static str, Kernel)],
-    (kl_mean, kl_max, diff_max): (f64, f64, f32),
-    int8_own: Option<f64>,
+    fine: Bounds,
+    int8: Bounds,
 ) {
     let ids = tokens(path);
-    let mut reference = exec(path, Kernel::Exact, KvDtype::F32);
-    let want = teacher_forced_logprobs(&mut reference, &ids).unwrap();
     // Prompt chunks of uneven lengths: each chunk's last position's
     // log-probabilities through the prefill path.
     let ends: Vec<usize> = [37, 95, 110, 111, POSITIONS - 1].to_vec();
     let table: Vec<u32> = (0..POSITIONS.div_ceil(16) as u32).collect();
-    let want_chunks: Vec<Vec<f32>> = common::logits_at(&mut reference, &ids, &ends, &table)
-        .iter()
-        .map(|l| log_softmax(l))
-        .collect();
-    drop(reference);
+    let (want, want_chunks) = {
+        let mut reference = exec(path, Kernel::Exact, KvDtype::F32);
+        let want = teacher_forced_logprobs(&mut reference, &ids).unwrap();
+        let chunks: Vec<Vec<f32>> = common::logits_at(&mut reference, &ids, &ends, &table)
+            .iter()
+            .map(|l| log_softmax(l))
+            .collect();
+        (want, chunks)
+    };
     let mut failures = Vec::new();
-    let int8_reference = int8_own.map(|bound| {
-        let (w8, w8c) = reference_rows(path, KvDtype::Int8, &ids, &ends, &table);
-        let d = divergence(&want, &w8, |_| true);
-        let dc = divergence(&want_chunks, &w8c, |_| true);
-        eprintln!(
-            "{name}  exact kv Int8 against f32 KV: decode KL mean {:.2e} p99 {:.2e} max {:.2e}, \
-             top-1 {:.3}; chunks KL max {:.2e}",
-            d.mean_kl, d.p99_kl, d.max_kl, d.top1_agreement, dc.max_kl
-        );
-        if d.max_kl.max(dc.max_kl) > bound {
-            failures.push(format!(
-                "{name} int8 KV itself: KL max {:.2e} (bound {bound})",
-                d.max_kl.max(dc.max_kl)
-            ));
-        }
-        (w8, w8c)
-    });
     let top20: Vec<Vec<usize>> = want
         .iter()
         .chain(&want_chunks)
@@ -165,22 +131,17 @@ fn check_kernels(
         .collect();
     for &(kname, kernel) in kernels {
         for dtype in [KvDtype::F32, KvDtype::F16, KvDtype::Int8] {
-            // Int8 KV against the exact path with int8 KV, where asked.
-            let (want, want_chunks) = match (&int8_reference, dtype) {
-                (Some((w8, w8c)), KvDtype::Int8) => (w8, w8c),
-                _ => (&want, &want_chunks),
-            };
             let mut e = exec(path, kernel, dtype);
             let got = teacher_forced_logprobs(&mut e, &ids).unwrap();
             let got_chunks: Vec<Vec<f32>> = common::logits_at(&mut e, &ids, &ends, &table)
                 .iter()
                 .map(|l| log_softmax(l))
                 .collect();
-            let d = divergence(want, &got, |_| true);
-            let dc = divergence(want_chunks, &got_chunks, |_| true);
+            let d = divergence(&want, &got, |_| true);
+            let dc = divergence(&want_chunks, &got_chunks, |_| true);
             let top_diff = want
                 .iter()
-                .chain(want_chunks)
+                .chain(&want_chunks)
                 .zip(got.iter().chain(&got_chunks))
                 .zip(&top20)
                 .map(|((w, g), top)| {
@@ -189,6 +150,7 @@ fn check_kernels(
                 })
                 .fold(0f32, f32::max);
             let worst = d.max_kl.max(dc.max_kl);
+            let (kl_mean, kl_max, diff_max) = if dtype == KvDtype::Int8 { int8 } else { fine };
             eprintln!(
                 "{name} {kname:>6} kv {dtype:?}: decode KL mean {:.2e} p99 {:.2e} max {:.2e}, \
                  top-1 {:.3}; chunks KL max {:.2e}, top-1 {:.3}; top-20 |dlogp| max {top_diff:.3}",
@@ -213,22 +175,30 @@ fn check_kernels(
 
 #[test]
 fn every_kernel_and_kv_dtype_stays_near_the_reference_on_the_default_model() {
-    check_model("SmolLM2", &flotilla_hub::test_model_path(), 1e-2, 1e-1, 1.0);
+    check_model(
+        "SmolLM2",
+        &flotilla_hub::test_model_path(),
+        (1e-2, 1e-1, 1.0),
+    );
 }
 
 #[test]
 fn every_kernel_and_kv_dtype_stays_near_the_reference_on_gemma3() {
-    check_model("Gemma3", &flotilla_hub::test_gemma3_path(), 1e-2, 1e-1, 1.0);
+    check_model(
+        "Gemma3",
+        &flotilla_hub::test_gemma3_path(),
+        (1e-2, 1e-1, 1.0),
+    );
 }
 
 /// At size (Qwen2.5-Coder 0.5B in CI, the 1.5B with `FLOTILLA_TEST_QWEN`):
 /// the best kernel this CPU has (the others are held to the reference on
-/// the small models above), every KV dtype. Its int8 KV departs from f32
-/// KV by itself (KL max 0.32 on the 0.5B, the same with every kernel and
-/// with `Kernel::Exact`: Qwen2's keys carry a few large channels that a
-/// per-32 scale spreads over the rest), so the int8 runs are held to the
-/// exact path with int8 KV, and the int8 KV's own departure is bounded
-/// apart, where a better scheme must bring it down.
+/// the small models above), every KV dtype. f32 and f16 KV within KL max
+/// 2e-2 (4.2e-3 seen on an AMD EPYC with AVX-512); int8 KV within the small
+/// models' bounds plus half (8.2e-2 and 0.80 seen). Qwen2's keys carry a
+/// few large channels (its K bias: 100-200 beside 1-10), so an int8 cache
+/// that quantised them as they are departs by itself: KL max 0.32 before
+/// the cache rotated its rows (`kvcache::int8_rotations`).
 #[test]
 fn the_best_kernel_and_every_kv_dtype_stay_near_the_reference_on_qwen25_coder() {
     let best: Vec<(&'static str, Kernel)> = kernels().into_iter().last().into_iter().collect();
@@ -236,8 +206,8 @@ fn the_best_kernel_and_every_kv_dtype_stay_near_the_reference_on_qwen25_coder() 
         "Qwen2.5-Coder",
         &flotilla_hub::test_qwen_path(),
         &best,
-        (1e-2, 1e-1, 1.0),
-        Some(0.5),
+        (5e-3, 2e-2, 0.5),
+        (1e-2, 1.5e-1, 1.5),
     );
 }
 
