@@ -117,9 +117,13 @@ pub fn run(a: &BenchArgs) -> Result<()> {
     let budget = a.pp.max(max_b).max(a.batch_prompt).min(4096);
     let cfg = a.model.cpu_config(blocks, budget)?;
     let t0 = Instant::now();
-    let mut e = CpuExecutor::from_gguf(&g, &cfg).context("loading the model")?;
+    let mut e =
+        crate::alloc::loading(|| CpuExecutor::from_gguf(&g, &cfg)).context("loading the model")?;
     let threads = e.threads();
     let vocab = e.model_spec().vocab;
+    if let Some(note) = e.load_note() {
+        eprintln!("{note}");
+    }
     eprintln!(
         "model {} ({:.1} MB of weights), {} threads, kernel {:?}, KV {:?} x {} blocks of {} ({:.0} MB), loaded in {:.2}s",
         path.display(),

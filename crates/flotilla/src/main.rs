@@ -1,6 +1,7 @@
 //! `flotilla`: the one binary: `serve`, `bench`, `generate`, `bench-model`,
 //! `fetch-model`.
 
+mod alloc;
 mod bench;
 mod node;
 mod serve;
@@ -61,6 +62,11 @@ struct ModelArgs {
     /// the weights).
     #[arg(long, default_value = "cpu")]
     device: flotilla_cuda::Device,
+    /// Convert the weights at every load and write no layout cache (by
+    /// default the CPU backend writes the weights in its kernels' layouts to
+    /// <cache>/layouts after the first load and maps them from there after).
+    #[arg(long)]
+    no_layout_cache: bool,
 }
 
 /// `--model`: a known name (fetched into the cache on first use, with a
@@ -102,6 +108,11 @@ impl ModelArgs {
             block_size: self.block_size,
             num_blocks,
             max_batch_tokens,
+            layout_cache: if self.no_layout_cache {
+                None
+            } else {
+                flotilla_hub::cache_dir().ok().map(|d| d.join("layouts"))
+            },
             ..Default::default()
         };
         if let Some(t) = self.threads {
@@ -455,9 +466,12 @@ fn generate(
     let max_new = max_tokens.min(ctx - ids.len());
     // A KV cache sized for this request, a step budget for its prompt.
     let blocks = (ids.len() + max_new).div_ceil(args.block_size.max(1));
-    let exec = CpuExecutor::from_gguf(&g, &args.cpu_config(blocks, ids.len().clamp(1, 512))?)
-        .context("loading the model")?;
+    let cpu = args.cpu_config(blocks, ids.len().clamp(1, 512))?;
+    let exec = alloc::loading(|| CpuExecutor::from_gguf(&g, &cpu)).context("loading the model")?;
     let load = t0.elapsed();
+    if let Some(note) = exec.load_note() {
+        eprintln!("{note}");
+    }
     let TextSide {
         tokenizer,
         stop_tokens,

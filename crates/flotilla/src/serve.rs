@@ -355,7 +355,11 @@ pub fn resolve(args: &ServeArgs) -> Result<Resolved> {
     {
         Device::Cpu => {
             let cpu = model_args.cpu_config(num_blocks as usize, max_num_batched_tokens)?;
-            let exec = CpuExecutor::from_gguf(&g, &cpu).context("loading the model")?;
+            let exec = crate::alloc::loading(|| CpuExecutor::from_gguf(&g, &cpu))
+                .context("loading the model")?;
+            if let Some(note) = exec.load_note() {
+                tracing::info!("{note}");
+            }
             (Box::new(exec), num_blocks, bytes_per_block)
         }
         Device::Cuda(ordinal) => {

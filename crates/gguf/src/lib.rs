@@ -265,9 +265,23 @@ impl TensorInfo {
     }
 }
 
+/// Which file on disk a [`GgufFile`] was opened from, as it was when
+/// mapped: what a cache derived from the file is checked against.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct FileIdentity {
+    /// The canonical path.
+    pub path: std::path::PathBuf,
+    /// Length in bytes.
+    pub len: u64,
+    /// Last modification, nanoseconds since the Unix epoch (0 where the
+    /// file system does not say).
+    pub mtime_ns: u128,
+}
+
 /// An open GGUF file: metadata, tensor directory and the mapped bytes.
 pub struct GgufFile {
     map: Arc<Mmap>,
+    source: Option<FileIdentity>,
     /// GGUF version (2 or 3).
     pub version: u32,
     metadata: HashMap<String, Value>,
@@ -297,7 +311,23 @@ impl GgufFile {
         // process truncates the file while it is mapped, reads fault (SIGBUS),
         // which is the documented limit of every mmap-based model loader.
         let map = unsafe { Mmap::map(&file) }.map_err(io)?;
-        Self::parse(Arc::new(map))
+        let meta = file.metadata().map_err(io)?;
+        let mut g = Self::parse(Arc::new(map))?;
+        g.source = Some(FileIdentity {
+            path: std::fs::canonicalize(path).map_err(io)?,
+            len: meta.len(),
+            mtime_ns: meta
+                .modified()
+                .ok()
+                .and_then(|t| t.duration_since(std::time::UNIX_EPOCH).ok())
+                .map_or(0, |d| d.as_nanos()),
+        });
+        Ok(g)
+    }
+
+    /// The file this was opened from (`None` when parsed from a map).
+    pub fn source(&self) -> Option<&FileIdentity> {
+        self.source.as_ref()
     }
 
     /// Parses a mapped file.
@@ -310,6 +340,7 @@ impl GgufFile {
             .collect();
         Ok(GgufFile {
             map,
+            source: None,
             version,
             metadata,
             tensors,

@@ -357,7 +357,56 @@ impl Weights {
     /// Loads every tensor in the layouts `kernel` reads, zero-copy where the
     /// file's layout is one (see [`matrix`]).
     pub fn load(g: &GgufFile, cfg: &ModelConfig, kernel: Resolved) -> Result<Weights, GgufError> {
-        let matrix = |name: &str, rows, cols| matrix(g, name, rows, cols, kernel);
+        Self::load_with(g, cfg, kernel, None, 1)
+    }
+
+    /// [`Weights::load`] on `threads` threads (each converts whole
+    /// matrices, the largest first), taking each matrix the layout cache
+    /// `cached` holds from it (a view of its mapped file) instead of
+    /// converting it.
+    pub fn load_with(
+        g: &GgufFile,
+        cfg: &ModelConfig,
+        kernel: Resolved,
+        cached: Option<&crate::layout::Cached>,
+        threads: usize,
+    ) -> Result<Weights, GgufError> {
+        use std::sync::Mutex;
+        use std::sync::atomic::{AtomicUsize, Ordering};
+        let mut jobs = matrix_shapes(cfg);
+        jobs.sort_by_key(|&(_, r, c)| std::cmp::Reverse(r * c));
+        let done: Vec<Mutex<Option<Result<QMatrix, GgufError>>>> =
+            jobs.iter().map(|_| Mutex::new(None)).collect();
+        let next = AtomicUsize::new(0);
+        let work = || {
+            loop {
+                let i = next.fetch_add(1, Ordering::Relaxed);
+                let Some((name, rows, cols)) = jobs.get(i) else {
+                    break;
+                };
+                let m = match cached.and_then(|c| c.matrix(name, *rows, *cols)) {
+                    Some(m) => Ok(m),
+                    None => matrix(g, name, *rows, *cols, kernel),
+                };
+                *done[i].lock().unwrap_or_else(|e| e.into_inner()) = Some(m);
+            }
+        };
+        std::thread::scope(|s| {
+            for _ in 1..threads.clamp(1, jobs.len().max(1)) {
+                s.spawn(work);
+            }
+            work();
+        });
+        let mut built = std::collections::HashMap::with_capacity(jobs.len());
+        for ((name, _, _), m) in jobs.into_iter().zip(done) {
+            let m = m.into_inner().unwrap_or_else(|e| e.into_inner());
+            built.insert(name, m.expect("every job ran")?);
+        }
+        let mut matrix = |name: &str, _rows: usize, _cols: usize| -> Result<QMatrix, GgufError> {
+            Ok(built
+                .remove(name)
+                .expect("every matrix is in matrix_shapes"))
+        };
         let (d, qd, kvd, ff) = (cfg.n_embd, cfg.q_dim(), cfg.kv_dim(), cfg.n_ff);
         let hd = cfg.head_dim;
         let tok_embd = matrix("token_embd.weight", cfg.vocab, d)?;
@@ -429,6 +478,28 @@ impl Weights {
         })
     }
 
+    /// Every matrix with its tensor name.
+    pub fn matrices(&self) -> Vec<(String, &QMatrix)> {
+        let mut v = vec![("token_embd.weight".to_string(), &self.tok_embd)];
+        for (i, l) in self.layers.iter().enumerate() {
+            for (n, m) in [
+                ("attn_q", &l.wq),
+                ("attn_k", &l.wk),
+                ("attn_v", &l.wv),
+                ("attn_output", &l.wo),
+                ("ffn_gate", &l.w_gate),
+                ("ffn_up", &l.w_up),
+                ("ffn_down", &l.w_down),
+            ] {
+                v.push((format!("blk.{i}.{n}.weight"), m));
+            }
+        }
+        if let Some(o) = &self.output {
+            v.push(("output.weight".to_string(), o));
+        }
+        v
+    }
+
     /// The matrix that maps the final hidden state to logits.
     pub fn head(&self) -> &QMatrix {
         self.output.as_ref().unwrap_or(&self.tok_embd)
@@ -451,6 +522,30 @@ impl Weights {
             .sum();
         l + self.tok_embd.bytes() + self.output.as_ref().map_or(0, |o| o.bytes())
     }
+}
+
+/// Every weight matrix a model of `cfg` has: tensor name, rows, columns
+/// (the names [`Weights::matrices`] gives).
+pub fn matrix_shapes(cfg: &ModelConfig) -> Vec<(String, usize, usize)> {
+    let (d, qd, kvd, ff) = (cfg.n_embd, cfg.q_dim(), cfg.kv_dim(), cfg.n_ff);
+    let mut v = vec![("token_embd.weight".to_string(), cfg.vocab, d)];
+    for i in 0..cfg.n_layer {
+        for (n, r, c) in [
+            ("attn_q", qd, d),
+            ("attn_k", kvd, d),
+            ("attn_v", kvd, d),
+            ("attn_output", d, qd),
+            ("ffn_gate", ff, d),
+            ("ffn_up", ff, d),
+            ("ffn_down", d, ff),
+        ] {
+            v.push((format!("blk.{i}.{n}.weight"), r, c));
+        }
+    }
+    if cfg.separate_head {
+        v.push(("output.weight".to_string(), cfg.vocab, d));
+    }
+    v
 }
 
 /// RoPE's inverse frequencies of one base: `base^(-2i/head_dim) / factor_i`, in f64.
@@ -526,24 +621,16 @@ pub fn matrix(
             quant::dequantize(t.ty, bytes, &mut f);
             WData::F32(f)
         }
-        GgmlType::Q4_1 => WData::Q4_1x8(quant::repack_q4_1_x8(bytes, rows, cols)),
+        GgmlType::Q4_1 => WData::Q4_1x8(quant::repack_q4_1_x8(bytes, rows, cols).into()),
         GgmlType::Q8_0 => WData::Q8_0(mapped()),
         GgmlType::Q5_0 => WData::Q8_0(Bytes::Owned(quant::q5_0_to_q8_0(bytes))),
-        GgmlType::Q4_0 => WData::Q4_1x8(quant::repack_q4_1_x8(
-            &quant::q4_0_to_q4_1(bytes),
-            rows,
-            cols,
-        )),
-        GgmlType::Q4_K => WData::Q4_1x8(quant::repack_q4_1_x8(
-            &quant::q4_k_to_q4_1(bytes),
-            rows,
-            cols,
-        )),
-        GgmlType::Q6_K => {
-            let mut f = vec![0f32; rows * cols];
-            quant::dequantize(t.ty, bytes, &mut f);
-            WData::Q8_0(Bytes::Owned(quant::quantize_q8_0(&f)))
+        GgmlType::Q4_0 => {
+            WData::Q4_1x8(quant::repack_q4_1_x8(&quant::q4_0_to_q4_1(bytes), rows, cols).into())
         }
+        GgmlType::Q4_K => {
+            WData::Q4_1x8(quant::repack_q4_1_x8(&quant::q4_k_to_q4_1(bytes), rows, cols).into())
+        }
+        GgmlType::Q6_K => WData::Q8_0(Bytes::Owned(quant::q6_k_to_q8_0(bytes))),
         GgmlType::F32 | GgmlType::F16 | GgmlType::BF16 => {
             let mut f = vec![0f32; rows * cols];
             quant::dequantize(t.ty, bytes, &mut f);
@@ -553,7 +640,7 @@ pub fn matrix(
     // The VNNI kernels read Q8_0 interleaved, eight rows per load.
     let data = match data {
         WData::Q8_0(b) if kernel == Resolved::Avx512Vnni => {
-            WData::Q8_0x8(quant::repack_q8_0_x8(b.as_slice(), rows, cols))
+            WData::Q8_0x8(quant::repack_q8_0_x8(b.as_slice(), rows, cols).into())
         }
         other => other,
     };

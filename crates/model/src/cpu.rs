@@ -8,7 +8,7 @@
 //! `max_batch_tokens`; a step allocates nothing.
 
 use std::ops::Range;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicUsize, Ordering};
 
 use crate::arch::{self, Activation, ModelConfig, Weights};
@@ -41,6 +41,10 @@ pub struct CpuConfig {
     pub kv_dtype: KvDtype,
     /// Most tokens in one step.
     pub max_batch_tokens: usize,
+    /// Directory of the layout cache (`crate::layout`): matrices are mapped
+    /// from it when it holds this model's, and it is written after a load
+    /// that converted them. `None`: convert at every load, write nothing.
+    pub layout_cache: Option<PathBuf>,
 }
 
 impl Default for CpuConfig {
@@ -52,6 +56,7 @@ impl Default for CpuConfig {
             num_blocks: 1024,
             kv_dtype: KvDtype::F16,
             max_batch_tokens: 512,
+            layout_cache: None,
         }
     }
 }
@@ -142,6 +147,78 @@ pub struct CpuExecutor {
     /// The int8 cache's rotations (`kvcache::int8_rotations`); `None` for
     /// f32 and f16 caches.
     int8_rot: Option<(usize, usize)>,
+    /// What the load did with the layout cache, when one was named.
+    load_note: Option<String>,
+}
+
+/// The weights, from the layout cache in `dir` where it holds this
+/// model's for `kernel`, else converted from the file (and the cache then
+/// written, and the weights mapped from it). Also says what it did, when
+/// a cache was named. A cache that cannot be read or written costs the
+/// conversion, never the load.
+fn load_weights(
+    g: &GgufFile,
+    cfg: &ModelConfig,
+    kernel: Resolved,
+    dir: Option<&Path>,
+    threads: usize,
+) -> Result<(Weights, Option<String>), LoadError> {
+    use crate::layout;
+    let (Some(dir), Some(src)) = (dir, g.source()) else {
+        return Ok((Weights::load_with(g, cfg, kernel, None, threads)?, None));
+    };
+    if kernel == Resolved::Exact {
+        // Dequantised f32: nothing a cache would save that a map can hold.
+        return Ok((Weights::load_with(g, cfg, kernel, None, threads)?, None));
+    }
+    let path = layout::cache_path(dir, src, kernel);
+    let stale = match layout::open(&path, src, kernel) {
+        Ok(Some(c)) => {
+            let w = Weights::load_with(g, cfg, kernel, Some(&c), threads)?;
+            let note = format!(
+                "layout cache {}: {} matrices mapped",
+                path.display(),
+                c.len()
+            );
+            return Ok((w, Some(note)));
+        }
+        Ok(None) => String::new(),
+        Err(why) => format!(" (the one there was not used: {why})"),
+    };
+    let w = Weights::load_with(g, cfg, kernel, None, threads)?;
+    let bytes = match layout::write(&path, src, kernel, &w.matrices()) {
+        Ok(bytes) => bytes,
+        Err(e) => {
+            let note = format!("layout cache {}: not written{stale}: {e}", path.display());
+            return Ok((w, Some(note)));
+        }
+    };
+    // The converted copy goes before the cache's pages come in, so the
+    // weights are never resident twice.
+    drop(w);
+    let why = match layout::open(&path, src, kernel) {
+        Ok(Some(c)) => {
+            let mapped = Weights::load_with(g, cfg, kernel, Some(&c), threads)?;
+            let note = format!(
+                "layout cache {}: written{stale}, {:.1} MB, {} matrices",
+                path.display(),
+                bytes as f64 / 1e6,
+                c.len()
+            );
+            return Ok((mapped, Some(note)));
+        }
+        Ok(None) => "gone".to_string(),
+        Err(why) => why,
+    };
+    // Another process replaced or removed it meanwhile: convert again.
+    let note = format!(
+        "layout cache {}: written but not read back: {why}",
+        path.display()
+    );
+    Ok((
+        Weights::load_with(g, cfg, kernel, None, threads)?,
+        Some(note),
+    ))
 }
 
 impl std::fmt::Debug for CpuExecutor {
@@ -188,7 +265,13 @@ impl CpuExecutor {
                 cfg.q_dim()
             )));
         }
-        let w = Weights::load(g, &cfg, c.kernel.resolve())?;
+        let (w, load_note) = load_weights(
+            g,
+            &cfg,
+            c.kernel.resolve(),
+            c.layout_cache.as_deref(),
+            c.threads,
+        )?;
         let name = g
             .str_opt("general.name")
             .ok()
@@ -260,6 +343,7 @@ impl CpuExecutor {
             s,
             layers: None,
             int8_rot,
+            load_note,
         })
     }
 
@@ -296,6 +380,12 @@ impl CpuExecutor {
     /// Compute threads.
     pub fn threads(&self) -> usize {
         self.pool.n_threads()
+    }
+
+    /// What the load did with the layout cache (`CpuConfig::layout_cache`):
+    /// mapped it, wrote it, or why it could not.
+    pub fn load_note(&self) -> Option<&str> {
+        self.load_note.as_deref()
     }
 
     fn forward(&mut self, batch: &[SeqInput<'_>], out: &mut StepOutputs) {

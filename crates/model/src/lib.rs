@@ -9,6 +9,7 @@ pub mod cpu;
 pub mod generate;
 pub mod kernels;
 mod kvcache;
+pub mod layout;
 pub mod pool;
 pub mod quality;
 pub mod quant;

@@ -105,6 +105,7 @@ fn exec_kv(path: &Path, kernel: Kernel, kv_dtype: KvDtype) -> CpuExecutor {
         block_size: 4,
         num_blocks: 64,
         max_batch_tokens: 64,
+        layout_cache: None,
     };
     CpuExecutor::load(&path.join("model.gguf"), &cfg).expect("load the tiny model")
 }

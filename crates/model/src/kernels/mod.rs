@@ -153,12 +153,12 @@ pub fn has_avx2() -> bool {
 /// Weight bytes in a kernel layout.
 pub enum WData {
     /// Q4_1 weights interleaved by groups of 8 rows (`quant::repack_q4_1_x8`).
-    Q4_1x8(Vec<u8>),
+    Q4_1x8(Bytes),
     /// Q8_0 blocks (34 bytes per 32 weights).
     Q8_0(Bytes),
     /// Q8_0 weights interleaved by groups of 8 rows as `q + 128`
     /// (`quant::repack_q8_0_x8`), for the VNNI kernels.
-    Q8_0x8(Vec<u8>),
+    Q8_0x8(Bytes),
     /// Plain f32, row-major.
     F32(Vec<f32>),
 }
@@ -189,6 +189,20 @@ impl Bytes {
     }
 }
 
+impl std::ops::Deref for Bytes {
+    type Target = [u8];
+    #[inline]
+    fn deref(&self) -> &[u8] {
+        self.as_slice()
+    }
+}
+
+impl From<Vec<u8>> for Bytes {
+    fn from(v: Vec<u8>) -> Bytes {
+        Bytes::Owned(v)
+    }
+}
+
 /// A weight matrix: `rows` outputs by `cols` inputs, each row a run of blocks.
 pub struct QMatrix {
     /// Output features.
@@ -205,7 +219,7 @@ impl QMatrix {
         QMatrix::new(
             rows,
             cols,
-            WData::Q4_1x8(quant::repack_q4_1_x8(blocks, rows, cols)),
+            WData::Q4_1x8(quant::repack_q4_1_x8(blocks, rows, cols).into()),
         )
     }
 
@@ -508,7 +522,7 @@ mod tests {
             let w8x8 = QMatrix::new(
                 rows,
                 cols,
-                WData::Q8_0x8(quant::repack_q8_0_x8(&q8, rows, cols)),
+                WData::Q8_0x8(quant::repack_q8_0_x8(&q8, rows, cols).into()),
             );
             let w8 = QMatrix::new(rows, cols, WData::Q8_0(Bytes::Owned(q8)));
             // The interleaved layout holds the same values.
@@ -579,7 +593,7 @@ mod tests {
             QMatrix::new(
                 rows,
                 cols,
-                WData::Q8_0x8(quant::repack_q8_0_x8(&q8, rows, cols)),
+                WData::Q8_0x8(quant::repack_q8_0_x8(&q8, rows, cols).into()),
             ),
         ];
         let (f, q) = acts(t, cols, &mut s);
