@@ -732,6 +732,169 @@ pub fn run_kv_quality(a: &KvQualityArgs) -> Result<()> {
     Ok(())
 }
 
+/// Arguments of `bench-logits`.
+#[derive(clap::Args)]
+pub struct LogitsArgs {
+    /// The model, and Flotilla's KV cache dtype (`--kv-cache-dtype`,
+    /// default f16; llama.cpp's reference runs with an f16 cache).
+    #[command(flatten)]
+    model: ModelArgs,
+    /// The text (default: tests/fixtures/kv_quality.txt).
+    #[arg(long)]
+    file: Option<PathBuf>,
+    /// Tokens per chunk (llama-perplexity's -c); each chunk's second half
+    /// is compared.
+    #[arg(long, default_value_t = 512)]
+    chunk: usize,
+    /// Chunks to run (llama-perplexity's --chunks; default: all the text holds).
+    #[arg(long)]
+    chunks: Option<usize>,
+    /// Folder with llama.cpp's llama-perplexity (default:
+    /// ~/.cache/flotilla-peers/llama.cpp/build/bin).
+    #[arg(long)]
+    llama_cpp: Option<PathBuf>,
+}
+
+/// `flotilla bench-logits`: Flotilla's next-token distributions against
+/// llama.cpp's on the same tokens. llama-perplexity writes its own
+/// log-probabilities (`--kl-divergence-base`: the tokens it ran and, per
+/// chunk, its second half's rows); Flotilla runs those very tokens,
+/// teacher-forced, and the two are compared position by position (KL of
+/// Flotilla's from llama.cpp's, top-1 agreement), beside llama.cpp's own
+/// q8_0-against-f16 KV figure from the same base, the size of a difference
+/// its users already accept.
+pub fn run_logits(a: &LogitsArgs) -> Result<()> {
+    use flotilla_model::quality::{PeerLogprobs, divergence_from_peer, teacher_forced_logprobs};
+    if a.model.device != flotilla_cuda::Device::Cpu {
+        bail!("bench-logits measures the CPU backend");
+    }
+    if a.chunk < 4 {
+        bail!("--chunk must be at least 4");
+    }
+    let path = a.model.path()?;
+    let file = a.file.clone().unwrap_or_else(|| {
+        PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/kv_quality.txt")
+    });
+    if !file.is_file() {
+        bail!("--file {}: no such file", file.display());
+    }
+    let Some(dir) = peer_dir(a.llama_cpp.as_deref()) else {
+        bail!("bench-logits needs llama.cpp's llama-perplexity");
+    };
+    let cfg = a
+        .model
+        .cpu_config(a.chunk.div_ceil(a.model.block_size), a.chunk.min(512))?;
+    let threads = cfg.threads;
+    let base = std::env::temp_dir().join(format!("flotilla-logits-{}.bin", std::process::id()));
+    let run = |extra: &[&str], kv: &[&str]| -> Result<String> {
+        let mut c = Command::new(dir.join("llama-perplexity"));
+        c.args(["-m", &path.display().to_string()])
+            .args(["-f", &file.display().to_string()])
+            .args(["-c", &a.chunk.to_string(), "-b", &a.chunk.to_string()])
+            .args(["-t", &threads.to_string()])
+            .args(["--kl-divergence-base", &base.display().to_string()])
+            .args(kv)
+            .args(extra);
+        if let Some(n) = a.chunks {
+            c.args(["--chunks", &n.to_string()]);
+        }
+        let out = c.output().context("running llama-perplexity")?;
+        let text = format!(
+            "{}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+        if !out.status.success() {
+            bail!("llama-perplexity exited with {}: {text}", out.status);
+        }
+        Ok(text)
+    };
+    let t0 = Instant::now();
+    let peer = run(&[], &peer_kv_args(flotilla_model::KvDtype::F16)).and_then(|_| {
+        let bytes = std::fs::read(&base).context("reading llama-perplexity's base file")?;
+        let own = run(
+            &["--kl-divergence"],
+            &peer_kv_args(flotilla_model::KvDtype::Int8),
+        )?;
+        Ok((bytes, own))
+    });
+    let _ = std::fs::remove_file(&base);
+    let (bytes, own) = peer?;
+    let peer = PeerLogprobs::parse(&bytes, a.chunk).map_err(anyhow::Error::msg)?;
+    drop(bytes);
+    let peer_secs = t0.elapsed().as_secs_f64();
+
+    let g = flotilla_gguf::GgufFile::open(&path)?;
+    let side = flotilla_text::TextSide::from_gguf(&g).context("loading the tokenizer")?;
+    let mut e =
+        crate::alloc::loading(|| CpuExecutor::from_gguf(&g, &cfg)).context("loading the model")?;
+    if e.model_spec().vocab != peer.n_vocab {
+        bail!(
+            "llama.cpp's vocabulary has {} entries, Flotilla's {}",
+            peer.n_vocab,
+            e.model_spec().vocab
+        );
+    }
+    let t1 = Instant::now();
+    let first = a.chunk / 2;
+    let (mut want, mut floors, mut got) = (Vec::new(), Vec::new(), Vec::new());
+    for (c, toks) in peer.chunks.iter().enumerate() {
+        let mut toks = toks.clone();
+        // llama-perplexity puts BOS in each chunk's first place where the
+        // model adds one (its file holds the text's own tokens).
+        if side.tokenizer.add_bos() {
+            if let Some(b) = side.tokenizer.bos() {
+                toks[0] = b;
+            }
+        }
+        let rows = teacher_forced_logprobs(&mut e, &toks)?;
+        got.extend(rows.into_iter().skip(first).take(a.chunk - 1 - first));
+        want.extend(peer.rows[c].iter().cloned());
+        floors.extend(peer.floors[c].iter().copied());
+    }
+    let d = divergence_from_peer(&want, &floors, &got);
+    eprintln!(
+        "{} chunks of {} tokens from {}; llama.cpp {peer_secs:.1}s (two runs), flotilla {:.1}s,          {threads} threads, kernel {:?}, KV {}",
+        peer.chunks.len(),
+        a.chunk,
+        file.display(),
+        t1.elapsed().as_secs_f64(),
+        e.kernel(),
+        e.kv_spec().dtype
+    );
+    let num = |key: &str| -> Option<f64> {
+        let line = own.lines().find(|l| l.trim_start().starts_with(key))?;
+        line[line.find(':')? + 1..]
+            .split_whitespace()
+            .next()?
+            .parse()
+            .ok()
+    };
+    println!();
+    println!(
+        "| against llama.cpp (f16 KV), second halves | positions | mean KL | p99 KL | max KL | top-1 agreement | largest top-1 gap flipped |"
+    );
+    println!("|---|---:|---:|---:|---:|---:|---:|");
+    println!(
+        "| flotilla ({} KV) | {} | {:.6} | {:.6} | {:.6} | {:.2}% | {:.3} |",
+        e.kv_spec().dtype,
+        d.positions,
+        d.mean_kl,
+        d.p99_kl,
+        d.max_kl,
+        100.0 * d.top1_agreement,
+        d.max_flip_gap
+    );
+    match (num("Mean    KLD"), num("Same top p")) {
+        (Some(kl), Some(same)) => println!(
+            "| llama.cpp's own q8_0 KV (-fa on -ctk q8_0 -ctv q8_0) | {} | {kl:.6} | - | - | {same:.2}% | - |",
+            d.positions
+        ),
+        _ => println!("| llama.cpp's own q8_0 KV | (its output had no Mean KLD) | | | | | |"),
+    }
+    Ok(())
+}
+
 /// llama-perplexity's mean KL divergence and top-1 agreement ("same top
 /// p") of a `dtype` cache from its own f16 cache on `file`.
 fn llama_kld(

@@ -181,6 +181,9 @@ enum Cmd {
     /// Measure how an int8 (or f32) KV cache changes the model's next-token
     /// distributions against f16, beside llama.cpp's on the same text.
     BenchKvQuality(bench::KvQualityArgs),
+    /// Compare the model's next-token distributions with llama.cpp's on the
+    /// same tokens (KL, top-1 agreement), beside llama.cpp's own q8_0 KV figure.
+    BenchLogits(bench::LogitsArgs),
     /// Download a model into the cache (if needed) and print its path.
     FetchModel {
         /// smollm2-135m (the default) or gemma3-270m.
@@ -262,6 +265,7 @@ fn run() -> Result<()> {
         }
         Cmd::BenchModel(args) => bench::run(&args),
         Cmd::BenchKvQuality(args) => bench::run_kv_quality(&args),
+        Cmd::BenchLogits(args) => bench::run_logits(&args),
         Cmd::Node(args) => node::run(args),
         Cmd::Cluster(args) => node::cluster(args),
         Cmd::Certs(cmd) => node::certs(cmd),
