@@ -9,6 +9,8 @@
 # stream; >= 4x at 32 streams with flotilla's TPOT p99 <= 100 ms (the ratios
 # checked only when llama-server ran). Exits 1, after the report, when one
 # is missed.
+# MODEL_NAME picks another model by name (default: the default model);
+# FLOTILLA_ARGS adds serve options. Both servers' peak RSS is printed.
 #   usage: tests/bench/serve-vs-llama-server.sh [LLAMA_BIN_DIR]
 set -euo pipefail
 cd "$(dirname "$0")/../.."
@@ -19,7 +21,8 @@ LEVELS=${LEVELS:-"1 8 32"}
 mkdir -p "$OUT"
 FLOTILLA=target/release/flotilla
 [ -x "$FLOTILLA" ] || cargo build --release
-MODEL=$($FLOTILLA fetch-model)
+MODEL=$($FLOTILLA fetch-model ${MODEL_NAME:+--model "$MODEL_NAME"})
+peak_rss() { echo "[$1] peak RSS: $(awk '/VmHWM/ {printf "%.0f MB", $2 / 1024}' "/proc/$2/status")"; }
 KEY=sk-flotilla-paid-example
 
 wait_ready() { for _ in $(seq 1 600); do curl -sf "$1" >/dev/null && return 0; sleep 0.2; done; echo "server at $1 never became ready" >&2; return 1; }
@@ -38,6 +41,7 @@ PID=$!
 trap 'kill $PID 2>/dev/null || true' EXIT
 wait_ready http://127.0.0.1:8411/ready
 run_levels flotilla http://127.0.0.1:8411 $KEY
+peak_rss flotilla $PID
 kill $PID; wait $PID 2>/dev/null || true
 
 # Without a llama-server binary flotilla runs alone and the ratios to it
@@ -49,6 +53,7 @@ if [ -x "$LLAMA_BIN/llama-server" ]; then
   PID=$!
   wait_ready http://127.0.0.1:8412/health
   run_levels llama-server http://127.0.0.1:8412 ""
+  peak_rss llama-server $PID
   kill $PID; wait $PID 2>/dev/null || true
 else
   echo "llama-server: not run (no $LLAMA_BIN/llama-server)"
