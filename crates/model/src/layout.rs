@@ -17,7 +17,9 @@
 //! (u32), data start (u64), entry count (u32), then per entry: name (u16
 //! length, bytes), kind (u8: 1 Q4_1x8, 2 Q8_0, 3 Q8_0x8), rows, cols,
 //! offset from the data start, length (u64 each). Data starts on a page,
-//! each matrix on a 64-byte line; the CRC covers the data region whole.
+//! each matrix on a 64-byte line; the CRC covers the entry table and the
+//! data region whole, and an entry whose size does not fit its shape is
+//! not used.
 
 use std::collections::HashMap;
 use std::fs::File;
@@ -30,8 +32,9 @@ use memmap2::Mmap;
 
 use crate::kernels::{Bytes, QMatrix, Resolved, WData};
 
-/// Bumped whenever a layout a kernel reads changes.
-pub const LAYOUT_VERSION: u32 = 1;
+/// Bumped whenever a layout a kernel reads, or this file's format, changes
+/// (2: the CRC covers the entry table too).
+pub const LAYOUT_VERSION: u32 = 2;
 const MAGIC: &[u8; 8] = b"FLOTLAYT";
 const ALIGN: usize = 64;
 const PAGE: usize = 4096;
@@ -95,7 +98,7 @@ impl Cached {
             3 => WData::Q8_0x8(b),
             _ => return None,
         };
-        Some(QMatrix::new(rows, cols, data))
+        QMatrix::try_new(rows, cols, data)
     }
 
     /// Matrices held.
@@ -183,6 +186,7 @@ pub fn open(
     if data_start > map.len() {
         return Err("data start past the end".into());
     }
+    let table_start = map.len() - r.0.len();
     let data_len = map.len() - data_start;
     let mut entries = HashMap::with_capacity(n);
     for _ in 0..n {
@@ -204,7 +208,11 @@ pub fn open(
             },
         );
     }
-    if crc32fast::hash(&map[data_start..]) != crc {
+    let table_end = map.len() - r.0.len();
+    let mut h = crc32fast::Hasher::new();
+    h.update(&map[table_start..table_end]);
+    h.update(&map[data_start..]);
+    if h.finalize() != crc {
         return Err("checksum mismatch".into());
     }
     Ok(Some(Cached {
@@ -251,8 +259,10 @@ pub fn write(
     let kn = kernel_name(kernel);
     let fixed = 8 + 4 + 1 + kn.len() + 8 + 16 + 4 + 8 + 4;
     let data_start = (fixed + entries.len()).next_multiple_of(PAGE);
-    // The CRC of the data region as it will lie in the file, padding included.
+    // The CRC of the entry table and of the data region as it will lie in
+    // the file, padding included.
     let mut crc = crc32fast::Hasher::new();
+    crc.update(&entries);
     let zeros = [0u8; ALIGN];
     let mut at = 0;
     for ((_, _, _, b), &off) in held.iter().zip(&offs) {

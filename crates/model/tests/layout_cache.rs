@@ -83,6 +83,24 @@ fn the_first_load_writes_the_cache_and_the_next_maps_it_with_the_same_logits() {
             .contains("mapped")
     );
 
+    // The entry table changed (one matrix's name is now another's): the
+    // checksum covers it too.
+    let mut bytes = std::fs::read(&file).unwrap();
+    let name = b"blk.0.attn_q.weight";
+    let at = bytes[..4096]
+        .windows(name.len())
+        .position(|w| w == name)
+        .expect("the table names blk.0.attn_q.weight");
+    bytes[at + 11] = b'k';
+    std::fs::write(&file, &bytes).unwrap();
+    let (note, got) = run(&model, Some(cache.clone()));
+    let note = note.unwrap();
+    assert!(
+        note.contains("checksum mismatch") && note.contains("written"),
+        "{note}"
+    );
+    assert_eq!(got, want);
+
     // Another layout version's file is not read.
     let mut bytes = std::fs::read(&file).unwrap();
     bytes[8] = bytes[8].wrapping_add(1);

@@ -223,6 +223,22 @@ impl QMatrix {
         )
     }
 
+    /// [`QMatrix::new`], or `None` where the data's size does not match
+    /// the shape (data read from a file).
+    pub fn try_new(rows: usize, cols: usize, data: WData) -> Option<QMatrix> {
+        let quantised = !matches!(data, WData::F32(_));
+        if quantised && !cols.is_multiple_of(QK) {
+            return None;
+        }
+        let (have, want) = match &data {
+            WData::Q4_1x8(b) => (b.len(), rows.div_ceil(8) * (cols / QK) * Q4_1X8_BYTES),
+            WData::Q8_0(b) => (b.len(), rows * (cols / QK) * Q8_0_BYTES),
+            WData::Q8_0x8(b) => (b.len(), rows.div_ceil(8) * (cols / QK) * Q8_0X8_BYTES),
+            WData::F32(v) => (v.len(), rows * cols),
+        };
+        (have == want).then(|| QMatrix::new(rows, cols, data))
+    }
+
     /// Builds a matrix and checks that the byte size matches the shape.
     pub fn new(rows: usize, cols: usize, data: WData) -> QMatrix {
         let expect = match &data {
