@@ -842,10 +842,10 @@ pub fn run_logits(a: &LogitsArgs) -> Result<()> {
         let mut toks = toks.clone();
         // llama-perplexity puts BOS in each chunk's first place where the
         // model adds one (its file holds the text's own tokens).
-        if side.tokenizer.add_bos() {
-            if let Some(b) = side.tokenizer.bos() {
-                toks[0] = b;
-            }
+        if side.tokenizer.add_bos()
+            && let Some(b) = side.tokenizer.bos()
+        {
+            toks[0] = b;
         }
         let rows = teacher_forced_logprobs(&mut e, &toks)?;
         got.extend(rows.into_iter().skip(first).take(a.chunk - 1 - first));
