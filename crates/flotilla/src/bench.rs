@@ -121,6 +121,7 @@ pub fn run(a: &BenchArgs) -> Result<()> {
         crate::alloc::loading(|| CpuExecutor::from_gguf(&g, &cfg)).context("loading the model")?;
     let threads = e.threads();
     let vocab = e.model_spec().vocab;
+    let (kernel, macs_per_token) = (e.kernel(), e.matmul_macs_per_token());
     if let Some(note) = e.load_note() {
         eprintln!("{note}");
     }
@@ -351,6 +352,18 @@ pub fn run(a: &BenchArgs) -> Result<()> {
             "| {} | {:.1} | {} | {} | {} |",
             r.name, r.ours, peer, ratio, target
         );
+    }
+    // A prompt is compute-bound: its multiply-adds beside what this CPU's
+    // int8 instruction sustains on the same threads.
+    let pp_gops = 2.0 * macs_per_token as f64 * best(&pp) / 1e9;
+    match flotilla_model::kernels::peak::int8_peak_gops(kernel, threads) {
+        Some(peak) => println!(
+            "pp{}: {pp_gops:.0} GOP/s of int8 multiply-adds in the layers' matrices, {:.0}% of this \
+             CPU's int8 peak ({peak:.0} GOP/s: kernel {kernel:?}'s instruction alone on {threads} threads)",
+            a.pp,
+            100.0 * pp_gops / peak
+        ),
+        None => println!("pp{}: {pp_gops:.0} GOP/s of multiply-adds in the layers' matrices", a.pp),
     }
     let file_mb = std::fs::metadata(&path)
         .map(|m| m.len() as f64 / 1e6)

@@ -382,6 +382,18 @@ impl CpuExecutor {
         self.pool.n_threads()
     }
 
+    /// Multiply-adds of the layers' matrices for one token (what a prompt
+    /// token costs besides attention; the output head runs only where
+    /// logits are asked for).
+    pub fn matmul_macs_per_token(&self) -> usize {
+        self.w
+            .matrices()
+            .iter()
+            .filter(|(name, _)| name.starts_with("blk."))
+            .map(|(_, m)| m.rows * m.cols)
+            .sum()
+    }
+
     /// What the load did with the layout cache (`CpuConfig::layout_cache`):
     /// mapped it, wrote it, or why it could not.
     pub fn load_note(&self) -> Option<&str> {

@@ -15,6 +15,7 @@ use crate::quant::{self, BlockQ8A, Q4_1X8_BYTES, Q8_0_BYTES, Q8_0X8_BYTES, QK};
 pub mod avx2;
 #[cfg(target_arch = "x86_64")]
 pub mod avx512;
+pub mod peak;
 pub mod scalar;
 
 /// Which implementation the matrix products use.
