@@ -363,7 +363,10 @@ pub fn run(a: &BenchArgs) -> Result<()> {
             a.pp,
             100.0 * pp_gops / peak
         ),
-        None => println!("pp{}: {pp_gops:.0} GOP/s of multiply-adds in the layers' matrices", a.pp),
+        None => println!(
+            "pp{}: {pp_gops:.0} GOP/s of multiply-adds in the layers' matrices",
+            a.pp
+        ),
     }
     let file_mb = std::fs::metadata(&path)
         .map(|m| m.len() as f64 / 1e6)
