@@ -593,12 +593,15 @@ fn vector(g: &GgufFile, name: &str, n: usize) -> Result<Vec<f32>, GgufError> {
     Ok(v)
 }
 
-/// Reads a `rows` x `cols` matrix into the layout `kernel` reads: Q4_0,
-/// Q4_1 and Q4_K as interleaved Q4_1; Q8_0 zero-copy from the file, Q5_0
-/// exactly and Q6_K requantised as Q8_0, interleaved (`q + 128`) for the
-/// VNNI kernels; floats as f32. For the exact kernel, types that the fast
-/// layouts only approximate (Q4_K's sub-block scales rounded to f16, Q6_K
-/// requantised) are kept as f32, so it computes with the file's values.
+/// Reads a `rows` x `cols` matrix into the layout `kernel` reads: Q4_0
+/// and Q4_1 as interleaved Q4_1; Q8_0 zero-copy from the file, Q5_0
+/// exactly as Q8_0, interleaved (`q + 128`) for the VNNI kernels; floats
+/// as f32. Q4_K and Q6_K: for the VNNI kernels, interleaved at the file's
+/// own size and bits (`quant::repack_q4_k_x8`, `repack_q6_k_x8`: the
+/// bytes a token reads are the file's); for AVX2 and scalar, Q4_K as
+/// interleaved Q4_1 (sub-block scales rounded to f16) and Q6_K
+/// requantised as Q8_0. For the exact kernel, K-quants are kept as f32,
+/// so it computes with the file's values.
 pub fn matrix(
     g: &GgufFile,
     name: &str,
@@ -620,6 +623,12 @@ pub fn matrix(
             let mut f = vec![0f32; rows * cols];
             quant::dequantize(t.ty, bytes, &mut f);
             WData::F32(f)
+        }
+        GgmlType::Q4_K if kernel == Resolved::Avx512Vnni && cols.is_multiple_of(quant::QK_K) => {
+            WData::Q4Kx8(quant::repack_q4_k_x8(bytes, rows, cols).into())
+        }
+        GgmlType::Q6_K if kernel == Resolved::Avx512Vnni && cols.is_multiple_of(quant::QK_K) => {
+            WData::Q6Kx8(quant::repack_q6_k_x8(bytes, rows, cols).into())
         }
         GgmlType::Q4_1 => WData::Q4_1x8(quant::repack_q4_1_x8(bytes, rows, cols).into()),
         GgmlType::Q8_0 => WData::Q8_0(mapped()),

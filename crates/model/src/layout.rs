@@ -15,7 +15,7 @@
 //! Format (little-endian): magic `FLOTLAYT`, version (u32), kernel name
 //! (u8 length, bytes), model length (u64), model mtime (u128 ns), data CRC
 //! (u32), data start (u64), entry count (u32), then per entry: name (u16
-//! length, bytes), kind (u8: 1 Q4_1x8, 2 Q8_0, 3 Q8_0x8), rows, cols,
+//! length, bytes), kind (u8: 1 Q4_1x8, 2 Q8_0, 3 Q8_0x8, 4 Q4Kx8, 5 Q6Kx8), rows, cols,
 //! offset from the data start, length (u64 each). Data starts on a page,
 //! each matrix on a 64-byte line; the CRC covers the entry table and the
 //! data region whole, and an entry whose size does not fit its shape is
@@ -33,8 +33,9 @@ use memmap2::Mmap;
 use crate::kernels::{Bytes, QMatrix, Resolved, WData};
 
 /// Bumped whenever a layout a kernel reads, or this file's format, changes
-/// (2: the CRC covers the entry table too).
-pub const LAYOUT_VERSION: u32 = 2;
+/// (2: the CRC covers the entry table too; 3: Q4_K and Q6_K at the file's
+/// size for the VNNI kernels).
+pub const LAYOUT_VERSION: u32 = 3;
 const MAGIC: &[u8; 8] = b"FLOTLAYT";
 const ALIGN: usize = 64;
 const PAGE: usize = 4096;
@@ -96,6 +97,8 @@ impl Cached {
             1 => WData::Q4_1x8(b),
             2 => WData::Q8_0(b),
             3 => WData::Q8_0x8(b),
+            4 => WData::Q4Kx8(b),
+            5 => WData::Q6Kx8(b),
             _ => return None,
         };
         QMatrix::try_new(rows, cols, data)
@@ -236,6 +239,8 @@ pub fn write(
                 WData::Q4_1x8(b @ Bytes::Owned(_)) => (1, b),
                 WData::Q8_0(b @ Bytes::Owned(_)) => (2, b),
                 WData::Q8_0x8(b @ Bytes::Owned(_)) => (3, b),
+                WData::Q4Kx8(b @ Bytes::Owned(_)) => (4, b),
+                WData::Q6Kx8(b @ Bytes::Owned(_)) => (5, b),
                 _ => return None,
             };
             Some((name.as_str(), kind, *m, b.as_slice()))
@@ -304,6 +309,37 @@ pub fn write(
     })();
     if result.is_err() {
         let _ = std::fs::remove_file(&tmp);
+    } else {
+        remove_other_versions(path);
     }
     result.map(|()| data_start + end)
+}
+
+/// Removes the caches of the same model and kernel that another layout
+/// version wrote beside `path` (a build that changed a layout leaves no
+/// gigabyte-sized file behind).
+fn remove_other_versions(path: &Path) {
+    let (Some(dir), Some(name)) = (path.parent(), path.file_name().and_then(|n| n.to_str())) else {
+        return;
+    };
+    let tag = format!(".v{LAYOUT_VERSION}.");
+    let Some(at) = name.find(&tag) else { return };
+    let (prefix, suffix) = (&name[..at + 2], &name[at + tag.len() - 1..]);
+    let Ok(listing) = std::fs::read_dir(dir) else {
+        return;
+    };
+    for e in listing.flatten() {
+        let other = e.file_name();
+        let Some(other) = other.to_str() else {
+            continue;
+        };
+        let version = other
+            .strip_prefix(prefix)
+            .and_then(|rest| rest.strip_suffix(suffix));
+        if other != name
+            && version.is_some_and(|v| !v.is_empty() && v.bytes().all(|c| c.is_ascii_digit()))
+        {
+            let _ = std::fs::remove_file(e.path());
+        }
+    }
 }

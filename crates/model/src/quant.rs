@@ -305,6 +305,197 @@ pub fn dequantize_q4_1_x8_row(data: &[u8], cols: usize, r: usize, out: &mut [f32
     }
 }
 
+/// Weights in one K-quant super-block.
+pub const QK_K: usize = 256;
+
+/// Bytes of one 8-row group of one 256-column super-block in the
+/// interleaved Q4_K layout: exactly the file's 8 x 144 (4.5 bits a weight).
+/// `[0, 16)` the rows' f16 `d`, `[16, 32)` their f16 `dmin`; `[32, 128)`
+/// sub-block `j`'s 6-bit scales and mins in 12 bytes at `32 + 12j` (byte
+/// `r` of the first 8: row r's low 4 bits of the scale, and of the min
+/// above them; then a u32 whose bits `2r` hold the scale's top 2 bits and
+/// bits `16 + 2r` the min's); `[128, 1152)` sub-block `j`'s nibbles at
+/// `128 + 128j` as [`repack_q4_1_x8`]'s four 32-byte chunks (a byte holds
+/// weight `i` low and weight `i + 16` high).
+pub const Q4_KX8_BYTES: usize = 1152;
+
+/// Bytes of one 8-row group of one 256-column super-block in the
+/// interleaved Q6_K layout: exactly the file's 8 x 210 (6.5625 bits a
+/// weight). `[0, 16)` the rows' f16 `d`; `[16, 144)` the 16 sub-blocks'
+/// i8 scales, 8 bytes (one a row) at `16 + 8k`; `[144, 1168)` the low 4
+/// bits of 32-block `s`'s weights at `144 + 128s` as [`repack_q4_1_x8`]'s
+/// nibbles; `[1168, 1680)` their top 2 bits at `1168 + 64s`, two 32-byte
+/// planes whose byte `4r + m` holds, for row r, chunk `c = 2 * plane + p`:
+/// weight `4c + m`'s bits at `4p` and weight `16 + 4c + m`'s at `4p + 2`.
+pub const Q6_KX8_BYTES: usize = 1680;
+
+/// Row `r`'s super-block `sb` of a row-major K-quant tensor of `nsb`
+/// super-blocks a row, `bb` bytes each.
+fn k_block(src: &[u8], r: usize, sb: usize, nsb: usize, bb: usize) -> &[u8] {
+    &src[(r * nsb + sb) * bb..(r * nsb + sb + 1) * bb]
+}
+
+/// Writes the 32 4-bit values `q` of one row's sub-block as
+/// [`repack_q4_1_x8`]'s nibble chunks at `o` (128 bytes, row `lane`).
+fn put_nibbles(o: &mut [u8], lane: usize, q: &[u8; 32]) {
+    for i in 0..16 {
+        let (c, k) = (i / 4, i % 4);
+        o[32 * c + 4 * lane + k] = (q[i] & 0xF) | ((q[i + 16] & 0xF) << 4);
+    }
+}
+
+/// Repacks row-major Q4_K super-blocks (`rows` x `cols`, `cols` a multiple
+/// of 256) into [`Q4_KX8_BYTES`] groups: the same bits rearranged, so
+/// every weight dequantises to the file's value. Missing rows of the last
+/// group are zero.
+pub fn repack_q4_k_x8(src: &[u8], rows: usize, cols: usize) -> Vec<u8> {
+    let nsb = cols / QK_K;
+    assert!(
+        cols.is_multiple_of(QK_K) && src.len() == rows * nsb * 144,
+        "repack_q4_k_x8: size does not match the shape"
+    );
+    let mut out = vec![0u8; rows.div_ceil(8) * nsb * Q4_KX8_BYTES];
+    for r in 0..rows {
+        let (g, lane) = (r / 8, r % 8);
+        for sb in 0..nsb {
+            let b = k_block(src, r, sb, nsb, 144);
+            let o = &mut out[(g * nsb + sb) * Q4_KX8_BYTES..(g * nsb + sb + 1) * Q4_KX8_BYTES];
+            o[2 * lane..2 * lane + 2].copy_from_slice(&b[0..2]);
+            o[16 + 2 * lane..16 + 2 * lane + 2].copy_from_slice(&b[2..4]);
+            for j in 0..8 {
+                let (sc, mn) = scale_min_k4(j, &b[4..16]);
+                let s = &mut o[32 + 12 * j..44 + 12 * j];
+                s[lane] = (sc & 0xF) | ((mn & 0xF) << 4);
+                let mut hi = u32::from_le_bytes([s[8], s[9], s[10], s[11]]);
+                hi |= ((sc >> 4) as u32) << (2 * lane) | ((mn >> 4) as u32) << (16 + 2 * lane);
+                s[8..12].copy_from_slice(&hi.to_le_bytes());
+                let qs = &b[16 + 32 * (j / 2)..48 + 32 * (j / 2)];
+                let q: [u8; 32] = std::array::from_fn(|l| (qs[l] >> (4 * (j % 2))) & 0xF);
+                put_nibbles(&mut o[128 + 128 * j..256 + 128 * j], lane, &q);
+            }
+        }
+    }
+    out
+}
+
+/// Row `lane`'s 6-bit scale and min of sub-block `j` in one
+/// [`Q4_KX8_BYTES`] group super-block.
+pub fn q4_kx8_scale_min(o: &[u8], lane: usize, j: usize) -> (u8, u8) {
+    let s = &o[32 + 12 * j..44 + 12 * j];
+    let hi = u32::from_le_bytes([s[8], s[9], s[10], s[11]]);
+    (
+        (s[lane] & 0xF) | ((((hi >> (2 * lane)) & 3) as u8) << 4),
+        (s[lane] >> 4) | ((((hi >> (16 + 2 * lane)) & 3) as u8) << 4),
+    )
+}
+
+/// Dequantises row `r` of an interleaved Q4_K matrix of width `cols`: the
+/// file's arithmetic (`d * sc * q - dmin * m` in f32), so the same bits.
+pub fn dequantize_q4_kx8_row(data: &[u8], cols: usize, r: usize, out: &mut [f32]) {
+    let nsb = cols / QK_K;
+    let (g, lane) = (r / 8, r % 8);
+    for sb in 0..nsb {
+        let o = &data[(g * nsb + sb) * Q4_KX8_BYTES..(g * nsb + sb + 1) * Q4_KX8_BYTES];
+        let (d, dmin) = (f16_at(o, 2 * lane), f16_at(o, 16 + 2 * lane));
+        for j in 0..8 {
+            let (sc, mn) = q4_kx8_scale_min(o, lane, j);
+            let (dd, mm) = (d * sc as f32, dmin * mn as f32);
+            let y = &mut out[sb * QK_K + 32 * j..sb * QK_K + 32 * j + 32];
+            for c in 0..4 {
+                for k in 0..4 {
+                    let q = o[128 + 128 * j + 32 * c + 4 * lane + k];
+                    y[4 * c + k] = dd * (q & 0xF) as f32 - mm;
+                    y[16 + 4 * c + k] = dd * (q >> 4) as f32 - mm;
+                }
+            }
+        }
+    }
+}
+
+/// The 256 unsigned 6-bit values (`q + 32`) of one Q6_K super-block, in
+/// weight order.
+fn q6_k_values(b: &[u8]) -> [u8; QK_K] {
+    let mut q = [0u8; QK_K];
+    for half in 0..2 {
+        let ql = &b[64 * half..64 * half + 64];
+        let qh = &b[128 + 32 * half..128 + 32 * half + 32];
+        let y = &mut q[128 * half..128 * half + 128];
+        for l in 0..32 {
+            y[l] = (ql[l] & 0xF) | ((qh[l] & 3) << 4);
+            y[l + 32] = (ql[l + 32] & 0xF) | (((qh[l] >> 2) & 3) << 4);
+            y[l + 64] = (ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4);
+            y[l + 96] = (ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4);
+        }
+    }
+    q
+}
+
+/// Repacks row-major Q6_K super-blocks (`rows` x `cols`, `cols` a multiple
+/// of 256) into [`Q6_KX8_BYTES`] groups: the same bits rearranged, so
+/// every weight dequantises to the file's value. Missing rows of the last
+/// group are zero.
+pub fn repack_q6_k_x8(src: &[u8], rows: usize, cols: usize) -> Vec<u8> {
+    let nsb = cols / QK_K;
+    assert!(
+        cols.is_multiple_of(QK_K) && src.len() == rows * nsb * 210,
+        "repack_q6_k_x8: size does not match the shape"
+    );
+    let mut out = vec![0u8; rows.div_ceil(8) * nsb * Q6_KX8_BYTES];
+    for r in 0..rows {
+        let (g, lane) = (r / 8, r % 8);
+        for sb in 0..nsb {
+            let b = k_block(src, r, sb, nsb, 210);
+            let o = &mut out[(g * nsb + sb) * Q6_KX8_BYTES..(g * nsb + sb + 1) * Q6_KX8_BYTES];
+            o[2 * lane..2 * lane + 2].copy_from_slice(&b[208..210]);
+            for k in 0..16 {
+                o[16 + 8 * k + lane] = b[192 + k];
+            }
+            let q = q6_k_values(b);
+            for s in 0..8 {
+                let qs: &[u8; 32] = q[32 * s..32 * s + 32].try_into().expect("32 values");
+                put_nibbles(&mut o[144 + 128 * s..272 + 128 * s], lane, qs);
+                for c in 0..4 {
+                    let (plane, p) = (c / 2, c % 2);
+                    for m in 0..4 {
+                        let at = 1168 + 64 * s + 32 * plane + 4 * lane + m;
+                        o[at] |= ((qs[4 * c + m] >> 4) << (4 * p))
+                            | ((qs[16 + 4 * c + m] >> 4) << (4 * p + 2));
+                    }
+                }
+            }
+        }
+    }
+    out
+}
+
+/// Row `lane`'s unsigned 6-bit value (`q + 32`) of weight `i` (0..32) of
+/// 32-block `s` in one [`Q6_KX8_BYTES`] group super-block.
+pub fn q6_kx8_value(o: &[u8], lane: usize, s: usize, i: usize) -> u8 {
+    let (hi, c, m) = (i / 16, (i % 16) / 4, i % 4);
+    let nib = o[144 + 128 * s + 32 * c + 4 * lane + m];
+    let low = if hi == 0 { nib & 0xF } else { nib >> 4 };
+    let h = o[1168 + 64 * s + 32 * (c / 2) + 4 * lane + m] >> (4 * (c % 2) + 2 * hi);
+    low | ((h & 3) << 4)
+}
+
+/// Dequantises row `r` of an interleaved Q6_K matrix of width `cols`: the
+/// file's arithmetic (`d * sc * (q - 32)` in f32), so the same bits.
+pub fn dequantize_q6_kx8_row(data: &[u8], cols: usize, r: usize, out: &mut [f32]) {
+    let nsb = cols / QK_K;
+    let (g, lane) = (r / 8, r % 8);
+    for sb in 0..nsb {
+        let o = &data[(g * nsb + sb) * Q6_KX8_BYTES..(g * nsb + sb + 1) * Q6_KX8_BYTES];
+        let d = f16_at(o, 2 * lane);
+        for s in 0..8 {
+            for i in 0..32 {
+                let sc = o[16 + 8 * (2 * s + i / 16) + lane] as i8;
+                let q = q6_kx8_value(o, lane, s, i) as i32 - 32;
+                out[sb * QK_K + 32 * s + i] = d * sc as f32 * q as f32;
+            }
+        }
+    }
+}
+
 /// Q6_K blocks as Q8_0: each super-block of 256 dequantised and quantised
 /// again per 32, one at a time (the same bytes as dequantising the whole
 /// tensor and [`quantize_q8_0`], without an f32 copy of it: a 151,936 x
@@ -401,6 +592,70 @@ mod tests {
             .wrapping_mul(6364136223846793005)
             .wrapping_add(1442695040888963407);
         (*seed >> 33) as u32
+    }
+
+    /// Random K-quant super-blocks with finite f16 scales at `d_at`.
+    fn k_blocks(n: usize, bb: usize, d_at: &[usize], s: &mut u64) -> Vec<u8> {
+        let mut src: Vec<u8> = (0..bb * n).map(|_| lcg(s) as u8).collect();
+        for b in src.chunks_exact_mut(bb) {
+            for &at in d_at {
+                let v = (lcg(s) % 1000) as f32 / 1000.0 * 0.05 + 1e-3;
+                b[at..at + 2].copy_from_slice(&f16::from_f32(v).to_bits().to_le_bytes());
+            }
+        }
+        src
+    }
+
+    /// The interleaved K-quant layouts are the file's bits rearranged:
+    /// every row dequantises to exactly the file's values (rows that do
+    /// not fill the last group of 8 included), and they take the file's
+    /// bytes, padding rows aside.
+    #[test]
+    fn k_quant_repacks_dequantise_to_the_file_s_bits() {
+        let mut s = 23;
+        for (rows, nsb) in [(13usize, 2usize), (8, 1), (3, 3)] {
+            let cols = nsb * QK_K;
+            type Repack = fn(&[u8], usize, usize) -> Vec<u8>;
+            type Row = fn(&[u8], usize, usize, &mut [f32]);
+            type Case<'a> = (GgmlType, usize, &'a [usize], Repack, Row, usize);
+            let cases: [Case; 2] = [
+                (
+                    GgmlType::Q4_K,
+                    144,
+                    &[0, 2],
+                    repack_q4_k_x8,
+                    dequantize_q4_kx8_row,
+                    Q4_KX8_BYTES,
+                ),
+                (
+                    GgmlType::Q6_K,
+                    210,
+                    &[208],
+                    repack_q6_k_x8,
+                    dequantize_q6_kx8_row,
+                    Q6_KX8_BYTES,
+                ),
+            ];
+            for (ty, bb, d_at, repack, row, gb) in cases {
+                let src = k_blocks(rows * nsb, bb, d_at, &mut s);
+                let packed = repack(&src, rows, cols);
+                assert_eq!(packed.len(), rows.div_ceil(8) * nsb * gb);
+                assert_eq!(gb, 8 * bb, "{ty:?}: the file's size");
+                let (mut want, mut got) = (vec![0f32; cols], vec![0f32; cols]);
+                for r in 0..rows {
+                    dequantize(ty, &src[r * nsb * bb..(r + 1) * nsb * bb], &mut want);
+                    row(&packed, cols, r, &mut got);
+                    assert!(want.iter().any(|&v| v != 0.0));
+                    let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+                    assert_eq!(bits(&got), bits(&want), "{ty:?} {rows}x{cols} row {r}");
+                }
+                // Padding rows dequantise to zero.
+                if rows % 8 != 0 {
+                    row(&packed, cols, rows, &mut got);
+                    assert!(got.iter().all(|&v| v == 0.0), "{ty:?} padding row");
+                }
+            }
+        }
     }
 
     /// Super-block by super-block gives the bytes of the whole tensor

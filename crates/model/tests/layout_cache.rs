@@ -108,6 +108,16 @@ fn the_first_load_writes_the_cache_and_the_next_maps_it_with_the_same_logits() {
     let note = run(&model, Some(cache.clone())).0.unwrap();
     assert!(note.contains("layout version"), "{note}");
 
+    // An older layout version's cache of this model and kernel is removed
+    // when the new one is written; another model's is not.
+    let name = file.file_name().unwrap().to_str().unwrap().to_string();
+    let current = format!(".v{}.", flotilla_model::layout::LAYOUT_VERSION);
+    let old = cache.join(name.replace(&current, ".v1."));
+    let other = cache.join(name.replace("model.", "other-model."));
+    assert_ne!(old, file);
+    std::fs::write(&old, b"an old layout").unwrap();
+    std::fs::write(&other, b"another model's layout").unwrap();
+
     // The model file changed (its time stamp): rebuilt, not trusted.
     let f = std::fs::File::options().write(true).open(&model).unwrap();
     f.set_modified(std::time::SystemTime::now() + std::time::Duration::from_secs(60))
@@ -120,6 +130,9 @@ fn the_first_load_writes_the_cache_and_the_next_maps_it_with_the_same_logits() {
         "{note}"
     );
     assert_eq!(got, want);
+    assert!(!old.exists(), "the older version's cache is removed");
+    assert!(other.exists(), "another model's cache stays");
+    std::fs::remove_file(&other).unwrap();
     assert_eq!(the_file(&cache), file, "one file per model and kernel");
 }
 

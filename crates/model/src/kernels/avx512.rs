@@ -15,7 +15,7 @@ use std::arch::x86_64::*;
 use std::ops::Range;
 
 use super::{Acts, OutPtr};
-use crate::quant::{BlockQ8A, Q4_1X8_BYTES, Q8_0X8_BYTES, QK};
+use crate::quant::{BlockQ8A, Q4_1X8_BYTES, Q4_KX8_BYTES, Q6_KX8_BYTES, Q8_0X8_BYTES, QK, QK_K};
 
 const TILE: usize = 4;
 const TOKENS_PER_PASS: usize = 64;
@@ -225,6 +225,289 @@ macro_rules! grouped_rows {
 
 grouped_rows!(q4_1x8_rows, q4_1x8_tile, Q4_1X8_BYTES);
 grouped_rows!(q8_0x8_rows, q8_0x8_tile, Q8_0X8_BYTES);
+
+/// Sub-block scales of groups `g0`/`g1` (16 lanes), computed once per
+/// group pair and pass, so the token tiles only load them.
+const K_PRE: usize = 16;
+
+thread_local! {
+    /// Per-thread scratch of the K-quant kernels: each super-block's 16
+    /// scale vectors, and each token block's half sums (Q6_K).
+    static K_SCRATCH: std::cell::RefCell<(Vec<__m512>, Vec<[f32; 2]>)> =
+        const { std::cell::RefCell::new((Vec::new(), Vec::new())) };
+}
+
+/// Q4_K: for each super-block, lanes `d * sc` of its 8 sub-blocks, then
+/// `-(dmin * m)` of them (the file's products, exact in f32).
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+unsafe fn q4_kx8_prep(g0: *const u8, g1: *const u8, nsb: usize, pre: &mut [__m512]) {
+    let shifts = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 0, 2, 4, 6, 8, 10, 12, 14);
+    let shifts_m = _mm512_add_epi32(shifts, _mm512_set1_epi32(16));
+    let (three, fifteen) = (_mm512_set1_epi32(3), _mm512_set1_epi32(15));
+    let sign = _mm512_set1_epi32(i32::MIN);
+    for sb in 0..nsb {
+        // SAFETY: sb < nsb; both groups hold nsb super-blocks, each
+        // Q4_KX8_BYTES long, and every read below lies inside one.
+        unsafe {
+            let (s0, s1) = (g0.add(sb * Q4_KX8_BYTES), g1.add(sb * Q4_KX8_BYTES));
+            let (d, dmin) = (halves16(s0, s1, 0), halves16(s0, s1, 16));
+            for j in 0..8 {
+                let off = 32 + 12 * j;
+                let lo = _mm_set_epi64x(
+                    std::ptr::read_unaligned(s1.add(off) as *const i64),
+                    std::ptr::read_unaligned(s0.add(off) as *const i64),
+                );
+                let v = _mm512_cvtepu8_epi32(lo);
+                let h = _mm512_inserti64x4(
+                    _mm512_castsi256_si512(_mm256_set1_epi32(std::ptr::read_unaligned(
+                        s0.add(off + 8) as *const i32,
+                    ))),
+                    _mm256_set1_epi32(std::ptr::read_unaligned(s1.add(off + 8) as *const i32)),
+                    1,
+                );
+                let sc = _mm512_or_si512(
+                    _mm512_and_si512(v, fifteen),
+                    _mm512_slli_epi32::<4>(_mm512_and_si512(_mm512_srlv_epi32(h, shifts), three)),
+                );
+                let m = _mm512_or_si512(
+                    _mm512_srli_epi32::<4>(v),
+                    _mm512_slli_epi32::<4>(_mm512_and_si512(_mm512_srlv_epi32(h, shifts_m), three)),
+                );
+                pre[sb * K_PRE + j] = _mm512_mul_ps(d, _mm512_cvtepi32_ps(sc));
+                let dm = _mm512_mul_ps(dmin, _mm512_cvtepi32_ps(m));
+                pre[sb * K_PRE + 8 + j] =
+                    _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(dm), sign));
+            }
+        }
+    }
+}
+
+/// Q6_K: for each super-block, lanes `d * sc` of its 16 sub-blocks.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+unsafe fn q6_kx8_prep(g0: *const u8, g1: *const u8, nsb: usize, pre: &mut [__m512]) {
+    for sb in 0..nsb {
+        // SAFETY: as q4_kx8_prep.
+        unsafe {
+            let (s0, s1) = (g0.add(sb * Q6_KX8_BYTES), g1.add(sb * Q6_KX8_BYTES));
+            let d = halves16(s0, s1, 0);
+            for k in 0..16 {
+                let off = 16 + 8 * k;
+                let sc = _mm_set_epi64x(
+                    std::ptr::read_unaligned(s1.add(off) as *const i64),
+                    std::ptr::read_unaligned(s0.add(off) as *const i64),
+                );
+                pre[sb * K_PRE + k] =
+                    _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(sc)));
+            }
+        }
+    }
+}
+
+/// Interleaved Q4_K groups `g0` and `g1` times N tokens: Q4_1's inner
+/// loop on each 32-weight sub-block, its scale and min from `pre`.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+unsafe fn q4_kx8_tile<const N: usize>(
+    g0: *const u8,
+    g1: *const u8,
+    nsb: usize,
+    pre: &[__m512],
+    a: &[BlockQ8A],
+    t0: usize,
+) -> [__m512; N] {
+    let nb = nsb * 8;
+    let mask = _mm512_set1_epi8(0x0F);
+    let mut acc = [_mm512_setzero_ps(); N];
+    for sb in 0..nsb {
+        // SAFETY: sb < nsb; both groups hold nsb super-blocks.
+        let (s0, s1) = unsafe { (g0.add(sb * Q4_KX8_BYTES), g1.add(sb * Q4_KX8_BYTES)) };
+        for j in 0..8 {
+            let b = sb * 8 + j;
+            let mut i32s = [_mm512_setzero_si512(); N];
+            for c in 0..4 {
+                // SAFETY: sub-block j's chunk c lies inside both super-blocks.
+                let v = unsafe { chunk16(s0, s1, 128 + 128 * j + 32 * c) };
+                let lo = _mm512_and_si512(v, mask);
+                let hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), mask);
+                for (t, acc_i) in i32s.iter_mut().enumerate() {
+                    let ab = &a[(t0 + t) * nb + b];
+                    // SAFETY: offsets 4c and 16 + 4c leave 4 bytes inside qs.
+                    let (alo, ahi) = unsafe { (bcast4(ab, 4 * c), bcast4(ab, 16 + 4 * c)) };
+                    *acc_i = _mm512_dpbusd_epi32(*acc_i, lo, alo);
+                    *acc_i = _mm512_dpbusd_epi32(*acc_i, hi, ahi);
+                }
+            }
+            let (dw, mw) = (pre[sb * K_PRE + j], pre[sb * K_PRE + 8 + j]);
+            // SAFETY: same features as this function.
+            unsafe { fold_block(&mut acc, &i32s, dw, mw, &a[b..], t0, nb) };
+        }
+    }
+    acc
+}
+
+/// Interleaved Q6_K groups `g0` and `g1` times N tokens: the 6-bit values
+/// (nibble | top bits << 4, unsigned) times the activations, each half of
+/// a 32-block summed apart (its own scale), `- 32` folded in through the
+/// blocks' half sums `hs`.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+unsafe fn q6_kx8_tile<const N: usize>(
+    g0: *const u8,
+    g1: *const u8,
+    nsb: usize,
+    pre: &[__m512],
+    a: &[BlockQ8A],
+    hs: &[[f32; 2]],
+    t0: usize,
+) -> [__m512; N] {
+    let nb = nsb * 8;
+    let (m0f, m30) = (_mm512_set1_epi8(0x0F), _mm512_set1_epi8(0x30));
+    let mut acc = [_mm512_setzero_ps(); N];
+    for sb in 0..nsb {
+        // SAFETY: sb < nsb; both groups hold nsb super-blocks.
+        let (s0, s1) = unsafe { (g0.add(sb * Q6_KX8_BYTES), g1.add(sb * Q6_KX8_BYTES)) };
+        for s in 0..8 {
+            let b = sb * 8 + s;
+            let mut ilo = [_mm512_setzero_si512(); N];
+            let mut ihi = [_mm512_setzero_si512(); N];
+            // SAFETY: block s's two planes of top bits lie inside both.
+            let planes = unsafe {
+                [
+                    chunk16(s0, s1, 1168 + 64 * s),
+                    chunk16(s0, s1, 1168 + 64 * s + 32),
+                ]
+            };
+            for c in 0..4 {
+                // SAFETY: block s's chunk c lies inside both super-blocks.
+                let v = unsafe { chunk16(s0, s1, 144 + 128 * s + 32 * c) };
+                let h = planes[c / 2];
+                let (lh, hh) = if c % 2 == 0 {
+                    (_mm512_slli_epi16(h, 4), _mm512_slli_epi16(h, 2))
+                } else {
+                    (h, _mm512_srli_epi16(h, 2))
+                };
+                let lo = _mm512_or_si512(_mm512_and_si512(v, m0f), _mm512_and_si512(lh, m30));
+                let hi = _mm512_or_si512(
+                    _mm512_and_si512(_mm512_srli_epi16(v, 4), m0f),
+                    _mm512_and_si512(hh, m30),
+                );
+                for t in 0..N {
+                    let ab = &a[(t0 + t) * nb + b];
+                    // SAFETY: offsets 4c and 16 + 4c leave 4 bytes inside qs.
+                    let (alo, ahi) = unsafe { (bcast4(ab, 4 * c), bcast4(ab, 16 + 4 * c)) };
+                    ilo[t] = _mm512_dpbusd_epi32(ilo[t], lo, alo);
+                    ihi[t] = _mm512_dpbusd_epi32(ihi[t], hi, ahi);
+                }
+            }
+            let (dlo, dhi) = (pre[sb * K_PRE + 2 * s], pre[sb * K_PRE + 2 * s + 1]);
+            for t in 0..N {
+                let ab = &a[(t0 + t) * nb + b];
+                let [slo, shi] = hs[(t0 + t) * nb + b];
+                let da = _mm512_set1_ps(ab.d);
+                acc[t] =
+                    _mm512_fmadd_ps(_mm512_cvtepi32_ps(ilo[t]), _mm512_mul_ps(dlo, da), acc[t]);
+                acc[t] = _mm512_fmadd_ps(dlo, _mm512_set1_ps(-32.0 * slo), acc[t]);
+                acc[t] =
+                    _mm512_fmadd_ps(_mm512_cvtepi32_ps(ihi[t]), _mm512_mul_ps(dhi, da), acc[t]);
+                acc[t] = _mm512_fmadd_ps(dhi, _mm512_set1_ps(-32.0 * shi), acc[t]);
+            }
+        }
+    }
+    acc
+}
+
+/// Interleaved Q4_K rows `rows` times all tokens of `x`, two groups at a
+/// time as [`q4_1x8_rows`], each pair's scales unpacked once a pass.
+///
+/// # Safety
+/// As [`q4_1x8_rows`]; `x.k` a multiple of 256.
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+pub(crate) unsafe fn q4_kx8_rows(w: &[u8], x: &Acts<'_>, rows: Range<usize>, out: OutPtr) {
+    // SAFETY: forwarded.
+    unsafe { kx8_rows(w, Q4_KX8_BYTES, false, x, rows, out) }
+}
+
+/// Interleaved Q6_K rows `rows` times all tokens of `x`, as
+/// [`q4_kx8_rows`].
+///
+/// # Safety
+/// As [`q4_1x8_rows`]; `x.k` a multiple of 256.
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+pub(crate) unsafe fn q6_kx8_rows(w: &[u8], x: &Acts<'_>, rows: Range<usize>, out: OutPtr) {
+    // SAFETY: forwarded.
+    unsafe { kx8_rows(w, Q6_KX8_BYTES, true, x, rows, out) }
+}
+
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+unsafe fn kx8_rows(
+    w: &[u8],
+    bytes: usize,
+    q6: bool,
+    x: &Acts<'_>,
+    rows: Range<usize>,
+    out: OutPtr,
+) {
+    assert_eq!(x.k % QK_K, 0);
+    let (nb, nsb) = (x.k / QK, x.k / QK_K);
+    let gb = nsb * bytes;
+    let (g_first, g_end) = (rows.start / 8, rows.end.div_ceil(8));
+    assert!(g_end * gb <= w.len());
+    assert!(x.q.len() >= x.t * nb);
+    K_SCRATCH.with(|scratch| {
+        let (pre, hs) = &mut *scratch.borrow_mut();
+        pre.clear();
+        pre.resize(nsb * K_PRE, _mm512_setzero_ps());
+        hs.clear();
+        if q6 {
+            hs.extend(x.q[..x.t * nb].iter().map(super::scalar::half_sums));
+        }
+        let mut p0 = 0;
+        while p0 < x.t {
+            let p1 = (p0 + TOKENS_PER_PASS).min(x.t);
+            let mut g = g_first;
+            while g < g_end {
+                let g1 = (g + 1).min(g_end - 1);
+                let n = 8 * (g1 - g + 1);
+                // SAFETY: g <= g1 < g_end, asserted in bounds above; the
+                // features are this function's.
+                unsafe {
+                    let (gp0, gp1) = (w.as_ptr().add(g * gb), w.as_ptr().add(g1 * gb));
+                    if q6 {
+                        q6_kx8_prep(gp0, gp1, nsb, pre);
+                    } else {
+                        q4_kx8_prep(gp0, gp1, nsb, pre);
+                    }
+                    let mut t = p0;
+                    while t < p1 {
+                        let r: ([__m512; TILE], usize) = if t + TILE <= p1 {
+                            if q6 {
+                                (q6_kx8_tile::<TILE>(gp0, gp1, nsb, pre, x.q, hs, t), TILE)
+                            } else {
+                                (q4_kx8_tile::<TILE>(gp0, gp1, nsb, pre, x.q, t), TILE)
+                            }
+                        } else {
+                            let [v] = if q6 {
+                                q6_kx8_tile::<1>(gp0, gp1, nsb, pre, x.q, hs, t)
+                            } else {
+                                q4_kx8_tile::<1>(gp0, gp1, nsb, pre, x.q, t)
+                            };
+                            ([v; TILE], 1)
+                        };
+                        for (c, v) in r.0[..r.1].iter().enumerate() {
+                            store_rows(*v, out, t + c, g * 8, n, &rows);
+                        }
+                        t += r.1;
+                    }
+                }
+                g += 2;
+            }
+            p0 = p1;
+        }
+    });
+}
 
 /// Rows of one K or V run as the AVX-512 attention reads them: sixteen
 /// values of a row at a time, widened to f32.

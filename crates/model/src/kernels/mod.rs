@@ -9,7 +9,9 @@
 use std::ops::Range;
 use std::sync::OnceLock;
 
-use crate::quant::{self, BlockQ8A, Q4_1X8_BYTES, Q8_0_BYTES, Q8_0X8_BYTES, QK};
+use crate::quant::{
+    self, BlockQ8A, Q4_1X8_BYTES, Q4_KX8_BYTES, Q6_KX8_BYTES, Q8_0_BYTES, Q8_0X8_BYTES, QK, QK_K,
+};
 
 #[cfg(target_arch = "x86_64")]
 pub mod avx2;
@@ -160,6 +162,12 @@ pub enum WData {
     /// Q8_0 weights interleaved by groups of 8 rows as `q + 128`
     /// (`quant::repack_q8_0_x8`), for the VNNI kernels.
     Q8_0x8(Bytes),
+    /// Q4_K super-blocks interleaved by groups of 8 rows at the file's
+    /// size (`quant::repack_q4_k_x8`), for the VNNI kernels.
+    Q4Kx8(Bytes),
+    /// Q6_K super-blocks interleaved by groups of 8 rows at the file's
+    /// size (`quant::repack_q6_k_x8`), for the VNNI kernels.
+    Q6Kx8(Bytes),
     /// Plain f32, row-major.
     F32(Vec<f32>),
 }
@@ -228,13 +236,16 @@ impl QMatrix {
     /// the shape (data read from a file).
     pub fn try_new(rows: usize, cols: usize, data: WData) -> Option<QMatrix> {
         let quantised = !matches!(data, WData::F32(_));
-        if quantised && !cols.is_multiple_of(QK) {
+        let k_quant = matches!(data, WData::Q4Kx8(_) | WData::Q6Kx8(_));
+        if (quantised && !cols.is_multiple_of(QK)) || (k_quant && !cols.is_multiple_of(QK_K)) {
             return None;
         }
         let (have, want) = match &data {
             WData::Q4_1x8(b) => (b.len(), rows.div_ceil(8) * (cols / QK) * Q4_1X8_BYTES),
             WData::Q8_0(b) => (b.len(), rows * (cols / QK) * Q8_0_BYTES),
             WData::Q8_0x8(b) => (b.len(), rows.div_ceil(8) * (cols / QK) * Q8_0X8_BYTES),
+            WData::Q4Kx8(b) => (b.len(), rows.div_ceil(8) * (cols / QK_K) * Q4_KX8_BYTES),
+            WData::Q6Kx8(b) => (b.len(), rows.div_ceil(8) * (cols / QK_K) * Q6_KX8_BYTES),
             WData::F32(v) => (v.len(), rows * cols),
         };
         (have == want).then(|| QMatrix::new(rows, cols, data))
@@ -246,6 +257,8 @@ impl QMatrix {
             WData::Q4_1x8(b) => (b.len(), rows.div_ceil(8) * cols / QK * Q4_1X8_BYTES),
             WData::Q8_0(b) => (b.as_slice().len(), rows * cols / QK * Q8_0_BYTES),
             WData::Q8_0x8(b) => (b.len(), rows.div_ceil(8) * cols / QK * Q8_0X8_BYTES),
+            WData::Q4Kx8(b) => (b.len(), rows.div_ceil(8) * cols / QK_K * Q4_KX8_BYTES),
+            WData::Q6Kx8(b) => (b.len(), rows.div_ceil(8) * cols / QK_K * Q6_KX8_BYTES),
             WData::F32(v) => (v.len(), rows * cols),
         };
         assert_eq!(
@@ -259,6 +272,13 @@ impl QMatrix {
                 "quantised matrix width must be a multiple of 32"
             );
         }
+        if matches!(data, WData::Q4Kx8(_) | WData::Q6Kx8(_)) {
+            assert_eq!(
+                cols % QK_K,
+                0,
+                "K-quant matrix width must be a multiple of 256"
+            );
+        }
         QMatrix { rows, cols, data }
     }
 
@@ -267,7 +287,7 @@ impl QMatrix {
         match &self.data {
             WData::Q4_1x8(b) => b.len(),
             WData::Q8_0(b) => b.as_slice().len(),
-            WData::Q8_0x8(b) => b.len(),
+            WData::Q8_0x8(b) | WData::Q4Kx8(b) | WData::Q6Kx8(b) => b.len(),
             WData::F32(v) => v.len() * 4,
         }
     }
@@ -285,6 +305,8 @@ impl QMatrix {
                 )
             }
             WData::Q8_0x8(b) => quant::dequantize_q8_0_x8_row(b, self.cols, r, out),
+            WData::Q4Kx8(b) => quant::dequantize_q4_kx8_row(b, self.cols, r, out),
+            WData::Q6Kx8(b) => quant::dequantize_q6_kx8_row(b, self.cols, r, out),
             WData::F32(v) => out.copy_from_slice(&v[r * self.cols..(r + 1) * self.cols]),
         }
     }
@@ -388,6 +410,22 @@ pub(crate) fn matmul_rows(
         // saturate on unsigned bytes up to 255); others get it only in tests.
         (WData::Q8_0x8(b), Resolved::Scalar | Resolved::Avx2) => {
             scalar::q8_0x8_rows(b, x, rows, out)
+        }
+        (WData::Q4Kx8(b), Resolved::Scalar | Resolved::Avx2) => {
+            scalar::kx8_rows(b, Q4_KX8_BYTES, scalar::dot_q4_kx8_q8a, x, rows, out)
+        }
+        (WData::Q6Kx8(b), Resolved::Scalar | Resolved::Avx2) => {
+            scalar::kx8_rows(b, Q6_KX8_BYTES, scalar::dot_q6_kx8_q8a, x, rows, out)
+        }
+        #[cfg(target_arch = "x86_64")]
+        (WData::Q4Kx8(b), Resolved::Avx512Vnni) => {
+            // SAFETY: as the other VNNI layouts.
+            unsafe { avx512::q4_kx8_rows(b, x, rows, out) }
+        }
+        #[cfg(target_arch = "x86_64")]
+        (WData::Q6Kx8(b), Resolved::Avx512Vnni) => {
+            // SAFETY: as the other VNNI layouts.
+            unsafe { avx512::q6_kx8_rows(b, x, rows, out) }
         }
         #[cfg(target_arch = "x86_64")]
         (WData::Q8_0x8(b), Resolved::Avx512Vnni) => {
@@ -620,7 +658,24 @@ mod tests {
             f: &f,
             q: &q,
         };
-        for w in &matrices {
+        let k_cols = 2 * QK_K;
+        let k_matrices = [
+            k_matrix(false, rows, k_cols, &mut s),
+            k_matrix(true, rows, k_cols, &mut s),
+        ];
+        let (kf, kq) = acts(t, k_cols, &mut s);
+        let kx = Acts {
+            t,
+            k: k_cols,
+            f: &kf,
+            q: &kq,
+        };
+        let all = matrices
+            .iter()
+            .map(|w| (w, &x))
+            .chain(k_matrices.iter().map(|w| (w, &kx)));
+        for (w, x) in all {
+            let x = *x;
             let mut pairs = vec![f32::NAN; t * rows];
             matmul_rows(
                 Resolved::Avx512Vnni,
@@ -644,6 +699,82 @@ mod tests {
             let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
             assert_eq!(bits(&pairs), bits(&shifted));
             assert_eq!(bits(&pairs), bits(&single));
+        }
+    }
+
+    /// A `rows` x `cols` Q4_K (`q6` false) or Q6_K matrix of random
+    /// super-blocks with small finite f16 scales, in the VNNI layout.
+    fn k_matrix(q6: bool, rows: usize, cols: usize, seed: &mut u64) -> QMatrix {
+        let (bb, d_at): (usize, &[usize]) = if q6 { (210, &[208]) } else { (144, &[0, 2]) };
+        let mut src: Vec<u8> = (0..rows * cols / QK_K * bb)
+            .map(|_| (rnd(seed).to_bits() >> 9) as u8)
+            .collect();
+        for b in src.chunks_exact_mut(bb) {
+            for &at in d_at {
+                let d = half::f16::from_f32(0.002 + rnd(seed).abs() * 0.01);
+                b[at..at + 2].copy_from_slice(&d.to_bits().to_le_bytes());
+            }
+        }
+        let data = if q6 {
+            WData::Q6Kx8(quant::repack_q6_k_x8(&src, rows, cols).into())
+        } else {
+            WData::Q4Kx8(quant::repack_q4_k_x8(&src, rows, cols).into())
+        };
+        QMatrix::new(rows, cols, data)
+    }
+
+    /// The K-quant layouts at the file's size: the scalar kernel is the
+    /// f32 product within 8-bit activations' error, and the VNNI kernel
+    /// is the scalar one within f32 rounding (its sums fold in another
+    /// order), rows in groups that do not fill 16, tokens in and out of
+    /// whole tiles.
+    #[test]
+    fn simd_k_quants_match_scalar_and_exact() {
+        let mut s = 9;
+        for q6 in [false, true] {
+            for &(rows, cols, t) in &[(7, 256, 1), (40, 512, 5), (24, 768, 70)] {
+                let w = k_matrix(q6, rows, cols, &mut s);
+                let (f, q) = acts(t, cols, &mut s);
+                let x = Acts {
+                    t,
+                    k: cols,
+                    f: &f,
+                    q: &q,
+                };
+                let sc = run(Resolved::Scalar, &w, &x);
+                let ex = run(Resolved::Exact, &w, &x);
+                let scale = ex
+                    .iter()
+                    .filter(|v| !v.is_nan())
+                    .fold(0f32, |a, v| a.max(v.abs()));
+                assert!(scale > 0.0);
+                for (a, b) in sc.iter().zip(&ex) {
+                    assert_eq!(a.is_nan(), b.is_nan());
+                    if !a.is_nan() {
+                        assert!(
+                            (a - b).abs() <= 0.02 * scale,
+                            "q6 {q6}: scalar {a} vs exact {b}"
+                        );
+                    }
+                }
+                for k in [Resolved::Avx2, Resolved::Avx512Vnni] {
+                    if (k == Resolved::Avx2 && !has_avx2())
+                        || (k == Resolved::Avx512Vnni && !has_avx512_vnni())
+                    {
+                        continue;
+                    }
+                    let v = run(k, &w, &x);
+                    for (a, b) in v.iter().zip(&sc) {
+                        assert_eq!(a.is_nan(), b.is_nan());
+                        if !a.is_nan() {
+                            assert!(
+                                (a - b).abs() <= 1e-5 * scale,
+                                "q6 {q6} {k:?}: {a} vs scalar {b}"
+                            );
+                        }
+                    }
+                }
+            }
         }
     }
 

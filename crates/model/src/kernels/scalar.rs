@@ -4,7 +4,10 @@ use std::cell::RefCell;
 use std::ops::Range;
 
 use super::{Acts, OutPtr, QMatrix};
-use crate::quant::{BlockQ8A, Q4_1X8_BYTES, Q8_0_BYTES, Q8_0X8_BYTES, QK, f16_at};
+use crate::quant::{
+    BlockQ8A, Q4_1X8_BYTES, Q4_KX8_BYTES, Q6_KX8_BYTES, Q8_0_BYTES, Q8_0X8_BYTES, QK, QK_K, f16_at,
+    q4_kx8_scale_min, q6_kx8_value,
+};
 
 /// Integer dot of row `lane` of an interleaved Q4_1 group with one quantised activation row.
 pub fn dot_q4_1x8_q8a(group: &[u8], lane: usize, a: &[BlockQ8A]) -> f32 {
@@ -37,6 +40,61 @@ pub fn dot_q8_0x8_q8a(group: &[u8], lane: usize, a: &[BlockQ8A]) -> f32 {
             }
         }
         sum += d * ab.d * isum as f32 + (-128.0 * d) * ab.s;
+    }
+    sum
+}
+
+/// Integer dot of row `lane` of an interleaved Q4_K group (all its
+/// super-blocks) with one quantised activation row: per 32-block
+/// `d sc da isum - dmin m s`, the scale and min as the file's, as the VNNI
+/// kernel folds them.
+pub fn dot_q4_kx8_q8a(group: &[u8], lane: usize, a: &[BlockQ8A]) -> f32 {
+    let mut sum = 0f32;
+    for (o, ab8) in group.chunks_exact(Q4_KX8_BYTES).zip(a.chunks_exact(8)) {
+        let (d, dmin) = (f16_at(o, 2 * lane), f16_at(o, 16 + 2 * lane));
+        for (j, ab) in ab8.iter().enumerate() {
+            let (sc, mn) = q4_kx8_scale_min(o, lane, j);
+            let mut isum = 0i32;
+            for c in 0..4 {
+                for k in 0..4 {
+                    let q = o[128 + 128 * j + 32 * c + 4 * lane + k];
+                    isum += (q & 0xF) as i32 * ab.qs[4 * c + k] as i32;
+                    isum += (q >> 4) as i32 * ab.qs[16 + 4 * c + k] as i32;
+                }
+            }
+            sum += isum as f32 * (d * sc as f32 * ab.d) - dmin * mn as f32 * ab.s;
+        }
+    }
+    sum
+}
+
+/// The scaled sums of an activation block's two halves:
+/// `(d * sum(qs[..16]), d * sum(qs[16..]))`, which Q6_K's `- 32` offset
+/// meets (its scales change every 16 weights).
+#[inline]
+pub fn half_sums(ab: &BlockQ8A) -> [f32; 2] {
+    let lo: i32 = ab.qs[..16].iter().map(|&v| v as i32).sum();
+    let hi: i32 = ab.qs[16..].iter().map(|&v| v as i32).sum();
+    [ab.d * lo as f32, ab.d * hi as f32]
+}
+
+/// Integer dot of row `lane` of an interleaved Q6_K group with one
+/// quantised activation row: per 16 weights `d sc (da isum - 32 s16)`
+/// with the unsigned 6-bit values, as the VNNI kernel folds them.
+pub fn dot_q6_kx8_q8a(group: &[u8], lane: usize, a: &[BlockQ8A]) -> f32 {
+    let mut sum = 0f32;
+    for (o, ab8) in group.chunks_exact(Q6_KX8_BYTES).zip(a.chunks_exact(8)) {
+        let d = f16_at(o, 2 * lane);
+        for (s, ab) in ab8.iter().enumerate() {
+            let halves = half_sums(ab);
+            for (h, hs) in halves.iter().enumerate() {
+                let dw = d * (o[16 + 8 * (2 * s + h) + lane] as i8) as f32;
+                let isum: i32 = (16 * h..16 * h + 16)
+                    .map(|i| q6_kx8_value(o, lane, s, i) as i32 * ab.qs[i] as i32)
+                    .sum();
+                sum += isum as f32 * (dw * ab.d) + dw * (-32.0 * hs);
+            }
+        }
     }
     sum
 }
@@ -90,6 +148,26 @@ pub(super) fn q8_0x8_rows(w: &[u8], x: &Acts<'_>, rows: Range<usize>, out: OutPt
         let g = &w[r / 8 * gb..(r / 8 + 1) * gb];
         for t in 0..x.t {
             out.put(t, r, dot_q8_0x8_q8a(g, r % 8, &x.q[t * nb..(t + 1) * nb]));
+        }
+    }
+}
+
+/// Rows of an interleaved K-quant matrix (`bytes` per group super-block)
+/// through `dot`, the reference for the VNNI kernels.
+pub(super) fn kx8_rows(
+    w: &[u8],
+    bytes: usize,
+    dot: fn(&[u8], usize, &[BlockQ8A]) -> f32,
+    x: &Acts<'_>,
+    rows: Range<usize>,
+    out: OutPtr,
+) {
+    let nb = x.k / QK;
+    let gb = x.k / QK_K * bytes;
+    for r in rows {
+        let g = &w[r / 8 * gb..(r / 8 + 1) * gb];
+        for t in 0..x.t {
+            out.put(t, r, dot(g, r % 8, &x.q[t * nb..(t + 1) * nb]));
         }
     }
 }
