@@ -67,6 +67,12 @@ struct ModelArgs {
     /// <cache>/layouts after the first load and maps them from there after).
     #[arg(long)]
     no_layout_cache: bool,
+    /// Keep Q4_K and Q6_K weights at the file's size (AVX-512 VNNI kernel):
+    /// less memory and fewer bytes read a decoded token, more instructions
+    /// a weight. Faster where decode is bound by memory bandwidth, slower
+    /// where the core is the limit; by default they are widened (Q4_1, Q8_0).
+    #[arg(long)]
+    compact_weights: bool,
 }
 
 /// `--model`: a known name (fetched into the cache on first use, with a
@@ -113,6 +119,7 @@ impl ModelArgs {
             } else {
                 flotilla_hub::cache_dir().ok().map(|d| d.join("layouts"))
             },
+            compact_k_quants: self.compact_weights,
             ..Default::default()
         };
         if let Some(t) = self.threads {

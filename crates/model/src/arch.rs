@@ -357,17 +357,20 @@ impl Weights {
     /// Loads every tensor in the layouts `kernel` reads, zero-copy where the
     /// file's layout is one (see [`matrix`]).
     pub fn load(g: &GgufFile, cfg: &ModelConfig, kernel: Resolved) -> Result<Weights, GgufError> {
-        Self::load_with(g, cfg, kernel, None, 1)
+        Self::load_with(g, cfg, kernel, false, None, 1)
     }
 
     /// [`Weights::load`] on `threads` threads (each converts whole
-    /// matrices, the largest first), taking each matrix the layout cache
+    /// matrices, the largest first), K-quants at the file's size where
+    /// `compact` and the kernel reads them so (see [`matrix`]), taking
+    /// each matrix the layout cache
     /// `cached` holds from it (a view of its mapped file) instead of
     /// converting it.
     pub fn load_with(
         g: &GgufFile,
         cfg: &ModelConfig,
         kernel: Resolved,
+        compact: bool,
         cached: Option<&crate::layout::Cached>,
         threads: usize,
     ) -> Result<Weights, GgufError> {
@@ -386,7 +389,7 @@ impl Weights {
                 };
                 let m = match cached.and_then(|c| c.matrix(name, *rows, *cols)) {
                     Some(m) => Ok(m),
-                    None => matrix(g, name, *rows, *cols, kernel),
+                    None => matrix(g, name, *rows, *cols, kernel, compact),
                 };
                 *done[i].lock().unwrap_or_else(|e| e.into_inner()) = Some(m);
             }
@@ -596,11 +599,12 @@ fn vector(g: &GgufFile, name: &str, n: usize) -> Result<Vec<f32>, GgufError> {
 /// Reads a `rows` x `cols` matrix into the layout `kernel` reads: Q4_0
 /// and Q4_1 as interleaved Q4_1; Q8_0 zero-copy from the file, Q5_0
 /// exactly as Q8_0, interleaved (`q + 128`) for the VNNI kernels; floats
-/// as f32. Q4_K and Q6_K: for the VNNI kernels, interleaved at the file's
-/// own size and bits (`quant::repack_q4_k_x8`, `repack_q6_k_x8`: the
-/// bytes a token reads are the file's); for AVX2 and scalar, Q4_K as
-/// interleaved Q4_1 (sub-block scales rounded to f16) and Q6_K
-/// requantised as Q8_0. For the exact kernel, K-quants are kept as f32,
+/// as f32. Q4_K and Q6_K: with `compact` and the VNNI kernels,
+/// interleaved at the file's own size and bits (`quant::repack_q4_k_x8`,
+/// `repack_q6_k_x8`: the bytes a token reads are the file's); otherwise
+/// Q4_K as interleaved Q4_1 (sub-block scales rounded to f16) and Q6_K
+/// requantised as Q8_0 (interleaved for VNNI): more bytes, fewer
+/// instructions a weight. For the exact kernel, K-quants are kept as f32,
 /// so it computes with the file's values.
 pub fn matrix(
     g: &GgufFile,
@@ -608,8 +612,10 @@ pub fn matrix(
     rows: usize,
     cols: usize,
     kernel: Resolved,
+    compact: bool,
 ) -> Result<QMatrix, GgufError> {
     let exact = kernel == Resolved::Exact;
+    let native_k = compact && kernel == Resolved::Avx512Vnni && cols.is_multiple_of(quant::QK_K);
     let t = g.tensor(name)?;
     check_shape(t, &[cols as u64, rows as u64])?;
     let bytes = g.tensor_bytes(t);
@@ -624,12 +630,8 @@ pub fn matrix(
             quant::dequantize(t.ty, bytes, &mut f);
             WData::F32(f)
         }
-        GgmlType::Q4_K if kernel == Resolved::Avx512Vnni && cols.is_multiple_of(quant::QK_K) => {
-            WData::Q4Kx8(quant::repack_q4_k_x8(bytes, rows, cols).into())
-        }
-        GgmlType::Q6_K if kernel == Resolved::Avx512Vnni && cols.is_multiple_of(quant::QK_K) => {
-            WData::Q6Kx8(quant::repack_q6_k_x8(bytes, rows, cols).into())
-        }
+        GgmlType::Q4_K if native_k => WData::Q4Kx8(quant::repack_q4_k_x8(bytes, rows, cols).into()),
+        GgmlType::Q6_K if native_k => WData::Q6Kx8(quant::repack_q6_k_x8(bytes, rows, cols).into()),
         GgmlType::Q4_1 => WData::Q4_1x8(quant::repack_q4_1_x8(bytes, rows, cols).into()),
         GgmlType::Q8_0 => WData::Q8_0(mapped()),
         GgmlType::Q5_0 => WData::Q8_0(Bytes::Owned(quant::q5_0_to_q8_0(bytes))),

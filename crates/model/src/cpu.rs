@@ -45,6 +45,13 @@ pub struct CpuConfig {
     /// from it when it holds this model's, and it is written after a load
     /// that converted them. `None`: convert at every load, write nothing.
     pub layout_cache: Option<PathBuf>,
+    /// Q4_K and Q6_K weights at the file's size (4.5 and 6.56 bits a
+    /// weight) where the kernel reads them so (AVX-512 VNNI), instead of
+    /// widened to Q4_1 and Q8_0 (5 and 8.5 bits): less memory and fewer
+    /// bytes a decoded token reads, more instructions a weight (the faster
+    /// choice where decode is bound by memory, the slower where it is
+    /// bound by the core; `docs/BENCHMARKS.md`).
+    pub compact_k_quants: bool,
 }
 
 impl Default for CpuConfig {
@@ -57,6 +64,7 @@ impl Default for CpuConfig {
             kv_dtype: KvDtype::F16,
             max_batch_tokens: 512,
             layout_cache: None,
+            compact_k_quants: false,
         }
     }
 }
@@ -160,21 +168,28 @@ fn load_weights(
     g: &GgufFile,
     cfg: &ModelConfig,
     kernel: Resolved,
+    compact: bool,
     dir: Option<&Path>,
     threads: usize,
 ) -> Result<(Weights, Option<String>), LoadError> {
     use crate::layout;
     let (Some(dir), Some(src)) = (dir, g.source()) else {
-        return Ok((Weights::load_with(g, cfg, kernel, None, threads)?, None));
+        return Ok((
+            Weights::load_with(g, cfg, kernel, compact, None, threads)?,
+            None,
+        ));
     };
     if kernel == Resolved::Exact {
         // Dequantised f32: nothing a cache would save that a map can hold.
-        return Ok((Weights::load_with(g, cfg, kernel, None, threads)?, None));
+        return Ok((
+            Weights::load_with(g, cfg, kernel, compact, None, threads)?,
+            None,
+        ));
     }
-    let path = layout::cache_path(dir, src, kernel);
-    let stale = match layout::open(&path, src, kernel) {
+    let path = layout::cache_path(dir, src, kernel, compact);
+    let stale = match layout::open(&path, src, kernel, compact) {
         Ok(Some(c)) => {
-            let w = Weights::load_with(g, cfg, kernel, Some(&c), threads)?;
+            let w = Weights::load_with(g, cfg, kernel, compact, Some(&c), threads)?;
             let note = format!(
                 "layout cache {}: {} matrices mapped",
                 path.display(),
@@ -185,8 +200,8 @@ fn load_weights(
         Ok(None) => String::new(),
         Err(why) => format!(" (the one there was not used: {why})"),
     };
-    let w = Weights::load_with(g, cfg, kernel, None, threads)?;
-    let bytes = match layout::write(&path, src, kernel, &w.matrices()) {
+    let w = Weights::load_with(g, cfg, kernel, compact, None, threads)?;
+    let bytes = match layout::write(&path, src, kernel, compact, &w.matrices()) {
         Ok(bytes) => bytes,
         Err(e) => {
             let note = format!("layout cache {}: not written{stale}: {e}", path.display());
@@ -196,9 +211,9 @@ fn load_weights(
     // The converted copy goes before the cache's pages come in, so the
     // weights are never resident twice.
     drop(w);
-    let why = match layout::open(&path, src, kernel) {
+    let why = match layout::open(&path, src, kernel, compact) {
         Ok(Some(c)) => {
-            let mapped = Weights::load_with(g, cfg, kernel, Some(&c), threads)?;
+            let mapped = Weights::load_with(g, cfg, kernel, compact, Some(&c), threads)?;
             let note = format!(
                 "layout cache {}: written{stale}, {:.1} MB, {} matrices",
                 path.display(),
@@ -216,7 +231,7 @@ fn load_weights(
         path.display()
     );
     Ok((
-        Weights::load_with(g, cfg, kernel, None, threads)?,
+        Weights::load_with(g, cfg, kernel, compact, None, threads)?,
         Some(note),
     ))
 }
@@ -269,6 +284,7 @@ impl CpuExecutor {
             g,
             &cfg,
             c.kernel.resolve(),
+            c.compact_k_quants,
             c.layout_cache.as_deref(),
             c.threads,
         )?;

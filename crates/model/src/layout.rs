@@ -41,7 +41,7 @@ const ALIGN: usize = 64;
 const PAGE: usize = 4096;
 
 /// Where the cache of `source` for `kernel` lives in `dir`.
-pub fn cache_path(dir: &Path, source: &FileIdentity, kernel: Resolved) -> PathBuf {
+pub fn cache_path(dir: &Path, source: &FileIdentity, kernel: Resolved, compact: bool) -> PathBuf {
     let stem = source
         .path
         .file_stem()
@@ -58,12 +58,20 @@ pub fn cache_path(dir: &Path, source: &FileIdentity, kernel: Resolved) -> PathBu
         });
     dir.join(format!(
         "{stem}.{}.v{LAYOUT_VERSION}.{h:016x}.layout",
-        kernel_name(kernel)
+        kernel_name(kernel, compact)
     ))
 }
 
-fn kernel_name(k: Resolved) -> String {
-    format!("{k:?}").to_lowercase()
+/// The kernel a cache was written for, and `-compact` where its K-quants
+/// are at the file's size (`CpuConfig::compact_k_quants`; only the VNNI
+/// kernels read them so).
+fn kernel_name(k: Resolved, compact: bool) -> String {
+    let compact = if compact && k == Resolved::Avx512Vnni {
+        "-compact"
+    } else {
+        ""
+    };
+    format!("{k:?}{compact}").to_lowercase()
 }
 
 struct Entry {
@@ -154,6 +162,7 @@ pub fn open(
     path: &Path,
     source: &FileIdentity,
     kernel: Resolved,
+    compact: bool,
 ) -> Result<Option<Cached>, String> {
     let file = match File::open(path) {
         Ok(f) => f,
@@ -176,7 +185,7 @@ pub fn open(
     }
     let kn = r.u8()? as usize;
     let k = String::from_utf8_lossy(r.take(kn)?).into_owned();
-    if k != kernel_name(kernel) {
+    if k != kernel_name(kernel, compact) {
         return Err(format!("written for kernel {k}"));
     }
     let (len, mtime) = (r.u64()?, r.u128()?);
@@ -230,6 +239,7 @@ pub fn write(
     path: &Path,
     source: &FileIdentity,
     kernel: Resolved,
+    compact: bool,
     mats: &[(String, &QMatrix)],
 ) -> std::io::Result<usize> {
     let held: Vec<(&str, u8, &QMatrix, &[u8])> = mats
@@ -261,7 +271,7 @@ pub fn write(
             entries.extend_from_slice(&(v as u64).to_le_bytes());
         }
     }
-    let kn = kernel_name(kernel);
+    let kn = kernel_name(kernel, compact);
     let fixed = 8 + 4 + 1 + kn.len() + 8 + 16 + 4 + 8 + 4;
     let data_start = (fixed + entries.len()).next_multiple_of(PAGE);
     // The CRC of the entry table and of the data region as it will lie in

@@ -106,6 +106,7 @@ fn exec_kv(path: &Path, kernel: Kernel, kv_dtype: KvDtype) -> CpuExecutor {
         num_blocks: 64,
         max_batch_tokens: 64,
         layout_cache: None,
+        compact_k_quants: false,
     };
     CpuExecutor::load(&path.join("model.gguf"), &cfg).expect("load the tiny model")
 }

@@ -306,7 +306,8 @@ unsafe fn q6_kx8_prep(g0: *const u8, g1: *const u8, nsb: usize, pre: &mut [__m51
 }
 
 /// Interleaved Q4_K groups `g0` and `g1` times N tokens: Q4_1's inner
-/// loop on each 32-weight sub-block, its scale and min from `pre`.
+/// loop on each 32-weight sub-block, its scale and min from `pre` (or,
+/// where `pre` is empty, unpacked from each super-block as it is reached).
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
 unsafe fn q4_kx8_tile<const N: usize>(
@@ -320,9 +321,17 @@ unsafe fn q4_kx8_tile<const N: usize>(
     let nb = nsb * 8;
     let mask = _mm512_set1_epi8(0x0F);
     let mut acc = [_mm512_setzero_ps(); N];
+    let mut local = [_mm512_setzero_ps(); K_PRE];
     for sb in 0..nsb {
         // SAFETY: sb < nsb; both groups hold nsb super-blocks.
         let (s0, s1) = unsafe { (g0.add(sb * Q4_KX8_BYTES), g1.add(sb * Q4_KX8_BYTES)) };
+        let p: &[__m512] = if pre.is_empty() {
+            // SAFETY: one super-block of each group; same features.
+            unsafe { q4_kx8_prep(s0, s1, 1, &mut local) };
+            &local
+        } else {
+            &pre[sb * K_PRE..(sb + 1) * K_PRE]
+        };
         for j in 0..8 {
             let b = sb * 8 + j;
             let mut i32s = [_mm512_setzero_si512(); N];
@@ -339,7 +348,7 @@ unsafe fn q4_kx8_tile<const N: usize>(
                     *acc_i = _mm512_dpbusd_epi32(*acc_i, hi, ahi);
                 }
             }
-            let (dw, mw) = (pre[sb * K_PRE + j], pre[sb * K_PRE + 8 + j]);
+            let (dw, mw) = (p[j], p[8 + j]);
             // SAFETY: same features as this function.
             unsafe { fold_block(&mut acc, &i32s, dw, mw, &a[b..], t0, nb) };
         }
@@ -365,9 +374,17 @@ unsafe fn q6_kx8_tile<const N: usize>(
     let nb = nsb * 8;
     let (m0f, m30) = (_mm512_set1_epi8(0x0F), _mm512_set1_epi8(0x30));
     let mut acc = [_mm512_setzero_ps(); N];
+    let mut local = [_mm512_setzero_ps(); K_PRE];
     for sb in 0..nsb {
         // SAFETY: sb < nsb; both groups hold nsb super-blocks.
         let (s0, s1) = unsafe { (g0.add(sb * Q6_KX8_BYTES), g1.add(sb * Q6_KX8_BYTES)) };
+        let p: &[__m512] = if pre.is_empty() {
+            // SAFETY: one super-block of each group; same features.
+            unsafe { q6_kx8_prep(s0, s1, 1, &mut local) };
+            &local
+        } else {
+            &pre[sb * K_PRE..(sb + 1) * K_PRE]
+        };
         for s in 0..8 {
             let b = sb * 8 + s;
             let mut ilo = [_mm512_setzero_si512(); N];
@@ -401,7 +418,7 @@ unsafe fn q6_kx8_tile<const N: usize>(
                     ihi[t] = _mm512_dpbusd_epi32(ihi[t], hi, ahi);
                 }
             }
-            let (dlo, dhi) = (pre[sb * K_PRE + 2 * s], pre[sb * K_PRE + 2 * s + 1]);
+            let (dlo, dhi) = (p[2 * s], p[2 * s + 1]);
             for t in 0..N {
                 let ab = &a[(t0 + t) * nb + b];
                 let [slo, shi] = hs[(t0 + t) * nb + b];
@@ -475,11 +492,17 @@ unsafe fn kx8_rows(
                 // features are this function's.
                 unsafe {
                     let (gp0, gp1) = (w.as_ptr().add(g * gb), w.as_ptr().add(g1 * gb));
-                    if q6 {
+                    // A pass of a tile or two (a decode) unpacks each
+                    // super-block's scales where the tile reads it, in
+                    // the stream of its weights; a longer one unpacks
+                    // them all first, once for all its tiles.
+                    let inline = p1 - p0 <= 2 * TILE;
+                    if !inline && q6 {
                         q6_kx8_prep(gp0, gp1, nsb, pre);
-                    } else {
+                    } else if !inline {
                         q4_kx8_prep(gp0, gp1, nsb, pre);
                     }
+                    let pre: &[__m512] = if inline { &[] } else { pre };
                     let mut t = p0;
                     while t < p1 {
                         let r: ([__m512; TILE], usize) = if t + TILE <= p1 {
