@@ -34,8 +34,8 @@ use crate::kernels::{Bytes, QMatrix, Resolved, WData};
 
 /// Bumped whenever a layout a kernel reads, or this file's format, changes
 /// (2: the CRC covers the entry table too; 3: Q4_K and Q6_K at the file's
-/// size for the VNNI kernels).
-pub const LAYOUT_VERSION: u32 = 3;
+/// size for the VNNI kernels; 4: those only in `-compact` caches).
+pub const LAYOUT_VERSION: u32 = 4;
 const MAGIC: &[u8; 8] = b"FLOTLAYT";
 const ALIGN: usize = 64;
 const PAGE: usize = 4096;
