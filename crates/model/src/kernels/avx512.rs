@@ -87,6 +87,39 @@ unsafe fn bcast4(ab: &BlockQ8A, at: usize) -> __m512i {
     }
 }
 
+/// The integer sums of one 32-weight block of Q4_1x8 nibbles (four
+/// 32-byte chunks at byte offset `off` of `b0` and `b1`: a byte holds
+/// weight `i` low and `i + 16` high) with block `b` of N tokens from
+/// `t0` (`nb` blocks a token): Q4_1x8's and Q4Kx8's inner loop.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+unsafe fn nibble_sums<const N: usize>(
+    b0: *const u8,
+    b1: *const u8,
+    off: usize,
+    a: &[BlockQ8A],
+    t0: usize,
+    nb: usize,
+    b: usize,
+) -> [__m512i; N] {
+    let mask = _mm512_set1_epi8(0x0F);
+    let mut i32s = [_mm512_setzero_si512(); N];
+    for j in 0..4 {
+        // SAFETY: the caller's blocks hold 128 bytes at `off`.
+        let v = unsafe { chunk16(b0, b1, off + 32 * j) };
+        let lo = _mm512_and_si512(v, mask);
+        let hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), mask);
+        for (c, acc) in i32s.iter_mut().enumerate() {
+            let ab = &a[(t0 + c) * nb + b];
+            // SAFETY: offsets 4j and 16 + 4j leave 4 bytes inside qs.
+            let (alo, ahi) = unsafe { (bcast4(ab, 4 * j), bcast4(ab, 16 + 4 * j)) };
+            *acc = _mm512_dpbusd_epi32(*acc, lo, alo);
+            *acc = _mm512_dpbusd_epi32(*acc, hi, ahi);
+        }
+    }
+    i32s
+}
+
 /// Interleaved Q4_1 groups `g0` and `g1` (rows in the low and the high
 /// eight lanes; `g1 == g0` for a last odd group) times N tokens: each
 /// activation broadcast feeds 16 rows. Integer sums are exact and the
@@ -100,26 +133,13 @@ unsafe fn q4_1x8_tile<const N: usize>(
     a: &[BlockQ8A],
     t0: usize,
 ) -> [__m512; N] {
-    let mask = _mm512_set1_epi8(0x0F);
     let mut acc = [_mm512_setzero_ps(); N];
     for b in 0..nb {
         // SAFETY: b < nb; both groups hold nb blocks.
         let (b0, b1) = unsafe { (g0.add(b * Q4_1X8_BYTES), g1.add(b * Q4_1X8_BYTES)) };
         let (dw, mw) = unsafe { (halves16(b0, b1, 0), halves16(b0, b1, 16)) };
-        let mut i32s = [_mm512_setzero_si512(); N];
-        for j in 0..4 {
-            // SAFETY: chunk j lies inside both blocks.
-            let v = unsafe { chunk16(b0, b1, 32 + 32 * j) };
-            let lo = _mm512_and_si512(v, mask);
-            let hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), mask);
-            for c in 0..N {
-                let ab = &a[(t0 + c) * nb + b];
-                // SAFETY: offsets 4j and 16 + 4j leave 4 bytes inside qs.
-                let (alo, ahi) = unsafe { (bcast4(ab, 4 * j), bcast4(ab, 16 + 4 * j)) };
-                i32s[c] = _mm512_dpbusd_epi32(i32s[c], lo, alo);
-                i32s[c] = _mm512_dpbusd_epi32(i32s[c], hi, ahi);
-            }
-        }
+        // SAFETY: the nibbles lie at 32..160 of both blocks.
+        let i32s = unsafe { nibble_sums::<N>(b0, b1, 32, a, t0, nb, b) };
         // SAFETY: same features as this function.
         unsafe { fold_block(&mut acc, &i32s, dw, mw, &a[b..], t0, nb) };
     }
@@ -319,7 +339,6 @@ unsafe fn q4_kx8_tile<const N: usize>(
     t0: usize,
 ) -> [__m512; N] {
     let nb = nsb * 8;
-    let mask = _mm512_set1_epi8(0x0F);
     let mut acc = [_mm512_setzero_ps(); N];
     let mut local = [_mm512_setzero_ps(); K_PRE];
     for sb in 0..nsb {
@@ -334,20 +353,8 @@ unsafe fn q4_kx8_tile<const N: usize>(
         };
         for j in 0..8 {
             let b = sb * 8 + j;
-            let mut i32s = [_mm512_setzero_si512(); N];
-            for c in 0..4 {
-                // SAFETY: sub-block j's chunk c lies inside both super-blocks.
-                let v = unsafe { chunk16(s0, s1, 128 + 128 * j + 32 * c) };
-                let lo = _mm512_and_si512(v, mask);
-                let hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), mask);
-                for (t, acc_i) in i32s.iter_mut().enumerate() {
-                    let ab = &a[(t0 + t) * nb + b];
-                    // SAFETY: offsets 4c and 16 + 4c leave 4 bytes inside qs.
-                    let (alo, ahi) = unsafe { (bcast4(ab, 4 * c), bcast4(ab, 16 + 4 * c)) };
-                    *acc_i = _mm512_dpbusd_epi32(*acc_i, lo, alo);
-                    *acc_i = _mm512_dpbusd_epi32(*acc_i, hi, ahi);
-                }
-            }
+            // SAFETY: sub-block j's nibbles lie inside both super-blocks.
+            let i32s = unsafe { nibble_sums::<N>(s0, s1, 128 + 128 * j, a, t0, nb, b) };
             let (dw, mw) = (p[j], p[8 + j]);
             // SAFETY: same features as this function.
             unsafe { fold_block(&mut acc, &i32s, dw, mw, &a[b..], t0, nb) };
