@@ -53,8 +53,9 @@ struct ModelArgs {
     /// Tokens per KV block.
     #[arg(long, default_value_t = 16)]
     block_size: usize,
-    /// Matrix kernels: auto (the best SIMD this CPU has), avx512 (AVX-512
-    /// VNNI), avx2, scalar, or exact (f32 reference, slow).
+    /// Matrix kernels: auto (the best this CPU has), amx (AVX-512 VNNI with
+    /// AMX tiles for the products of many tokens: the same results),
+    /// avx512 (AVX-512 VNNI), avx2, scalar, or exact (f32 reference, slow).
     #[arg(long, default_value = "auto")]
     kernel: String,
     /// Where the model runs: cpu, or cuda / cuda:N (an NVIDIA GPU; f16 or int8 KV

@@ -615,7 +615,7 @@ pub fn matrix(
     compact: bool,
 ) -> Result<QMatrix, GgufError> {
     let exact = kernel == Resolved::Exact;
-    let native_k = compact && kernel == Resolved::Avx512Vnni && cols.is_multiple_of(quant::QK_K);
+    let native_k = compact && kernel.vnni() && cols.is_multiple_of(quant::QK_K);
     let t = g.tensor(name)?;
     check_shape(t, &[cols as u64, rows as u64])?;
     let bytes = g.tensor_bytes(t);
@@ -650,7 +650,7 @@ pub fn matrix(
     };
     // The VNNI kernels read Q8_0 interleaved, eight rows per load.
     let data = match data {
-        WData::Q8_0(b) if kernel == Resolved::Avx512Vnni => {
+        WData::Q8_0(b) if kernel.vnni() => {
             WData::Q8_0x8(quant::repack_q8_0_x8(b.as_slice(), rows, cols).into())
         }
         other => other,

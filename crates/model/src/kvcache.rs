@@ -739,11 +739,7 @@ pub(crate) fn attend_run(
 /// 16 (one softmax step per block, as the row-major kernel takes), and at
 /// least a full tile of query rows.
 fn lanes_kernel(kernel: Resolved, hd: usize, bs: usize, rows: usize) -> bool {
-    cfg!(target_arch = "x86_64")
-        && kernel == Resolved::Avx512Vnni
-        && hd.is_multiple_of(16)
-        && bs == 16
-        && rows >= 16
+    cfg!(target_arch = "x86_64") && kernel.vnni() && hd.is_multiple_of(16) && bs == 16 && rows >= 16
 }
 
 /// The blocks `table` (each seen whole by every one of the `rows` query
@@ -907,7 +903,7 @@ fn block_step(
         };
     }
     #[cfg(target_arch = "x86_64")]
-    if kernel == Resolved::Avx512Vnni && hd.is_multiple_of(16) {
+    if kernel.vnni() && hd.is_multiple_of(16) {
         // SAFETY: AVX-512 resolved only when present; rows sized by the caller.
         unsafe { simd_block!(crate::kernels::avx512::attend_block) };
         return;

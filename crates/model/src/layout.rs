@@ -66,12 +66,8 @@ pub fn cache_path(dir: &Path, source: &FileIdentity, kernel: Resolved, compact: 
 /// are at the file's size (`CpuConfig::compact_k_quants`; only the VNNI
 /// kernels read them so).
 fn kernel_name(k: Resolved, compact: bool) -> String {
-    let compact = if compact && k == Resolved::Avx512Vnni {
-        "-compact"
-    } else {
-        ""
-    };
-    format!("{k:?}{compact}").to_lowercase()
+    let compact = if compact && k.vnni() { "-compact" } else { "" };
+    format!("{:?}{compact}", k.layout()).to_lowercase()
 }
 
 struct Entry {

@@ -24,7 +24,7 @@ const TOKENS_PER_PASS: usize = 64;
 /// groups' blocks), as 16 f32 lanes, `b0`'s low.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
-unsafe fn halves16(b0: *const u8, b1: *const u8, off: usize) -> __m512 {
+pub(super) unsafe fn halves16(b0: *const u8, b1: *const u8, off: usize) -> __m512 {
     // SAFETY: the caller's blocks hold 16 bytes at `off`.
     unsafe {
         _mm512_cvtph_ps(_mm256_inserti128_si256(
@@ -39,7 +39,7 @@ unsafe fn halves16(b0: *const u8, b1: *const u8, off: usize) -> __m512 {
 /// 512-bit register, `b0`'s low.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
-unsafe fn chunk16(b0: *const u8, b1: *const u8, off: usize) -> __m512i {
+pub(super) unsafe fn chunk16(b0: *const u8, b1: *const u8, off: usize) -> __m512i {
     // SAFETY: the caller's blocks hold 32 bytes at `off`.
     unsafe {
         _mm512_inserti64x4(
@@ -184,7 +184,14 @@ unsafe fn q8_0x8_tile<const N: usize>(
 /// paired with itself), keeping only rows inside `rows`.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c,avx512f")]
-unsafe fn store_rows(v: __m512, out: OutPtr, t: usize, r0: usize, n: usize, rows: &Range<usize>) {
+pub(super) unsafe fn store_rows(
+    v: __m512,
+    out: OutPtr,
+    t: usize,
+    r0: usize,
+    n: usize,
+    rows: &Range<usize>,
+) {
     let mut buf = [0f32; 16];
     // SAFETY: buf has 16 floats.
     unsafe { _mm512_storeu_ps(buf.as_mut_ptr(), v) };

@@ -14,6 +14,8 @@ use crate::quant::{
 };
 
 #[cfg(target_arch = "x86_64")]
+pub mod amx;
+#[cfg(target_arch = "x86_64")]
 pub mod avx2;
 #[cfg(target_arch = "x86_64")]
 pub mod avx512;
@@ -23,8 +25,12 @@ pub mod scalar;
 /// Which implementation the matrix products use.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Kernel {
-    /// Best SIMD for this CPU, chosen at run time: AVX-512 VNNI, else AVX2.
+    /// Best SIMD for this CPU, chosen at run time: AMX, else AVX-512
+    /// VNNI, else AVX2.
     Auto,
+    /// AVX-512 VNNI, with AMX tiles for the products of many tokens
+    /// (the same results to the bit).
+    Amx,
     /// AVX-512 F/BW/VL + VNNI for the quantised products (AVX2 elsewhere).
     Avx512,
     /// AVX2 + FMA + F16C.
@@ -37,8 +43,9 @@ pub enum Kernel {
 
 impl Kernel {
     /// Every choice, by the name `--kernel` takes.
-    pub const ALL: [(&'static str, Kernel); 5] = [
+    pub const ALL: [(&'static str, Kernel); 6] = [
         ("auto", Kernel::Auto),
+        ("amx", Kernel::Amx),
         ("avx512", Kernel::Avx512),
         ("avx2", Kernel::Avx2),
         ("scalar", Kernel::Scalar),
@@ -77,6 +84,7 @@ impl Kernel {
     /// Whether this CPU can run the choice.
     pub fn supported(self) -> bool {
         match self {
+            Kernel::Amx => has_amx(),
             Kernel::Avx512 => has_avx512_vnni(),
             Kernel::Avx2 => has_avx2(),
             Kernel::Auto | Kernel::Scalar | Kernel::Exact => true,
@@ -89,9 +97,14 @@ impl Kernel {
         match self {
             Kernel::Exact => Resolved::Exact,
             Kernel::Scalar => Resolved::Scalar,
-            Kernel::Avx512 | Kernel::Auto if has_avx512_vnni() => Resolved::Avx512Vnni,
-            Kernel::Avx512 | Kernel::Avx2 | Kernel::Auto if has_avx2() => Resolved::Avx2,
-            Kernel::Avx512 | Kernel::Avx2 | Kernel::Auto => Resolved::Scalar,
+            Kernel::Amx | Kernel::Auto if has_amx() => Resolved::Amx,
+            Kernel::Amx | Kernel::Avx512 | Kernel::Auto if has_avx512_vnni() => {
+                Resolved::Avx512Vnni
+            }
+            Kernel::Amx | Kernel::Avx512 | Kernel::Avx2 | Kernel::Auto if has_avx2() => {
+                Resolved::Avx2
+            }
+            Kernel::Amx | Kernel::Avx512 | Kernel::Avx2 | Kernel::Auto => Resolved::Scalar,
         }
     }
 }
@@ -99,6 +112,9 @@ impl Kernel {
 /// A concrete kernel choice.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Resolved {
+    /// [`Resolved::Avx512Vnni`], with the products of at least
+    /// [`amx::MIN_TOKENS`] tokens on AMX tiles (the same bits).
+    Amx,
     /// AVX-512 VNNI for the quantised products, AVX2 for the rest.
     Avx512Vnni,
     /// x86-64 AVX2 + FMA + F16C.
@@ -113,7 +129,34 @@ impl Resolved {
     /// Whether the AVX2 kernels (attention, norms, activations) may run.
     #[inline(always)]
     pub fn avx2(self) -> bool {
-        matches!(self, Resolved::Avx2 | Resolved::Avx512Vnni)
+        matches!(self, Resolved::Avx2 | Resolved::Amx | Resolved::Avx512Vnni)
+    }
+
+    /// Whether the AVX-512 VNNI kernels (and their weight layouts) run.
+    #[inline(always)]
+    pub fn vnni(self) -> bool {
+        matches!(self, Resolved::Amx | Resolved::Avx512Vnni)
+    }
+
+    /// The kernel whose weight layouts this one reads (AMX reads the
+    /// VNNI kernels'), which names a layout cache.
+    pub fn layout(self) -> Resolved {
+        match self {
+            Resolved::Amx => Resolved::Avx512Vnni,
+            k => k,
+        }
+    }
+}
+
+/// Whether this CPU and OS give this process AMX tiles (see [`amx::has_amx`]).
+pub fn has_amx() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        amx::has_amx()
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        false
     }
 }
 
@@ -418,28 +461,40 @@ pub(crate) fn matmul_rows(
             scalar::kx8_rows(b, Q6_KX8_BYTES, scalar::dot_q6_kx8_q8a, x, rows, out)
         }
         #[cfg(target_arch = "x86_64")]
-        (WData::Q4Kx8(b), Resolved::Avx512Vnni) => {
+        (WData::Q8_0x8(b), Resolved::Amx) if x.t >= amx::MIN_TOKENS && has_amx() => {
+            // SAFETY: `has_amx` (asked here too, as `Resolved` is public: it
+            // is what grants the process the tiles) implies AVX-512 VNNI;
+            // shapes asserted inside.
+            unsafe { amx::q8_0x8_rows(b, x, rows, out) }
+        }
+        #[cfg(target_arch = "x86_64")]
+        (WData::Q4_1x8(b), Resolved::Amx) if x.t >= amx::MIN_TOKENS && has_amx() => {
+            // SAFETY: as above.
+            unsafe { amx::q4_1x8_rows(b, x, rows, out) }
+        }
+        #[cfg(target_arch = "x86_64")]
+        (WData::Q4Kx8(b), Resolved::Avx512Vnni | Resolved::Amx) => {
             // SAFETY: as the other VNNI layouts.
             unsafe { avx512::q4_kx8_rows(b, x, rows, out) }
         }
         #[cfg(target_arch = "x86_64")]
-        (WData::Q6Kx8(b), Resolved::Avx512Vnni) => {
+        (WData::Q6Kx8(b), Resolved::Avx512Vnni | Resolved::Amx) => {
             // SAFETY: as the other VNNI layouts.
             unsafe { avx512::q6_kx8_rows(b, x, rows, out) }
         }
         #[cfg(target_arch = "x86_64")]
-        (WData::Q8_0x8(b), Resolved::Avx512Vnni) => {
+        (WData::Q8_0x8(b), Resolved::Avx512Vnni | Resolved::Amx) => {
             // SAFETY: Avx512Vnni is only resolved when the CPU has AVX-512
             // F/BW/VL/VNNI and AVX2; shapes asserted inside.
             unsafe { avx512::q8_0x8_rows(b, x, rows, out) }
         }
         #[cfg(target_arch = "x86_64")]
-        (WData::Q4_1x8(b), Resolved::Avx512Vnni) => {
+        (WData::Q4_1x8(b), Resolved::Avx512Vnni | Resolved::Amx) => {
             // SAFETY: as above.
             unsafe { avx512::q4_1x8_rows(b, x, rows, out) }
         }
         #[cfg(target_arch = "x86_64")]
-        (WData::F32(v), Resolved::Avx2 | Resolved::Avx512Vnni) => {
+        (WData::F32(v), Resolved::Avx2 | Resolved::Avx512Vnni | Resolved::Amx) => {
             // SAFETY: Avx2 is only resolved when the CPU has AVX2, FMA and F16C.
             unsafe { avx2::f32_rows(v, x, rows, out) }
         }
@@ -450,13 +505,13 @@ pub(crate) fn matmul_rows(
             unsafe { avx2::q4_1x8_rows(b, x, rows, out) }
         }
         #[cfg(target_arch = "x86_64")]
-        (WData::Q8_0(b), Resolved::Avx2 | Resolved::Avx512Vnni) => {
+        (WData::Q8_0(b), Resolved::Avx2 | Resolved::Avx512Vnni | Resolved::Amx) => {
             assert!(x.q.len() >= x.t * x.k / QK);
             // SAFETY: as above; shapes asserted.
             unsafe { avx2::q8_0_rows(b.as_slice(), x, rows, out) }
         }
         #[cfg(not(target_arch = "x86_64"))]
-        (_, Resolved::Avx2 | Resolved::Avx512Vnni) => {
+        (_, Resolved::Avx2 | Resolved::Avx512Vnni | Resolved::Amx) => {
             unreachable!("x86 SIMD is never resolved off x86-64")
         }
     }
@@ -773,6 +828,74 @@ mod tests {
                             );
                         }
                     }
+                }
+            }
+        }
+    }
+
+    /// The AMX kernels give the VNNI kernels' results to the bit: both
+    /// layouts they read, token counts in and out of whole tiles (a last
+    /// tile of 1 to 16 rows) and passes, row ranges that split a group
+    /// pair and groups that do not fill one. Where CI names `amx` in
+    /// `FLOTILLA_REQUIRE_KERNELS`, a CPU without it fails here.
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    fn amx_is_vnni_to_the_bit() {
+        let required = std::env::var("FLOTILLA_REQUIRE_KERNELS").unwrap_or_default();
+        if !has_amx() {
+            assert!(
+                !required.split(',').any(|r| r.trim() == "amx"),
+                "FLOTILLA_REQUIRE_KERNELS names amx, which this CPU or OS does not give"
+            );
+            eprintln!("no AMX on this CPU: not checked here");
+            return;
+        }
+        assert_eq!(Kernel::Auto.resolve(), Resolved::Amx);
+        let mut s = 11;
+        let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+        for &(rows, cols) in &[(40, 64), (33, 576), (8, 1536), (24, 96)] {
+            let wf: Vec<f32> = (0..rows * cols).map(|_| rnd(&mut s)).collect();
+            let q8 = quantize_q8_0(&wf);
+            let matrices = [
+                q4_1_matrix(rows, cols, &mut s),
+                QMatrix::new(
+                    rows,
+                    cols,
+                    WData::Q8_0x8(quant::repack_q8_0_x8(&q8, rows, cols).into()),
+                ),
+            ];
+            for t in [1, 3, 4, 15, 16, 17, 40, 129, 300] {
+                let (f, q) = acts(t, cols, &mut s);
+                let x = Acts {
+                    t,
+                    k: cols,
+                    f: &f,
+                    q: &q,
+                };
+                for w in &matrices {
+                    let vnni = run(Resolved::Avx512Vnni, w, &x);
+                    assert!(vnni.iter().any(|v| v.is_finite()));
+                    // Through the dispatch (AMX from MIN_TOKENS on) and
+                    // straight into the tiles at every count.
+                    assert_eq!(
+                        bits(&run(Resolved::Amx, w, &x)),
+                        bits(&vnni),
+                        "{rows}x{cols} t {t}"
+                    );
+                    let mut out = vec![f32::NAN; t * (w.rows + 3)];
+                    let o = OutPtr::new(&mut out, w.rows + 3, 2);
+                    let mid = w.rows / 3;
+                    for r in [0..mid, mid..w.rows] {
+                        // SAFETY: has_amx checked above; shapes as matmul_rows asserts.
+                        unsafe {
+                            match &w.data {
+                                WData::Q4_1x8(b) => amx::q4_1x8_rows(b, &x, r, o),
+                                WData::Q8_0x8(b) => amx::q8_0x8_rows(b, &x, r, o),
+                                _ => unreachable!(),
+                            }
+                        }
+                    }
+                    assert_eq!(bits(&out), bits(&vnni), "tiles: {rows}x{cols} t {t}");
                 }
             }
         }

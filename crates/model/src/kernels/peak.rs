@@ -1,6 +1,6 @@
 //! This CPU's int8 multiply-add peak, measured: what the matrix kernels'
-//! instruction (VNNI `vpdpbusd` on 512-bit registers, AVX2 `vpmaddubsw` +
-//! `vpmaddwd` on 256-bit ones) sustains when nothing but it runs, on every
+//! instruction (AMX `tdpbsud` on full tiles, VNNI `vpdpbusd` on 512-bit
+//! registers, AVX2 `vpmaddubsw` + `vpmaddwd` on 256-bit ones) sustains when nothing but it runs, on every
 //! thread at once. `bench-model` puts a prefill's multiply-adds beside it.
 
 use super::Resolved;
@@ -13,6 +13,8 @@ pub fn int8_peak_gops(kernel: Resolved, threads: usize) -> Option<f64> {
         #[cfg(target_arch = "x86_64")]
         // SAFETY (of the calls below): resolved only where the CPU has it.
         Resolved::Avx512Vnni => || unsafe { vnni_loop() },
+        #[cfg(target_arch = "x86_64")]
+        Resolved::Amx => || unsafe { super::amx::peak_loop(ITERS / 64) },
         #[cfg(target_arch = "x86_64")]
         Resolved::Avx2 => || unsafe { avx2_loop() },
         _ => return None,
