@@ -3,6 +3,7 @@
 
 mod alloc;
 mod bench;
+mod memory;
 mod node;
 mod serve;
 mod transport_bench;

@@ -58,7 +58,9 @@ pub struct ServeArgs {
     /// Token budget of one step (prefill chunks + decodes).
     #[arg(long)]
     pub max_num_batched_tokens: Option<usize>,
-    /// Fraction of available memory for the KV cache (default 0.1).
+    /// Fraction of memory for the KV cache (default 0.1): of the memory
+    /// cgroup's limit less the weights where one is set (a container's
+    /// limit), else of the host's available memory.
     #[arg(long)]
     pub kv_cache_fraction: Option<f64>,
     /// KV cache size in bytes (overrides --kv-cache-fraction).
@@ -166,13 +168,6 @@ impl Clock for MonotonicClock {
     fn now(&self) -> Duration {
         self.0.elapsed()
     }
-}
-
-fn mem_available_bytes() -> Option<u64> {
-    let s = std::fs::read_to_string("/proc/meminfo").ok()?;
-    let line = s.lines().find(|l| l.starts_with("MemAvailable:"))?;
-    let kb: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
-    Some(kb * 1024)
 }
 
 fn load_config(args: &ServeArgs) -> Result<(ClusterConfig, String)> {
@@ -328,8 +323,19 @@ pub fn resolve(args: &ServeArgs) -> Result<Resolved> {
         .map_err(anyhow::Error::msg)?;
     let bytes_per_block =
         kv_dtype.bytes_per_block(lc.n_layer, lc.n_head_kv, lc.head_dim, block_size) as u64;
-    let kv_bytes = match args.kv_cache_bytes.or(e.kv_cache_bytes) {
-        Some(b) => b,
+    // The memory a fraction is of: the memory cgroup's limit less the
+    // weights (the file's tensor bytes) where a limit is set, else the
+    // host's available memory (`/ready` shows which).
+    let weights: u64 = g.tensors().iter().map(|t| t.len as u64).sum();
+    let budget = crate::memory::MemoryBudget::detect(weights);
+    let (kv_bytes, memory) = match args.kv_cache_bytes.or(e.kv_cache_bytes) {
+        Some(b) => (
+            b,
+            budget.map_or_else(
+                |why| serde_json::json!({ "source": "--kv-cache-bytes", "note": why }),
+                |m| m.to_json(),
+            ),
+        ),
         None => {
             let f = args
                 .kv_cache_fraction
@@ -337,8 +343,10 @@ pub fn resolve(args: &ServeArgs) -> Result<Resolved> {
                 .unwrap_or(0.1);
             check_kv_cache_fraction(f)
                 .map_err(|why| anyhow::anyhow!("--kv-cache-fraction {f} {why}"))?;
-            let avail = mem_available_bytes().unwrap_or(4 << 30);
-            (avail as f64 * f) as u64
+            let m = budget.map_err(|why| anyhow::anyhow!("sizing the KV cache: {why}"))?;
+            let mut j = m.to_json();
+            j["kv_cache_fraction"] = serde_json::json!(f);
+            ((m.bytes as f64 * f) as u64, j)
         }
     };
     let num_blocks = kv_bytes / bytes_per_block;
@@ -430,6 +438,7 @@ pub fn resolve(args: &ServeArgs) -> Result<Resolved> {
         "kv_offload_bytes": settings.kv_offload_bytes,
         "queue_timeout_s": settings.queue_timeout.as_secs_f64(),
         "step_time_max_ms": settings.step_time_max.map(|d| d.as_secs_f64() * 1000.0),
+        "memory": memory,
     });
     Ok(Resolved {
         server_info,

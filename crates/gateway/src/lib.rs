@@ -508,6 +508,9 @@ async fn ready(State(gw): Shared) -> Response {
             "recompute_us_per_block": s.kv.offload.recompute_ns as f64 / 1e3,
         },
         "preemptions": s.preemptions,
+        // What the KV cache was sized from (a container's memory limit or
+        // the host's), where this process loaded the model.
+        "memory": gw.cfg.server_info.get("memory").cloned().unwrap_or(serde_json::Value::Null),
         "nodes": s.nodes.iter().map(|n| json!({
             "name": n.name, "up": n.up, "epoch": n.epoch, "in_flight": n.in_flight,
             "routed": n.routed, "downs": n.downs, "moved_away": n.moved_away,

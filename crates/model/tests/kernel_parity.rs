@@ -20,7 +20,7 @@
 //!
 //! A kernel the CPU lacks is named and skipped, so a machine whose CPU
 //! differs from the last one's checks its own paths;
-//! `FLOTILLA_REQUIRE_KERNELS=avx2,avx512` makes a missing one a failure.
+//! `FLOTILLA_REQUIRE_KERNELS=avx2,avx512,amx` makes a missing one a failure.
 
 use std::path::PathBuf;
 
@@ -79,7 +79,11 @@ type KernelCase = (&'static str, Kernel, bool);
 fn kernels() -> Vec<KernelCase> {
     let required = std::env::var("FLOTILLA_REQUIRE_KERNELS").unwrap_or_default();
     let mut out = Vec::new();
-    for (name, k) in [("avx2", Kernel::Avx2), ("avx512", Kernel::Avx512)] {
+    for (name, k) in [
+        ("avx2", Kernel::Avx2),
+        ("avx512", Kernel::Avx512),
+        ("amx", Kernel::Amx),
+    ] {
         if k.supported() {
             out.push((name, k, false));
             if k == Kernel::Avx512 {
@@ -96,11 +100,15 @@ fn kernels() -> Vec<KernelCase> {
     out
 }
 
-/// The best kernel this CPU has, in each of its layouts.
+/// The best kernel this CPU has, and the compact K-quant layout where the
+/// CPU reads it (AMX reads the VNNI layouts, so AVX-512 VNNI's compact
+/// case stands for both).
 fn best_kernel() -> Vec<KernelCase> {
     let all = kernels();
     let best = all.last().map(|k| k.1);
-    all.into_iter().filter(|k| Some(k.1) == best).collect()
+    all.into_iter()
+        .filter(|k| Some(k.1) == best || k.2)
+        .collect()
 }
 
 /// Largest |a - b| over a row of log-probabilities.
