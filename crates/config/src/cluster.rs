@@ -87,6 +87,9 @@ pub struct Node {
     pub bulk_port: u16,
     /// Where the OpenAI API listens (TCP); set on the router and only there.
     pub http: Option<SocketAddr>,
+    /// An engine node's observability address (TCP): `/metrics`, `/health`,
+    /// `/ready` and `/config`, no API. None: the node serves no HTTP.
+    pub metrics: Option<SocketAddr>,
 }
 
 impl ClusterSection {
@@ -159,6 +162,7 @@ pub(crate) struct RawNode {
     listen: Option<String>,
     bulk_port: Option<i64>,
     http: Option<String>,
+    metrics: Option<String>,
 }
 
 /// Builds an error at a byte offset of the file.
@@ -486,6 +490,27 @@ fn node(raw: &RawNode, fail: &dyn Fn(String) -> ConfigError) -> Result<Node, Con
             ))
         })?),
     };
+    let metrics = match (&raw.metrics, role) {
+        (None, _) => None,
+        (Some(_), Role::Router) => {
+            return Err(fail(format!(
+                "node '{name}': metrics is for engine nodes (the router serves /metrics on its http address)"
+            )));
+        }
+        (Some(m), _) => {
+            let a = m.parse::<SocketAddr>().map_err(|_| {
+                fail(format!(
+                    "node '{name}': metrics '{m}' is not a socket address (ip:port, e.g. 0.0.0.0:9400)"
+                ))
+            })?;
+            if a.port() == 0 {
+                return Err(fail(format!(
+                    "node '{name}': metrics '{m}' needs a port in 1..=65535 (a scraper dials a fixed port)"
+                )));
+            }
+            Some(a)
+        }
+    };
     Ok(Node {
         name: name.clone(),
         role,
@@ -493,6 +518,7 @@ fn node(raw: &RawNode, fail: &dyn Fn(String) -> ConfigError) -> Result<Node, Con
         listen,
         bulk_port,
         http,
+        metrics,
     })
 }
 
@@ -855,6 +881,31 @@ addr = "[::1]:7402"
                 "addr = \"W:7400\"\nlisten = \"0.0.0.0:7402\"",
             );
         refused_at_node(&text, 2, &["addr 'W:7400' is also node 'worker-1''s"]);
+    }
+
+    #[test]
+    fn an_engine_node_may_have_a_metrics_address_and_the_router_may_not() {
+        let c = parse(&format!("{TIERS}{NODES}").replace(
+            "addr = \"127.0.0.1:7402\"",
+            "addr = \"127.0.0.1:7402\"\nmetrics = \"0.0.0.0:9402\"",
+        ));
+        assert_eq!(c.nodes[2].metrics, Some("0.0.0.0:9402".parse().unwrap()));
+        assert!(c.nodes[..2].iter().all(|n| n.metrics.is_none()));
+        for (bad, why) in [
+            ("metrics = \"9402\"", "is not a socket address"),
+            ("metrics = \"0.0.0.0:0\"", "needs a port"),
+        ] {
+            let text = format!("{TIERS}{NODES}").replace(
+                "addr = \"127.0.0.1:7402\"",
+                &format!("addr = \"127.0.0.1:7402\"\n{bad}"),
+            );
+            refused_at_node(&text, 2, &["node 'worker-2'", why]);
+        }
+        let text = format!("{TIERS}{NODES}").replace(
+            "addr = \"127.0.0.1:7400\"",
+            "addr = \"127.0.0.1:7400\"\nmetrics = \"127.0.0.1:9400\"",
+        );
+        refused_at_node(&text, 0, &["node 'router'", "metrics is for engine nodes"]);
     }
 
     #[test]

@@ -79,6 +79,13 @@ pub enum CertsCmd {
         /// router, worker (mixed), prefill or decode.
         #[arg(long)]
         role: String,
+        /// Days the certificate is valid (1 to 3650).
+        #[arg(long, default_value_t = 365)]
+        days: u64,
+        /// Replace the node's existing certificate and key (a new key);
+        /// restart the node to use them.
+        #[arg(long)]
+        renew: bool,
     },
 }
 
@@ -88,10 +95,29 @@ pub fn certs(cmd: CertsCmd) -> Result<()> {
             tls::init_ca(&dir)?;
             println!("created the cluster CA in {}", dir.display());
         }
-        CertsCmd::Issue { dir, node, role } => {
+        CertsCmd::Issue {
+            dir,
+            node,
+            role,
+            days,
+            renew,
+        } => {
             let role: Role = role.parse().map_err(anyhow::Error::msg)?;
-            tls::issue(&dir, &node, role)?;
-            println!("issued {node} ({role}) in {}", dir.display());
+            let validity = Duration::from_secs(days.saturating_mul(86_400));
+            let until = tls::issue_for(&dir, &node, role, validity, renew)?;
+            let days_left = until
+                .duration_since(std::time::SystemTime::now())
+                .map_or(0, |d| d.as_secs() / 86_400);
+            println!(
+                "{} {node} ({role}) in {}, valid for {days_left} more days{}",
+                if renew { "renewed" } else { "issued" },
+                dir.display(),
+                if renew {
+                    ": restart the node to use it"
+                } else {
+                    ""
+                }
+            );
         }
     }
     Ok(())
@@ -247,10 +273,21 @@ pub fn run(args: NodeArgs) -> Result<()> {
         } else {
             let r = serve::resolve(&args.serve)?;
             let metrics = Arc::new(Metrics::new()?);
+            let text = Arc::new(r.text);
+            let scrape = node.metrics.map(|addr| {
+                let mut info = r.server_info.clone();
+                info["role"] = serde_json::json!(node.role.to_string());
+                info["node"] = serde_json::json!(node.name);
+                let gw = GatewayConfig {
+                    server_info: info,
+                    ..GatewayConfig::new(r.model_name.clone(), r.max_model_len, r.cluster.clone())
+                };
+                (addr, gw, text.clone(), metrics.clone())
+            });
             let blocks = r.sched.num_blocks;
             let dtype = r.exec.kv_spec().dtype;
             let exec: Box<dyn Executor> = r.exec;
-            let constraints = flotilla_grammar::compiler_for(&r.text)
+            let constraints = flotilla_grammar::compiler_for(&text)
                 .map_err(|e| anyhow::anyhow!("structured output over this tokenizer: {e}"))?;
             let engine = spawn_engine(
                 exec,
@@ -266,13 +303,33 @@ pub fn run(args: NodeArgs) -> Result<()> {
             )
             .await
             .context("starting the engine")?;
+            let engine = Arc::new(engine);
+            // The node's own /metrics, /health and /ready, where it has an
+            // address for them (the Router's page shows the cluster's view).
+            let mut scrape_at = String::new();
+            if let Some((addr, gw, text, metrics)) = scrape {
+                let app = flotilla_gateway::observability_router(
+                    engine.clone() as Arc<dyn flotilla_engine::Engine>,
+                    text,
+                    metrics,
+                    gw,
+                );
+                let listener = tokio::net::TcpListener::bind(addr)
+                    .await
+                    .with_context(|| format!("node {}: cannot listen on metrics {addr}", node.name))?;
+                scrape_at = format!("; metrics at http://{}/metrics", listener.local_addr()?);
+                tokio::spawn(async move {
+                    if let Err(e) = axum::serve(listener, app).await {
+                        tracing::warn!("the metrics address stopped: {e}");
+                    }
+                });
+            }
             let quic = quic_options(&cl, id, faults);
             eprintln!(
-                "flotilla: node {} ({}) on QUIC {} epoch {}; KV cache {blocks} {dtype} blocks",
+                "flotilla: node {} ({}) on QUIC {} epoch {}; KV cache {blocks} {dtype} blocks{scrape_at}",
                 node.name, node.role, node.listen, quic.epoch
             );
             let settings = node_settings(&cfg, &cl, vec![cl.router().0], node.role, &r.model_name);
-            let engine = Arc::new(engine);
             // Every role moves KV: prefill and decode nodes for P/D, and
             // any node a drained one's requests move to (or from).
             let kv: Option<Arc<dyn KvMigration>> = Some(engine.clone() as _);

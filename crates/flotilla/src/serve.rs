@@ -40,7 +40,8 @@ pub struct ServeArgs {
     /// Serve without API keys, as one default tenant (ignores the config's tenants).
     #[arg(long)]
     pub no_auth: bool,
-    /// Address to listen on.
+    /// Address to listen on. Any but loopback needs --config (your own API
+    /// keys) or --no-auth: the built-in example keys are public.
     #[arg(long, default_value = "127.0.0.1")]
     pub host: String,
     /// Port to listen on.
@@ -131,7 +132,9 @@ pub struct ServeArgs {
     /// Export a trace of each request (HTTP front, queue, prefill chunks,
     /// KV transfer, decode steps) to this OTLP/HTTP receiver (protobuf,
     /// posted to URL/v1/traces), e.g. http://127.0.0.1:4318. Config:
-    /// `[telemetry] otlp_endpoint`. Default: off (nothing is recorded).
+    /// `[telemetry] otlp_endpoint`; else OTEL_EXPORTER_OTLP_TRACES_ENDPOINT
+    /// or OTEL_EXPORTER_OTLP_ENDPOINT (with OTEL_EXPORTER_OTLP_HEADERS,
+    /// OTEL_SERVICE_NAME, OTEL_TRACES_SAMPLER(_ARG)). Default: off.
     #[arg(long)]
     pub otlp_endpoint: Option<String>,
     /// Fraction of requests traced (a client's sampled `traceparent` is
@@ -150,15 +153,27 @@ pub fn tracing_from(
     clock: &dyn Clock,
 ) -> Result<Option<flotilla_telemetry::Tracing>> {
     let t = &cfg.telemetry;
-    let Some(endpoint) = args.otlp_endpoint.as_ref().or(t.otlp_endpoint.as_ref()) else {
-        return Ok(None);
-    };
+    // Flags, then the config, then the standard OTEL_* variables.
+    let env = flotilla_telemetry::OtelEnv::from_env()?;
     let ratio = args
         .otlp_sample_ratio
         .or(t.otlp_sample_ratio)
+        .or(env.sample_ratio)
         .unwrap_or(1.0);
+    let service = env.service_name.as_deref().unwrap_or("flotilla");
     let epoch = std::time::SystemTime::now() - clock.now();
-    let tr = flotilla_telemetry::Tracing::otlp(endpoint, ratio, "flotilla", instance, epoch)?;
+    let tr = match (
+        args.otlp_endpoint.as_ref().or(t.otlp_endpoint.as_ref()),
+        &env.traces_url,
+    ) {
+        (Some(endpoint), _) => {
+            flotilla_telemetry::Tracing::otlp(endpoint, ratio, service, instance, epoch)?
+        }
+        (None, Some(url)) => {
+            flotilla_telemetry::Tracing::otlp_url(url, ratio, service, instance, epoch)?
+        }
+        (None, None) => return Ok(None),
+    };
     Ok(Some(tr))
 }
 
@@ -454,6 +469,23 @@ pub fn resolve(args: &ServeArgs) -> Result<Resolved> {
     })
 }
 
+/// Without `--config` the server takes the example config, whose API keys
+/// are published in this repository: fine on loopback, an open door on any
+/// other address. There it starts only with a config of the operator's
+/// own keys or with `--no-auth` (openly, on purpose). Checked before the
+/// model loads.
+fn refuse_example_keys_off_loopback(args: &ServeArgs, addr: SocketAddr) -> Result<()> {
+    if args.config.is_none() && !args.no_auth && !addr.ip().is_loopback() {
+        bail!(
+            "serve --host {}: without --config the example config's API keys, published in \
+             this repository, would guard an address other machines can reach; give a config \
+             with your own keys (--config FILE) or serve without keys on purpose (--no-auth)",
+            addr.ip()
+        );
+    }
+    Ok(())
+}
+
 pub fn run(args: ServeArgs) -> Result<()> {
     let filter = tracing_subscriber::EnvFilter::try_from_env("FLOTILLA_LOG")
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn"));
@@ -464,15 +496,21 @@ pub fn run(args: ServeArgs) -> Result<()> {
         // stderr to a log file, where escape codes are noise.
         .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .init();
-    let r = resolve(&args)?;
-    let addr: SocketAddr = format!("{}:{}", args.host, args.port)
+    // An IPv4 or IPv6 address, bracketed or not.
+    let ip: std::net::IpAddr = args
+        .host
+        .trim_start_matches('[')
+        .trim_end_matches(']')
         .parse()
         .with_context(|| {
             format!(
-                "--host {} --port {} is not an address",
-                args.host, args.port
+                "--host {} is not an IP address (e.g. 127.0.0.1, 0.0.0.0, ::1)",
+                args.host
             )
         })?;
+    let addr = SocketAddr::new(ip, args.port);
+    refuse_example_keys_off_loopback(&args, addr)?;
+    let r = resolve(&args)?;
     let rt = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()?;

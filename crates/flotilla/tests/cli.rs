@@ -261,3 +261,46 @@ fn bench_model_measures_a_prompt_at_depth() {
         );
     }
 }
+
+/// `serve` off loopback without `--config` refuses before it loads the
+/// model (a model path that does not exist is never reached), and says
+/// what to do; `--no-auth` or a config gets past the check (to the model's
+/// own error here), as does loopback.
+#[test]
+fn serve_refuses_the_example_keys_off_loopback() {
+    let run = |extra: &[&str]| {
+        let out = flotilla()
+            .args(["serve", "--port", "0", "--model", "/nonexistent/model.gguf"])
+            .args(extra)
+            .output()
+            .unwrap();
+        assert!(!out.status.success());
+        String::from_utf8_lossy(&out.stderr).into_owned()
+    };
+    for host in ["0.0.0.0", "::", "192.0.2.7"] {
+        let e = run(&["--host", host]);
+        assert!(
+            e.contains("example config's API keys")
+                && e.contains("--no-auth")
+                && e.contains("--config"),
+            "{host}: {e}"
+        );
+    }
+    let cfg = format!(
+        "{}/../../cluster-configs/single-node.toml",
+        env!("CARGO_MANIFEST_DIR")
+    );
+    for extra in [
+        &["--host", "0.0.0.0", "--no-auth"][..],
+        &["--host", "0.0.0.0", "--config", &cfg][..],
+        &["--host", "127.0.0.1"][..],
+        &["--host", "::1"][..],
+    ] {
+        let e = run(extra);
+        assert!(!e.contains("example config's API keys"), "{extra:?}: {e}");
+        assert!(
+            e.contains("nonexistent"),
+            "{extra:?} should reach the model: {e}"
+        );
+    }
+}

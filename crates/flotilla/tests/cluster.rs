@@ -227,13 +227,23 @@ fn start_cluster_full(roles: &[&str], model: &Path, w1_extra: &[&str]) -> Cluste
 
 /// As [`start_cluster_full`], with `more` appended to the config file.
 fn start_cluster_config(roles: &[&str], model: &Path, w1_extra: &[&str], more: &str) -> Cluster {
+    start_cluster_edited(roles, model, w1_extra, &|text| text + more)
+}
+
+/// As [`start_cluster_full`], the config's text passed through `edit`.
+fn start_cluster_edited(
+    roles: &[&str],
+    model: &Path,
+    w1_extra: &[&str],
+    edit: &dyn Fn(String) -> String,
+) -> Cluster {
     let (dir, certs) = certs_dir(roles);
     let config = dir.0.join("cluster.toml");
     let addrs: Vec<String> = (0..=roles.len())
         .map(|_| format!("127.0.0.1:{}", free_port()))
         .collect();
     let http = format!("127.0.0.1:{}", free_tcp_port());
-    let text = config_text(&certs, &addrs, http, roles) + more;
+    let text = edit(config_text(&certs, &addrs, http, roles));
     std::fs::write(&config, text).unwrap();
     let model = model.to_str().unwrap();
     let on = ["--model", model];
@@ -359,6 +369,66 @@ async fn openai_client_through_router_and_two_workers() {
         .map(|n| node(&r, n)["routed"].as_u64().unwrap())
         .sum();
     assert!(routed >= 5, "requests did not go through the workers: {r}");
+}
+
+/// An engine node with a `metrics` address serves its own engine's
+/// `/metrics` (steps, TPOT, KV), `/health` and `/ready` there, and no API.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_engine_node_is_scrapeable_on_its_metrics_address() {
+    let port = free_tcp_port();
+    let c = start_cluster_edited(&["worker"], &flotilla_hub::test_model_path(), &[], &|t| {
+        let at = t.find("name = \"worker-1\"").unwrap();
+        let mut t = t;
+        t.insert_str(at, &format!("metrics = \"127.0.0.1:{port}\"\n"));
+        t
+    });
+    let m = format!("http://127.0.0.1:{port}");
+    wait_for(&c.base, "the worker up", |r| {
+        node(r, "worker-1")["up"] == true
+    })
+    .await;
+    let n = 4;
+    for i in 0..n {
+        let r = post(&c.base, &completion(&format!("Count to {i}:"), 8, false)).await;
+        assert_eq!(r.status(), 200);
+    }
+    let health = client().get(format!("{m}/health")).send().await.unwrap();
+    assert_eq!(health.status(), 200);
+    let r = client().get(format!("{m}/ready")).send().await.unwrap();
+    assert_eq!(r.status(), 200);
+    let r: Value = r.json().await.unwrap();
+    assert!(r["kv_blocks"]["total"].as_u64().unwrap() > 0, "{r}");
+    assert!(r["steps"].as_u64().unwrap() > 0, "{r}");
+    assert!(r["memory"]["budget_bytes"].as_u64().is_some(), "{r}");
+    let text = client()
+        .get(format!("{m}/metrics"))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    let total = |name: &str| -> f64 {
+        text.lines()
+            .filter(|l| l.starts_with(name))
+            .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+            .sum()
+    };
+    assert!(
+        total("flotilla_time_per_output_token_seconds_count") >= n as f64,
+        "{text}"
+    );
+    assert!(total("flotilla_step_time_seconds_count") > 0.0, "{text}");
+    assert!(text.contains("flotilla_kv_blocks"), "{text}");
+    // No API on the metrics address.
+    let api = post(&m, &completion("Hello", 4, false)).await;
+    assert_eq!(api.status(), 404);
+    let drain = client()
+        .post(format!("{m}/admin/drain"))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(drain.status(), 404);
 }
 
 /// Long streams with distinct prompts for [`four_streams`].

@@ -74,6 +74,16 @@ fn start(config_text: &str, extra: &[&str]) -> Server {
 
 /// As [`start`], on the model file at `model`.
 fn start_model(model: &std::path::Path, config_text: &str, extra: &[&str]) -> Server {
+    start_env(model, config_text, extra, &[])
+}
+
+/// As [`start_model`], with `env` set in the server's environment.
+fn start_env(
+    model: &std::path::Path,
+    config_text: &str,
+    extra: &[&str],
+    env: &[(&str, &str)],
+) -> Server {
     let dir = std::env::temp_dir().join(format!(
         "flotilla-serve-test-{}-{}",
         std::process::id(),
@@ -95,6 +105,7 @@ fn start_model(model: &std::path::Path, config_text: &str, extra: &[&str]) -> Se
             &["--kv-cache-bytes", "200000000"][..]
         })
         .args(extra)
+        .envs(env.iter().copied())
         .stderr(Stdio::piped())
         .stdout(Stdio::null())
         .spawn()
@@ -786,6 +797,63 @@ async fn the_offload_tier_restores_evicted_prefixes_with_the_same_text() {
         "preemption through the tier changed a text"
     );
     assert_eq!(end["kv_blocks"]["used"], 0, "{end}");
+}
+
+/// Without `--otlp-endpoint`, the standard OpenTelemetry variables turn
+/// tracing on: the endpoint, the exporter's headers (an auth token a
+/// collector would check) and the service name reach the receiver.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn serve_follows_the_standard_otel_environment() {
+    let rx = common::OtlpReceiver::start().await;
+    let srv = start_env(
+        &flotilla_hub::test_model_path(),
+        &config(4, 16),
+        &["--speculative", "off"],
+        &[
+            ("OTEL_EXPORTER_OTLP_ENDPOINT", &rx.endpoint),
+            (
+                "OTEL_EXPORTER_OTLP_HEADERS",
+                "x-collector-token=t%20ok,x-team=serving",
+            ),
+            ("OTEL_SERVICE_NAME", "flotilla-eu-west"),
+            ("OTEL_TRACES_SAMPLER", "parentbased_always_on"),
+        ],
+    );
+    let v = paid_completion(
+        &client(),
+        &srv.base,
+        completion("Hello", 4, false),
+        &json!({}),
+    )
+    .await;
+    assert_eq!(v["usage"]["completion_tokens"], 4);
+    let spans = rx
+        .wait_for("the request's HTTP span", |s| {
+            s.iter().any(|g| g.name == "POST /v1/completions")
+        })
+        .await;
+    assert!(
+        spans.iter().all(|g| g.service == "flotilla-eu-west"),
+        "{spans:?}"
+    );
+    let headers = rx.headers.lock().unwrap().clone();
+    for (k, v) in [("x-collector-token", "t ok"), ("x-team", "serving")] {
+        assert!(
+            headers.iter().any(|(hk, hv)| hk == k && hv == v),
+            "{k}: {v} not in {headers:?}"
+        );
+    }
+    // A sampler the variables cannot mean is refused at start, by name.
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_flotilla"))
+        .args(["serve", "--port", "0", "--model"])
+        .arg(flotilla_hub::test_model_path())
+        .env("OTEL_EXPORTER_OTLP_ENDPOINT", &rx.endpoint)
+        .env("OTEL_TRACES_SAMPLER", "sometimes")
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let e = String::from_utf8_lossy(&out.stderr);
+    assert!(e.contains("OTEL_TRACES_SAMPLER sometimes"), "{e}");
 }
 
 /// `serve --otlp-endpoint` against a real OTLP/HTTP receiver: two traced

@@ -124,6 +124,32 @@ pub fn router(
         .with_state(gw)
 }
 
+/// An engine node's observability service: `/metrics`, `/health`, `/ready`
+/// and `/config` as the API router serves them, for this node's engine
+/// alone; no API and no admin endpoint (everything else is 404).
+pub fn observability_router(
+    engine: Arc<dyn Engine>,
+    text: Arc<TextSide>,
+    metrics: Arc<Metrics>,
+    cfg: GatewayConfig,
+) -> Router {
+    let gw = Arc::new(Gateway {
+        engine,
+        text,
+        metrics,
+        cfg,
+        requests: AtomicU64::new(0),
+    });
+    Router::new()
+        .route("/config", get(config))
+        .route("/health", get(health))
+        .route("/ready", get(ready))
+        .route("/metrics", get(prometheus_text))
+        .fallback(not_found)
+        .method_not_allowed_fallback(method_not_allowed)
+        .with_state(gw)
+}
+
 impl Gateway {
     /// Answers a refusal and counts it; the one exit of every refused request.
     fn refuse(&self, tier: &str, err: ApiError) -> Response {

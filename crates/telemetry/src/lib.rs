@@ -6,7 +6,7 @@
 
 pub mod trace;
 
-pub use trace::{EventRec, KeyValue, ServerSpan, SpanRec, TraceError, Tracing, Value};
+pub use trace::{EventRec, KeyValue, OtelEnv, ServerSpan, SpanRec, TraceError, Tracing, Value};
 
 use opentelemetry::metrics::{Counter, Gauge, Histogram, Meter, MeterProvider};
 use opentelemetry_sdk::metrics::SdkMeterProvider;

@@ -46,6 +46,82 @@ pub enum TraceError {
     /// The exporter could not be built.
     #[error("OTLP exporter: {0}")]
     Exporter(String),
+    /// A standard OpenTelemetry environment variable holds what it cannot.
+    #[error("{0}")]
+    Env(String),
+}
+
+/// Trace export settings from the standard OpenTelemetry environment
+/// variables; a caller's flags and config take precedence. Headers
+/// (`OTEL_EXPORTER_OTLP_HEADERS`, `OTEL_EXPORTER_OTLP_TRACES_HEADERS`:
+/// `key=value,...`, values URL-decoded) are read by the exporter itself.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct OtelEnv {
+    /// Where spans are posted: `OTEL_EXPORTER_OTLP_TRACES_ENDPOINT` as
+    /// written, else `OTEL_EXPORTER_OTLP_ENDPOINT` + `/v1/traces`.
+    pub traces_url: Option<String>,
+    /// `OTEL_SERVICE_NAME`.
+    pub service_name: Option<String>,
+    /// `OTEL_TRACES_SAMPLER` (with `OTEL_TRACES_SAMPLER_ARG`) as the share
+    /// of new traces sampled: `always_on` 1, `always_off` 0,
+    /// `traceidratio` / `parentbased_*` the argument (default 1). A
+    /// client's sampled `traceparent` is always followed.
+    pub sample_ratio: Option<f64>,
+}
+
+impl OtelEnv {
+    /// Reads the process's environment.
+    pub fn from_env() -> Result<OtelEnv, TraceError> {
+        OtelEnv::from_lookup(&|k| std::env::var(k).ok().filter(|v| !v.trim().is_empty()))
+    }
+
+    /// Reads the variables through `get`.
+    pub fn from_lookup(get: &dyn Fn(&str) -> Option<String>) -> Result<OtelEnv, TraceError> {
+        let traces_url = get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT").or_else(|| {
+            get("OTEL_EXPORTER_OTLP_ENDPOINT")
+                .map(|b| format!("{}/v1/traces", b.trim().trim_end_matches('/')))
+        });
+        if let Some(u) = &traces_url
+            && !(u.starts_with("http://") || u.starts_with("https://"))
+        {
+            return Err(TraceError::Env(format!(
+                "OTEL_EXPORTER_OTLP_(TRACES_)ENDPOINT {u}: expected an http:// or https:// URL \
+                 of an OTLP/HTTP receiver"
+            )));
+        }
+        let arg = || -> Result<f64, TraceError> {
+            match get("OTEL_TRACES_SAMPLER_ARG") {
+                None => Ok(1.0),
+                Some(a) => a
+                    .trim()
+                    .parse::<f64>()
+                    .ok()
+                    .filter(|r| (0.0..=1.0).contains(r))
+                    .ok_or_else(|| {
+                        TraceError::Env(format!(
+                            "OTEL_TRACES_SAMPLER_ARG {a}: expected a number in 0..=1"
+                        ))
+                    }),
+            }
+        };
+        let sample_ratio = match get("OTEL_TRACES_SAMPLER").as_deref().map(str::trim) {
+            None => None,
+            Some("always_on" | "parentbased_always_on") => Some(1.0),
+            Some("always_off" | "parentbased_always_off") => Some(0.0),
+            Some("traceidratio" | "parentbased_traceidratio") => Some(arg()?),
+            Some(other) => {
+                return Err(TraceError::Env(format!(
+                    "OTEL_TRACES_SAMPLER {other}: expected always_on, always_off, traceidratio \
+                     or their parentbased_ forms"
+                )));
+            }
+        };
+        Ok(OtelEnv {
+            traces_url,
+            service_name: get("OTEL_SERVICE_NAME"),
+            sample_ratio,
+        })
+    }
 }
 
 /// One finished span of a request, in the measuring component's clock,
@@ -157,6 +233,28 @@ impl Tracing {
         if !(base.starts_with("http://") || base.starts_with("https://")) {
             return Err(TraceError::Endpoint(endpoint.into()));
         }
+        Tracing::otlp_url(
+            &format!("{base}/v1/traces"),
+            ratio,
+            service,
+            instance,
+            epoch,
+        )
+    }
+
+    /// As [`Tracing::otlp`], posting to `traces_url` as written (the
+    /// standard `OTEL_EXPORTER_OTLP_TRACES_ENDPOINT`).
+    pub fn otlp_url(
+        traces_url: &str,
+        ratio: f64,
+        service: &str,
+        instance: &str,
+        epoch: SystemTime,
+    ) -> Result<Tracing, TraceError> {
+        let endpoint = traces_url;
+        if !(endpoint.starts_with("http://") || endpoint.starts_with("https://")) {
+            return Err(TraceError::Endpoint(endpoint.into()));
+        }
         if !(0.0..=1.0).contains(&ratio) {
             return Err(TraceError::Ratio(ratio));
         }
@@ -164,7 +262,7 @@ impl Tracing {
         let exporter = opentelemetry_otlp::SpanExporter::builder()
             .with_http()
             .with_protocol(opentelemetry_otlp::Protocol::HttpBinary)
-            .with_endpoint(format!("{base}/v1/traces"))
+            .with_endpoint(traces_url)
             .with_timeout(Duration::from_secs(10))
             .build()
             .map_err(|e| TraceError::Endpoint(format!("{endpoint} ({e})")))?;
@@ -394,6 +492,63 @@ mod tests {
             "not a header",
         ] {
             assert_eq!(parse_traceparent(bad, None), None, "{bad:?}");
+        }
+    }
+
+    #[test]
+    fn the_standard_environment_variables_are_read() {
+        let env = |vars: &'static [(&'static str, &'static str)]| {
+            OtelEnv::from_lookup(&move |k| {
+                vars.iter()
+                    .find(|(n, _)| *n == k)
+                    .map(|(_, v)| v.to_string())
+            })
+        };
+        assert_eq!(env(&[]).unwrap(), OtelEnv::default());
+        let e = env(&[
+            ("OTEL_EXPORTER_OTLP_ENDPOINT", "http://collector:4318/"),
+            ("OTEL_SERVICE_NAME", "flotilla-eu"),
+            ("OTEL_TRACES_SAMPLER", "parentbased_traceidratio"),
+            ("OTEL_TRACES_SAMPLER_ARG", "0.25"),
+        ])
+        .unwrap();
+        assert_eq!(
+            e.traces_url.as_deref(),
+            Some("http://collector:4318/v1/traces")
+        );
+        assert_eq!(e.service_name.as_deref(), Some("flotilla-eu"));
+        assert_eq!(e.sample_ratio, Some(0.25));
+        // The signal's own endpoint is used as written and wins.
+        let e = env(&[
+            ("OTEL_EXPORTER_OTLP_ENDPOINT", "http://a:4318"),
+            (
+                "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT",
+                "https://b/custom/path",
+            ),
+            ("OTEL_TRACES_SAMPLER", "always_off"),
+        ])
+        .unwrap();
+        assert_eq!(e.traces_url.as_deref(), Some("https://b/custom/path"));
+        assert_eq!(e.sample_ratio, Some(0.0));
+        for (vars, what) in [
+            (
+                &[("OTEL_TRACES_SAMPLER", "sometimes")][..],
+                "OTEL_TRACES_SAMPLER sometimes",
+            ),
+            (
+                &[
+                    ("OTEL_TRACES_SAMPLER", "traceidratio"),
+                    ("OTEL_TRACES_SAMPLER_ARG", "2"),
+                ][..],
+                "OTEL_TRACES_SAMPLER_ARG 2",
+            ),
+            (
+                &[("OTEL_EXPORTER_OTLP_ENDPOINT", "collector:4318")][..],
+                "collector:4318",
+            ),
+        ] {
+            let e = env(vars).unwrap_err().to_string();
+            assert!(e.contains(what), "{e}");
         }
     }
 

@@ -40,10 +40,14 @@ const CA_KEY: &str = "ca.key";
 /// Start of the cluster CA's common name; the rest is taken from its public key.
 const CA_COMMON_NAME: &str = "Flotilla cluster CA";
 
-/// How long a node certificate is valid.
-const NODE_VALIDITY: Duration = Duration::from_secs(10 * 365 * 86_400);
-/// How long the CA is valid: twice a node certificate's life, so nodes issued in
-/// the CA's first ten years expire before the CA that vouches for them.
+/// How long a node certificate is valid unless its issuer says otherwise
+/// (`flotilla certs issue --days`): a year, renewed with `--renew`.
+pub const NODE_VALIDITY_DEFAULT: Duration = Duration::from_secs(365 * 86_400);
+/// The longest a node certificate may be valid: ten years, half the CA's
+/// life, so nodes issued in the CA's first ten years expire before the CA
+/// that vouches for them.
+pub const NODE_VALIDITY_MAX: Duration = Duration::from_secs(10 * 365 * 86_400);
+/// How long the CA is valid.
 const CA_VALIDITY: Duration = Duration::from_secs(20 * 365 * 86_400);
 /// How far back validity starts, so a peer whose clock is behind the issuer's
 /// still accepts a certificate issued a moment ago.
@@ -61,10 +65,22 @@ pub enum TlsError {
         source: io::Error,
     },
     /// `init_ca` or `issue` found the file already there; nothing is overwritten.
-    #[error("{} already exists; refusing to overwrite it", path.display())]
+    #[error(
+        "{} already exists; refusing to overwrite it (a node's certificate is replaced with \
+         `flotilla certs issue ... --renew`)",
+        path.display()
+    )]
     Exists {
         /// The file that exists.
         path: PathBuf,
+    },
+    /// A node certificate's lifetime outside what `issue_for` allows.
+    #[error("a node certificate valid for {days} days: expected 1 to {max_days}")]
+    Validity {
+        /// Days asked for.
+        days: u64,
+        /// The most allowed.
+        max_days: u64,
     },
     /// A file does not hold the PEM item expected (certificate or private key).
     #[error("{}: bad PEM: {source}", path.display())]
@@ -211,13 +227,37 @@ pub fn init_ca(dir: &Path) -> Result<(), TlsError> {
 /// Issues a node certificate signed by the CA in `dir`: writes `NODE.pem` and `NODE.key` (0600); refuses to overwrite.
 ///
 /// The certificate carries a DNS SAN equal to the node name, a URI SAN
-/// `urn:flotilla:role:ROLE`, is valid for about ten years and may be used for
+/// `urn:flotilla:role:ROLE`, is valid for a year ([`NODE_VALIDITY_DEFAULT`]) and may be used for
 /// both TLS server and client auth.
 pub fn issue(dir: &Path, node: &str, role: Role) -> Result<(), TlsError> {
+    issue_for(dir, node, role, NODE_VALIDITY_DEFAULT, false).map(|_| ())
+}
+
+/// As [`issue`], valid for `validity` (a day to [`NODE_VALIDITY_MAX`]);
+/// `renew` replaces the node's existing certificate and key (a new key;
+/// each file swapped in whole by a rename, so a reader sees the old pair
+/// or the new one) instead of refusing. Returns the end of the validity.
+/// A running node reads its certificate at start: restart it to use the
+/// new one.
+pub fn issue_for(
+    dir: &Path,
+    node: &str,
+    role: Role,
+    validity: Duration,
+    renew: bool,
+) -> Result<std::time::SystemTime, TlsError> {
     check_node_name(node)?;
+    if validity < Duration::from_secs(86_400) || validity > NODE_VALIDITY_MAX {
+        return Err(TlsError::Validity {
+            days: validity.as_secs() / 86_400,
+            max_days: NODE_VALIDITY_MAX.as_secs() / 86_400,
+        });
+    }
     let cert_path = dir.join(format!("{node}.pem"));
     let key_path = dir.join(format!("{node}.key"));
-    refuse_existing(&[&cert_path, &key_path])?;
+    if !renew {
+        refuse_existing(&[&cert_path, &key_path])?;
+    }
 
     let ca_cert_path = dir.join(CA_CERT);
     let ca_key_path = dir.join(CA_KEY);
@@ -255,7 +295,9 @@ pub fn issue(dir: &Path, node: &str, role: Role) -> Result<(), TlsError> {
         ExtendedKeyUsagePurpose::ClientAuth,
     ];
     params.use_authority_key_identifier_extension = true;
-    set_validity(&mut params, NODE_VALIDITY);
+    set_validity(&mut params, validity);
+    let not_after = std::time::UNIX_EPOCH
+        + Duration::from_secs(params.not_after.unix_timestamp().max(0) as u64);
     let cert = params.signed_by(&key, &issuer)?;
 
     // Paired with the key check above: the issuer name we rebuilt must be the
@@ -267,7 +309,23 @@ pub fn issue(dir: &Path, node: &str, role: Role) -> Result<(), TlsError> {
             reason: "ca.pem was not made by init_ca (its subject differs)",
         });
     }
-    write_pair(&cert_path, cert.pem().as_bytes(), &key_path, &key)
+    if renew {
+        // New files beside the old, then renamed over them: key first, so
+        // a node that starts in between fails the key check loudly rather
+        // than running on a mismatched pair for long.
+        let (cert_new, key_new) = (
+            dir.join(format!(".{node}.pem.new")),
+            dir.join(format!(".{node}.key.new")),
+        );
+        let _ = fs::remove_file(&cert_new);
+        let _ = fs::remove_file(&key_new);
+        write_pair(&cert_new, cert.pem().as_bytes(), &key_new, &key)?;
+        fs::rename(&key_new, &key_path).map_err(|source| io_err(&key_path, source))?;
+        fs::rename(&cert_new, &cert_path).map_err(|source| io_err(&cert_path, source))?;
+        return Ok(not_after);
+    }
+    write_pair(&cert_path, cert.pem().as_bytes(), &key_path, &key)?;
+    Ok(not_after)
 }
 
 /// True when `dir` already holds the CA certificate and this node's cert and key.
@@ -686,6 +744,81 @@ mod tests {
                 .permissions()
                 .mode();
             assert_eq!(mode & 0o777, 0o600, "{key}");
+        }
+    }
+
+    /// Seconds from now to a certificate file's notAfter.
+    fn secs_left(path: &Path) -> i64 {
+        let der = read_cert(path).unwrap();
+        let (_, x) = parse_x509(&der).unwrap();
+        let now = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap()
+            .as_secs() as i64;
+        x.validity().not_after.timestamp() - now
+    }
+
+    /// A node certificate lasts a year by default, as long as asked within
+    /// bounds; `renew` replaces the pair with a new key and lifetime (still
+    /// accepted by a peer of the same CA), and without it an existing pair
+    /// is refused with the way to renew.
+    #[test]
+    fn node_certificates_last_a_year_unless_asked_and_renew_in_place() {
+        let dir = cluster(&[("worker-1", Role::Worker)]);
+        let day = 86_400i64;
+        let left = secs_left(&dir.path().join("worker-1.pem"));
+        // Backdated a day: 364 days and change from now.
+        assert!((363 * day..=365 * day).contains(&left), "{left}");
+        let old_key = fs::read(dir.path().join("worker-1.key")).unwrap();
+        let err = issue_for(
+            dir.path(),
+            "worker-1",
+            Role::Worker,
+            NODE_VALIDITY_DEFAULT,
+            false,
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(
+            err.contains("already exists") && err.contains("--renew"),
+            "{err}"
+        );
+        let until = issue_for(
+            dir.path(),
+            "worker-1",
+            Role::Worker,
+            Duration::from_secs(30 * 86_400),
+            true,
+        )
+        .unwrap();
+        let left = secs_left(&dir.path().join("worker-1.pem"));
+        assert!((28 * day..=30 * day).contains(&left), "{left}");
+        let until_left = until
+            .duration_since(std::time::SystemTime::now())
+            .unwrap()
+            .as_secs() as i64;
+        assert!((until_left - left).abs() <= 5, "{until_left} vs {left}");
+        assert_ne!(fs::read(dir.path().join("worker-1.key")).unwrap(), old_key);
+        // The renewed pair loads and still names its role; no temporary
+        // file is left behind.
+        let m = TlsMaterial::load(dir.path(), "worker-1").unwrap();
+        drop(m);
+        let names: Vec<String> = fs::read_dir(dir.path())
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .collect();
+        assert!(names.iter().all(|n| !n.ends_with(".new")), "{names:?}");
+        for bad in [0u64, 20 * 365] {
+            let e = issue_for(
+                dir.path(),
+                "worker-2",
+                Role::Worker,
+                Duration::from_secs(bad * 86_400),
+                false,
+            )
+            .unwrap_err()
+            .to_string();
+            assert!(e.contains("expected 1 to 3650"), "{e}");
         }
     }
 

@@ -62,6 +62,8 @@ pub fn run_client_script(python: &str, base: &str, key: &str, script: &str) {
 pub struct Got {
     /// `service.instance.id` of the process that sent it.
     pub instance: String,
+    /// `service.name` of the process that sent it.
+    pub service: String,
     pub name: String,
     pub trace_id: Vec<u8>,
     pub span_id: Vec<u8>,
@@ -100,6 +102,8 @@ pub struct OtlpReceiver {
     pub spans: std::sync::Arc<std::sync::Mutex<Vec<Got>>>,
     /// Export requests received.
     pub posts: std::sync::Arc<std::sync::atomic::AtomicUsize>,
+    /// Every export request's headers (name, value).
+    pub headers: std::sync::Arc<std::sync::Mutex<Vec<(String, String)>>>,
 }
 
 #[allow(dead_code)]
@@ -111,7 +115,8 @@ impl OtlpReceiver {
         use std::sync::atomic::Ordering;
         let spans = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
         let posts = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
-        let (s2, p2) = (spans.clone(), posts.clone());
+        let headers_seen = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+        let (s2, p2, h2) = (spans.clone(), posts.clone(), headers_seen.clone());
         let text = |v: &Option<opentelemetry_proto::tonic::common::v1::AnyValue>| match v
             .as_ref()
             .and_then(|v| v.value.clone())
@@ -126,8 +131,11 @@ impl OtlpReceiver {
             "/v1/traces",
             axum::routing::post(
                 move |headers: axum::http::HeaderMap, body: axum::body::Bytes| {
-                    let (spans, posts) = (s2.clone(), p2.clone());
+                    let (spans, posts, seen) = (s2.clone(), p2.clone(), h2.clone());
                     async move {
+                        seen.lock().unwrap().extend(headers.iter().map(|(k, v)| {
+                            (k.to_string(), v.to_str().unwrap_or_default().to_string())
+                        }));
                         let ct = headers
                             .get("content-type")
                             .and_then(|v| v.to_str().ok())
@@ -146,10 +154,17 @@ impl OtlpReceiver {
                                 })
                                 .map(|a| text(&a.value))
                                 .unwrap_or_default();
+                            let service = rs
+                                .resource
+                                .as_ref()
+                                .and_then(|r| r.attributes.iter().find(|a| a.key == "service.name"))
+                                .map(|a| text(&a.value))
+                                .unwrap_or_default();
                             for ss in rs.scope_spans {
                                 for s in ss.spans {
                                     got.push(Got {
                                         instance: instance.clone(),
+                                        service: service.clone(),
                                         name: s.name,
                                         trace_id: s.trace_id,
                                         span_id: s.span_id,
@@ -179,6 +194,7 @@ impl OtlpReceiver {
             endpoint,
             spans,
             posts,
+            headers: headers_seen,
         }
     }
 
