@@ -163,7 +163,26 @@ pub struct ClusterConfig {
     pub cluster: Option<ClusterSection>,
     /// Traces (`[telemetry]`); flags override it.
     pub telemetry: TelemetrySection,
+    /// The model and where it runs (`[model]`); flags override it.
+    pub model: ModelSection,
     keys: HashMap<String, usize>,
+}
+
+/// `[model]`: what a node loads and how, so that a unit file or a pod
+/// needs only `--config` and `--name`. Flags (`--model`, `--device`,
+/// `--threads`, `--kernel`) override it.
+#[derive(Clone, Debug, Default, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct ModelSection {
+    /// A model by name (`qwen2.5-coder-1.5b`) or a GGUF file's path
+    /// (relative to the config file's directory when loaded from a file).
+    pub model: Option<String>,
+    /// `cpu`, `cuda` or `cuda:N`.
+    pub device: Option<String>,
+    /// Compute threads (at least 1; default: all cores).
+    pub threads: Option<usize>,
+    /// Matrix kernels (`auto`, `amx`, `avx512`, `avx2`, `scalar`, `exact`).
+    pub kernel: Option<String>,
 }
 
 /// `[telemetry]`: where traces go. Flags (`--otlp-endpoint`,
@@ -193,6 +212,8 @@ struct RawFile {
     nodes: Vec<toml::Spanned<cluster::RawNode>>,
     #[serde(default)]
     telemetry: TelemetrySection,
+    #[serde(default)]
+    model: ModelSection,
 }
 
 #[derive(Deserialize)]
@@ -348,11 +369,18 @@ impl ClusterConfig {
             source,
         })?;
         let mut config = ClusterConfig::parse(&text, &path.display().to_string())?;
+        let dir = path.parent().unwrap_or(Path::new(""));
         if let Some(c) = &mut config.cluster
             && c.certs_dir.is_relative()
         {
-            let dir = path.parent().unwrap_or(Path::new(""));
             c.certs_dir = dir.join(&c.certs_dir);
+        }
+        // A path (not a model name) is the config file's neighbour.
+        if let Some(m) = &mut config.model.model
+            && (m.contains('/') || m.ends_with(".gguf"))
+            && Path::new(m.as_str()).is_relative()
+        {
+            *m = dir.join(m.as_str()).display().to_string();
         }
         Ok(config)
     }
@@ -402,6 +430,7 @@ impl ClusterConfig {
             "cluster",
             "nodes",
             "telemetry",
+            "model",
         ];
         let top: std::collections::BTreeMap<toml::Spanned<String>, serde::de::IgnoredAny> =
             toml::from_str(text).map_err(syntax)?;
@@ -537,6 +566,20 @@ impl ClusterConfig {
                 format!("telemetry.otlp_sample_ratio {r}: expected a number in 0..=1"),
             ));
         }
+        if raw.model.threads == Some(0) {
+            return Err(invalid(0, "model.threads must be at least 1".into()));
+        }
+        if raw
+            .model
+            .model
+            .as_deref()
+            .is_some_and(|m| m.trim().is_empty())
+        {
+            return Err(invalid(
+                0,
+                "model.model is empty: a model name or a GGUF file's path".into(),
+            ));
+        }
         let cluster = match (embedded, raw.cluster.as_ref()) {
             // Timing and limits only: the embedding file places the nodes.
             (Some(_), Some(c)) => Some(cluster::settings(Some(c), &invalid)?),
@@ -559,6 +602,7 @@ impl ClusterConfig {
             tenants,
             cluster,
             telemetry: raw.telemetry,
+            model: raw.model,
             keys,
         })
     }
@@ -599,6 +643,7 @@ impl ClusterConfig {
             tenants,
             cluster: None,
             telemetry: TelemetrySection::default(),
+            model: ModelSection::default(),
             keys: HashMap::new(),
         })
     }
@@ -620,6 +665,7 @@ impl ClusterConfig {
             tenants: vec![Tenant::open_default(0)],
             cluster: None,
             telemetry: TelemetrySection::default(),
+            model: ModelSection::default(),
             keys: HashMap::new(),
         }
     }
@@ -653,6 +699,50 @@ impl Tenant {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// `[model]` names what a node loads; a relative path is read beside
+    /// the config file (a name stays a name); bad values are refused.
+    #[test]
+    fn a_model_section_names_what_a_node_loads() {
+        let text = "[model]\nmodel = \"models/m.gguf\"\ndevice = \"cuda:1\"\nthreads = 4\n\
+                    kernel = \"avx2\"\n\n[[tiers]]\nname = \"paid\"\n";
+        let c = ClusterConfig::parse(text, "c.toml").unwrap();
+        assert_eq!(c.model.model.as_deref(), Some("models/m.gguf"));
+        assert_eq!(c.model.device.as_deref(), Some("cuda:1"));
+        assert_eq!(
+            (c.model.threads, c.model.kernel.as_deref()),
+            (Some(4), Some("avx2"))
+        );
+        let dir = tempfile::tempdir().unwrap();
+        let f = dir.path().join("cluster.toml");
+        std::fs::write(&f, text).unwrap();
+        let c = ClusterConfig::load(&f).unwrap();
+        assert_eq!(
+            c.model.model.as_deref(),
+            Some(dir.path().join("models/m.gguf").to_str().unwrap())
+        );
+        std::fs::write(&f, text.replace("models/m.gguf", "qwen2.5-coder-1.5b")).unwrap();
+        let c = ClusterConfig::load(&f).unwrap();
+        assert_eq!(c.model.model.as_deref(), Some("qwen2.5-coder-1.5b"));
+        for (bad, why) in [
+            ("threads = 4", "model.threads must be at least 1"),
+            ("model = \"models/m.gguf\"", "model.model is empty"),
+        ] {
+            let good = if bad.starts_with("threads") {
+                "threads = 0"
+            } else {
+                "model = \" \""
+            };
+            let e = ClusterConfig::parse(&text.replace(bad, good), "c.toml")
+                .unwrap_err()
+                .to_string();
+            assert!(e.contains(why), "{e}");
+        }
+        let e = ClusterConfig::parse(&text.replace("threads = 4", "thread = 4"), "c.toml")
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("thread"), "{e}");
+    }
 
     const GOOD: &str = r#"
 [engine]

@@ -7,6 +7,7 @@
 pub mod constraint;
 pub mod executor;
 pub mod offload;
+pub mod rate;
 pub mod rng;
 pub mod sampling;
 

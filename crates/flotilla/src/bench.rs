@@ -75,7 +75,7 @@ fn tokens(n: usize, seed: u64, vocab: usize) -> Vec<u32> {
 }
 
 pub fn run(a: &BenchArgs) -> Result<()> {
-    if a.model.device != flotilla_cuda::Device::Cpu {
+    if a.model.device() != flotilla_cuda::Device::Cpu {
         bail!(
             "bench-model measures the CPU backend; the CUDA benchmark is \
              tests/cuda/gpu-check.sh (--device applies to serve and node)"
@@ -649,7 +649,7 @@ pub struct KvQualityArgs {
 pub fn run_kv_quality(a: &KvQualityArgs) -> Result<()> {
     use flotilla_model::KvDtype;
     use flotilla_model::quality::{divergence, teacher_forced_logprobs};
-    if a.model.device != flotilla_cuda::Device::Cpu {
+    if a.model.device() != flotilla_cuda::Device::Cpu {
         bail!("bench-kv-quality measures the CPU backend");
     }
     if a.chunk < 2 {
@@ -781,7 +781,7 @@ pub struct LogitsArgs {
 /// its users already accept.
 pub fn run_logits(a: &LogitsArgs) -> Result<()> {
     use flotilla_model::quality::{PeerLogprobs, divergence_from_peer, teacher_forced_logprobs};
-    if a.model.device != flotilla_cuda::Device::Cpu {
+    if a.model.device() != flotilla_cuda::Device::Cpu {
         bail!("bench-logits measures the CPU backend");
     }
     if a.chunk < 4 {

@@ -41,9 +41,10 @@ struct ModelArgs {
     /// A model by name (smollm2-135m, gemma3-270m, qwen2.5-coder-0.5b,
     /// qwen2.5-coder-1.5b: fetched on first use) or
     /// a GGUF file's path; default: smollm2-135m (SmolLM2-135M-Instruct, Q4_1).
+    /// Config: `[model] model`.
     #[arg(long)]
     model: Option<PathBuf>,
-    /// Compute threads (default: all cores).
+    /// Compute threads (default: all cores). Config: `[model] threads`.
     #[arg(long)]
     threads: Option<usize>,
     /// KV cache element type: f16 (default), f32, or int8 (8-bit values
@@ -54,16 +55,17 @@ struct ModelArgs {
     /// Tokens per KV block.
     #[arg(long, default_value_t = 16)]
     block_size: usize,
-    /// Matrix kernels: auto (the best this CPU has), amx (AVX-512 VNNI with
-    /// AMX tiles for the products of many tokens: the same results),
-    /// avx512 (AVX-512 VNNI), avx2, scalar, or exact (f32 reference, slow).
-    #[arg(long, default_value = "auto")]
-    kernel: String,
-    /// Where the model runs: cpu, or cuda / cuda:N (an NVIDIA GPU; f16 or int8 KV
-    /// cache, sized by --kv-cache-fraction of the device memory left after
-    /// the weights).
-    #[arg(long, default_value = "cpu")]
-    device: flotilla_cuda::Device,
+    /// Matrix kernels: auto (the best this CPU has; the default), amx
+    /// (AVX-512 VNNI with AMX tiles for the products of many tokens: the
+    /// same results), avx512 (AVX-512 VNNI), avx2, scalar, or exact (f32
+    /// reference, slow). Config: `[model] kernel`.
+    #[arg(long)]
+    kernel: Option<String>,
+    /// Where the model runs: cpu (the default), or cuda / cuda:N (an NVIDIA
+    /// GPU; f16 or int8 KV cache, sized by --kv-cache-fraction of the device
+    /// memory left after the weights). Config: `[model] device`.
+    #[arg(long)]
+    device: Option<flotilla_cuda::Device>,
     /// Convert the weights at every load and write no layout cache (by
     /// default the CPU backend writes the weights in its kernels' layouts to
     /// <cache>/layouts after the first load and maps them from there after).
@@ -102,8 +104,41 @@ impl ModelArgs {
         resolve_model(self.model.as_deref())
     }
 
+    /// These flags over a config's `[model]` table: a flag given wins.
+    fn with_config(&self, m: &flotilla_config::ModelSection) -> Result<ModelArgs> {
+        let mut a = self.clone();
+        if a.model.is_none() {
+            a.model = m.model.as_ref().map(PathBuf::from);
+        }
+        if a.threads.is_none() {
+            a.threads = m.threads;
+        }
+        if a.kernel.is_none() {
+            a.kernel = m.kernel.clone();
+        }
+        if a.device.is_none()
+            && let Some(d) = &m.device
+        {
+            a.device = Some(
+                d.parse()
+                    .map_err(|why| anyhow::anyhow!("[model] device: {why}"))?,
+            );
+        }
+        Ok(a)
+    }
+
+    /// The device: the flag's or config's, else the CPU.
+    fn device(&self) -> flotilla_cuda::Device {
+        self.device.unwrap_or(flotilla_cuda::Device::Cpu)
+    }
+
+    /// The kernel's name as given, else `auto`.
+    fn kernel_name(&self) -> &str {
+        self.kernel.as_deref().unwrap_or("auto")
+    }
+
     fn cpu_config(&self, num_blocks: usize, max_batch_tokens: usize) -> Result<CpuConfig> {
-        let kernel = Kernel::parse(&self.kernel).map_err(anyhow::Error::msg)?;
+        let kernel = Kernel::parse(self.kernel_name()).map_err(anyhow::Error::msg)?;
         let kv_dtype = match &self.kv_cache_dtype {
             Some(d) => {
                 KvDtype::parse(d).map_err(|why| anyhow::anyhow!("--kv-cache-dtype: {why}"))?
@@ -470,10 +505,10 @@ fn generate(
             ids.len()
         );
     }
-    if args.device != flotilla_cuda::Device::Cpu {
+    if args.device() != flotilla_cuda::Device::Cpu {
         bail!(
             "generate runs on the CPU; --device {} applies to serve and node",
-            args.device
+            args.device()
         );
     }
     let max_new = max_tokens.min(ctx - ids.len());

@@ -249,13 +249,16 @@ pub struct Front {
     pub max_model_len: usize,
     pub path: PathBuf,
     pub llama: ModelConfig,
+    /// The model flags over the config's `[model]` table.
+    pub model: ModelArgs,
 }
 
 /// Config, tokenizer and model length from flags, config and the model file.
 pub fn front(args: &ServeArgs) -> Result<Front> {
     let (cluster, config_origin) = load_config(args)?;
     let e = &cluster.engine;
-    let path = args.model.path()?;
+    let model = args.model.with_config(&cluster.model)?;
+    let path = model.path()?;
     let g = GgufFile::open(&path)?;
     let text = TextSide::from_gguf(&g).context("loading the tokenizer")?;
     if let Some(name) = text.chat_builtin {
@@ -285,6 +288,7 @@ pub fn front(args: &ServeArgs) -> Result<Front> {
         max_model_len,
         path,
         llama: lc,
+        model,
     })
 }
 
@@ -297,6 +301,7 @@ pub fn resolve(args: &ServeArgs) -> Result<Resolved> {
         max_model_len,
         path,
         llama: lc,
+        model: margs,
     } = front(args)?;
     let g = GgufFile::open(&path)?;
     let e = &cluster.engine;
@@ -304,8 +309,8 @@ pub fn resolve(args: &ServeArgs) -> Result<Resolved> {
     let flags = EngineSection {
         max_num_seqs: args.max_num_seqs,
         max_num_batched_tokens: args.max_num_batched_tokens,
-        block_size: e.block_size.is_none().then_some(args.model.block_size),
-        kv_cache_dtype: args.model.kv_cache_dtype.clone(),
+        block_size: e.block_size.is_none().then_some(margs.block_size),
+        kv_cache_dtype: margs.kv_cache_dtype.clone(),
         queue_timeout_s: args.queue_timeout,
         speculative: args.speculative.clone(),
         num_speculative_tokens: args.num_speculative_tokens,
@@ -321,7 +326,7 @@ pub fn resolve(args: &ServeArgs) -> Result<Resolved> {
         .resolve(
             &flags,
             &args.batching,
-            &EngineDefaults::serve(args.model.block_size),
+            &EngineDefaults::serve(margs.block_size),
         )
         .map_err(|m| anyhow::anyhow!(m))?;
     let (max_num_seqs, max_num_batched_tokens, block_size) = (
@@ -329,7 +334,7 @@ pub fn resolve(args: &ServeArgs) -> Result<Resolved> {
         settings.max_num_batched_tokens,
         settings.block_size,
     );
-    let mut model_args = args.model.clone();
+    let mut model_args = margs.clone();
     model_args.block_size = block_size;
     model_args.kv_cache_dtype = Some(settings.kv_dtype.name().to_string());
     let kv_dtype = settings.kv_dtype;
@@ -366,7 +371,7 @@ pub fn resolve(args: &ServeArgs) -> Result<Resolved> {
     };
     let num_blocks = kv_bytes / bytes_per_block;
     let one_seq = max_model_len.div_ceil(block_size) as u64;
-    if num_blocks < one_seq && args.model.device == Device::Cpu {
+    if num_blocks < one_seq && margs.device() == Device::Cpu {
         bail!(
             "a KV cache of {kv_bytes} bytes holds {num_blocks} blocks of {block_size} tokens \
              ({bytes_per_block} bytes each); one sequence of --max-model-len {max_model_len} needs \
@@ -374,8 +379,7 @@ pub fn resolve(args: &ServeArgs) -> Result<Resolved> {
         );
     }
     let num_blocks = num_blocks.min(u32::MAX as u64 / 2) as u32;
-    let (exec, num_blocks, bytes_per_block): (Box<dyn Executor>, u32, u64) = match args.model.device
-    {
+    let (exec, num_blocks, bytes_per_block): (Box<dyn Executor>, u32, u64) = match margs.device() {
         Device::Cpu => {
             let cpu = model_args.cpu_config(num_blocks as usize, max_num_batched_tokens)?;
             let exec = crate::alloc::loading(|| CpuExecutor::from_gguf(&g, &cpu))
@@ -432,9 +436,9 @@ pub fn resolve(args: &ServeArgs) -> Result<Resolved> {
         "architecture": lc.describe(),
         "quantization": weights,
         "quantization_share": (share * 1000.0).round() / 1000.0,
-        "device": format!("{:?}", args.model.device).to_lowercase(),
-        "kernel": args.model.kernel,
-        "threads": args.model.threads.unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get())),
+        "device": format!("{:?}", margs.device()).to_lowercase(),
+        "kernel": margs.kernel_name(),
+        "threads": margs.threads.unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get())),
         "kv_cache_dtype": kv_dtype.name(),
         "kv_cache_blocks": num_blocks,
         "kv_cache_bytes": num_blocks as u64 * bytes_per_block,

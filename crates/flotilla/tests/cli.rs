@@ -304,3 +304,115 @@ fn serve_refuses_the_example_keys_off_loopback() {
         );
     }
 }
+
+/// Every flag of every subcommand, from `--help` (subcommands followed).
+fn all_flags(path: &mut Vec<String>, out: &mut std::collections::BTreeSet<String>) {
+    let help = flotilla().args(path.iter()).arg("--help").output().unwrap();
+    assert!(help.status.success(), "{path:?} --help");
+    let text = String::from_utf8_lossy(&help.stdout).into_owned();
+    out.extend(flags_in(&text));
+    let mut in_commands = false;
+    let mut subs = Vec::new();
+    for line in text.lines() {
+        if line.starts_with("Commands:") {
+            in_commands = true;
+        } else if in_commands && line.starts_with("  ") {
+            let name = line.split_whitespace().next().unwrap_or("");
+            if !name.is_empty() && name != "help" {
+                subs.push(name.to_string());
+            }
+        } else if in_commands && !line.trim().is_empty() {
+            in_commands = false;
+        }
+    }
+    for s in subs {
+        path.push(s);
+        all_flags(path, out);
+        path.pop();
+    }
+}
+
+/// `--flag` words of `text`.
+fn flags_in(text: &str) -> Vec<String> {
+    text.split(|c: char| !(c.is_ascii_alphanumeric() || c == '-'))
+        .filter(|w| w.starts_with("--") && w.len() > 2 && w.as_bytes()[2].is_ascii_lowercase())
+        .map(|w| w.trim_end_matches('-').to_string())
+        .collect()
+}
+
+/// The docs a user reads name only flags that exist: README, docs/,
+/// deploy/ (manifests, unit, README), the example configs and the
+/// benchmark scripts, against every subcommand's `--help`. Flags of other
+/// programs the docs show (cargo, llama.cpp, kubectl, ...) are listed here.
+#[test]
+fn every_flag_the_docs_name_exists() {
+    let mut ours = std::collections::BTreeSet::new();
+    all_flags(&mut Vec::new(), &mut ours);
+    assert!(
+        ours.contains("--kv-cache-fraction") && ours.contains("--renew"),
+        "{ours:?}"
+    );
+    let other_programs = [
+        // cargo and its test runners
+        "--release",
+        "--workspace",
+        "--locked",
+        "--path",
+        "--root",
+        "--lib",
+        "--test",
+        "--example",
+        "--ignored",
+        "--nocapture",
+        "--no-capture",
+        // pip, useradd, systemctl, kubectl
+        "--no-deps",
+        "--no-create-home",
+        "--shell",
+        "--now",
+        "--from-file",
+        "--raw",
+        // llama.cpp's tools
+        "--cache-ram",
+        "--kl-divergence",
+        "--kl-divergence-base",
+        "--output-format",
+        "--repack",
+        "--spec-type",
+    ];
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
+    let mut files = vec![root.join("README.md"), root.join("CHANGELOG.md")];
+    let mut dirs = vec![
+        root.join("docs"),
+        root.join("deploy"),
+        root.join("cluster-configs"),
+        root.join("tests/bench"),
+    ];
+    while let Some(d) = dirs.pop() {
+        for e in std::fs::read_dir(&d).unwrap() {
+            let p = e.unwrap().path();
+            if p.is_dir() {
+                dirs.push(p);
+            } else {
+                files.push(p);
+            }
+        }
+    }
+    let mut missing = Vec::new();
+    for f in &files {
+        let Ok(text) = std::fs::read_to_string(f) else {
+            continue;
+        };
+        for flag in flags_in(&text) {
+            if !ours.contains(&flag) && !other_programs.contains(&flag.as_str()) {
+                missing.push(format!("{}: {flag}", f.display()));
+            }
+        }
+    }
+    missing.sort();
+    missing.dedup();
+    assert!(
+        missing.is_empty(),
+        "flags named in the docs that no subcommand has: {missing:#?}"
+    );
+}

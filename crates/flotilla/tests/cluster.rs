@@ -431,6 +431,92 @@ async fn an_engine_node_is_scrapeable_on_its_metrics_address() {
     assert_eq!(drain.status(), 404);
 }
 
+/// A tenant's limits hold across the cluster: with two workers up (room
+/// for two of its requests on each), a tenant limited to 2 concurrent gets
+/// 429 for a third and fourth while two stream, and its rate of 6 a
+/// minute refuses the seventh request, whichever worker would take it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_tenants_limits_hold_across_the_cluster() {
+    const CAPPED: &str = "sk-test-capped-000001";
+    let more = format!(
+        "\n[[tenants]]\nname = \"capped\"\ntier = \"paid\"\napi_keys = [\"{CAPPED}\"]\n\
+         max_concurrent = 2\nrequests_per_minute = 6\n"
+    );
+    let c = start_cluster_config(
+        &["worker", "worker"],
+        &flotilla_hub::test_model_path(),
+        &[],
+        &more,
+    );
+    wait_for(&c.base, "both workers up", |r| {
+        node(r, "worker-1")["up"] == true && node(r, "worker-2")["up"] == true
+    })
+    .await;
+    let send = |body: Value| {
+        client()
+            .post(format!("{}/v1/completions", c.base))
+            .bearer_auth(CAPPED)
+            .json(&body)
+            .send()
+    };
+    // Two long streams, each past its first chunk: both live.
+    let mut streams = Vec::new();
+    for i in 0..2 {
+        let r = send(completion(
+            &format!("Stream {i}: once upon a time"),
+            400,
+            true,
+        ))
+        .await
+        .unwrap();
+        assert_eq!(r.status(), 200);
+        let mut body = r.bytes_stream();
+        let first = body.next().await.unwrap().unwrap();
+        assert!(!first.is_empty());
+        streams.push(body);
+    }
+    for i in 0..2 {
+        let r = send(completion(&format!("Third {i}"), 4, false))
+            .await
+            .unwrap();
+        assert_eq!(r.status(), 429, "request {} of a tenant capped at 2", i + 3);
+        assert!(r.headers().contains_key("retry-after"));
+        let e: Value = r.json().await.unwrap();
+        let msg = e["error"]["message"].as_str().unwrap();
+        assert!(msg.contains("2 requests in flight, the limit is 2"), "{e}");
+    }
+    // The streams end (the client goes away): their slots come back.
+    drop(streams);
+    let t0 = Instant::now();
+    let mut ok = 0;
+    loop {
+        let r = send(completion("Short", 2, false)).await.unwrap();
+        match r.status().as_u16() {
+            200 => ok += 1,
+            429 => {
+                let e: Value = r.json().await.unwrap();
+                let msg = e["error"]["message"].as_str().unwrap().to_string();
+                if msg.contains("in flight") && t0.elapsed() < Duration::from_secs(10) {
+                    // A dropped stream's slot comes back as its response ends.
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                    continue;
+                }
+                assert!(msg.contains("rate limit of 6 requests per minute"), "{msg}");
+                break;
+            }
+            s => panic!("status {s}"),
+        }
+        assert!(ok <= 4, "more than the rate allows");
+    }
+    // Two streams and four short requests: the bucket of 6 is spent.
+    assert_eq!(ok, 4);
+    // The other tenant is untouched.
+    assert_eq!(
+        post(&c.base, &completion("Paid", 2, false)).await.status(),
+        200
+    );
+}
+
 /// Long streams with distinct prompts for [`four_streams`].
 const STREAM_PROMPTS: [&str; 4] = [
     "Tell me about the sea",

@@ -7,6 +7,7 @@
 //! codes even for streams ([`stream`]).
 
 pub mod error;
+pub mod limits;
 pub mod openai;
 pub mod stream;
 pub mod text;
@@ -87,6 +88,8 @@ struct Gateway {
     engine: Arc<dyn Engine>,
     text: Arc<TextSide>,
     metrics: Arc<Metrics>,
+    /// Tenants' concurrency and rate, held here where requests enter.
+    limits: Arc<limits::TenantLimits>,
     cfg: GatewayConfig,
     /// Requests seen: names responses and seeds requests that bring no seed.
     requests: AtomicU64,
@@ -106,6 +109,7 @@ pub fn router(
         engine,
         text,
         metrics,
+        limits: Arc::new(limits::TenantLimits::new(&cfg.cluster)),
         cfg,
         requests: AtomicU64::new(0),
     });
@@ -137,6 +141,7 @@ pub fn observability_router(
         engine,
         text,
         metrics,
+        limits: Arc::new(limits::TenantLimits::new(&cfg.cluster)),
         cfg,
         requests: AtomicU64::new(0),
     });
@@ -290,6 +295,12 @@ impl Gateway {
             Ok(p) => p,
             Err(e) => return self.refuse(tier, e),
         };
+        // The tenant's limits, across every node behind this front; the
+        // slot goes back when the response ends, however it ends.
+        let slot = match self.limits.acquire(tenant) {
+            Ok(s) => s,
+            Err(r) => return self.refuse(tier, ApiError::Rejected(r)),
+        };
         let prompt_tokens = p.prompt.len() as u32;
         let mut span = self.server_span(endpoint, &headers, arrival, &p, tenant, tier, n);
         let mut hidden = self.text.stop_tokens.clone();
@@ -314,6 +325,7 @@ impl Gateway {
                 .map(|t| tools::ToolCallParser::new(t.names(), mix(!n), !t.parallel)),
             span: None,
             first: Some((self.metrics.clone(), tier.to_owned(), arrived)),
+            slot: Some(slot),
         };
         let req = EngineRequest {
             tenant,

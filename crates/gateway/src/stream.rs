@@ -54,6 +54,9 @@ pub struct Meta {
         String,
         std::time::Instant,
     )>,
+    /// The tenant's place among its live requests, given back when the
+    /// response (and so this) is dropped.
+    pub slot: Option<crate::limits::TenantSlot>,
 }
 
 /// A traced request's server span.

@@ -44,8 +44,8 @@ pub use cost::{CostLine, StepCost};
 pub use event::{Counters, SchedEvent, Timings};
 pub use plan::{PROTECT_LINGER, Plan, PlanItem};
 
-use admission::RateLimit;
 use fair::Vtc;
+use flotilla_exec::rate::RateLimit;
 use migrate::{HeldKv, Reservation};
 use seq::Seq;
 
