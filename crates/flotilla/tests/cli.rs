@@ -416,3 +416,45 @@ fn every_flag_the_docs_name_exists() {
         "flags named in the docs that no subcommand has: {missing:#?}"
     );
 }
+
+/// `[model]` in the config names what `serve` (and `node`) loads, so a unit
+/// file needs no model flags; a flag given wins; a bad device is named.
+#[test]
+fn the_config_names_the_model_and_a_flag_overrides_it() {
+    let dir = std::env::temp_dir().join(format!("flotilla-model-cfg-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let cfg = dir.join("cluster.toml");
+    let base = std::fs::read_to_string(format!(
+        "{}/../../cluster-configs/single-node.toml",
+        env!("CARGO_MANIFEST_DIR")
+    ))
+    .unwrap();
+    let run = |model_table: &str, extra: &[&str]| {
+        std::fs::write(&cfg, format!("{model_table}\n{base}")).unwrap();
+        let out = flotilla()
+            .args(["serve", "--port", "0", "--config"])
+            .arg(&cfg)
+            .args(extra)
+            .output()
+            .unwrap();
+        assert!(!out.status.success());
+        String::from_utf8_lossy(&out.stderr).into_owned()
+    };
+    // A relative path is read beside the config file.
+    let e = run("[model]\nmodel = \"models/from-config.gguf\"\n", &[]);
+    assert!(
+        e.contains(&format!("{}/models/from-config.gguf", dir.display())),
+        "{e}"
+    );
+    let e = run(
+        "[model]\nmodel = \"models/from-config.gguf\"\n",
+        &["--model", "/nonexistent/from-flag.gguf"],
+    );
+    assert!(
+        e.contains("from-flag.gguf") && !e.contains("from-config"),
+        "{e}"
+    );
+    let e = run("[model]\ndevice = \"gpu\"\n", &[]);
+    assert!(e.contains("[model] device") && e.contains("gpu"), "{e}");
+    let _ = std::fs::remove_dir_all(&dir);
+}
