@@ -458,3 +458,79 @@ fn the_config_names_the_model_and_a_flag_overrides_it() {
     assert!(e.contains("[model] device") && e.contains("gpu"), "{e}");
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// The README's multi-machine recipe (between its `cluster-recipe`
+/// markers) runs as written, on one machine: certificates, the config,
+/// three nodes, a chat completion through the router, a worker's metrics.
+#[test]
+fn the_readme_cluster_recipe_runs_as_written() {
+    use std::os::unix::process::CommandExt;
+    let readme =
+        std::fs::read_to_string(format!("{}/../../README.md", env!("CARGO_MANIFEST_DIR"))).unwrap();
+    let start = readme
+        .find("<!-- cluster-recipe -->")
+        .expect("the recipe's start marker");
+    let end = readme
+        .find("<!-- /cluster-recipe -->")
+        .expect("the recipe's end marker");
+    let script: String = readme[start..end]
+        .lines()
+        .filter(|l| !l.starts_with("```") && !l.starts_with("<!--"))
+        .map(|l| format!("{l}\n"))
+        .collect();
+    assert!(script.contains("flotilla node"), "{script}");
+    // The model it names is the tests' default, fetched once per machine.
+    let _ = flotilla_hub::test_model_path();
+    let dir = std::env::temp_dir().join(format!("flotilla-recipe-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    let bin = std::path::Path::new(env!("CARGO_BIN_EXE_flotilla"));
+    let path = format!(
+        "{}:{}",
+        bin.parent().unwrap().display(),
+        std::env::var("PATH").unwrap_or_default()
+    );
+    /// Kills the recipe's process group (its background nodes) on drop.
+    struct Group(u32);
+    impl Drop for Group {
+        fn drop(&mut self) {
+            let _ = Command::new("kill")
+                .args(["-KILL", "--", &format!("-{}", self.0)])
+                .status();
+        }
+    }
+    let child = Command::new("timeout")
+        .args(["180", "bash", "-euo", "pipefail", "-c", &script])
+        .current_dir(&dir)
+        .env("PATH", path)
+        .process_group(0)
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("bash");
+    let group = Group(child.id());
+    let out = child.wait_with_output().unwrap();
+    drop(group);
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let logs: String = ["router", "worker-1", "worker-2"]
+        .iter()
+        .map(|n| {
+            let l = std::fs::read_to_string(dir.join(format!("{n}.log"))).unwrap_or_default();
+            format!("--- {n}.log\n{l}")
+        })
+        .collect();
+    assert!(
+        out.status.success(),
+        "the recipe failed: {}\n{stdout}\n{}\n{logs}",
+        out.status,
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let chat_line = stdout
+        .lines()
+        .find(|l| l.contains("chat.completion"))
+        .unwrap_or_else(|| panic!("no completion in {stdout}\n{logs}"));
+    let v: serde_json::Value = serde_json::from_str(chat_line).unwrap();
+    assert!(v["usage"]["completion_tokens"].as_u64().unwrap() > 0, "{v}");
+    assert!(stdout.contains("flotilla_kv_blocks"), "{stdout}");
+    let _ = std::fs::remove_dir_all(&dir);
+}
