@@ -195,6 +195,12 @@ pub struct TelemetrySection {
     pub otlp_endpoint: Option<String>,
     /// `--otlp-sample-ratio`: fraction of new traces kept (default 1).
     pub otlp_sample_ratio: Option<f64>,
+    /// Keys that `/metrics` and the detail of `/ready` ask for
+    /// (`Authorization: Bearer KEY`; at least 16 characters, none a
+    /// tenant's). None: both are open. Without a key `/ready` still
+    /// answers its status code and `ready`, for probes.
+    #[serde(default)]
+    pub detail_keys: Vec<String>,
 }
 
 /// A file's top-level tables (unknown ones are refused by `parse`, which
@@ -212,8 +218,9 @@ struct RawFile {
     nodes: Vec<toml::Spanned<cluster::RawNode>>,
     #[serde(default)]
     telemetry: TelemetrySection,
-    #[serde(default)]
-    model: ModelSection,
+    /// Read as [`ModelSection`] unless an embedding file owns `[model]`
+    /// (a simulation scenario's model is its own).
+    model: Option<toml::Spanned<toml::Value>>,
 }
 
 #[derive(Deserialize)]
@@ -566,15 +573,39 @@ impl ClusterConfig {
                 format!("telemetry.otlp_sample_ratio {r}: expected a number in 0..=1"),
             ));
         }
-        if raw.model.threads == Some(0) {
-            return Err(invalid(0, "model.threads must be at least 1".into()));
+        if raw
+            .telemetry
+            .detail_keys
+            .iter()
+            .any(|k| k.len() < 16 || k.chars().any(char::is_whitespace))
+        {
+            return Err(invalid(
+                0,
+                "telemetry.detail_keys need at least 16 characters and no whitespace".into(),
+            ));
         }
         if raw
-            .model
-            .model
-            .as_deref()
-            .is_some_and(|m| m.trim().is_empty())
+            .telemetry
+            .detail_keys
+            .iter()
+            .any(|k| keys.contains_key(k))
         {
+            return Err(invalid(
+                0,
+                "telemetry.detail_keys: a key is also a tenant's API key: give operators their own"
+                    .into(),
+            ));
+        }
+        let model = match (&raw.model, embedded) {
+            (Some(_), Some(own)) if own.contains(&"model") => ModelSection::default(),
+            (Some(v), _) => ModelSection::deserialize(v.get_ref().clone())
+                .map_err(|e| invalid(v.span().start, format!("[model] {}", e.message())))?,
+            (None, _) => ModelSection::default(),
+        };
+        if model.threads == Some(0) {
+            return Err(invalid(0, "model.threads must be at least 1".into()));
+        }
+        if model.model.as_deref().is_some_and(|m| m.trim().is_empty()) {
             return Err(invalid(
                 0,
                 "model.model is empty: a model name or a GGUF file's path".into(),
@@ -602,7 +633,7 @@ impl ClusterConfig {
             tenants,
             cluster,
             telemetry: raw.telemetry,
-            model: raw.model,
+            model,
             keys,
         })
     }
@@ -872,7 +903,7 @@ max_concurrent = 4
         );
     }
 
-    /// deploy/k8s/configmap.yaml carries cluster-configs/k8s.toml inline
+    /// deploy/k8s/config.yaml carries cluster-configs/k8s.toml inline
     /// (kustomize reads no file outside its directory); the copy must not
     /// drift, and its workers must be the StatefulSet's pods.
     /// The TOML inlined in a ConfigMap manifest under `  cluster.toml: |`.
@@ -931,9 +962,9 @@ max_concurrent = 4
         // The base: as many worker nodes as the StatefulSet has replicas.
         let toml = read("cluster-configs/k8s.toml");
         assert_eq!(
-            configmap_toml(&read("deploy/k8s/configmap.yaml")),
+            configmap_toml(&read("deploy/k8s/config.yaml")),
             toml.trim_end(),
-            "deploy/k8s/configmap.yaml and cluster-configs/k8s.toml differ"
+            "deploy/k8s/config.yaml and cluster-configs/k8s.toml differ"
         );
         let c = ClusterConfig::parse(&toml, "k8s.toml").unwrap();
         let replicas = manifest_number(&read("deploy/k8s/workers.yaml"), "  replicas: ");
@@ -943,9 +974,9 @@ max_concurrent = 4
         // autoscaler may run, the base's replicas as its minimum.
         let toml = read("cluster-configs/k8s-autoscaling.toml");
         assert_eq!(
-            configmap_toml(&read("deploy/k8s/autoscaling/configmap.yaml")),
+            configmap_toml(&read("deploy/k8s/autoscaling/config.yaml")),
             toml.trim_end(),
-            "deploy/k8s/autoscaling/configmap.yaml and cluster-configs/k8s-autoscaling.toml differ"
+            "deploy/k8s/autoscaling/config.yaml and cluster-configs/k8s-autoscaling.toml differ"
         );
         let hpa = read("deploy/k8s/autoscaling/hpa.yaml");
         assert_eq!(manifest_number(&hpa, "  minReplicas: "), replicas);

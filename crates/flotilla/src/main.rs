@@ -235,6 +235,11 @@ enum Cmd {
         model: Option<PathBuf>,
     },
     /// Run one node of a multi-node cluster (router or engine), named in --config.
+    #[command(
+        mut_arg("host", |a| a.hide(true)),
+        mut_arg("port", |a| a.hide(true)),
+        mut_arg("no_auth", |a| a.hide(true))
+    )]
     Node(node::NodeArgs),
     /// Run every node of a cluster config as its own process on this machine.
     Cluster(node::ClusterArgs),

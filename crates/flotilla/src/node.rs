@@ -185,6 +185,12 @@ pub fn run(args: NodeArgs) -> Result<()> {
     if args.serve.no_auth {
         bail!("--no-auth is for `flotilla serve`; a cluster takes its tenants from --config");
     }
+    if args.serve.host.is_some() || args.serve.port.is_some() {
+        bail!(
+            "--host and --port are for `flotilla serve`; a node listens where its [[nodes]] \
+             table says (addr or listen for QUIC, http on the router, metrics on an engine node)"
+        );
+    }
     let (cfg, cl) = load_cluster(&path)?;
     let Some(id) = cl.node_id(&args.name) else {
         let names: Vec<&str> = cl.nodes.iter().map(|n| n.name.as_str()).collect();

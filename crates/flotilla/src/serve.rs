@@ -40,13 +40,14 @@ pub struct ServeArgs {
     /// Serve without API keys, as one default tenant (ignores the config's tenants).
     #[arg(long)]
     pub no_auth: bool,
-    /// Address to listen on. Any but loopback needs --config (your own API
-    /// keys) or --no-auth: the built-in example keys are public.
-    #[arg(long, default_value = "127.0.0.1")]
-    pub host: String,
-    /// Port to listen on.
-    #[arg(long, default_value_t = 8000)]
-    pub port: u16,
+    /// Address to listen on (default 127.0.0.1). Any but loopback needs
+    /// --config (your own API keys) or --no-auth: the built-in example
+    /// keys are public.
+    #[arg(long)]
+    pub host: Option<String>,
+    /// Port to listen on (default 8000).
+    #[arg(long)]
+    pub port: Option<u16>,
     /// Name the API reports for the model (default: the file name).
     #[arg(long)]
     pub served_model_name: Option<String>,
@@ -501,18 +502,15 @@ pub fn run(args: ServeArgs) -> Result<()> {
         .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .init();
     // An IPv4 or IPv6 address, bracketed or not.
-    let ip: std::net::IpAddr = args
-        .host
+    let host = args.host.as_deref().unwrap_or("127.0.0.1");
+    let ip: std::net::IpAddr = host
         .trim_start_matches('[')
         .trim_end_matches(']')
         .parse()
         .with_context(|| {
-            format!(
-                "--host {} is not an IP address (e.g. 127.0.0.1, 0.0.0.0, ::1)",
-                args.host
-            )
+            format!("--host {host} is not an IP address (e.g. 127.0.0.1, 0.0.0.0, ::1)")
         })?;
-    let addr = SocketAddr::new(ip, args.port);
+    let addr = SocketAddr::new(ip, args.port.unwrap_or(8000));
     refuse_example_keys_off_loopback(&args, addr)?;
     let r = resolve(&args)?;
     let rt = tokio::runtime::Builder::new_multi_thread()

@@ -459,14 +459,18 @@ fn the_config_names_the_model_and_a_flag_overrides_it() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
-/// The README's multi-machine recipe (between its `cluster-recipe`
-/// markers) runs as written, on one machine: certificates, the config,
-/// three nodes, a chat completion through the router, a worker's metrics.
+/// The multi-machine recipe of docs/CLUSTER.md (between its
+/// `cluster-recipe` markers) runs as written, on one machine: certificates,
+/// the config, three nodes, a chat completion through the router, a
+/// worker's metrics.
 #[test]
-fn the_readme_cluster_recipe_runs_as_written() {
+fn the_cluster_recipe_runs_as_written() {
     use std::os::unix::process::CommandExt;
-    let readme =
-        std::fs::read_to_string(format!("{}/../../README.md", env!("CARGO_MANIFEST_DIR"))).unwrap();
+    let readme = std::fs::read_to_string(format!(
+        "{}/../../docs/CLUSTER.md",
+        env!("CARGO_MANIFEST_DIR")
+    ))
+    .unwrap();
     let start = readme
         .find("<!-- cluster-recipe -->")
         .expect("the recipe's start marker");
@@ -533,4 +537,38 @@ fn the_readme_cluster_recipe_runs_as_written() {
     assert!(v["usage"]["completion_tokens"].as_u64().unwrap() > 0, "{v}");
     assert!(stdout.contains("flotilla_kv_blocks"), "{stdout}");
     let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// `node --help` lists no flag a node ignores, and a node refuses the
+/// serve-only ones by name (its addresses come from its [[nodes]] table).
+#[test]
+fn node_has_no_serve_only_flags() {
+    let help = flotilla().args(["node", "--help"]).output().unwrap();
+    let help = String::from_utf8_lossy(&help.stdout);
+    for f in ["--host", "--port", "--no-auth"] {
+        assert!(!help.contains(f), "node --help lists {f}");
+    }
+    assert!(
+        help.contains("--name") && help.contains("--model"),
+        "{help}"
+    );
+    for extra in [&["--port", "9"][..], &["--host", "0.0.0.0"][..]] {
+        let out = flotilla()
+            .args([
+                "node",
+                "--config",
+                "/nonexistent/cluster.toml",
+                "--name",
+                "router",
+            ])
+            .args(extra)
+            .output()
+            .unwrap();
+        assert!(!out.status.success());
+        let e = String::from_utf8_lossy(&out.stderr);
+        assert!(
+            e.contains("--host and --port are for `flotilla serve`"),
+            "{extra:?}: {e}"
+        );
+    }
 }

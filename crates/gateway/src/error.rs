@@ -67,6 +67,12 @@ pub enum ApiError {
     /// An admin endpoint without a valid admin key (401).
     #[error("invalid or missing admin key: send 'Authorization: Bearer <admin key>'")]
     AdminUnauthorized,
+    /// `/metrics` without one of the config's detail keys (401).
+    #[error(
+        "invalid or missing key for the server's metrics: send 'Authorization: Bearer <a key of \
+         [telemetry] detail_keys>'"
+    )]
+    DetailUnauthorized,
     /// A drain the Router would not ask for (404 no such node or no
     /// nodes at all, 409 a node not up).
     #[error(transparent)]
@@ -181,6 +187,12 @@ impl ApiError {
                 S::UNAUTHORIZED,
                 INVALID,
                 "invalid_admin_key",
+                Some("unauthorized"),
+            ),
+            ApiError::DetailUnauthorized => c(
+                S::UNAUTHORIZED,
+                INVALID,
+                "invalid_detail_key",
                 Some("unauthorized"),
             ),
             ApiError::Drain(DrainRefusal::NotUp(_)) => {

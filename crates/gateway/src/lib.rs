@@ -199,6 +199,15 @@ impl Gateway {
         }
     }
 
+    /// Whether the request may see `/metrics` and `/ready`'s detail: the
+    /// config lists no detail keys, or it brings one.
+    fn detail_allowed(&self, headers: &HeaderMap) -> bool {
+        let keys = &self.cfg.cluster.telemetry.detail_keys;
+        keys.is_empty()
+            || bearer(headers)
+                .is_some_and(|key| keys.iter().fold(false, |hit, k| hit | same_bytes(k, key)))
+    }
+
     /// The request body, or why it cannot be read (413 over the limit).
     fn read_body(&self, body: Result<Bytes, BytesRejection>) -> Result<Bytes, ApiError> {
         body.map_err(|r| {
@@ -515,8 +524,18 @@ async fn health() -> Response {
     Json(json!({"status": "ok"})).into_response()
 }
 
-async fn ready(State(gw): Shared) -> Response {
+async fn ready(State(gw): Shared, headers: HeaderMap) -> Response {
     let s = gw.engine.status().await;
+    let status = if s.ready {
+        StatusCode::OK
+    } else {
+        StatusCode::SERVICE_UNAVAILABLE
+    };
+    // Probes need only the status; the load and the nodes are the
+    // operators' (`[telemetry] detail_keys`).
+    if !gw.detail_allowed(&headers) {
+        return (status, Json(json!({ "ready": s.ready }))).into_response();
+    }
     let queue: serde_json::Map<String, serde_json::Value> = s
         .tiers
         .iter()
@@ -557,15 +576,13 @@ async fn ready(State(gw): Shared) -> Response {
             "kv_cache_dtype": n.kv_dtype.name(), "kv_blocks": n.kv_blocks,
         })).collect::<Vec<_>>(),
     });
-    let status = if s.ready {
-        StatusCode::OK
-    } else {
-        StatusCode::SERVICE_UNAVAILABLE
-    };
     (status, Json(body)).into_response()
 }
 
-async fn prometheus_text(State(gw): Shared) -> Response {
+async fn prometheus_text(State(gw): Shared, headers: HeaderMap) -> Response {
+    if !gw.detail_allowed(&headers) {
+        return ApiError::DetailUnauthorized.into_response();
+    }
     // The load as the engine sees it now (on a Router: every node's, summed),
     // so that a Router's page carries the queue an autoscaler reads.
     // An engine that does not answer in time leaves the gauges as they were.

@@ -5,7 +5,7 @@
 //! through a derived struct, so every refusal names the field (`param`). A
 //! field this server does not honour is refused with a 400 naming it, never
 //! ignored: [`CHAT_FIELDS`] and [`COMPLETION_FIELDS`] list what each
-//! endpoint reads, and the README lists what each does here. A field set to
+//! endpoint reads, and docs/API.md lists what each does here. A field set to
 //! `null` counts as absent, as OpenAI's API treats it.
 
 use flotilla_exec::{MAX_LOGIT_BIAS, MAX_PENALTY, MAX_TOP_LOGPROBS};

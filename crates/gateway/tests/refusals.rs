@@ -416,6 +416,45 @@ async fn engine_failures_map_to_status_or_an_error_event() {
     }
 }
 
+/// With `[telemetry] detail_keys`, `/metrics` wants one (401 in OpenAI's
+/// shape otherwise) and `/ready` without one answers its status and
+/// `ready` only (what a probe needs); `/health` stays open.
+#[tokio::test]
+async fn metrics_and_ready_detail_behind_a_key() {
+    let cfg = ClusterConfig::parse(
+        "[telemetry]\ndetail_keys = [\"ops-0123456789abcdef\"]\n\n[[tiers]]\nname = \"t\"\n\n\
+         [[tenants]]\nname = \"a\"\ntier = \"t\"\napi_keys = [\"sk-a-0123456789\"]\n",
+        "c.toml",
+    )
+    .unwrap();
+    let s = serve(cfg).await;
+    let get = |p: &str, key: Option<&str>| {
+        let mut r = s.http.get(format!("{}{p}", s.base));
+        if let Some(k) = key {
+            r = r.bearer_auth(k);
+        }
+        r.send()
+    };
+    assert_eq!(get("/health", None).await.unwrap().status().as_u16(), 200);
+    for key in [None, Some("sk-a-0123456789"), Some("ops-wrong-key-00000")] {
+        let r = get("/metrics", key).await.unwrap();
+        assert_eq!(r.status().as_u16(), 401, "{key:?}");
+        let e: Value = r.json().await.unwrap();
+        assert_eq!(e["error"]["code"], "invalid_detail_key");
+        let r = get("/ready", key).await.unwrap();
+        assert_eq!(r.status().as_u16(), 200);
+        assert_eq!(r.json::<Value>().await.unwrap(), json!({"ready": true}));
+    }
+    let r = get("/metrics", Some("ops-0123456789abcdef")).await.unwrap();
+    assert_eq!(r.status().as_u16(), 200);
+    let r = get("/ready", Some("ops-0123456789abcdef")).await.unwrap();
+    let v: Value = r.json().await.unwrap();
+    assert_eq!(v["kv_blocks"]["total"], 100, "{v}");
+    s.fake.ready.store(false, Ordering::SeqCst);
+    let r = get("/ready", None).await.unwrap();
+    assert_eq!(r.status().as_u16(), 503);
+}
+
 #[tokio::test]
 async fn health_ready_metrics_models() {
     let s = serve(ClusterConfig::open()).await;
