@@ -23,6 +23,7 @@ pub const TEST_PYTHON_PACKAGES: &[&str] = &[
     "numpy>=1.26,<3",
     "gguf==0.19.0",
     "jsonschema>=4.20,<5",
+    "kubernetes-validate==1.37.0",
 ];
 
 /// The tests' Python: `$FLOTILLA_PYTHON`, else the cached environment
