@@ -10,7 +10,6 @@
 #[allow(dead_code)]
 mod common;
 
-use std::io::{BufRead, BufReader};
 use std::path::PathBuf;
 use std::process::{Command, Stdio};
 use std::time::Duration;
@@ -136,23 +135,13 @@ async fn the_kv_cache_is_sized_from_the_cgroup_limit() {
         .stdout(Stdio::null())
         .spawn()
         .expect("spawn flotilla serve in the cgroup");
-    let stderr = child.stderr.take().unwrap();
-    let (tx, rx) = std::sync::mpsc::channel();
-    std::thread::spawn(move || {
-        let mut sent = false;
-        for line in BufReader::new(stderr).lines() {
-            let Ok(line) = line else { break };
-            if !sent && let Some(i) = line.find("http://") {
-                let url = line[i..].split_whitespace().next().unwrap().to_string();
-                let _ = tx.send(url.trim_end_matches("/v1").to_string());
-                sent = true;
-            }
-            eprintln!("[server] {line}");
-        }
-    });
-    let base = rx.recv_timeout(Duration::from_secs(120));
+    let base = common::server_url(
+        child.stderr.take().unwrap(),
+        "server",
+        Duration::from_secs(120),
+    );
     let result = async {
-        let base = base.map_err(|_| "the server did not print its URL".to_string())?;
+        let base = base.ok_or_else(|| "the server did not print its URL".to_string())?;
         // The process is in the cgroup (the fault this test injects held).
         let members = std::fs::read_to_string(&procs).unwrap_or_default();
         if !members.lines().any(|p| p.trim() == child.id().to_string()) {

@@ -365,7 +365,8 @@ fn every_flag_the_docs_name_exists() {
         "--ignored",
         "--nocapture",
         "--no-capture",
-        // pip, useradd, systemctl, kubectl
+        // pip, useradd, systemctl, kubectl, kubernetes-validate
+        "--strict",
         "--no-deps",
         "--no-create-home",
         "--shell",

@@ -2,7 +2,6 @@
 //! over HTTP: the `openai` Python client, cancellation storms, tiers under a
 //! flood, bad input.
 
-use std::io::{BufRead, BufReader};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
@@ -110,23 +109,12 @@ fn start_env(
         .stdout(Stdio::null())
         .spawn()
         .expect("spawn flotilla serve");
-    let stderr = child.stderr.take().unwrap();
-    let (tx, rx) = std::sync::mpsc::channel();
-    std::thread::spawn(move || {
-        let mut sent = false;
-        for line in BufReader::new(stderr).lines() {
-            let Ok(line) = line else { break };
-            if !sent && let Some(i) = line.find("http://") {
-                let url = line[i..].split_whitespace().next().unwrap().to_string();
-                let _ = tx.send(url.trim_end_matches("/v1").to_string());
-                sent = true;
-            }
-            eprintln!("[server] {line}");
-        }
-    });
-    let base = rx
-        .recv_timeout(Duration::from_secs(120))
-        .expect("server did not print its URL");
+    let base = common::server_url(
+        child.stderr.take().unwrap(),
+        "server",
+        Duration::from_secs(120),
+    )
+    .expect("server did not print its URL");
     Server {
         child,
         base,

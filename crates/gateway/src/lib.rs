@@ -105,27 +105,15 @@ pub fn router(
     cfg: GatewayConfig,
 ) -> Router {
     let limit = cfg.body_limit_bytes;
-    let gw = Arc::new(Gateway {
-        engine,
-        text,
-        metrics,
-        limits: Arc::new(limits::TenantLimits::new(&cfg.cluster)),
-        cfg,
-        requests: AtomicU64::new(0),
-    });
-    Router::new()
+    observed(Router::new())
         .route("/v1/chat/completions", post(chat))
         .route("/v1/completions", post(completions))
         .route("/v1/models", get(models))
-        .route("/config", get(config))
-        .route("/health", get(health))
-        .route("/ready", get(ready))
-        .route("/metrics", get(prometheus_text))
         .route("/admin/drain", post(drain))
         .fallback(not_found)
         .method_not_allowed_fallback(method_not_allowed)
         .layer(DefaultBodyLimit::max(limit))
-        .with_state(gw)
+        .with_state(Gateway::new(engine, text, metrics, cfg))
 }
 
 /// An engine node's observability service: `/metrics`, `/health`, `/ready`
@@ -137,25 +125,39 @@ pub fn observability_router(
     metrics: Arc<Metrics>,
     cfg: GatewayConfig,
 ) -> Router {
-    let gw = Arc::new(Gateway {
-        engine,
-        text,
-        metrics,
-        limits: Arc::new(limits::TenantLimits::new(&cfg.cluster)),
-        cfg,
-        requests: AtomicU64::new(0),
-    });
-    Router::new()
-        .route("/config", get(config))
+    observed(Router::new())
+        .fallback(not_found)
+        .method_not_allowed_fallback(method_not_allowed)
+        .with_state(Gateway::new(engine, text, metrics, cfg))
+}
+
+/// The routes both services have: `/config`, `/health`, `/ready`,
+/// `/metrics` (each adds its fallbacks after its last route: axum's
+/// method fallback covers the routes added before it).
+fn observed(r: Router<Arc<Gateway>>) -> Router<Arc<Gateway>> {
+    r.route("/config", get(config))
         .route("/health", get(health))
         .route("/ready", get(ready))
         .route("/metrics", get(prometheus_text))
-        .fallback(not_found)
-        .method_not_allowed_fallback(method_not_allowed)
-        .with_state(gw)
 }
 
 impl Gateway {
+    fn new(
+        engine: Arc<dyn Engine>,
+        text: Arc<TextSide>,
+        metrics: Arc<Metrics>,
+        cfg: GatewayConfig,
+    ) -> Arc<Gateway> {
+        Arc::new(Gateway {
+            engine,
+            text,
+            metrics,
+            limits: Arc::new(limits::TenantLimits::new(&cfg.cluster)),
+            cfg,
+            requests: AtomicU64::new(0),
+        })
+    }
+
     /// Answers a refusal and counts it; the one exit of every refused request.
     fn refuse(&self, tier: &str, err: ApiError) -> Response {
         let class = err.class();

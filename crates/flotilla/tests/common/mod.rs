@@ -7,6 +7,29 @@ use std::time::Duration;
 
 use serde_json::Value;
 
+/// Echoes a server's stderr, tagged, on a thread, and returns the base URL
+/// of its first line that has one (`http://...`, `/v1` cut), or `None` if
+/// none comes within `wait`.
+#[allow(dead_code)]
+pub fn server_url(stderr: std::process::ChildStderr, tag: &str, wait: Duration) -> Option<String> {
+    use std::io::{BufRead, BufReader};
+    let (tx, rx) = std::sync::mpsc::channel();
+    let tag = tag.to_string();
+    std::thread::spawn(move || {
+        let mut sent = false;
+        for line in BufReader::new(stderr).lines() {
+            let Ok(line) = line else { break };
+            if !sent && let Some(i) = line.find("http://") {
+                let url = line[i..].split_whitespace().next().unwrap_or_default();
+                let _ = tx.send(url.trim_end_matches("/v1").to_string());
+                sent = true;
+            }
+            eprintln!("[{tag}] {line}");
+        }
+    });
+    rx.recv_timeout(wait).ok()
+}
+
 /// The tests' HTTP client (a request that outlives two minutes fails).
 pub fn client() -> reqwest::Client {
     reqwest::Client::builder()
