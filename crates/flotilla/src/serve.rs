@@ -60,9 +60,10 @@ pub struct ServeArgs {
     /// Token budget of one step (prefill chunks + decodes).
     #[arg(long)]
     pub max_num_batched_tokens: Option<usize>,
-    /// Fraction of memory for the KV cache (default 0.1): of the memory
-    /// cgroup's limit less the weights where one is set (a container's
-    /// limit), else of the host's available memory.
+    /// Fraction of memory for the KV cache. CPU (default 0.1): of the
+    /// memory cgroup's limit less the weights where one is set (a
+    /// container's limit), else of the host's available memory. CUDA
+    /// (default 0.9): of the device memory the weights leave.
     #[arg(long)]
     pub kv_cache_fraction: Option<f64>,
     /// KV cache size in bytes (overrides --kv-cache-fraction).

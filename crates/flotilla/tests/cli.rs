@@ -368,6 +368,7 @@ fn every_flag_the_docs_name_exists() {
         // pip, useradd, systemctl, kubectl, kubernetes-validate
         "--strict",
         "--no-deps",
+        "--no-binary",
         "--no-create-home",
         "--shell",
         "--now",
