@@ -397,10 +397,7 @@ pub(crate) fn settings(
     let kv_reservation_ttl_ms = range("kv_reservation_ttl_ms", c.kv_reservation_ttl_ms)?;
     let kv_hold_ttl_ms = range("kv_hold_ttl_ms", c.kv_hold_ttl_ms)?;
     let kv_transfers_max = range("kv_transfers_max", c.kv_transfers_max)?;
-    if c.admin_keys
-        .iter()
-        .any(|k| k.len() < 16 || k.chars().any(|c| c.is_whitespace() || c.is_control()))
-    {
+    if c.admin_keys.iter().any(|k| !crate::operator_key_ok(k)) {
         return Err(invalid(
             at,
             "[cluster] admin_keys need at least 16 characters and no whitespace".into(),

@@ -258,6 +258,12 @@ struct RawTenant {
     isolate_prefix_cache: bool,
 }
 
+/// An operator's key (`[cluster] admin_keys`, `[telemetry] detail_keys`):
+/// at least 16 characters, no whitespace or control characters.
+pub(crate) fn operator_key_ok(k: &str) -> bool {
+    k.len() >= 16 && !k.chars().any(|c| c.is_whitespace() || c.is_control())
+}
+
 fn one() -> u32 {
     1
 }
@@ -577,7 +583,7 @@ impl ClusterConfig {
             .telemetry
             .detail_keys
             .iter()
-            .any(|k| k.len() < 16 || k.chars().any(char::is_whitespace))
+            .any(|k| !operator_key_ok(k))
         {
             return Err(invalid(
                 0,

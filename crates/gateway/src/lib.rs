@@ -191,9 +191,7 @@ impl Gateway {
             return Err(ApiError::AdminOff);
         }
         let key = bearer(headers).ok_or(ApiError::AdminUnauthorized)?;
-        // Every key compared in full, so the time taken says nothing of
-        // how much of one matched.
-        let hit = keys.iter().fold(false, |hit, k| hit | same_bytes(k, key));
+        let hit = any_key_is(keys, key);
         if hit {
             Ok(())
         } else {
@@ -205,9 +203,7 @@ impl Gateway {
     /// config lists no detail keys, or it brings one.
     fn detail_allowed(&self, headers: &HeaderMap) -> bool {
         let keys = &self.cfg.cluster.telemetry.detail_keys;
-        keys.is_empty()
-            || bearer(headers)
-                .is_some_and(|key| keys.iter().fold(false, |hit, k| hit | same_bytes(k, key)))
+        keys.is_empty() || bearer(headers).is_some_and(|key| any_key_is(keys, key))
     }
 
     /// The request body, or why it cannot be read (413 over the limit).
@@ -422,6 +418,12 @@ fn bearer(headers: &HeaderMap) -> Option<&str> {
             let (scheme, key) = v.trim().split_once(' ')?;
             scheme.eq_ignore_ascii_case("bearer").then(|| key.trim())
         })
+}
+
+/// Whether `key` is one of `keys`, every key compared in full, so the time
+/// taken says nothing of how much of one matched.
+fn any_key_is(keys: &[String], key: &str) -> bool {
+    keys.iter().fold(false, |hit, k| hit | same_bytes(k, key))
 }
 
 /// Equal strings, compared in time that depends on their lengths only.

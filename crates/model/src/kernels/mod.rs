@@ -551,6 +551,15 @@ mod tests {
         QMatrix::from_q4_1(rows, cols, &b)
     }
 
+    /// `q8` (row-major Q8_0 blocks) in the VNNI kernels' interleaved layout.
+    fn q8_0x8_matrix(q8: &[u8], rows: usize, cols: usize) -> QMatrix {
+        QMatrix::new(
+            rows,
+            cols,
+            WData::Q8_0x8(quant::repack_q8_0_x8(q8, rows, cols).into()),
+        )
+    }
+
     fn acts(t: usize, k: usize, seed: &mut u64) -> (Vec<f32>, Vec<BlockQ8A>) {
         let f: Vec<f32> = (0..t * k).map(|_| rnd(seed) * 3.0).collect();
         let mut q = vec![BlockQ8A::default(); t * k / 32];
@@ -629,11 +638,7 @@ mod tests {
         for &(rows, cols, t) in &[(9, 64, 1), (17, 192, 6), (8, 32, 3), (24, 640, 70)] {
             let wf: Vec<f32> = (0..rows * cols).map(|_| rnd(&mut s)).collect();
             let q8 = quantize_q8_0(&wf);
-            let w8x8 = QMatrix::new(
-                rows,
-                cols,
-                WData::Q8_0x8(quant::repack_q8_0_x8(&q8, rows, cols).into()),
-            );
+            let w8x8 = q8_0x8_matrix(&q8, rows, cols);
             let w8 = QMatrix::new(rows, cols, WData::Q8_0(Bytes::Owned(q8)));
             // The interleaved layout holds the same values.
             let (mut a, mut b) = (vec![0f32; cols], vec![0f32; cols]);
@@ -700,11 +705,7 @@ mod tests {
         let q8 = quantize_q8_0(&wf);
         let matrices = [
             q4_1_matrix(rows, cols, &mut s),
-            QMatrix::new(
-                rows,
-                cols,
-                WData::Q8_0x8(quant::repack_q8_0_x8(&q8, rows, cols).into()),
-            ),
+            q8_0x8_matrix(&q8, rows, cols),
         ];
         let (f, q) = acts(t, cols, &mut s);
         let x = Acts {
@@ -858,11 +859,7 @@ mod tests {
             let q8 = quantize_q8_0(&wf);
             let matrices = [
                 q4_1_matrix(rows, cols, &mut s),
-                QMatrix::new(
-                    rows,
-                    cols,
-                    WData::Q8_0x8(quant::repack_q8_0_x8(&q8, rows, cols).into()),
-                ),
+                q8_0x8_matrix(&q8, rows, cols),
             ];
             for t in [1, 3, 4, 15, 16, 17, 40, 129, 300] {
                 let (f, q) = acts(t, cols, &mut s);
