@@ -89,6 +89,32 @@ pub struct ModelConfig {
     pub rope_factors: bool,
     /// A separate output head (else tied to the token embedding).
     pub separate_head: bool,
+    /// Which layers of the file this configuration runs, and whether it
+    /// holds the model's ends (a pipeline stage's part; the whole model
+    /// from [`ModelConfig::from_gguf`]). `n_layer` and `layers` are the
+    /// part's; local layer `i` is the file's `part.layers.start + i`.
+    pub part: Part,
+}
+
+/// A pipeline stage's share of a model: a run of the file's layers, and
+/// whether it also holds the ends (the token embedding, the final norm and
+/// the output head: the stage that embeds a step's tokens and samples its
+/// outputs).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Part {
+    /// The file's layers, in order.
+    pub layers: std::ops::Range<usize>,
+    /// The embedding, final norm and head are here.
+    pub ends: bool,
+    /// Layers in the file.
+    pub total: usize,
+}
+
+impl Part {
+    /// Whether this is the whole model.
+    pub fn is_whole(&self) -> bool {
+        self.ends && self.layers == (0..self.total)
+    }
 }
 
 /// What a family fixes that its GGUF files do not store.
@@ -134,6 +160,30 @@ fn family(arch: &str) -> Option<Family> {
 pub const ARCHITECTURES: &[&str] = &["llama", "mistral", "qwen2", "gemma3"];
 
 impl ModelConfig {
+    /// The configuration of a pipeline stage that runs the file's layers
+    /// `layers` (at least one) and holds the ends when `ends`; refused
+    /// unless this is the whole model and the range lies within it.
+    pub fn part(&self, layers: std::ops::Range<usize>, ends: bool) -> Result<ModelConfig, String> {
+        if !self.part.is_whole() {
+            return Err("a part can only be cut from the whole model".into());
+        }
+        if layers.is_empty() || layers.end > self.n_layer {
+            return Err(format!(
+                "layers {}..{} are not a non-empty range of the model's {} layers",
+                layers.start, layers.end, self.n_layer
+            ));
+        }
+        let mut c = self.clone();
+        c.n_layer = layers.len();
+        c.layers = self.layers[layers.clone()].to_vec();
+        c.part = Part {
+            layers,
+            ends,
+            total: self.n_layer,
+        };
+        Ok(c)
+    }
+
     /// Reads the description from GGUF metadata and the file's tensor names.
     pub fn from_gguf(g: &GgufFile) -> Result<ModelConfig, GgufError> {
         let arch = g.str("general.architecture")?.to_string();
@@ -236,6 +286,11 @@ impl ModelConfig {
             qkv_bias: has("blk.0.attn_q.bias"),
             rope_factors: has("rope_freqs.weight"),
             separate_head: has("output.weight"),
+            part: Part {
+                layers: 0..n_layer,
+                ends: true,
+                total: n_layer,
+            },
             arch,
         };
         let finite_pos = |v: f32| v.is_finite() && v > 0.0;
@@ -412,9 +467,15 @@ impl Weights {
         };
         let (d, qd, kvd, ff) = (cfg.n_embd, cfg.q_dim(), cfg.kv_dim(), cfg.n_ff);
         let hd = cfg.head_dim;
-        let tok_embd = matrix("token_embd.weight", cfg.vocab, d)?;
+        let ends = cfg.part.ends;
+        // A stage without the ends holds an empty embedding (no rows).
+        let tok_embd = if ends {
+            matrix("token_embd.weight", cfg.vocab, d)?
+        } else {
+            QMatrix::new(0, d, WData::F32(Vec::new()))
+        };
         let mut layers = Vec::with_capacity(cfg.n_layer);
-        for i in 0..cfg.n_layer {
+        for i in cfg.part.layers.clone() {
             let n = |s: &str| format!("blk.{i}.{s}");
             let bias = if cfg.qkv_bias {
                 Some(QkvBias {
@@ -456,7 +517,7 @@ impl Weights {
                 post_ffn_norm: post("post_ffw_norm.weight")?,
             });
         }
-        let output = if cfg.separate_head {
+        let output = if ends && cfg.separate_head {
             Some(matrix("output.weight", cfg.vocab, d)?)
         } else {
             None
@@ -475,7 +536,11 @@ impl Weights {
         Ok(Weights {
             tok_embd,
             layers,
-            output_norm: vector(g, "output_norm.weight", d)?,
+            output_norm: if ends {
+                vector(g, "output_norm.weight", d)?
+            } else {
+                Vec::new()
+            },
             output,
             rope_factors,
         })
@@ -531,8 +596,11 @@ impl Weights {
 /// (the names [`Weights::matrices`] gives).
 pub fn matrix_shapes(cfg: &ModelConfig) -> Vec<(String, usize, usize)> {
     let (d, qd, kvd, ff) = (cfg.n_embd, cfg.q_dim(), cfg.kv_dim(), cfg.n_ff);
-    let mut v = vec![("token_embd.weight".to_string(), cfg.vocab, d)];
-    for i in 0..cfg.n_layer {
+    let mut v = Vec::new();
+    if cfg.part.ends {
+        v.push(("token_embd.weight".to_string(), cfg.vocab, d));
+    }
+    for i in cfg.part.layers.clone() {
         for (n, r, c) in [
             ("attn_q", qd, d),
             ("attn_k", kvd, d),
@@ -545,7 +613,7 @@ pub fn matrix_shapes(cfg: &ModelConfig) -> Vec<(String, usize, usize)> {
             v.push((format!("blk.{i}.{n}.weight"), r, c));
         }
     }
-    if cfg.separate_head {
+    if cfg.part.ends && cfg.separate_head {
         v.push(("output.weight".to_string(), cfg.vocab, d));
     }
     v

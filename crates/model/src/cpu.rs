@@ -187,6 +187,23 @@ fn load_weights(
         ));
     }
     let path = layout::cache_path(dir, src, kernel, compact);
+    if !cfg.part.is_whole() {
+        // A stage maps its matrices from the whole model's cache by name
+        // where it is there; it writes none (the cache holds whole models).
+        let c = layout::open(&path, src, kernel, compact).ok().flatten();
+        if let Some(c) = &c {
+            c.release_pages();
+        }
+        let w = Weights::load_with(g, cfg, kernel, compact, c.as_ref(), threads)?;
+        let note = match c {
+            Some(_) => format!(
+                "layout cache {}: this stage's matrices mapped",
+                path.display()
+            ),
+            None => format!("layout cache {}: not there; converted", path.display()),
+        };
+        return Ok((w, Some(note)));
+    }
     let stale = match layout::open(&path, src, kernel, compact) {
         Ok(Some(c)) => {
             let w = Weights::load_with(g, cfg, kernel, compact, Some(&c), threads)?;
@@ -254,6 +271,19 @@ impl CpuExecutor {
 
     /// Builds an executor from an open GGUF file (weights stay mapped).
     pub fn from_gguf(g: &GgufFile, c: &CpuConfig) -> Result<CpuExecutor, LoadError> {
+        Self::from_gguf_part(g, c, None)
+    }
+
+    /// Builds a pipeline stage's executor: only the file's layers
+    /// `part.0` (weights and KV cache), and the embedding, final norm and
+    /// head only where `part.1` (the stage that embeds and samples); the
+    /// whole model where `part` is `None`. A stage maps the layout cache
+    /// where the whole model's is there and never writes one.
+    pub fn from_gguf_part(
+        g: &GgufFile,
+        c: &CpuConfig,
+        part: Option<(Range<usize>, bool)>,
+    ) -> Result<CpuExecutor, LoadError> {
         if c.block_size == 0 || c.block_size > 1024 {
             return Err(LoadError::Config(format!(
                 "block size {} must be in 1..=1024",
@@ -271,7 +301,10 @@ impl CpuExecutor {
                 "max_batch_tokens and threads must be positive".into(),
             ));
         }
-        let cfg = ModelConfig::from_gguf(g)?;
+        let mut cfg = ModelConfig::from_gguf(g)?;
+        if let Some((layers, ends)) = part {
+            cfg = cfg.part(layers, ends).map_err(LoadError::Config)?;
+        }
         if cfg.n_embd % QK != 0 || cfg.n_ff % QK != 0 || cfg.q_dim() % QK != 0 {
             return Err(LoadError::Config(format!(
                 "model widths {}, {} and {} must be multiples of 32 for 8-bit activations",
@@ -410,6 +443,102 @@ impl CpuExecutor {
             .sum()
     }
 
+    /// Checks a batch as every step does (tokens, positions, block
+    /// tables, slots, the step's size).
+    fn check(&mut self, batch: &[SeqInput<'_>]) -> Result<(), ExecError> {
+        let limits = BatchLimits {
+            vocab: self.cfg.vocab,
+            ctx_len: self.cfg.ctx_len,
+            block_size: self.kv.block_size,
+            num_blocks: self.kv.num_blocks,
+            max_tokens: self.max_tokens,
+        };
+        validate_batch(batch, &limits, &mut self.s.slots)?;
+        Ok(())
+    }
+
+    /// Replaces the KV cache by an empty one of `num_blocks` blocks (same
+    /// block size and element type): a pipeline stage takes its group's
+    /// count from stage 0.
+    pub fn set_num_blocks(&mut self, num_blocks: usize) -> Result<(), LoadError> {
+        if num_blocks == 0 || num_blocks > u32::MAX as usize {
+            return Err(LoadError::Config(format!(
+                "number of KV blocks {num_blocks} must be positive"
+            )));
+        }
+        if num_blocks != self.kv.num_blocks {
+            let dtype = self.kv.dtype();
+            // The old cache goes first: never both in memory.
+            self.kv =
+                KvStore::new(&self.cfg, self.kv.block_size, 1, dtype).map_err(LoadError::Config)?;
+            self.kv = KvStore::new(&self.cfg, self.kv.block_size, num_blocks, dtype)
+                .map_err(LoadError::Config)?;
+        } else {
+            self.kv.bytes_mut().fill(0);
+        }
+        Ok(())
+    }
+
+    /// The part of the model this executor holds (the whole model unless
+    /// built by [`CpuExecutor::from_gguf_part`]).
+    pub fn part(&self) -> &crate::arch::Part {
+        &self.cfg.part
+    }
+
+    /// A pipeline stage's step, first call: checks `batch` as
+    /// [`Executor::step`] does and lays out its rows; where this part
+    /// holds the ends, embeds the tokens. Returns the step's token rows.
+    /// A stage without the ends then takes the rows the stage before it
+    /// computed ([`CpuExecutor::stage_rows_mut`]).
+    pub fn stage_begin(
+        &mut self,
+        batch: &[SeqInput<'_>],
+        out: &mut StepOutputs,
+    ) -> Result<usize, ExecError> {
+        self.check(batch)?;
+        self.prepare(batch, out);
+        if self.cfg.part.ends {
+            self.embed();
+        }
+        Ok(self.s.tok.len())
+    }
+
+    /// The residual stream of the step begun: one row of `n_embd` a token.
+    pub fn stage_rows(&self) -> &[f32] {
+        &self.s.x[..self.s.tok.len() * self.cfg.n_embd]
+    }
+
+    /// The residual stream of the step begun, to write.
+    pub fn stage_rows_mut(&mut self) -> &mut [f32] {
+        let n = self.s.tok.len() * self.cfg.n_embd;
+        &mut self.s.x[..n]
+    }
+
+    /// The token rows whose logits the step begun asks for, in order.
+    pub fn stage_out_rows(&self) -> &[u32] {
+        &self.s.out_tok
+    }
+
+    /// Runs this part's layers over the step begun (writing their KV).
+    pub fn stage_layers(&mut self, batch: &[SeqInput<'_>]) {
+        self.run_layers(batch);
+    }
+
+    /// Ends the step begun on the part holding the ends: final norm, head
+    /// and sampling over the output rows of the residual stream (which the
+    /// last stage's rows were written back into).
+    pub fn stage_finish(
+        &mut self,
+        batch: &[SeqInput<'_>],
+        out: &mut StepOutputs,
+    ) -> Result<(), ExecError> {
+        if !self.cfg.part.ends {
+            return Err(ExecError::Unsupported("this stage holds no head"));
+        }
+        self.head(batch, out);
+        Ok(())
+    }
+
     /// What the load did with the layout cache (`CpuConfig::layout_cache`):
     /// mapped it, wrote it, or why it could not.
     pub fn load_note(&self) -> Option<&str> {
@@ -417,7 +546,16 @@ impl CpuExecutor {
     }
 
     fn forward(&mut self, batch: &[SeqInput<'_>], out: &mut StepOutputs) {
-        let (d, hd) = (self.cfg.n_embd, self.cfg.head_dim);
+        self.prepare(batch, out);
+        self.embed();
+        self.run_layers(batch);
+        self.head(batch, out);
+    }
+
+    /// Lays out a step: its token rows (sequence, position), the rows
+    /// whose logits it asks for, and RoPE's tables for its positions.
+    fn prepare(&mut self, batch: &[SeqInput<'_>], out: &mut StepOutputs) {
+        let hd = self.cfg.head_dim;
         let s = &mut self.s;
         s.tok.clear();
         s.tok_seq.clear();
@@ -440,7 +578,6 @@ impl CpuExecutor {
             }
             out.seqs.push(o);
         }
-        let t_all = s.tok.len();
         let half = hd / 2;
         for (b, inv_freq) in self.inv_freq.iter().enumerate() {
             let table = &mut s.rope[b * self.max_tokens * half..];
@@ -451,28 +588,42 @@ impl CpuExecutor {
                 }
             }
         }
-        // Embedding lookup.
-        {
-            let x = Shared::new(&mut s.x[..t_all * d]);
-            let (tok, emb) = (&s.tok, &self.w.tok_embd);
-            let scale = self.cfg.embd_scale;
-            par_tokens(&self.pool, t_all, &|r: Range<usize>| {
-                for t in r {
-                    // SAFETY: token rows are disjoint across threads.
-                    let row = unsafe { x.slice(t * d..(t + 1) * d) };
-                    emb.dequantize_row(tok[t] as usize, row);
-                    if scale != 1.0 {
-                        row.iter_mut().for_each(|v| *v *= scale);
-                    }
+    }
+
+    /// The step's token rows from the embedding.
+    fn embed(&mut self) {
+        let d = self.cfg.n_embd;
+        let s = &mut self.s;
+        let t_all = s.tok.len();
+        let x = Shared::new(&mut s.x[..t_all * d]);
+        let (tok, emb) = (&s.tok, &self.w.tok_embd);
+        let scale = self.cfg.embd_scale;
+        par_tokens(&self.pool, t_all, &|r: Range<usize>| {
+            for t in r {
+                // SAFETY: token rows are disjoint across threads.
+                let row = unsafe { x.slice(t * d..(t + 1) * d) };
+                emb.dequantize_row(tok[t] as usize, row);
+                if scale != 1.0 {
+                    row.iter_mut().for_each(|v| *v *= scale);
                 }
-            });
-        }
+            }
+        });
+    }
+
+    /// Every layer this executor runs, over the step's rows.
+    fn run_layers(&mut self, batch: &[SeqInput<'_>]) {
+        let t_all = self.s.tok.len();
         let n = self.layers.as_ref().map_or(self.cfg.n_layer, Vec::len);
         for i in 0..n {
             let l = self.layers.as_ref().map_or(i, |v| v[i]);
             self.attention_block(l, batch, t_all);
             self.ffn_block(l, t_all);
         }
+    }
+
+    /// Final norm, head and sampling for the rows that ask for them.
+    fn head(&mut self, batch: &[SeqInput<'_>], out: &mut StepOutputs) {
+        let d = self.cfg.n_embd;
         // Output head for the positions that need logits.
         let n_out = self.s.out_tok.len();
         if n_out == 0 {
@@ -937,14 +1088,12 @@ impl Executor for CpuExecutor {
     }
 
     fn step(&mut self, batch: &[SeqInput<'_>], out: &mut StepOutputs) -> Result<(), ExecError> {
-        let limits = BatchLimits {
-            vocab: self.cfg.vocab,
-            ctx_len: self.cfg.ctx_len,
-            block_size: self.kv.block_size,
-            num_blocks: self.kv.num_blocks,
-            max_tokens: self.max_tokens,
-        };
-        validate_batch(batch, &limits, &mut self.s.slots)?;
+        if !self.cfg.part.is_whole() {
+            return Err(ExecError::Unsupported(
+                "a pipeline stage's part of the model runs only inside its pipeline",
+            ));
+        }
+        self.check(batch)?;
         self.forward(batch, out);
         Ok(())
     }

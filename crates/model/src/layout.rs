@@ -85,6 +85,20 @@ pub struct Cached {
 }
 
 impl Cached {
+    /// Drops the mapped file's pages from the resident set (verifying the
+    /// checksum read them all): a stage that maps a few of the matrices
+    /// then holds only the pages it reads again.
+    pub fn release_pages(&self) {
+        #[cfg(unix)]
+        // SAFETY: a read-only shared mapping of a file: dropping its pages
+        // loses nothing, a later access reads the file (or the page cache)
+        // again.
+        let _ = unsafe {
+            self.map
+                .unchecked_advise(memmap2::UncheckedAdvice::DontNeed)
+        };
+    }
+
     /// The matrix `name` of `rows x cols` as the cache holds it, a view of
     /// the mapped file; `None` where it holds no such matrix.
     pub fn matrix(&self, name: &str, rows: usize, cols: usize) -> Option<QMatrix> {

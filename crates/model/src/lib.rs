@@ -10,6 +10,7 @@ pub mod generate;
 pub mod kernels;
 mod kvcache;
 pub mod layout;
+pub mod pipeline;
 pub mod pool;
 pub mod quality;
 pub mod quant;

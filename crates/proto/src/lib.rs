@@ -15,6 +15,7 @@ pub use flotilla_exec::{Constraint, ConstraintCompiler, KvDtype, Sampled, Sampli
 use rkyv::{Archive, Deserialize, Serialize};
 
 pub mod role;
+pub mod stage;
 pub mod wire;
 
 pub use role::Role;

@@ -1,0 +1,631 @@
+//! Pipeline parallelism: one model's layers split across processes
+//! (usually nodes), a *group* that the Router sees as one engine.
+//!
+//! Stage 0 runs the engine as any node does (Scheduler, pool, worker) with
+//! a [`PipelineExecutor`]: it holds the embedding, the first run of layers,
+//! the final norm and the head. Each later stage ([`Stage`]) holds a run of
+//! layers and their KV cache, and nothing else. A step: stage 0 checks the
+//! batch, embeds it and runs its layers, then hands the rows to stage 1,
+//! whose answer goes to stage 2, and so on; the last stage answers with
+//! the output rows only, which stage 0 norms, projects and samples (the
+//! masks, biases, penalties and drafts of a step never leave it, and a
+//! tied head is the embedding stage 0 holds already). Every hop is a
+//! round trip from stage 0 ([`StageLink`]), so a stage needs no link but
+//! stage 0's and a stage's death is seen at the next hop.
+//!
+//! Every stage holds the same number of KV blocks: a block id names the
+//! same positions everywhere and one pool (stage 0's Scheduler) decides
+//! for the group. A block's bytes in a group are its stages' bytes in
+//! layer order: the same bytes one node holds for it, so KV migration,
+//! the offload tier and prefix caching work on a group unchanged.
+
+use std::ops::Range;
+use std::sync::Mutex;
+
+use flotilla_exec::{ExecError, Executor, KvSpec, ModelSpec, OutputKind, SeqInput, StepOutputs};
+use flotilla_proto::stage::{
+    ActDtype, FromStage, STAGE_VERSION, StageHello, StageSeq, ToStage, decode_from_stage,
+    decode_to_stage, encode, frame_len,
+};
+
+use crate::CpuExecutor;
+use crate::sampling::SamplingParams;
+
+/// A blocking round trip to one later stage: one frame out, its answer
+/// back. An error means the stage is lost (stage 0 treats every stage
+/// failure as the group's).
+pub trait StageLink: Send {
+    /// Sends `msg` and waits for the answer.
+    fn call(&mut self, msg: &ToStage) -> Result<FromStage, String>;
+}
+
+/// Rows of the residual stream as they travel.
+pub fn encode_rows(rows: &[f32], dtype: ActDtype, out: &mut Vec<u8>) {
+    out.clear();
+    out.reserve(rows.len() * dtype.bytes());
+    match dtype {
+        ActDtype::F32 => rows
+            .iter()
+            .for_each(|v| out.extend_from_slice(&v.to_le_bytes())),
+        ActDtype::F16 => rows
+            .iter()
+            .for_each(|v| out.extend_from_slice(&half::f16::from_f32(*v).to_le_bytes())),
+    }
+}
+
+/// Rows back from their bytes; `bytes` holds exactly `out.len()` values.
+fn decode_rows(bytes: &[u8], dtype: ActDtype, out: &mut [f32]) {
+    match dtype {
+        ActDtype::F32 => {
+            for (v, b) in out.iter_mut().zip(bytes.chunks_exact(4)) {
+                *v = f32::from_le_bytes([b[0], b[1], b[2], b[3]]);
+            }
+        }
+        ActDtype::F16 => {
+            for (v, b) in out.iter_mut().zip(bytes.chunks_exact(2)) {
+                *v = half::f16::from_le_bytes([b[0], b[1]]).to_f32();
+            }
+        }
+    }
+}
+
+/// What a sequence asks of a step, rebuilt on a stage from its row count
+/// (a stage never samples: only the count of output rows matters).
+fn rows_kind(rows: u32) -> OutputKind {
+    match rows {
+        0 => OutputKind::None,
+        1 => OutputKind::Logits,
+        n => OutputKind::Verify {
+            params: SamplingParams::greedy(),
+            draft: n as usize - 1,
+        },
+    }
+}
+
+/// A later stage: a part of the model (layers only) answering stage 0's
+/// frames. Anything a frame asks that this stage cannot do is refused
+/// with the reason, never a panic.
+pub struct Stage {
+    exec: CpuExecutor,
+    model_bytes: u64,
+    model_name: String,
+    out: StepOutputs,
+    /// Set by an accepted hello: steps before it are refused.
+    ready: bool,
+}
+
+impl Stage {
+    /// A stage over `exec` (built by [`CpuExecutor::from_gguf_part`]
+    /// without the ends), for the model file of `model_bytes` bytes named
+    /// `model_name`.
+    pub fn new(exec: CpuExecutor, model_bytes: u64, model_name: String) -> Stage {
+        Stage {
+            exec,
+            model_bytes,
+            model_name,
+            out: StepOutputs::default(),
+            ready: false,
+        }
+    }
+
+    /// The executor of this stage's layers.
+    pub fn exec(&self) -> &CpuExecutor {
+        &self.exec
+    }
+
+    /// Answers one frame.
+    pub fn handle(&mut self, msg: ToStage) -> FromStage {
+        match self.answer(msg) {
+            Ok(a) => a,
+            Err(reason) => FromStage::Refused { reason },
+        }
+    }
+
+    fn answer(&mut self, msg: ToStage) -> Result<FromStage, String> {
+        match msg {
+            ToStage::Hello(h) => self.hello(h),
+            _ if !self.ready => Err("no hello yet".into()),
+            ToStage::Step {
+                step,
+                seqs,
+                dtype,
+                rows,
+                last,
+            } => self.step(step, &seqs, dtype, &rows, last),
+            ToStage::CopyBlock { src, dst } => {
+                self.exec.copy_block(src, dst).map_err(|e| e.to_string())?;
+                Ok(FromStage::Done)
+            }
+            ToStage::ReadBlock { block } => {
+                let mut data = vec![0; self.exec.kv_spec().bytes_per_block];
+                self.exec
+                    .read_block(block, &mut data)
+                    .map_err(|e| e.to_string())?;
+                Ok(FromStage::Block { data })
+            }
+            ToStage::WriteBlock { block, data } => {
+                self.exec
+                    .write_block(block, &data)
+                    .map_err(|e| e.to_string())?;
+                Ok(FromStage::Done)
+            }
+        }
+    }
+
+    fn hello(&mut self, h: StageHello) -> Result<FromStage, String> {
+        self.ready = false;
+        if h.version != STAGE_VERSION {
+            return Err(format!(
+                "stage frames version {}, this stage speaks {STAGE_VERSION}",
+                h.version
+            ));
+        }
+        if (h.model_bytes, h.model_name.as_str()) != (self.model_bytes, self.model_name.as_str()) {
+            return Err(format!(
+                "stage 0 runs {} ({} bytes), this stage {} ({} bytes)",
+                h.model_name, h.model_bytes, self.model_name, self.model_bytes
+            ));
+        }
+        let part = self.exec.part().clone();
+        let want = h.layers.0 as usize..h.layers.1 as usize;
+        if want != part.layers {
+            return Err(format!(
+                "stage 0 expects layers {}..{} here, this stage runs {}..{}",
+                want.start, want.end, part.layers.start, part.layers.end
+            ));
+        }
+        let kv = self.exec.kv_spec();
+        if h.block_size as usize != kv.block_size || h.kv_dtype != kv.dtype.name() {
+            return Err(format!(
+                "stage 0's KV cache has blocks of {} tokens in {}, this stage's {} in {}",
+                h.block_size,
+                h.kv_dtype,
+                kv.block_size,
+                kv.dtype.name()
+            ));
+        }
+        if h.max_batch_tokens as usize > self.exec.max_batch_tokens() {
+            return Err(format!(
+                "stage 0 runs steps of up to {} tokens, this stage {}",
+                h.max_batch_tokens,
+                self.exec.max_batch_tokens()
+            ));
+        }
+        // The group's pool decides the count; a new hello (stage 0
+        // started again) starts from an empty cache.
+        self.exec
+            .set_num_blocks(h.num_blocks as usize)
+            .map_err(|e| e.to_string())?;
+        self.ready = true;
+        Ok(FromStage::Ready {
+            layers: (part.layers.start as u32, part.layers.end as u32),
+            bytes_per_block: self.exec.kv_spec().bytes_per_block as u64,
+            weight_bytes: self.exec.model_spec().weight_bytes as u64,
+        })
+    }
+
+    fn step(
+        &mut self,
+        step: u64,
+        seqs: &[StageSeq],
+        dtype: ActDtype,
+        rows: &[u8],
+        last: bool,
+    ) -> Result<FromStage, String> {
+        if let Some(s) = seqs
+            .iter()
+            .find(|s| s.out_rows as usize > s.tokens.len() || s.tokens.is_empty())
+        {
+            return Err(format!(
+                "a sequence of {} tokens asks for {} output rows",
+                s.tokens.len(),
+                s.out_rows
+            ));
+        }
+        let batch: Vec<SeqInput<'_>> = seqs
+            .iter()
+            .map(|s| SeqInput {
+                tokens: &s.tokens,
+                start_pos: s.start_pos as usize,
+                block_table: &s.block_table,
+                output: rows_kind(s.out_rows),
+                bias: &[],
+                draft_bias: &[],
+                allow: None,
+            })
+            .collect();
+        let d = self.exec.config().n_embd;
+        // Checked before anything is written: a refused step leaves the
+        // cache as it was.
+        let t: usize = seqs.iter().map(|s| s.tokens.len()).sum();
+        if rows.len() != t * d * dtype.bytes() {
+            return Err(format!(
+                "{} bytes of rows for {t} tokens of width {d} in {}",
+                rows.len(),
+                dtype.name()
+            ));
+        }
+        let t = self
+            .exec
+            .stage_begin(&batch, &mut self.out)
+            .map_err(|e| e.to_string())?;
+        decode_rows(rows, dtype, self.exec.stage_rows_mut());
+        self.exec.stage_layers(&batch);
+        let mut out = Vec::new();
+        if last {
+            let x = self.exec.stage_rows();
+            let mut sel = Vec::with_capacity(self.exec.stage_out_rows().len() * d);
+            for &r in self.exec.stage_out_rows() {
+                sel.extend_from_slice(&x[r as usize * d..(r as usize + 1) * d]);
+            }
+            encode_rows(&sel, dtype, &mut out);
+        } else {
+            encode_rows(&self.exec.stage_rows()[..t * d], dtype, &mut out);
+        }
+        Ok(FromStage::Rows { step, rows: out })
+    }
+}
+
+/// A stage in this process, reached through the frames' encoding as a
+/// remote one is (tests; one machine's stages without the network).
+pub struct InProcess(pub Stage);
+
+impl StageLink for InProcess {
+    fn call(&mut self, msg: &ToStage) -> Result<FromStage, String> {
+        let f = encode(msg).map_err(|e| e.to_string())?;
+        let n = frame_len(f[..4].try_into().expect("4 bytes")).map_err(|e| e.to_string())?;
+        let m = decode_to_stage(&f[4..4 + n]).map_err(|e| e.to_string())?;
+        let a = encode(&self.0.handle(m)).map_err(|e| e.to_string())?;
+        decode_from_stage(&a[4..]).map_err(|e| e.to_string())
+    }
+}
+
+/// One later stage as stage 0 knows it.
+struct Remote {
+    link: Box<dyn StageLink>,
+    layers: Range<usize>,
+    bytes_per_block: usize,
+}
+
+/// Stage 0's executor: its own part (the ends and the first layers) and
+/// links to the later stages, in layer order. To the engine it is the
+/// whole model's executor.
+pub struct PipelineExecutor {
+    head: CpuExecutor,
+    stages: Mutex<Vec<Remote>>,
+    spec: ModelSpec,
+    kv: KvSpec,
+    dtype: ActDtype,
+    step: u64,
+    seqs: Vec<StageSeq>,
+    buf: Vec<u8>,
+    outs: Vec<u32>,
+}
+
+impl std::fmt::Debug for PipelineExecutor {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PipelineExecutor")
+            .field("spec", &self.spec)
+            .field("dtype", &self.dtype)
+            .finish()
+    }
+}
+
+impl PipelineExecutor {
+    /// Stage 0 over `head` (a part with the ends, from layer 0) and the
+    /// later stages `stages` (each link with the file's layers it must
+    /// run, together covering the rest in order): says hello to each
+    /// (model, layers, KV cache) and refuses the group where any stage
+    /// differs. `model_bytes` and `model_name` name the file.
+    pub fn connect(
+        head: CpuExecutor,
+        stages: Vec<(Box<dyn StageLink>, Range<usize>)>,
+        dtype: ActDtype,
+        model_bytes: u64,
+        model_name: &str,
+    ) -> Result<PipelineExecutor, String> {
+        let part = head.part().clone();
+        if !part.ends || part.layers.start != 0 {
+            return Err("stage 0 holds the ends and the first layers".into());
+        }
+        let mut next = part.layers.end;
+        for (_, r) in &stages {
+            if r.start != next || r.is_empty() {
+                return Err(format!(
+                    "the stages' layers must follow each other: {}..{} after layer {next}",
+                    r.start, r.end
+                ));
+            }
+            next = r.end;
+        }
+        if next != part.total {
+            return Err(format!(
+                "the stages run layers up to {next}, the model has {}",
+                part.total
+            ));
+        }
+        let kv = head.kv_spec();
+        let mut remotes = Vec::with_capacity(stages.len());
+        let mut weight_bytes = head.model_spec().weight_bytes;
+        let mut bytes_per_block = kv.bytes_per_block;
+        for (i, (mut link, layers)) in stages.into_iter().enumerate() {
+            let hello = ToStage::Hello(StageHello {
+                version: STAGE_VERSION,
+                model_bytes,
+                model_name: model_name.to_string(),
+                layers: (layers.start as u32, layers.end as u32),
+                block_size: kv.block_size as u32,
+                num_blocks: kv.num_blocks as u32,
+                kv_dtype: kv.dtype.name().to_string(),
+                max_batch_tokens: head.max_batch_tokens() as u32,
+            });
+            let n = i + 1;
+            match link.call(&hello) {
+                Ok(FromStage::Ready {
+                    layers: got,
+                    bytes_per_block: b,
+                    weight_bytes: w,
+                }) if got == (layers.start as u32, layers.end as u32) => {
+                    bytes_per_block += b as usize;
+                    weight_bytes += w as usize;
+                    remotes.push(Remote {
+                        link,
+                        layers,
+                        bytes_per_block: b as usize,
+                    });
+                }
+                Ok(FromStage::Refused { reason }) => {
+                    return Err(format!("stage {n} refused the group: {reason}"));
+                }
+                Ok(other) => return Err(format!("stage {n} answered hello with {other:?}")),
+                Err(e) => return Err(format!("stage {n}: {e}")),
+            }
+        }
+        let mut spec = head.model_spec().clone();
+        spec.n_layer = part.total;
+        spec.weight_bytes = weight_bytes;
+        Ok(PipelineExecutor {
+            head,
+            stages: Mutex::new(remotes),
+            spec,
+            kv: KvSpec {
+                bytes_per_block,
+                ..kv
+            },
+            dtype,
+            step: 0,
+            seqs: Vec::new(),
+            buf: Vec::new(),
+            outs: Vec::new(),
+        })
+    }
+
+    /// The file's layers of every stage, stage 0's first.
+    pub fn stage_layers(&self) -> Vec<Range<usize>> {
+        let stages = self.stages.lock().unwrap_or_else(|e| e.into_inner());
+        std::iter::once(self.head.part().layers.clone())
+            .chain(stages.iter().map(|s| s.layers.clone()))
+            .collect()
+    }
+
+    /// Stage 0's own executor.
+    pub fn head(&self) -> &CpuExecutor {
+        &self.head
+    }
+
+    /// How the rows travel.
+    pub fn dtype(&self) -> ActDtype {
+        self.dtype
+    }
+
+    /// Asks every later stage `msg`, in order; any answer but the one
+    /// `ok` accepts is the group's failure.
+    fn each(
+        &self,
+        msg: &ToStage,
+        mut ok: impl FnMut(usize, FromStage) -> Result<(), String>,
+    ) -> Result<(), ExecError> {
+        let mut stages = self.stages.lock().unwrap_or_else(|e| e.into_inner());
+        for (i, s) in stages.iter_mut().enumerate() {
+            let n = i + 1;
+            match s.link.call(msg) {
+                Ok(FromStage::Refused { reason }) => {
+                    return Err(ExecError::Backend(format!("stage {n} refused: {reason}")));
+                }
+                Ok(a) => ok(i, a).map_err(|e| ExecError::Backend(format!("stage {n}: {e}")))?,
+                Err(e) => return Err(ExecError::Backend(format!("stage {n} lost: {e}"))),
+            }
+        }
+        Ok(())
+    }
+}
+
+impl Executor for PipelineExecutor {
+    fn model_spec(&self) -> &ModelSpec {
+        &self.spec
+    }
+
+    fn kv_spec(&self) -> KvSpec {
+        self.kv
+    }
+
+    fn max_batch_tokens(&self) -> usize {
+        self.head.max_batch_tokens()
+    }
+
+    fn max_draft_tokens(&self) -> usize {
+        self.head.max_draft_tokens()
+    }
+
+    /// Drafts run on stage 0 alone: the first `layers` layers where stage
+    /// 0 holds them, else all of stage 0's (a shallower draft; the
+    /// verified tokens are the same either way).
+    fn can_self_draft(&self) -> bool {
+        true
+    }
+
+    fn draft_step(
+        &mut self,
+        batch: &[SeqInput<'_>],
+        out: &mut StepOutputs,
+        layers: usize,
+    ) -> Result<(), ExecError> {
+        let own = self.head.part().layers.len();
+        self.head.set_exit_layer(Some(layers.clamp(1, own)));
+        let r = self
+            .head
+            .stage_begin(batch, out)
+            .map(|_| self.head.stage_layers(batch))
+            .and_then(|_| self.head.stage_finish(batch, out));
+        self.head.set_exit_layer(None);
+        r
+    }
+
+    fn step(&mut self, batch: &[SeqInput<'_>], out: &mut StepOutputs) -> Result<(), ExecError> {
+        self.head.stage_begin(batch, out)?;
+        self.head.stage_layers(batch);
+        self.step += 1;
+        let d = self.spec.n_embd;
+        let mut seqs = std::mem::take(&mut self.seqs);
+        seqs.resize_with(batch.len(), StageSeq::default);
+        for (s, q) in seqs.iter_mut().zip(batch) {
+            s.tokens.clear();
+            s.tokens.extend_from_slice(q.tokens);
+            s.start_pos = q.start_pos as u32;
+            s.block_table.clear();
+            s.block_table.extend_from_slice(q.block_table);
+            s.out_rows = q.output.rows() as u32;
+        }
+        let mut rows = std::mem::take(&mut self.buf);
+        encode_rows(self.head.stage_rows(), self.dtype, &mut rows);
+        let step = self.step;
+        let stages = self.stages.get_mut().unwrap_or_else(|e| e.into_inner());
+        let n = stages.len();
+        let mut failure = None;
+        for (i, s) in stages.iter_mut().enumerate() {
+            let msg = ToStage::Step {
+                step,
+                seqs,
+                dtype: self.dtype,
+                rows,
+                last: i + 1 == n,
+            };
+            let reply = s.link.call(&msg);
+            let ToStage::Step {
+                seqs: s0, rows: r0, ..
+            } = msg
+            else {
+                unreachable!("built as a step above")
+            };
+            (seqs, rows) = (s0, r0);
+            let stage = i + 1;
+            let why = match reply {
+                Ok(FromStage::Rows { step: s, rows: r }) if s == step => {
+                    rows = r;
+                    continue;
+                }
+                Ok(FromStage::Refused { reason }) => {
+                    format!("stage {stage} refused step {step}: {reason}")
+                }
+                Ok(FromStage::Rows { step: s, .. }) => {
+                    format!("stage {stage} answered step {step} with step {s}'s rows")
+                }
+                Ok(o) => format!("stage {stage} answered step {step} with {o:?}"),
+                Err(e) => format!("stage {stage} lost: {e}"),
+            };
+            failure = Some(ExecError::Backend(why));
+            break;
+        }
+        self.seqs = seqs;
+        if let Some(e) = failure {
+            self.buf = rows;
+            return Err(e);
+        }
+        // The output rows after the last layer, back into stage 0's
+        // residual stream for the head.
+        self.outs.clear();
+        self.outs.extend_from_slice(self.head.stage_out_rows());
+        let width = d * self.dtype.bytes();
+        if rows.len() != self.outs.len() * width {
+            return Err(ExecError::Backend(format!(
+                "the last stage sent {} bytes for {} output rows",
+                rows.len(),
+                self.outs.len()
+            )));
+        }
+        let x = self.head.stage_rows_mut();
+        for (j, &r) in self.outs.iter().enumerate() {
+            let r = r as usize;
+            decode_rows(
+                &rows[j * width..(j + 1) * width],
+                self.dtype,
+                &mut x[r * d..(r + 1) * d],
+            );
+        }
+        self.buf = rows;
+        self.head.stage_finish(batch, out)
+    }
+
+    fn copy_block(&mut self, src: u32, dst: u32) -> Result<(), ExecError> {
+        self.head.copy_block(src, dst)?;
+        self.each(&ToStage::CopyBlock { src, dst }, |_, a| match a {
+            FromStage::Done => Ok(()),
+            o => Err(format!("answered a copy with {o:?}")),
+        })
+    }
+
+    fn read_block(&self, block: u32, out: &mut [u8]) -> Result<(), ExecError> {
+        if out.len() != self.kv.bytes_per_block {
+            return Err(ExecError::BadBlockBytes {
+                got: out.len(),
+                expected: self.kv.bytes_per_block,
+            });
+        }
+        let own = self.head.kv_spec().bytes_per_block;
+        self.head.read_block(block, &mut out[..own])?;
+        let sizes: Vec<usize> = {
+            let stages = self.stages.lock().unwrap_or_else(|e| e.into_inner());
+            stages.iter().map(|s| s.bytes_per_block).collect()
+        };
+        let mut at = own;
+        self.each(&ToStage::ReadBlock { block }, |i, a| match a {
+            FromStage::Block { data } if data.len() == sizes[i] => {
+                out[at..at + data.len()].copy_from_slice(&data);
+                at += data.len();
+                Ok(())
+            }
+            o => Err(format!("answered a read with {o:?}")),
+        })
+    }
+
+    fn write_block(&mut self, block: u32, data: &[u8]) -> Result<(), ExecError> {
+        if data.len() != self.kv.bytes_per_block {
+            return Err(ExecError::BadBlockBytes {
+                got: data.len(),
+                expected: self.kv.bytes_per_block,
+            });
+        }
+        let own = self.head.kv_spec().bytes_per_block;
+        self.head.write_block(block, &data[..own])?;
+        let stages = self.stages.get_mut().unwrap_or_else(|e| e.into_inner());
+        let mut at = own;
+        for (i, s) in stages.iter_mut().enumerate() {
+            let part = data[at..at + s.bytes_per_block].to_vec();
+            at += s.bytes_per_block;
+            let n = i + 1;
+            match s.link.call(&ToStage::WriteBlock { block, data: part }) {
+                Ok(FromStage::Done) => {}
+                Ok(FromStage::Refused { reason }) => {
+                    return Err(ExecError::Backend(format!("stage {n} refused: {reason}")));
+                }
+                Ok(o) => {
+                    return Err(ExecError::Backend(format!(
+                        "stage {n} answered a write with {o:?}"
+                    )));
+                }
+                Err(e) => return Err(ExecError::Backend(format!("stage {n} lost: {e}"))),
+            }
+        }
+        Ok(())
+    }
+}
