@@ -66,6 +66,10 @@ pub struct ClusterSection {
     /// Keys for the router's admin endpoints (`POST /admin/drain`), sent
     /// as `Authorization: Bearer KEY`; none: those endpoints are off.
     pub admin_keys: Vec<String>,
+    /// How a pipeline group's stages pass the residual stream's rows:
+    /// `f16` (2 bytes a value; the default) or `f32` (4, exactly one
+    /// node's numbers).
+    pub pipeline_activations: String,
     /// Nodes in file order; a node's index is its node id.
     pub nodes: Vec<Node>,
 }
@@ -90,6 +94,14 @@ pub struct Node {
     /// An engine node's observability address (TCP): `/metrics`, `/health`,
     /// `/ready` and `/config`, no API. None: the node serves no HTTP.
     pub metrics: Option<SocketAddr>,
+    /// The pipeline group this node is a stage of: the group's nodes, in
+    /// file order, are its stages 0, 1, ...; stage 0 runs the engine (the
+    /// Router sees the group as that one node), later stages run layers
+    /// for it and nothing else. None: the node holds the whole model.
+    pub pipeline: Option<String>,
+    /// The model's layers this stage runs (`"0..12"`), given on every node
+    /// of a group or on none (then stage 0 splits the layers by cost).
+    pub layers: Option<std::ops::Range<usize>>,
 }
 
 impl ClusterSection {
@@ -115,9 +127,27 @@ impl ClusterSection {
         router
     }
 
-    /// The nodes that run an engine (all but the router), with their ids.
+    /// The nodes that run an engine (all but the router and the later
+    /// stages of pipeline groups: a group runs its engine on stage 0),
+    /// with their ids.
     pub fn engines(&self) -> impl Iterator<Item = (u32, &Node)> {
-        self.ids().filter(|(_, n)| n.role.runs_engine())
+        self.ids()
+            .filter(|(_, n)| n.role.runs_engine() && self.stage_of(n).is_none_or(|s| s == 0))
+    }
+
+    /// A pipeline group's nodes in stage order (file order), with ids;
+    /// empty for a name no node gives.
+    pub fn group(&self, name: &str) -> Vec<(u32, &Node)> {
+        self.ids()
+            .filter(|(_, n)| n.pipeline.as_deref() == Some(name))
+            .collect()
+    }
+
+    /// A node's stage in its pipeline group; None for a node that holds
+    /// the whole model.
+    pub fn stage_of(&self, node: &Node) -> Option<usize> {
+        let g = node.pipeline.as_deref()?;
+        self.group(g).iter().position(|(_, n)| n.name == node.name)
     }
 
     /// How long a silent node stays up: `down_after_missed` heartbeat intervals.
@@ -150,6 +180,7 @@ pub(crate) struct RawCluster {
     kv_transfers_max: Option<i64>,
     #[serde(default)]
     admin_keys: Vec<String>,
+    pipeline_activations: Option<String>,
 }
 
 /// One `[[nodes]]` table as written.
@@ -163,6 +194,8 @@ pub(crate) struct RawNode {
     bulk_port: Option<i64>,
     http: Option<String>,
     metrics: Option<String>,
+    pipeline: Option<String>,
+    layers: Option<String>,
 }
 
 /// Builds an error at a byte offset of the file.
@@ -276,6 +309,7 @@ pub(crate) fn validate(
                 .into(),
         ));
     }
+    check_groups(&out).map_err(|why| invalid(whole_at, why))?;
     Ok(Some(ClusterSection {
         nodes: out,
         ..section
@@ -379,6 +413,7 @@ pub(crate) fn settings(
         kv_hold_ttl_ms: None,
         kv_transfers_max: None,
         admin_keys: Vec::new(),
+        pipeline_activations: None,
     };
     let c = cluster.map_or(&empty, |c| c.get_ref());
     let range = |field: &str, v: Option<i64>| number(field, v).map_err(|why| invalid(at, why));
@@ -403,8 +438,16 @@ pub(crate) fn settings(
             "[cluster] admin_keys need at least 16 characters and no whitespace".into(),
         ));
     }
+    let pipeline_activations = c.pipeline_activations.as_deref().unwrap_or("f16");
+    if !matches!(pipeline_activations, "f16" | "f32") {
+        return Err(invalid(
+            at,
+            format!("cluster.pipeline_activations '{pipeline_activations}' is f16 or f32"),
+        ));
+    }
     // The ranges above fit every target type: the casts cannot truncate.
     Ok(ClusterSection {
+        pipeline_activations: pipeline_activations.to_string(),
         certs_dir: PathBuf::from(certs_dir),
         heartbeat_interval_ms: heartbeat_interval_ms as u64,
         down_after_missed: down_after_missed as u32,
@@ -508,6 +551,31 @@ fn node(raw: &RawNode, fail: &dyn Fn(String) -> ConfigError) -> Result<Node, Con
             Some(a)
         }
     };
+    if raw.pipeline.is_some() && role == Role::Router {
+        return Err(fail(format!(
+            "node '{name}': the router is no pipeline stage (pipeline is for engine nodes)"
+        )));
+    }
+    if let Some(g) = &raw.pipeline
+        && !node_name_ok(g)
+    {
+        return Err(fail(format!(
+            "node '{name}': pipeline '{g}' must be 1 to 63 characters of A-Z, a-z, 0-9 and '-'"
+        )));
+    }
+    let layers = match (&raw.layers, &raw.pipeline) {
+        (None, _) => None,
+        (Some(_), None) => {
+            return Err(fail(format!(
+                "node '{name}': layers is for a pipeline stage (set pipeline, the group's name)"
+            )));
+        }
+        (Some(l), Some(_)) => Some(parse_layers(l).ok_or_else(|| {
+            fail(format!(
+                "node '{name}': layers '{l}' is not a range of layers like \"0..12\" (start below end)"
+            ))
+        })?),
+    };
     Ok(Node {
         name: name.clone(),
         role,
@@ -516,7 +584,68 @@ fn node(raw: &RawNode, fail: &dyn Fn(String) -> ConfigError) -> Result<Node, Con
         bulk_port,
         http,
         metrics,
+        pipeline: raw.pipeline.clone(),
+        layers,
     })
+}
+
+/// `"a..b"` with `a < b`.
+fn parse_layers(s: &str) -> Option<std::ops::Range<usize>> {
+    let (a, b) = s.trim().split_once("..")?;
+    let (a, b): (usize, usize) = (a.trim().parse().ok()?, b.trim().parse().ok()?);
+    (a < b).then_some(a..b)
+}
+
+/// Checks each pipeline group: two stages or more, one role, and layers
+/// on every stage or on none, each stage's following the one before from
+/// layer 0. The error names the group.
+fn check_groups(nodes: &[Node]) -> Result<(), String> {
+    let mut seen: Vec<&str> = Vec::new();
+    for n in nodes {
+        let Some(g) = n.pipeline.as_deref() else {
+            continue;
+        };
+        if seen.contains(&g) {
+            continue;
+        }
+        seen.push(g);
+        let stages: Vec<&Node> = nodes
+            .iter()
+            .filter(|m| m.pipeline.as_deref() == Some(g))
+            .collect();
+        if stages.len() < 2 {
+            return Err(format!(
+                "pipeline '{g}' has one node ('{}'): a group needs two stages or more",
+                n.name
+            ));
+        }
+        if let Some(m) = stages.iter().find(|m| m.role != n.role) {
+            return Err(format!(
+                "pipeline '{g}': node '{}' is a {} and node '{}' a {}: a group's stages share one role",
+                n.name, n.role, m.name, m.role
+            ));
+        }
+        let given = stages.iter().filter(|m| m.layers.is_some()).count();
+        if given != 0 && given != stages.len() {
+            return Err(format!(
+                "pipeline '{g}': layers is set on {given} of its {} nodes: set it on all (or on none, to split by cost)",
+                stages.len()
+            ));
+        }
+        let mut next = 0;
+        for m in &stages {
+            if let Some(l) = &m.layers {
+                if l.start != next {
+                    return Err(format!(
+                        "pipeline '{g}': node '{}' runs layers {}..{} but the stage before it ends at layer {next} (stages follow each other in file order, from layer 0)",
+                        m.name, l.start, l.end
+                    ));
+                }
+                next = l.end;
+            }
+        }
+    }
+    Ok(())
 }
 
 /// Whether a node name can be a certificate's DNS name and a file name in

@@ -6,6 +6,7 @@ mod bench;
 mod memory;
 mod node;
 mod serve;
+mod stage;
 mod transport_bench;
 
 use std::io::Write;

@@ -159,7 +159,12 @@ fn quic_options(cl: &ClusterSection, node: u32, faults: LinkFaults) -> QuicOptio
             .map(|n| PeerSpec {
                 name: n.name.clone(),
                 role: n.role,
-                addr: n.addr.clone(),
+                // A group's later stages run no cluster link: none dials them.
+                addr: if cl.stage_of(n).is_some_and(|s| s > 0) {
+                    String::new()
+                } else {
+                    n.addr.clone()
+                },
             })
             .collect(),
         listen: cl.nodes[node as usize].listen,
@@ -224,8 +229,12 @@ pub fn run(args: NodeArgs) -> Result<()> {
     let rt = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()?;
+    let plan = crate::stage::PipelinePlan::for_node(&cl, &node, faults.delay)?;
+    let later_stage = cl.stage_of(&node).is_some_and(|s| s > 0);
     let ran = rt.block_on(async move {
-        if node.role == Role::Router {
+        if later_stage {
+            crate::stage::run_stage(&args.serve, &cfg, &cl, &node, certs).await
+        } else if node.role == Role::Router {
             let f = serve::front(&args.serve)?;
             let quic = quic_options(&cl, id, faults);
             let epoch = quic.epoch;
@@ -277,7 +286,7 @@ pub fn run(args: NodeArgs) -> Result<()> {
             let metrics = Arc::new(Metrics::new()?);
             serve_http(Arc::new(engine), f.text, metrics, gw, http, &what).await
         } else {
-            let r = serve::resolve(&args.serve)?;
+            let r = serve::resolve_with(&args.serve, plan.as_ref())?;
             let metrics = Arc::new(Metrics::new()?);
             let text = Arc::new(r.text);
             let scrape = node.metrics.map(|addr| {

@@ -295,6 +295,16 @@ pub fn front(args: &ServeArgs) -> Result<Front> {
 }
 
 pub fn resolve(args: &ServeArgs) -> Result<Resolved> {
+    resolve_with(args, None)
+}
+
+/// [`resolve`], for a pipeline group's stage 0 where `pipeline` is given:
+/// the executor is the group's (this node's part and links to the later
+/// stages).
+pub fn resolve_with(
+    args: &ServeArgs,
+    pipeline: Option<&crate::stage::PipelinePlan>,
+) -> Result<Resolved> {
     let Front {
         cluster,
         config_origin,
@@ -381,15 +391,30 @@ pub fn resolve(args: &ServeArgs) -> Result<Resolved> {
         );
     }
     let num_blocks = num_blocks.min(u32::MAX as u64 / 2) as u32;
+    let mut pipeline_info = None;
+    if pipeline.is_some() && margs.device() != Device::Cpu {
+        bail!("pipeline groups run on the CPU backend (--device cpu)");
+    }
     let (exec, num_blocks, bytes_per_block): (Box<dyn Executor>, u32, u64) = match margs.device() {
         Device::Cpu => {
             let cpu = model_args.cpu_config(num_blocks as usize, max_num_batched_tokens)?;
-            let exec = crate::alloc::loading(|| CpuExecutor::from_gguf(&g, &cpu))
-                .context("loading the model")?;
-            if let Some(note) = exec.load_note() {
-                tracing::info!("{note}");
+            if let Some(p) = pipeline {
+                let exec = crate::stage::pipeline_executor(&g, &path, &cpu, p)
+                    .context("forming the pipeline group")?;
+                pipeline_info = Some(serde_json::json!({
+                    "stages": exec.stage_layers().iter()
+                        .map(|l| format!("{}..{}", l.start, l.end)).collect::<Vec<_>>(),
+                    "activations": exec.dtype().name(),
+                }));
+                (Box::new(exec), num_blocks, bytes_per_block)
+            } else {
+                let exec = crate::alloc::loading(|| CpuExecutor::from_gguf(&g, &cpu))
+                    .context("loading the model")?;
+                if let Some(note) = exec.load_note() {
+                    tracing::info!("{note}");
+                }
+                (Box::new(exec), num_blocks, bytes_per_block)
             }
-            (Box::new(exec), num_blocks, bytes_per_block)
         }
         Device::Cuda(ordinal) => {
             // The device's own memory, not the host's: --kv-cache-bytes
@@ -460,6 +485,7 @@ pub fn resolve(args: &ServeArgs) -> Result<Resolved> {
         "queue_timeout_s": settings.queue_timeout.as_secs_f64(),
         "step_time_max_ms": settings.step_time_max.map(|d| d.as_secs_f64() * 1000.0),
         "memory": memory,
+        "pipeline": pipeline_info,
     });
     Ok(Resolved {
         server_info,

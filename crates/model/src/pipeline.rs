@@ -27,17 +27,10 @@ use flotilla_proto::stage::{
     ActDtype, FromStage, STAGE_VERSION, StageHello, StageSeq, ToStage, decode_from_stage,
     decode_to_stage, encode, frame_len,
 };
+pub use flotilla_proto::stage::StageLink;
 
 use crate::CpuExecutor;
 use crate::sampling::SamplingParams;
-
-/// A blocking round trip to one later stage: one frame out, its answer
-/// back. An error means the stage is lost (stage 0 treats every stage
-/// failure as the group's).
-pub trait StageLink: Send {
-    /// Sends `msg` and waits for the answer.
-    fn call(&mut self, msg: &ToStage) -> Result<FromStage, String>;
-}
 
 /// Rows of the residual stream as they travel.
 pub fn encode_rows(rows: &[f32], dtype: ActDtype, out: &mut Vec<u8>) {
@@ -82,11 +75,17 @@ fn rows_kind(rows: u32) -> OutputKind {
     }
 }
 
+/// Loads the part of the model a hello names: the file's layers (no
+/// ends), with its KV cache (block size, element type, block count) and
+/// steps of up to its token count.
+pub type PartLoader = Box<dyn FnMut(&StageHello) -> Result<CpuExecutor, String> + Send>;
+
 /// A later stage: a part of the model (layers only) answering stage 0's
 /// frames. Anything a frame asks that this stage cannot do is refused
 /// with the reason, never a panic.
 pub struct Stage {
-    exec: CpuExecutor,
+    exec: Option<CpuExecutor>,
+    loader: Option<PartLoader>,
     model_bytes: u64,
     model_name: String,
     out: StepOutputs,
@@ -97,10 +96,11 @@ pub struct Stage {
 impl Stage {
     /// A stage over `exec` (built by [`CpuExecutor::from_gguf_part`]
     /// without the ends), for the model file of `model_bytes` bytes named
-    /// `model_name`.
+    /// `model_name`; a hello for other layers is refused.
     pub fn new(exec: CpuExecutor, model_bytes: u64, model_name: String) -> Stage {
         Stage {
-            exec,
+            exec: Some(exec),
+            loader: None,
             model_bytes,
             model_name,
             out: StepOutputs::default(),
@@ -108,9 +108,29 @@ impl Stage {
         }
     }
 
-    /// The executor of this stage's layers.
-    pub fn exec(&self) -> &CpuExecutor {
-        &self.exec
+    /// A stage that loads the layers stage 0's hello names (and loads
+    /// again when a later hello names others), so a stage's layers are
+    /// decided in one place: stage 0's.
+    pub fn loading(loader: PartLoader, model_bytes: u64, model_name: String) -> Stage {
+        Stage {
+            exec: None,
+            loader: Some(loader),
+            model_bytes,
+            model_name,
+            out: StepOutputs::default(),
+            ready: false,
+        }
+    }
+
+    /// The executor of this stage's layers, once loaded.
+    pub fn exec(&self) -> Option<&CpuExecutor> {
+        self.exec.as_ref()
+    }
+
+    fn loaded(&mut self) -> Result<&mut CpuExecutor, String> {
+        self.exec
+            .as_mut()
+            .ok_or_else(|| "no layers loaded".to_string())
     }
 
     /// Answers one frame.
@@ -133,20 +153,19 @@ impl Stage {
                 last,
             } => self.step(step, &seqs, dtype, &rows, last),
             ToStage::CopyBlock { src, dst } => {
-                self.exec.copy_block(src, dst).map_err(|e| e.to_string())?;
+                let e = self.loaded()?;
+                e.copy_block(src, dst).map_err(|e| e.to_string())?;
                 Ok(FromStage::Done)
             }
             ToStage::ReadBlock { block } => {
-                let mut data = vec![0; self.exec.kv_spec().bytes_per_block];
-                self.exec
-                    .read_block(block, &mut data)
-                    .map_err(|e| e.to_string())?;
+                let e = self.loaded()?;
+                let mut data = vec![0; e.kv_spec().bytes_per_block];
+                e.read_block(block, &mut data).map_err(|e| e.to_string())?;
                 Ok(FromStage::Block { data })
             }
             ToStage::WriteBlock { block, data } => {
-                self.exec
-                    .write_block(block, &data)
-                    .map_err(|e| e.to_string())?;
+                let e = self.loaded()?;
+                e.write_block(block, &data).map_err(|e| e.to_string())?;
                 Ok(FromStage::Done)
             }
         }
@@ -166,15 +185,33 @@ impl Stage {
                 h.model_name, h.model_bytes, self.model_name, self.model_bytes
             ));
         }
-        let part = self.exec.part().clone();
         let want = h.layers.0 as usize..h.layers.1 as usize;
-        if want != part.layers {
+        let fits = |e: &CpuExecutor| {
+            let kv = e.kv_spec();
+            e.part().layers == want
+                && kv.block_size == h.block_size as usize
+                && kv.dtype.name() == h.kv_dtype
+                && e.max_batch_tokens() >= h.max_batch_tokens as usize
+        };
+        if !self.exec.as_ref().is_some_and(fits)
+            && let Some(load) = &mut self.loader
+        {
+            // The old part goes first: never two in memory.
+            self.exec = None;
+            self.exec = Some(load(&h)?);
+        }
+        let Some(exec) = self.exec.as_mut() else {
+            return Err("no layers loaded".into());
+        };
+        let have = exec.part().layers.clone();
+        if have != want {
             return Err(format!(
                 "stage 0 expects layers {}..{} here, this stage runs {}..{}",
-                want.start, want.end, part.layers.start, part.layers.end
+                want.start, want.end, have.start, have.end
             ));
         }
-        let kv = self.exec.kv_spec();
+        let part = exec.part().clone();
+        let kv = exec.kv_spec();
         if h.block_size as usize != kv.block_size || h.kv_dtype != kv.dtype.name() {
             return Err(format!(
                 "stage 0's KV cache has blocks of {} tokens in {}, this stage's {} in {}",
@@ -184,23 +221,22 @@ impl Stage {
                 kv.dtype.name()
             ));
         }
-        if h.max_batch_tokens as usize > self.exec.max_batch_tokens() {
+        if h.max_batch_tokens as usize > exec.max_batch_tokens() {
             return Err(format!(
                 "stage 0 runs steps of up to {} tokens, this stage {}",
                 h.max_batch_tokens,
-                self.exec.max_batch_tokens()
+                exec.max_batch_tokens()
             ));
         }
         // The group's pool decides the count; a new hello (stage 0
         // started again) starts from an empty cache.
-        self.exec
-            .set_num_blocks(h.num_blocks as usize)
+        exec.set_num_blocks(h.num_blocks as usize)
             .map_err(|e| e.to_string())?;
         self.ready = true;
         Ok(FromStage::Ready {
             layers: (part.layers.start as u32, part.layers.end as u32),
-            bytes_per_block: self.exec.kv_spec().bytes_per_block as u64,
-            weight_bytes: self.exec.model_spec().weight_bytes as u64,
+            bytes_per_block: exec.kv_spec().bytes_per_block as u64,
+            weight_bytes: exec.model_spec().weight_bytes as u64,
         })
     }
 
@@ -234,7 +270,8 @@ impl Stage {
                 allow: None,
             })
             .collect();
-        let d = self.exec.config().n_embd;
+        let exec = self.exec.as_mut().ok_or("no layers loaded")?;
+        let d = exec.config().n_embd;
         // Checked before anything is written: a refused step leaves the
         // cache as it was.
         let t: usize = seqs.iter().map(|s| s.tokens.len()).sum();
@@ -245,22 +282,21 @@ impl Stage {
                 dtype.name()
             ));
         }
-        let t = self
-            .exec
+        let t = exec
             .stage_begin(&batch, &mut self.out)
             .map_err(|e| e.to_string())?;
-        decode_rows(rows, dtype, self.exec.stage_rows_mut());
-        self.exec.stage_layers(&batch);
+        decode_rows(rows, dtype, exec.stage_rows_mut());
+        exec.stage_layers(&batch);
         let mut out = Vec::new();
         if last {
-            let x = self.exec.stage_rows();
-            let mut sel = Vec::with_capacity(self.exec.stage_out_rows().len() * d);
-            for &r in self.exec.stage_out_rows() {
+            let x = exec.stage_rows();
+            let mut sel = Vec::with_capacity(exec.stage_out_rows().len() * d);
+            for &r in exec.stage_out_rows() {
                 sel.extend_from_slice(&x[r as usize * d..(r as usize + 1) * d]);
             }
             encode_rows(&sel, dtype, &mut out);
         } else {
-            encode_rows(&self.exec.stage_rows()[..t * d], dtype, &mut out);
+            encode_rows(&exec.stage_rows()[..t * d], dtype, &mut out);
         }
         Ok(FromStage::Rows { step, rows: out })
     }

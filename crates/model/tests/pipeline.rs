@@ -61,7 +61,23 @@ fn group(kv_dtype: KvDtype, cuts: &[usize], dtype: ActDtype) -> PipelineExecutor
     let stages: Vec<(Box<dyn StageLink>, Range<usize>)> = bounds
         .windows(2)
         .map(|w| {
-            let link: Box<dyn StageLink> = Box::new(InProcess(stage(&g, &c, w[0]..w[1])));
+            // Stages that load the layers stage 0's hello names.
+            let (file, c) = (path.clone(), c.clone());
+            let loader = Box::new(move |h: &StageHello| {
+                let g = GgufFile::open(&file).map_err(|e| e.to_string())?;
+                let c = CpuConfig {
+                    num_blocks: h.num_blocks as usize,
+                    max_batch_tokens: h.max_batch_tokens as usize,
+                    block_size: h.block_size as usize,
+                    kv_dtype: KvDtype::parse(&h.kv_dtype)?,
+                    ..c.clone()
+                };
+                let layers = h.layers.0 as usize..h.layers.1 as usize;
+                CpuExecutor::from_gguf_part(&g, &c, Some((layers, false))).map_err(|e| e.to_string())
+            });
+            let bytes = std::fs::metadata(&path).unwrap().len();
+            let s = Stage::loading(loader, bytes, name(&g));
+            let link: Box<dyn StageLink> = Box::new(InProcess(s));
             (link, w[0]..w[1])
         })
         .collect();
@@ -260,7 +276,7 @@ fn stages_refuse_what_does_not_fit_and_a_bad_step_changes_nothing() {
     assert!(e.contains("runs x"), "{e}");
     // A stage answers nothing before hello, and refuses bad steps.
     let mut s = stage(&g, &c, 10..30);
-    let d = s.exec().config().n_embd;
+    let d = s.exec().unwrap().config().n_embd;
     let step = |rows: usize, out_rows: u32, table: Vec<u32>| ToStage::Step {
         step: 1,
         seqs: vec![StageSeq {
@@ -298,10 +314,10 @@ fn stages_refuse_what_does_not_fit_and_a_bad_step_changes_nothing() {
         link.call(&hello).unwrap(),
         FromStage::Ready { .. }
     ));
-    let n = link.0.exec().kv_spec().bytes_per_block;
+    let n = link.0.exec().unwrap().kv_spec().bytes_per_block;
     let before = {
         let mut b = vec![0u8; n];
-        link.0.exec().read_block(0, &mut b).unwrap();
+        link.0.exec().unwrap().read_block(0, &mut b).unwrap();
         b
     };
     refused(
@@ -324,7 +340,7 @@ fn stages_refuse_what_does_not_fit_and_a_bad_step_changes_nothing() {
     );
     refused(link.call(&ToStage::ReadBlock { block: 64 }).unwrap(), "64");
     let mut after = vec![1u8; n];
-    link.0.exec().read_block(0, &mut after).unwrap();
+    link.0.exec().unwrap().read_block(0, &mut after).unwrap();
     assert!(before == after, "refused frames wrote nothing");
     // A good step is answered with the output row only.
     match link.call(&step(3 * d * 4, 1, vec![0])).unwrap() {

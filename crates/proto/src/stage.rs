@@ -176,6 +176,14 @@ pub enum FromStage {
     },
 }
 
+/// A blocking round trip from stage 0 to one later stage: one frame out,
+/// its answer back. An error means the stage is lost (stage 0 treats any
+/// stage's failure as the group's).
+pub trait StageLink: Send {
+    /// Sends `msg` and waits for the answer.
+    fn call(&mut self, msg: &ToStage) -> Result<FromStage, String>;
+}
+
 /// One frame: the payload's length, then the payload.
 pub fn encode<T>(msg: &T) -> Result<Vec<u8>, WireError>
 where

@@ -29,6 +29,7 @@ use tokio::sync::mpsc;
 pub mod frames;
 pub mod quic;
 pub mod sim;
+pub mod stage;
 pub mod tls;
 
 /// A boxed future, so `dyn Transport` works.

@@ -96,7 +96,7 @@ pub struct PeerSpec {
     pub name: String,
     /// Its role, which its certificate must carry too.
     pub role: Role,
-    /// `host:port` to dial.
+    /// `host:port` to dial; empty for a node never dialed.
     pub addr: String,
 }
 
@@ -501,7 +501,9 @@ impl QuicTransport {
 
         let mut links = Vec::with_capacity(opts.nodes.len());
         for (i, peer) in opts.nodes.iter().enumerate() {
-            if i as NodeId == opts.node {
+            // An empty address: a node this one never dials (a pipeline
+            // group's later stage speaks only to its stage 0).
+            if i as NodeId == opts.node || peer.addr.is_empty() {
                 links.push(None);
                 continue;
             }
