@@ -125,7 +125,10 @@ struct SchedState {
     live: BTreeMap<RequestId, Live>,
     next_id: u64,
     /// A step is in flight.
-    busy: bool,
+    /// Steps sent to the worker and not yet answered.
+    in_flight: usize,
+    /// Most steps in flight (the executor's pipeline depth).
+    depth: usize,
     /// Set to end a multi-step plan in flight after the step in progress
     /// (`SchedConfig::decode_steps`): anything the Scheduler is told may
     /// change the next step. Cleared when a plan is sent.
@@ -219,6 +222,7 @@ impl Actor for SchedulerActor {
         a: SchedArgs,
     ) -> Result<SchedState, ActorProcessingErr> {
         let cut = Arc::new(AtomicBool::new(false));
+        let depth = a.exec.pipeline_depth().max(1);
         // Linked, so its death reaches `handle_supervisor_evt`.
         let (worker, _) = Actor::spawn_linked(
             None,
@@ -241,7 +245,8 @@ impl Actor for SchedulerActor {
             tenant_tier: a.tenant_tier,
             live: BTreeMap::new(),
             next_id: 1,
-            busy: false,
+            in_flight: 0,
+            depth,
             cut,
             wake_at: None,
             worker_ok: true,
@@ -272,7 +277,7 @@ impl Actor for SchedulerActor {
         // A question changes nothing; a step's end or a wake-up is the
         // plan's own business (or its deadline's, which only a request
         // waiting in a queue has, and none waits under a multi-step plan).
-        if st.busy
+        if st.in_flight > 0
             && !matches!(
                 msg,
                 SchedMsg::StepDone(_)
@@ -363,7 +368,7 @@ impl Actor for SchedulerActor {
             }
             // A step abandoned when the worker was lost: its requests have
             // already failed, and the state machine no longer expects it.
-            SchedMsg::StepDone(_) if !st.busy => {
+            SchedMsg::StepDone(_) if st.in_flight == 0 => {
                 tracing::warn!("dropping the result of an abandoned step");
             }
             SchedMsg::StopString(id) => {
@@ -669,7 +674,7 @@ fn step_done(st: &mut SchedState, now: Duration, r: StepResult) {
         move_time,
         worker_ok,
     } = r;
-    st.busy = false;
+    st.in_flight -= 1;
     st.traces.step_done(&plan.items, now);
     // A multi-step plan's steps count one by one, each its share
     // (tier moves run before the first).
@@ -753,7 +758,7 @@ fn check_after(st: &mut SchedState) {
 /// included (its plan is abandoned), and refuse new ones from now on.
 fn worker_lost(st: &mut SchedState, now: Duration, why: String) {
     st.worker_ok = false;
-    st.busy = false;
+    st.in_flight = 0;
     st.sched.fail_all(now, EngineFailure::Internal(why));
 }
 
@@ -764,27 +769,34 @@ fn pump(myself: &ActorRef<SchedMsg>, st: &mut SchedState, now: Duration) {
     // a step is in flight must fail its request now, and stop being due.
     st.sched.expire(now);
     let mut masks = Vec::new();
-    if !st.busy && st.worker_ok {
+    while st.in_flight < st.depth && st.worker_ok {
         let plan = st.sched.schedule(now);
-        if !plan.items.is_empty() {
-            st.busy = true;
-            st.cut.store(false, Ordering::Relaxed);
-            st.traces.step_planned(&plan.items, now);
-            masks = plan.masks();
-            if st
-                .worker
-                .cast(WorkerMsg::Step {
-                    plan,
-                    moves: st.sched.take_block_moves(),
-                    reply: myself.clone(),
-                })
-                .is_err()
-            {
-                // The worker is gone: fail everything rather than wait for
-                // a reply that never comes.
-                worker_lost(st, now, "the GPU worker has stopped".into());
-            }
+        if plan.items.is_empty() {
+            break;
         }
+        st.in_flight += 1;
+        st.cut.store(false, Ordering::Relaxed);
+        st.traces.step_planned(&plan.items, now);
+        masks.extend(plan.masks());
+        if st
+            .worker
+            .cast(WorkerMsg::Step {
+                plan,
+                moves: st.sched.take_block_moves(),
+                reply: myself.clone(),
+            })
+            .is_err()
+        {
+            // The worker is gone: fail everything rather than wait for
+            // a reply that never comes.
+            worker_lost(st, now, "the GPU worker has stopped".into());
+            break;
+        }
+    }
+    // A pipelined worker holds begun steps until `depth` are under way:
+    // with no more to send now, it finishes the ones it has.
+    if st.depth > 1 && st.in_flight > 0 && st.in_flight < st.depth {
+        let _ = st.worker.cast(WorkerMsg::Flush);
     }
     // Moves decided with no step to carry them (an admission that gave its
     // blocks back, a reservation) go now: nothing may write those blocks
@@ -1051,6 +1063,8 @@ pub async fn spawn_engine(
         )),
     };
     let mut sched = Scheduler::new(cfg).map_err(|e| EngineStartError::Config(e.to_string()))?;
+    // A pipeline group keeps a step in flight for each of its stages.
+    sched.set_depth(exec.pipeline_depth());
     if let Some(c) = opts.constraints {
         sched.set_constraints(c);
     }

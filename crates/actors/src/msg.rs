@@ -96,6 +96,9 @@ pub(crate) struct PendingImport {
 /// writes and the moves between KV tiers all run here, one at a time, in
 /// the order the Scheduler actor decided them; none can race another.
 pub(crate) enum WorkerMsg {
+    /// Finish every begun step now (a pipelined executor): the Scheduler
+    /// has no other step to overlap them with.
+    Flush,
     /// Perform `moves` (between the KV tiers, in order), then run one step
     /// and send `SchedMsg::StepDone` back.
     Step {

@@ -215,36 +215,10 @@ async fn rig_with(
         in_step,
     };
     let sched = SchedConfig {
-        num_blocks: 64,
-        block_size: 4,
         max_num_seqs: seats,
-        max_num_batched_tokens: 256,
-        max_model_len: 64,
-        batching: Batching::Continuous,
         queue_timeout,
-        stop_tokens: vec![2],
-        tiers: vec![TierConfig {
-            name: "t".into(),
-            weight: 1,
-            priority: 0,
-            queue_len_max: 16,
-            kv_reserved_blocks: 0,
-            step_tokens_max: None,
-            step_time_max: None,
-        }],
-        tenants: vec![TenantConfig {
-            name: "a".into(),
-            tier: TierId(0),
-            weight: 1,
-            max_concurrent: 0,
-            requests_per_minute: None,
-            kv_blocks_max: None,
-            prefix_salt: 0,
-        }],
-        speculation: flotilla_sched::Speculation::OFF,
-        offload_blocks: 0,
-        step_time_max: None,
         decode_steps,
+        ..r_sched()
     };
     let broken = Arc::new(std::sync::Mutex::new(None));
     let seen = broken.clone();
@@ -725,4 +699,233 @@ async fn a_multi_step_plan_runs_back_to_back_until_a_request_arrives() {
     ));
     kv_used_becomes(&r.engine, 0).await;
     r.engine.stop();
+}
+
+/// A pipelined executor (two stages): a step's results come out of
+/// `finish_step` after the next step may have begun. Samples as
+/// `FakeExec` does, from its one-byte-a-position cache.
+struct PipeExec {
+    spec: ModelSpec,
+    kv: Vec<u8>,
+    begun: std::collections::VecDeque<Vec<SeqOutput>>,
+    /// Most steps begun and not finished at once.
+    most: Arc<std::sync::atomic::AtomicUsize>,
+}
+
+impl Executor for PipeExec {
+    fn model_spec(&self) -> &ModelSpec {
+        &self.spec
+    }
+
+    fn kv_spec(&self) -> KvSpec {
+        KvSpec {
+            block_size: BLOCK,
+            num_blocks: 64,
+            dtype: KvDtype::F32,
+            bytes_per_block: BLOCK,
+        }
+    }
+
+    fn max_batch_tokens(&self) -> usize {
+        256
+    }
+
+    fn pipeline_depth(&self) -> usize {
+        2
+    }
+
+    fn step(&mut self, batch: &[SeqInput<'_>], out: &mut StepOutputs) -> Result<(), ExecError> {
+        self.begin_step(batch, out)?;
+        self.finish_step(batch, out)
+    }
+
+    fn begin_step(&mut self, batch: &[SeqInput<'_>], _: &mut StepOutputs) -> Result<(), ExecError> {
+        let mut outs = Vec::new();
+        for s in batch {
+            let table = s.block_table;
+            let kv_ok = (0..s.start_pos).all(|p| self.kv[slot(table, p)] != 0);
+            for (i, &t) in s.tokens.iter().enumerate() {
+                self.kv[slot(table, s.start_pos + i)] = t as u8;
+            }
+            outs.push(SeqOutput {
+                logits_row: None,
+                sampled: matches!(s.output, OutputKind::Sample(_)).then(|| Sampled {
+                    token: if kv_ok { 42 } else { 7 },
+                    logprob: 0.0,
+                    top: Vec::new(),
+                }),
+                accepted: Vec::new(),
+            });
+        }
+        self.begun.push_back(outs);
+        self.most
+            .fetch_max(self.begun.len(), std::sync::atomic::Ordering::SeqCst);
+        Ok(())
+    }
+
+    fn finish_step(
+        &mut self,
+        batch: &[SeqInput<'_>],
+        out: &mut StepOutputs,
+    ) -> Result<(), ExecError> {
+        let outs = self.begun.pop_front().expect("a begun step");
+        assert_eq!(
+            outs.len(),
+            batch.len(),
+            "finished with the batch it began with"
+        );
+        out.seqs = outs;
+        Ok(())
+    }
+
+    fn copy_block(&mut self, _src: u32, _dst: u32) -> Result<(), ExecError> {
+        Ok(())
+    }
+
+    fn read_block(&self, block: u32, out: &mut [u8]) -> Result<(), ExecError> {
+        let s = block as usize * BLOCK;
+        out.copy_from_slice(&self.kv[s..s + BLOCK]);
+        Ok(())
+    }
+
+    fn write_block(&mut self, block: u32, data: &[u8]) -> Result<(), ExecError> {
+        let s = block as usize * BLOCK;
+        self.kv[s..s + BLOCK].copy_from_slice(data);
+        Ok(())
+    }
+}
+
+/// An engine over a pipelined executor keeps two steps in flight when it
+/// has the sequences for both, and every request gets its tokens, each
+/// from a cache its earlier steps wrote; a lone request still finishes
+/// (the worker is told to finish what it has).
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+#[allow(
+    clippy::disallowed_methods,
+    reason = "the actors run on real timers here, so the clock is the real one"
+)]
+async fn a_pipelined_executor_gets_two_steps_in_flight() {
+    let most = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let exec = PipeExec {
+        spec: ModelSpec {
+            name: "fake".into(),
+            arch: "llama".into(),
+            n_layer: 2,
+            n_embd: 8,
+            n_head: 1,
+            n_head_kv: 1,
+            head_dim: 8,
+            vocab: 100,
+            ctx_len: 64,
+            weight_bytes: 0,
+        },
+        kv: vec![0; 64 * BLOCK],
+        begun: Default::default(),
+        most: most.clone(),
+    };
+    let sched = SchedConfig {
+        max_num_seqs: 8,
+        ..r_sched()
+    };
+    let broken = Arc::new(std::sync::Mutex::new(None));
+    let seen = broken.clone();
+    let engine = spawn_engine(
+        Box::new(exec),
+        EngineOptions {
+            sched,
+            check_invariants: Some(Arc::new(move |what| {
+                seen.lock().unwrap().get_or_insert(what);
+            })),
+            constraints: None,
+            offload_path: None,
+            tracing: None,
+        },
+        Arc::new(TestClock(Instant::now())),
+        Arc::new(Metrics::new().unwrap()),
+    )
+    .await
+    .unwrap();
+    // A lone request first: it must finish with nothing to overlap.
+    let mut lone = engine.submit(prompt_of(5)).await.unwrap();
+    let mut n = 0;
+    loop {
+        match next(&mut lone).await {
+            Some(EngineEvent::Token(t)) => {
+                assert_eq!(t.token, 42);
+                n += 1;
+            }
+            Some(EngineEvent::Finished { .. }) => break,
+            other => panic!("{other:?}"),
+        }
+    }
+    assert_eq!(n, 5);
+    let mut streams = Vec::new();
+    for _ in 0..8 {
+        streams.push(engine.submit(prompt_of(12)).await.unwrap());
+    }
+    for s in &mut streams {
+        let mut n = 0;
+        loop {
+            match next(s).await {
+                Some(EngineEvent::Token(t)) => {
+                    assert_eq!(t.token, 42, "sampled from a cache its steps wrote");
+                    n += 1;
+                }
+                Some(EngineEvent::Finished { usage, .. }) => {
+                    assert_eq!(usage.completion_tokens, 12);
+                    break;
+                }
+                other => panic!("{other:?}"),
+            }
+        }
+        assert_eq!(n, 12);
+    }
+    assert_eq!(
+        most.load(std::sync::atomic::Ordering::SeqCst),
+        2,
+        "two steps in flight"
+    );
+    assert_eq!(
+        broken.lock().unwrap().take(),
+        None,
+        "a scheduler invariant broke"
+    );
+    engine.stop();
+}
+
+/// The scheduler settings of the rigs: one seat, a minute's queue
+/// timeout, one tier and tenant, no speculation.
+fn r_sched() -> SchedConfig {
+    SchedConfig {
+        num_blocks: 64,
+        block_size: 4,
+        max_num_seqs: 1,
+        max_num_batched_tokens: 256,
+        max_model_len: 64,
+        batching: Batching::Continuous,
+        queue_timeout: Duration::from_secs(60),
+        stop_tokens: vec![2],
+        tiers: vec![TierConfig {
+            name: "t".into(),
+            weight: 1,
+            priority: 0,
+            queue_len_max: 16,
+            kv_reserved_blocks: 0,
+            step_tokens_max: None,
+            step_time_max: None,
+        }],
+        tenants: vec![TenantConfig {
+            name: "a".into(),
+            tier: TierId(0),
+            weight: 1,
+            max_concurrent: 0,
+            requests_per_minute: None,
+            kv_blocks_max: None,
+            prefix_salt: 0,
+        }],
+        speculation: flotilla_sched::Speculation::OFF,
+        offload_blocks: 0,
+        step_time_max: None,
+        decode_steps: 1,
+    }
 }

@@ -37,6 +37,18 @@ pub(crate) struct WorkerState {
     /// Set by the Scheduler actor: end the multi-step plan in flight after
     /// the step in progress.
     cut: Arc<AtomicBool>,
+    /// The executor's pipeline depth: above 1, steps are begun and
+    /// finished apart, up to this many at once.
+    depth: usize,
+    /// Steps begun and not finished, oldest first.
+    pending: std::collections::VecDeque<Begun>,
+}
+
+/// A step begun on a pipelined executor, waiting to be finished.
+struct Begun {
+    plan: Plan,
+    reply: ActorRef<SchedMsg>,
+    t0: Duration,
 }
 
 pub(crate) struct WorkerArgs {
@@ -64,7 +76,10 @@ impl Actor for GpuWorker {
         _myself: ActorRef<WorkerMsg>,
         args: WorkerArgs,
     ) -> Result<WorkerState, ActorProcessingErr> {
+        let depth = args.exec.pipeline_depth().max(1);
         Ok(WorkerState {
+            depth,
+            pending: std::collections::VecDeque::new(),
             exec: args.exec,
             out: StepOutputs::default(),
             clock: args.clock,
@@ -107,10 +122,20 @@ impl Actor for GpuWorker {
                 let _ = reply.cast(SchedMsg::Imported(pending, written));
                 return Ok(());
             }
+            WorkerMsg::Flush => {
+                while !st.pending.is_empty() {
+                    finish_oldest(st);
+                }
+                return Ok(());
+            }
         };
         let t0 = st.clock.now();
         perform_moves(st, &moves);
         let mut plan = plan;
+        if st.depth > 1 {
+            begin(st, plan, reply, t0);
+            return Ok(());
+        }
         let (sampled, ran) = if plan.is_multi_step() {
             run_steps(st, &plan).await
         } else {
@@ -126,19 +151,76 @@ impl Actor for GpuWorker {
             sleep_modelled(st).await;
             (sampled, 1)
         };
-        let elapsed = st.clock.now().saturating_sub(t0);
-        // A scheduler that is gone has nobody left to serve.
-        let _ = reply.cast(SchedMsg::StepDone(Box::new(StepResult {
-            plan,
-            sampled,
-            elapsed,
-            ran,
-            moved: std::mem::take(&mut st.moved),
-            move_time: std::mem::take(&mut st.move_time),
-            worker_ok: st.broken.is_none(),
-        })));
+        answer(st, plan, &reply, sampled, t0, ran);
         Ok(())
     }
+}
+
+/// Begins a step on a pipelined executor (its self-drafts first, on the
+/// executor's first stage), finishing the oldest begun one once `depth`
+/// are under way. A begin that fails answers at once.
+fn begin(st: &mut WorkerState, mut plan: Plan, reply: ActorRef<SchedMsg>, t0: Duration) {
+    if plan
+        .items
+        .iter()
+        .any(|it| it.self_draft > 0 && it.draft > 0)
+    {
+        fill_self_drafts(st, &mut plan);
+    }
+    let begun = {
+        let inputs: Vec<SeqInput<'_>> = plan.items.iter().map(|it| it.seq_input()).collect();
+        on_executor(st, |exec, out| exec.begin_step(&inputs, out))
+    };
+    match begun {
+        Ok(()) => {
+            st.pending.push_back(Begun { plan, reply, t0 });
+            if st.pending.len() >= st.depth {
+                finish_oldest(st);
+            }
+        }
+        Err(e) => {
+            // Ends after every step begun before it, as steps must.
+            while !st.pending.is_empty() {
+                finish_oldest(st);
+            }
+            answer(st, plan, &reply, Err(e), t0, 1);
+        }
+    }
+}
+
+/// Finishes the oldest begun step and answers it.
+fn finish_oldest(st: &mut WorkerState) {
+    let Some(Begun { plan, reply, t0 }) = st.pending.pop_front() else {
+        return;
+    };
+    let sampled = {
+        let inputs: Vec<SeqInput<'_>> = plan.items.iter().map(|it| it.seq_input()).collect();
+        on_executor(st, |exec, out| exec.finish_step(&inputs, out))
+            .map(|()| std::mem::take(&mut st.out.seqs))
+    };
+    answer(st, plan, &reply, sampled, t0, 1);
+}
+
+/// Sends a step's result to the Scheduler.
+fn answer(
+    st: &mut WorkerState,
+    plan: Plan,
+    reply: &ActorRef<SchedMsg>,
+    sampled: Result<Vec<SeqOutput>, String>,
+    t0: Duration,
+    ran: usize,
+) {
+    let elapsed = st.clock.now().saturating_sub(t0);
+    // A scheduler that is gone has nobody left to serve.
+    let _ = reply.cast(SchedMsg::StepDone(Box::new(StepResult {
+        plan,
+        sampled,
+        elapsed,
+        ran,
+        moved: std::mem::take(&mut st.moved),
+        move_time: std::mem::take(&mut st.move_time),
+        worker_ok: st.broken.is_none(),
+    })));
 }
 
 /// Runs one step (its outputs are taken from the worker's scratch).

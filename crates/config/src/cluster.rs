@@ -808,6 +808,95 @@ addr = "127.0.0.1:7402"
         refused_at_cluster(&text, &["also a tenant's API key"]);
     }
 
+    /// A router and `nodes` (each `(name, extra keys)`), workers on
+    /// ports from 7401.
+    fn group_config(nodes: &[(&str, &str)]) -> String {
+        let mut t = format!(
+            "{TIERS}[[nodes]]\nname = \"router\"\nrole = \"router\"\naddr = \"127.0.0.1:7400\"\nhttp = \"127.0.0.1:8000\"\n"
+        );
+        for (i, (name, extra)) in nodes.iter().enumerate() {
+            t += &format!(
+                "\n[[nodes]]\nname = \"{name}\"\nrole = \"worker\"\naddr = \"127.0.0.1:{}\"\n{extra}\n",
+                7401 + i
+            );
+        }
+        t
+    }
+
+    #[test]
+    fn pipeline_groups_are_read_and_checked() {
+        let c = parse(&group_config(&[
+            ("a", "pipeline = \"g\"\nlayers = \"0..10\""),
+            ("b", "pipeline = \"g\"\nlayers = \"10..30\""),
+            ("w", ""),
+        ]));
+        assert_eq!(c.pipeline_activations, "f16");
+        let (a, b) = (c.node("a").unwrap(), c.node("b").unwrap());
+        assert_eq!((c.stage_of(a), c.stage_of(b)), (Some(0), Some(1)));
+        assert_eq!(b.layers, Some(10..30));
+        assert_eq!(c.stage_of(c.node("w").unwrap()), None);
+        // The Router routes to stage 0 and the whole-model worker only.
+        let engines: Vec<&str> = c.engines().map(|(_, n)| n.name.as_str()).collect();
+        assert_eq!(engines, ["a", "w"]);
+        assert_eq!(c.group("g").len(), 2);
+        // Layers may be left to stage 0.
+        let c = parse(&group_config(&[
+            ("a", "pipeline = \"g\""),
+            ("b", "pipeline = \"g\""),
+        ]));
+        assert_eq!(c.node("b").unwrap().layers, None);
+        for (nodes, what) in [
+            (vec![("a", "pipeline = \"g\"")], "one node"),
+            (
+                vec![
+                    ("a", "pipeline = \"g\"\nlayers = \"0..10\""),
+                    ("b", "pipeline = \"g\""),
+                ],
+                "on 1 of its 2",
+            ),
+            (
+                vec![
+                    ("a", "pipeline = \"g\"\nlayers = \"0..10\""),
+                    ("b", "pipeline = \"g\"\nlayers = \"11..30\""),
+                ],
+                "ends at layer 10",
+            ),
+            (
+                vec![
+                    ("a", "pipeline = \"g\"\nlayers = \"2..10\""),
+                    ("b", "pipeline = \"g\"\nlayers = \"10..30\""),
+                ],
+                "ends at layer 0",
+            ),
+        ] {
+            let (_, message) = refusal(&group_config(&nodes));
+            assert!(message.contains(what), "{message}");
+        }
+        for (extra, what) in [
+            ("layers = \"0..4\"", "set pipeline"),
+            ("pipeline = \"g\"\nlayers = \"4..4\"", "start below end"),
+            ("pipeline = \"g\"\nlayers = \"x\"", "not a range"),
+            ("pipeline = \"bad name\"", "pipeline 'bad name'"),
+        ] {
+            let (_, message) = refusal(&group_config(&[("a", extra), ("b", "pipeline = \"g\"")]));
+            assert!(message.contains(what), "{extra}: {message}");
+        }
+        let mixed = group_config(&[("a", "pipeline = \"g\""), ("b", "pipeline = \"g\"")]).replacen(
+            "name = \"b\"\nrole = \"worker\"",
+            "name = \"b\"\nrole = \"decode\"",
+            1,
+        );
+        assert!(refusal(&mixed).1.contains("share one role"));
+        refused_at_cluster(
+            &with_cluster("pipeline_activations = \"bf16\""),
+            &["f16 or f32"],
+        );
+        assert_eq!(
+            parse(&with_cluster("pipeline_activations = \"f32\"")).pipeline_activations,
+            "f32"
+        );
+    }
+
     #[test]
     fn no_cluster_is_none() {
         let c = ClusterConfig::parse(TIERS, "c.toml").unwrap();

@@ -663,4 +663,33 @@ pub trait Executor: Send {
     fn simulated_step_time(&self) -> Option<std::time::Duration> {
         None
     }
+    /// Steps this executor works on at once: a pipeline group's stages
+    /// each work on a different step, so the engine keeps this many in
+    /// flight over disjoint sequences ([`Executor::begin_step`]). 1 (every
+    /// single-device backend): one step at a time, through `step`.
+    fn pipeline_depth(&self) -> usize {
+        1
+    }
+    /// Starts a step and returns once its part here is done and the rest
+    /// is under way (`out` is scratch); [`Executor::finish_step`] ends it.
+    /// Begun steps end in the order they began, each finished with the
+    /// batch it began with. Only called where [`Executor::pipeline_depth`]
+    /// is above 1; a refused begin leaves nothing in flight.
+    fn begin_step(
+        &mut self,
+        batch: &[SeqInput<'_>],
+        out: &mut StepOutputs,
+    ) -> Result<(), ExecError> {
+        self.step(batch, out)
+    }
+    /// Ends the oldest begun step (`batch` as it began), with its outputs
+    /// in `out`.
+    fn finish_step(
+        &mut self,
+        batch: &[SeqInput<'_>],
+        out: &mut StepOutputs,
+    ) -> Result<(), ExecError> {
+        let _ = (batch, out);
+        Err(ExecError::Unsupported("pipelined steps"))
+    }
 }

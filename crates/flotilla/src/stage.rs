@@ -109,9 +109,11 @@ pub fn split_by_cost(cfg: &ModelConfig, stages: usize) -> Vec<Range<usize>> {
     let share = total / stages as f64;
     // Stage 0: its share less the head, in layers, at least one, leaving
     // one for each later stage.
-    let k0 = (((share - head as f64) / layer as f64).round().max(1.0) as usize).min(n - (stages - 1));
+    let k0 =
+        (((share - head as f64) / layer as f64).round().max(1.0) as usize).min(n - (stages - 1));
     let rest = n - k0;
-    let mut out = vec![0..k0];
+    let mut out = Vec::with_capacity(stages);
+    out.push(0..k0);
     let mut start = k0;
     for i in 0..stages - 1 {
         let k = rest / (stages - 1) + usize::from(i < rest % (stages - 1));
@@ -160,13 +162,22 @@ pub fn pipeline_executor(
         .enumerate()
         .map(|(i, l)| {
             let macs = l.len() * layer_macs + if i == 0 { head_macs } else { 0 };
-            format!("{}..{} ({:.0} M multiply-adds a token)", l.start, l.end, macs as f64 / 1e6)
+            format!(
+                "{}..{} ({:.0} M multiply-adds a token)",
+                l.start,
+                l.end,
+                macs as f64 / 1e6
+            )
         })
         .collect();
     eprintln!(
         "flotilla: pipeline of {s} stages, layers {}{}; rows in {}",
         desc.join(", "),
-        if plan.head_layers.is_some() { " (the config's)" } else { " (split by cost)" },
+        if plan.head_layers.is_some() {
+            " (the config's)"
+        } else {
+            " (split by cost)"
+        },
         plan.dtype.name()
     );
     let head = crate::alloc::loading(|| {
@@ -183,7 +194,11 @@ pub fn pipeline_executor(
                     tracing::info!("waiting for stage {}: {e}", st.name);
                     std::thread::sleep(Duration::from_millis(500));
                 }
-                Err(e) => bail!("stage {} did not answer within {:?}: {e}", st.name, plan.wait),
+                Err(e) => bail!(
+                    "stage {} did not answer within {:?}: {e}",
+                    st.name,
+                    plan.wait
+                ),
             }
         };
         links.push((Box::new(link), l.clone()));

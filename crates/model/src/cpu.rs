@@ -503,6 +503,13 @@ impl CpuExecutor {
         Ok(self.s.tok.len())
     }
 
+    /// Lays out a step begun before (checked then) again, without
+    /// embedding: a pipeline's stage 0 finishing a step after beginning
+    /// others.
+    pub fn stage_resume(&mut self, batch: &[SeqInput<'_>], out: &mut StepOutputs) {
+        self.prepare(batch, out);
+    }
+
     /// The residual stream of the step begun: one row of `n_embd` a token.
     pub fn stage_rows(&self) -> &[f32] {
         &self.s.x[..self.s.tok.len() * self.cfg.n_embd]

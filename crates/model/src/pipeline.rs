@@ -23,11 +23,11 @@ use std::ops::Range;
 use std::sync::Mutex;
 
 use flotilla_exec::{ExecError, Executor, KvSpec, ModelSpec, OutputKind, SeqInput, StepOutputs};
+pub use flotilla_proto::stage::StageLink;
 use flotilla_proto::stage::{
     ActDtype, FromStage, STAGE_VERSION, StageHello, StageSeq, ToStage, decode_from_stage,
     decode_to_stage, encode, frame_len,
 };
-pub use flotilla_proto::stage::StageLink;
 
 use crate::CpuExecutor;
 use crate::sampling::SamplingParams;
@@ -316,25 +316,172 @@ impl StageLink for InProcess {
     }
 }
 
-/// One later stage as stage 0 knows it.
-struct Remote {
-    link: Box<dyn StageLink>,
-    layers: Range<usize>,
-    bytes_per_block: usize,
+/// A request travelling the later stages: a step's rows (each stage's
+/// answer becomes the next stage's input), a block operation (for every
+/// stage, or one: each answer kept), or a failure passed on in its place.
+enum Job {
+    Step(ToStage),
+    Op {
+        msg: ToStage,
+        /// Only this later stage (0 is stage 1); None: every one.
+        only: Option<usize>,
+        answers: Vec<FromStage>,
+    },
+    Failed {
+        op: bool,
+        why: String,
+    },
+}
+
+/// What comes out of the last stage, in the order the jobs went in.
+enum Done {
+    Step(Result<ToStage, String>),
+    Op(Result<Vec<FromStage>, String>),
+}
+
+/// One thread per later stage, each calling its link in turn: a step's
+/// frame goes from stage 1's thread to stage 2's, so every stage works
+/// on a different step at once, and every stage sees every job in the
+/// order stage 0 sent them (a block operation never overtakes a step).
+struct Relay {
+    first: std::sync::mpsc::Sender<Job>,
+    done: std::sync::mpsc::Receiver<Done>,
+}
+
+type Next = Result<std::sync::mpsc::Sender<Job>, std::sync::mpsc::Sender<Done>>;
+
+fn pass(next: &Next, job: Job) {
+    match next {
+        Ok(tx) => {
+            let _ = tx.send(job);
+        }
+        Err(done) => {
+            let _ = done.send(match job {
+                Job::Step(m) => Done::Step(Ok(m)),
+                Job::Op { answers, .. } => Done::Op(Ok(answers)),
+                Job::Failed { op: true, why } => Done::Op(Err(why)),
+                Job::Failed { op: false, why } => Done::Step(Err(why)),
+            });
+        }
+    }
+}
+
+fn relay_thread(
+    i: usize,
+    n: usize,
+    mut link: Box<dyn StageLink>,
+    from: std::sync::mpsc::Receiver<Job>,
+    next: Next,
+) {
+    let stage = i + 1;
+    let mut lost: Option<String> = None;
+    while let Ok(job) = from.recv() {
+        let job = match job {
+            Job::Failed { .. } => job,
+            Job::Step(_) | Job::Op { .. } if lost.is_some() => Job::Failed {
+                op: matches!(job, Job::Op { .. }),
+                why: lost.clone().expect("checked"),
+            },
+            Job::Op { only: Some(t), .. } if t != i => job,
+            Job::Step(mut msg) => {
+                let r = match &mut msg {
+                    ToStage::Step { step, last, .. } => {
+                        *last = i + 1 == n;
+                        let step = *step;
+                        match link.call(&msg) {
+                            Ok(FromStage::Rows { step: s, rows: r }) if s == step => {
+                                if let ToStage::Step { rows, .. } = &mut msg {
+                                    *rows = r;
+                                }
+                                Ok(())
+                            }
+                            Ok(FromStage::Refused { reason }) => {
+                                Err(format!("stage {stage} refused step {step}: {reason}"))
+                            }
+                            Ok(FromStage::Rows { step: s, .. }) => Err(format!(
+                                "stage {stage} answered step {step} with step {s}'s rows"
+                            )),
+                            Ok(o) => Err(format!("stage {stage} answered step {step} with {o:?}")),
+                            Err(e) => Err(format!("stage {stage} lost: {e}")),
+                        }
+                    }
+                    _ => Err("a step job without a step".into()),
+                };
+                match r {
+                    Ok(()) => Job::Step(msg),
+                    Err(why) => {
+                        lost = Some(why.clone());
+                        Job::Failed { op: false, why }
+                    }
+                }
+            }
+            Job::Op {
+                msg,
+                only,
+                mut answers,
+            } => match link.call(&msg) {
+                Ok(FromStage::Refused { reason }) => Job::Failed {
+                    op: true,
+                    why: format!("stage {stage} refused: {reason}"),
+                },
+                Ok(a) => {
+                    answers.push(a);
+                    Job::Op { msg, only, answers }
+                }
+                Err(e) => {
+                    let why = format!("stage {stage} lost: {e}");
+                    lost = Some(why.clone());
+                    Job::Failed { op: true, why }
+                }
+            },
+        };
+        pass(&next, job);
+    }
+}
+
+impl Relay {
+    fn start(links: Vec<Box<dyn StageLink>>) -> Relay {
+        let n = links.len();
+        let (done_tx, done) = std::sync::mpsc::channel();
+        // Built from the last stage back, each thread sending to the next.
+        let mut next: Next = Err(done_tx);
+        for (i, link) in links.into_iter().enumerate().rev() {
+            let (tx, rx) = std::sync::mpsc::channel();
+            let to = std::mem::replace(&mut next, Ok(tx));
+            std::thread::Builder::new()
+                .name(format!("stage-relay-{}", i + 1))
+                .spawn(move || relay_thread(i, n, link, rx, to))
+                .expect("a relay thread starts");
+        }
+        Relay {
+            first: next.expect("at least one later stage"),
+            done,
+        }
+    }
 }
 
 /// Stage 0's executor: its own part (the ends and the first layers) and
 /// links to the later stages, in layer order. To the engine it is the
-/// whole model's executor.
+/// whole model's executor, with a pipeline depth of its stage count: it
+/// begins a step (its own layers, then the rows on their way) and
+/// finishes it later (the head and sampling, once the last stage's rows
+/// are back), so while the later stages run one step it runs the next.
 pub struct PipelineExecutor {
     head: CpuExecutor,
-    stages: Mutex<Vec<Remote>>,
+    relay: Relay,
+    layers: Vec<Range<usize>>,
+    /// Each later stage's bytes of a block.
+    stage_bytes: Vec<usize>,
     spec: ModelSpec,
     kv: KvSpec,
     dtype: ActDtype,
     step: u64,
-    seqs: Vec<StageSeq>,
-    buf: Vec<u8>,
+    /// Steps begun, oldest first.
+    begun: std::collections::VecDeque<u64>,
+    /// Steps whose rows came back while a block operation waited.
+    arrived: Mutex<std::collections::VecDeque<Result<ToStage, String>>>,
+    /// Frames to reuse.
+    spare: Vec<ToStage>,
     outs: Vec<u32>,
 }
 
@@ -342,6 +489,7 @@ impl std::fmt::Debug for PipelineExecutor {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("PipelineExecutor")
             .field("spec", &self.spec)
+            .field("layers", &self.layers)
             .field("dtype", &self.dtype)
             .finish()
     }
@@ -364,6 +512,9 @@ impl PipelineExecutor {
         if !part.ends || part.layers.start != 0 {
             return Err("stage 0 holds the ends and the first layers".into());
         }
+        if stages.is_empty() {
+            return Err("a pipeline has a stage after stage 0".into());
+        }
         let mut next = part.layers.end;
         for (_, r) in &stages {
             if r.start != next || r.is_empty() {
@@ -381,15 +532,17 @@ impl PipelineExecutor {
             ));
         }
         let kv = head.kv_spec();
-        let mut remotes = Vec::with_capacity(stages.len());
+        let mut links = Vec::with_capacity(stages.len());
+        let mut layers = vec![part.layers.clone()];
+        let mut stage_bytes = Vec::with_capacity(stages.len());
         let mut weight_bytes = head.model_spec().weight_bytes;
         let mut bytes_per_block = kv.bytes_per_block;
-        for (i, (mut link, layers)) in stages.into_iter().enumerate() {
+        for (i, (mut link, l)) in stages.into_iter().enumerate() {
             let hello = ToStage::Hello(StageHello {
                 version: STAGE_VERSION,
                 model_bytes,
                 model_name: model_name.to_string(),
-                layers: (layers.start as u32, layers.end as u32),
+                layers: (l.start as u32, l.end as u32),
                 block_size: kv.block_size as u32,
                 num_blocks: kv.num_blocks as u32,
                 kv_dtype: kv.dtype.name().to_string(),
@@ -401,14 +554,12 @@ impl PipelineExecutor {
                     layers: got,
                     bytes_per_block: b,
                     weight_bytes: w,
-                }) if got == (layers.start as u32, layers.end as u32) => {
+                }) if got == (l.start as u32, l.end as u32) => {
                     bytes_per_block += b as usize;
                     weight_bytes += w as usize;
-                    remotes.push(Remote {
-                        link,
-                        layers,
-                        bytes_per_block: b as usize,
-                    });
+                    stage_bytes.push(b as usize);
+                    links.push(link);
+                    layers.push(l);
                 }
                 Ok(FromStage::Refused { reason }) => {
                     return Err(format!("stage {n} refused the group: {reason}"));
@@ -422,7 +573,9 @@ impl PipelineExecutor {
         spec.weight_bytes = weight_bytes;
         Ok(PipelineExecutor {
             head,
-            stages: Mutex::new(remotes),
+            relay: Relay::start(links),
+            layers,
+            stage_bytes,
             spec,
             kv: KvSpec {
                 bytes_per_block,
@@ -430,18 +583,16 @@ impl PipelineExecutor {
             },
             dtype,
             step: 0,
-            seqs: Vec::new(),
-            buf: Vec::new(),
+            begun: std::collections::VecDeque::new(),
+            arrived: Mutex::new(std::collections::VecDeque::new()),
+            spare: Vec::new(),
             outs: Vec::new(),
         })
     }
 
     /// The file's layers of every stage, stage 0's first.
     pub fn stage_layers(&self) -> Vec<Range<usize>> {
-        let stages = self.stages.lock().unwrap_or_else(|e| e.into_inner());
-        std::iter::once(self.head.part().layers.clone())
-            .chain(stages.iter().map(|s| s.layers.clone()))
-            .collect()
+        self.layers.clone()
     }
 
     /// Stage 0's own executor.
@@ -454,25 +605,48 @@ impl PipelineExecutor {
         self.dtype
     }
 
-    /// Asks every later stage `msg`, in order; any answer but the one
-    /// `ok` accepts is the group's failure.
-    fn each(
-        &self,
-        msg: &ToStage,
-        mut ok: impl FnMut(usize, FromStage) -> Result<(), String>,
-    ) -> Result<(), ExecError> {
-        let mut stages = self.stages.lock().unwrap_or_else(|e| e.into_inner());
-        for (i, s) in stages.iter_mut().enumerate() {
-            let n = i + 1;
-            match s.link.call(msg) {
-                Ok(FromStage::Refused { reason }) => {
-                    return Err(ExecError::Backend(format!("stage {n} refused: {reason}")));
-                }
-                Ok(a) => ok(i, a).map_err(|e| ExecError::Backend(format!("stage {n}: {e}")))?,
-                Err(e) => return Err(ExecError::Backend(format!("stage {n} lost: {e}"))),
+    /// Runs a block operation on every later stage, in order behind every
+    /// step already sent (whose rows are kept for their finish), and
+    /// returns the stages' answers.
+    fn op(&self, msg: ToStage, only: Option<usize>) -> Result<Vec<FromStage>, ExecError> {
+        let job = Job::Op {
+            msg,
+            only,
+            answers: Vec::new(),
+        };
+        if self.relay.first.send(job).is_err() {
+            return Err(ExecError::Backend("the stages' relay has stopped".into()));
+        }
+        loop {
+            match self.relay.done.recv() {
+                Ok(Done::Op(r)) => return r.map_err(ExecError::Backend),
+                Ok(Done::Step(r)) => self
+                    .arrived
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .push_back(r),
+                Err(_) => return Err(ExecError::Backend("the stages' relay has stopped".into())),
             }
         }
-        Ok(())
+    }
+
+    /// The oldest step's frame back from the last stage.
+    fn next_rows(&mut self) -> Result<ToStage, ExecError> {
+        if let Some(r) = self
+            .arrived
+            .get_mut()
+            .unwrap_or_else(|e| e.into_inner())
+            .pop_front()
+        {
+            return r.map_err(ExecError::Backend);
+        }
+        loop {
+            match self.relay.done.recv() {
+                Ok(Done::Step(r)) => return r.map_err(ExecError::Backend),
+                Ok(Done::Op(_)) => continue,
+                Err(_) => return Err(ExecError::Backend("the stages' relay has stopped".into())),
+            }
+        }
     }
 }
 
@@ -491,6 +665,11 @@ impl Executor for PipelineExecutor {
 
     fn max_draft_tokens(&self) -> usize {
         self.head.max_draft_tokens()
+    }
+
+    /// One step in flight for each stage.
+    fn pipeline_depth(&self) -> usize {
+        self.layers.len()
     }
 
     /// Drafts run on stage 0 alone: the first `layers` layers where stage
@@ -518,11 +697,22 @@ impl Executor for PipelineExecutor {
     }
 
     fn step(&mut self, batch: &[SeqInput<'_>], out: &mut StepOutputs) -> Result<(), ExecError> {
+        self.begin_step(batch, out)?;
+        self.finish_step(batch, out)
+    }
+
+    fn begin_step(
+        &mut self,
+        batch: &[SeqInput<'_>],
+        out: &mut StepOutputs,
+    ) -> Result<(), ExecError> {
         self.head.stage_begin(batch, out)?;
         self.head.stage_layers(batch);
         self.step += 1;
-        let d = self.spec.n_embd;
-        let mut seqs = std::mem::take(&mut self.seqs);
+        let (mut seqs, mut rows) = match self.spare.pop() {
+            Some(ToStage::Step { seqs, rows, .. }) => (seqs, rows),
+            _ => (Vec::new(), Vec::new()),
+        };
         seqs.resize_with(batch.len(), StageSeq::default);
         for (s, q) in seqs.iter_mut().zip(batch) {
             s.tokens.clear();
@@ -532,53 +722,45 @@ impl Executor for PipelineExecutor {
             s.block_table.extend_from_slice(q.block_table);
             s.out_rows = q.output.rows() as u32;
         }
-        let mut rows = std::mem::take(&mut self.buf);
         encode_rows(self.head.stage_rows(), self.dtype, &mut rows);
-        let step = self.step;
-        let stages = self.stages.get_mut().unwrap_or_else(|e| e.into_inner());
-        let n = stages.len();
-        let mut failure = None;
-        for (i, s) in stages.iter_mut().enumerate() {
-            let msg = ToStage::Step {
-                step,
-                seqs,
-                dtype: self.dtype,
-                rows,
-                last: i + 1 == n,
-            };
-            let reply = s.link.call(&msg);
-            let ToStage::Step {
-                seqs: s0, rows: r0, ..
-            } = msg
-            else {
-                unreachable!("built as a step above")
-            };
-            (seqs, rows) = (s0, r0);
-            let stage = i + 1;
-            let why = match reply {
-                Ok(FromStage::Rows { step: s, rows: r }) if s == step => {
-                    rows = r;
-                    continue;
-                }
-                Ok(FromStage::Refused { reason }) => {
-                    format!("stage {stage} refused step {step}: {reason}")
-                }
-                Ok(FromStage::Rows { step: s, .. }) => {
-                    format!("stage {stage} answered step {step} with step {s}'s rows")
-                }
-                Ok(o) => format!("stage {stage} answered step {step} with {o:?}"),
-                Err(e) => format!("stage {stage} lost: {e}"),
-            };
-            failure = Some(ExecError::Backend(why));
-            break;
+        let msg = ToStage::Step {
+            step: self.step,
+            seqs,
+            dtype: self.dtype,
+            rows,
+            last: false,
+        };
+        if self.relay.first.send(Job::Step(msg)).is_err() {
+            return Err(ExecError::Backend("the stages' relay has stopped".into()));
         }
-        self.seqs = seqs;
-        if let Some(e) = failure {
-            self.buf = rows;
-            return Err(e);
+        self.begun.push_back(self.step);
+        Ok(())
+    }
+
+    fn finish_step(
+        &mut self,
+        batch: &[SeqInput<'_>],
+        out: &mut StepOutputs,
+    ) -> Result<(), ExecError> {
+        let Some(step) = self.begun.pop_front() else {
+            return Err(ExecError::Unsupported("no step begun"));
+        };
+        let msg = self.next_rows()?;
+        let ToStage::Step {
+            step: got, rows, ..
+        } = &msg
+        else {
+            return Err(ExecError::Backend("the relay returned no step".into()));
+        };
+        if *got != step {
+            return Err(ExecError::Backend(format!(
+                "step {got}'s rows came back for step {step}"
+            )));
         }
-        // The output rows after the last layer, back into stage 0's
-        // residual stream for the head.
+        // Lay the step out again (another may have begun since), put the
+        // last stage's output rows into the residual stream, and sample.
+        self.head.stage_resume(batch, out);
+        let d = self.spec.n_embd;
         self.outs.clear();
         self.outs.extend_from_slice(self.head.stage_out_rows());
         let width = d * self.dtype.bytes();
@@ -598,16 +780,25 @@ impl Executor for PipelineExecutor {
                 &mut x[r * d..(r + 1) * d],
             );
         }
-        self.buf = rows;
+        self.spare.push(msg);
         self.head.stage_finish(batch, out)
     }
 
     fn copy_block(&mut self, src: u32, dst: u32) -> Result<(), ExecError> {
         self.head.copy_block(src, dst)?;
-        self.each(&ToStage::CopyBlock { src, dst }, |_, a| match a {
-            FromStage::Done => Ok(()),
-            o => Err(format!("answered a copy with {o:?}")),
-        })
+        for (i, a) in self
+            .op(ToStage::CopyBlock { src, dst }, None)?
+            .into_iter()
+            .enumerate()
+        {
+            if a != FromStage::Done {
+                return Err(ExecError::Backend(format!(
+                    "stage {} answered a copy with {a:?}",
+                    i + 1
+                )));
+            }
+        }
+        Ok(())
     }
 
     fn read_block(&self, block: u32, out: &mut [u8]) -> Result<(), ExecError> {
@@ -619,19 +810,26 @@ impl Executor for PipelineExecutor {
         }
         let own = self.head.kv_spec().bytes_per_block;
         self.head.read_block(block, &mut out[..own])?;
-        let sizes: Vec<usize> = {
-            let stages = self.stages.lock().unwrap_or_else(|e| e.into_inner());
-            stages.iter().map(|s| s.bytes_per_block).collect()
-        };
         let mut at = own;
-        self.each(&ToStage::ReadBlock { block }, |i, a| match a {
-            FromStage::Block { data } if data.len() == sizes[i] => {
-                out[at..at + data.len()].copy_from_slice(&data);
-                at += data.len();
-                Ok(())
+        for (i, a) in self
+            .op(ToStage::ReadBlock { block }, None)?
+            .into_iter()
+            .enumerate()
+        {
+            match a {
+                FromStage::Block { data } if data.len() == self.stage_bytes[i] => {
+                    out[at..at + data.len()].copy_from_slice(&data);
+                    at += data.len();
+                }
+                o => {
+                    return Err(ExecError::Backend(format!(
+                        "stage {} answered a read with {o:?}",
+                        i + 1
+                    )));
+                }
             }
-            o => Err(format!("answered a read with {o:?}")),
-        })
+        }
+        Ok(())
     }
 
     fn write_block(&mut self, block: u32, data: &[u8]) -> Result<(), ExecError> {
@@ -643,23 +841,21 @@ impl Executor for PipelineExecutor {
         }
         let own = self.head.kv_spec().bytes_per_block;
         self.head.write_block(block, &data[..own])?;
-        let stages = self.stages.get_mut().unwrap_or_else(|e| e.into_inner());
+        // Each stage's share, one stage at a time (a frame holds one
+        // block's bytes for one stage).
         let mut at = own;
-        for (i, s) in stages.iter_mut().enumerate() {
-            let part = data[at..at + s.bytes_per_block].to_vec();
-            at += s.bytes_per_block;
-            let n = i + 1;
-            match s.link.call(&ToStage::WriteBlock { block, data: part }) {
-                Ok(FromStage::Done) => {}
-                Ok(FromStage::Refused { reason }) => {
-                    return Err(ExecError::Backend(format!("stage {n} refused: {reason}")));
-                }
-                Ok(o) => {
+        for (i, &b) in self.stage_bytes.clone().iter().enumerate() {
+            let part = data[at..at + b].to_vec();
+            at += b;
+            let answers = self.op(ToStage::WriteBlock { block, data: part }, Some(i))?;
+            match answers.first() {
+                Some(FromStage::Done) => {}
+                o => {
                     return Err(ExecError::Backend(format!(
-                        "stage {n} answered a write with {o:?}"
+                        "stage {} answered a write with {o:?}",
+                        i + 1
                     )));
                 }
-                Err(e) => return Err(ExecError::Backend(format!("stage {n} lost: {e}"))),
             }
         }
         Ok(())

@@ -73,7 +73,8 @@ fn group(kv_dtype: KvDtype, cuts: &[usize], dtype: ActDtype) -> PipelineExecutor
                     ..c.clone()
                 };
                 let layers = h.layers.0 as usize..h.layers.1 as usize;
-                CpuExecutor::from_gguf_part(&g, &c, Some((layers, false))).map_err(|e| e.to_string())
+                CpuExecutor::from_gguf_part(&g, &c, Some((layers, false)))
+                    .map_err(|e| e.to_string())
             });
             let bytes = std::fs::metadata(&path).unwrap().len();
             let s = Stage::loading(loader, bytes, name(&g));
@@ -397,4 +398,54 @@ fn a_lost_stage_fails_the_step() {
         matches!(&err, flotilla_model::ExecError::Backend(m) if m.contains("stage 1 lost")),
         "{err:?}"
     );
+}
+
+/// Steps begun before the ones before them finish (the engine keeps one
+/// in flight per stage) give each step's own results, and a block read
+/// while a step is in flight sees the cache as the steps sent so far
+/// left it.
+#[test]
+fn overlapping_steps_give_each_its_own_results() {
+    let (ta, tb): (Vec<u32>, Vec<u32>) = ((0..4).collect(), (4..8).collect());
+    let b_prompt: Vec<u32> = PROMPT.iter().rev().copied().collect();
+    let lg = OutputKind::Logits;
+    let (x, y) = ([11u32], [12u32]);
+    let a1 = vec![seq(&PROMPT, 0, lg, &ta)];
+    let b1 = vec![seq(&b_prompt, 0, lg, &tb)];
+    let a2 = vec![seq(&x, PROMPT.len(), lg, &ta)];
+    let b2 = vec![seq(&y, b_prompt.len(), lg, &tb)];
+    let mut one = whole(KvDtype::F16);
+    let mut reference = Vec::new();
+    let mut out = StepOutputs::default();
+    for b in [&a1, &b1, &a2, &b2] {
+        one.step(b, &mut out).unwrap();
+        reference.push(bits(&out.logits));
+    }
+    let n = one.kv_spec().bytes_per_block;
+    let mut want = vec![0u8; n];
+    one.read_block(4, &mut want).unwrap();
+    for cuts in [&[9][..], &[6, 18]] {
+        let mut g = group(KvDtype::F16, cuts, ActDtype::F32);
+        assert_eq!(g.pipeline_depth(), cuts.len() + 1);
+        let (mut scratch, mut o) = (StepOutputs::default(), StepOutputs::default());
+        let mut got = Vec::new();
+        g.begin_step(&a1, &mut scratch).unwrap();
+        g.begin_step(&b1, &mut scratch).unwrap();
+        g.finish_step(&a1, &mut o).unwrap();
+        got.push(bits(&o.logits));
+        g.begin_step(&a2, &mut scratch).unwrap();
+        g.finish_step(&b1, &mut o).unwrap();
+        got.push(bits(&o.logits));
+        g.begin_step(&b2, &mut scratch).unwrap();
+        // B's first block, read while a2 and b2 are in flight: b1 wrote
+        // it, b2's token is in it too (sent before the read).
+        let mut have = vec![1u8; n];
+        g.read_block(4, &mut have).unwrap();
+        g.finish_step(&a2, &mut o).unwrap();
+        got.push(bits(&o.logits));
+        g.finish_step(&b2, &mut o).unwrap();
+        got.push(bits(&o.logits));
+        assert_eq!(got, reference, "cuts {cuts:?}");
+        assert!(have == want, "cuts {cuts:?}: the block read in flight");
+    }
 }

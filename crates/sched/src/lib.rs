@@ -74,8 +74,12 @@ pub struct Scheduler {
     /// Admissions so far; a running sequence's `admit_seq` orders it by age.
     admissions: u64,
     next_step: u64,
-    /// The step handed out and not yet completed or failed.
-    in_flight: Option<u64>,
+    /// Steps handed out and not yet completed or failed, oldest first.
+    in_flight: Vec<u64>,
+    /// Sequences in those steps: no other plan takes or preempts them.
+    busy: BTreeSet<RequestId>,
+    /// Most steps in flight at once (see [`Scheduler::set_depth`]).
+    depth: usize,
     events: Vec<SchedEvent>,
     counters: Counters,
     /// Reused list of running ids, so planning allocates no id list per step.
@@ -138,7 +142,9 @@ impl Scheduler {
             tenant_vtc,
             admissions: 0,
             next_step: 0,
-            in_flight: None,
+            in_flight: Vec::new(),
+            busy: BTreeSet::new(),
+            depth: 1,
             events: Vec::new(),
             counters: Counters::default(),
             scratch: Vec::with_capacity(cfg.max_num_seqs),
@@ -151,6 +157,28 @@ impl Scheduler {
             constraints: None,
             cfg,
         })
+    }
+
+    /// Lets up to `depth` steps be in flight at once, each over sequences
+    /// the others do not hold: an executor whose stages work on different
+    /// steps at the same time (a pipeline group) is kept full. Each plan
+    /// then takes its share of the sequences; multi-step plans are off.
+    pub fn set_depth(&mut self, depth: usize) {
+        assert!(
+            self.in_flight.is_empty(),
+            "the depth changes only with no step in flight"
+        );
+        self.depth = depth.max(1);
+    }
+
+    /// Steps in flight now.
+    pub fn num_in_flight(&self) -> usize {
+        self.in_flight.len()
+    }
+
+    /// Whether another plan may be handed out now.
+    pub fn may_plan(&self) -> bool {
+        self.in_flight.len() < self.depth
     }
 
     /// The validated config.
@@ -405,7 +433,8 @@ impl Scheduler {
     /// The step in flight, if any, is abandoned: its results must not be
     /// passed to `complete` or `fail_step` afterwards.
     pub fn fail_all(&mut self, now: Duration, failure: EngineFailure) {
-        self.in_flight = None;
+        self.in_flight.clear();
+        self.busy.clear();
         let ids: Vec<RequestId> = self.seqs.keys().copied().collect();
         for id in ids {
             self.fail(now, id, failure.clone());

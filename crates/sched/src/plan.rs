@@ -144,6 +144,11 @@ pub(crate) struct Draft {
     chunk_floor: usize,
     /// Prefill tokens planned so far.
     chunked: usize,
+    /// Most sequences this plan takes: all of them with one step in
+    /// flight; with several (a pipeline's stages each working on one),
+    /// the free sequences' share of the steps still to plan, so the
+    /// steps in flight hold even parts of the batch.
+    seq_cap: usize,
 }
 
 impl Draft {
@@ -265,12 +270,15 @@ struct Hold {
 
 impl Scheduler {
     /// Plans the next step (first failing queued requests past their deadline);
-    /// one plan is in flight at a time: `complete` or `fail_step` it before the next.
+    /// at most [`Scheduler::set_depth`] plans are in flight (one by
+    /// default), over disjoint sequences: `complete` or `fail_step` one
+    /// before planning past that.
     pub fn schedule(&mut self, now: Duration) -> Plan {
         assert!(
-            self.in_flight.is_none(),
-            "schedule called while step {:?} is in flight",
-            self.in_flight
+            self.in_flight.len() < self.depth,
+            "schedule called while steps {:?} are in flight (at most {})",
+            self.in_flight,
+            self.depth
         );
         self.expire(now);
         let (protect, lower) = self.step_protection(now);
@@ -290,6 +298,7 @@ impl Scheduler {
             chunk_cap,
             chunk_floor: self.cfg.block_size as usize,
             chunked: 0,
+            seq_cap: self.seq_cap(),
         };
         self.schedule_running(&mut draft);
         let admit = match self.cfg.batching {
@@ -306,6 +315,17 @@ impl Scheduler {
         self.finalize(draft, steps)
     }
 
+    /// Sequences the next plan may take (see `Draft::seq_cap`).
+    fn seq_cap(&self) -> usize {
+        if self.depth <= 1 {
+            return usize::MAX;
+        }
+        let free = self.running.len() - self.busy.len();
+        let queued: usize = self.tier_queued.iter().sum();
+        let slots = self.depth - self.in_flight.len();
+        (free + queued).div_ceil(slots).max(1)
+    }
+
     /// How many decode steps the plan may hold (`SchedConfig::decode_steps`):
     /// more than one only when the steps after the first would be the same
     /// batch with nothing decided between them: every running sequence
@@ -317,6 +337,7 @@ impl Scheduler {
     fn decode_steps(&mut self, draft: &Draft) -> usize {
         let max = self.cfg.decode_steps;
         if max <= 1
+            || self.depth > 1
             || self.cfg.batching != Batching::Continuous
             || !draft.guesses.is_empty()
             || draft.chunks.len() != self.running.len()
@@ -526,12 +547,13 @@ impl Scheduler {
                     ids.rotate_left(k);
                 }
                 for &id in &ids {
-                    if draft.budget == 0 {
+                    if draft.budget == 0 || draft.chunks.len() >= draft.seq_cap {
                         break;
                     }
                     let seq = &self.seqs[&id];
-                    // Preempted earlier in this pass, or already planned.
-                    if !seq.is_running() || draft.has(id) {
+                    // Preempted earlier in this pass, already planned, or
+                    // in a step in flight.
+                    if !seq.is_running() || draft.has(id) || self.busy.contains(&id) {
                         continue;
                     }
                     let n = seq.to_compute();
@@ -594,6 +616,7 @@ impl Scheduler {
         let victim = self
             .running
             .iter()
+            .filter(|id| !self.busy.contains(id))
             .map(|id| &self.seqs[id])
             .filter(|s| self.cfg.tiers[s.tier].priority <= prio)
             .filter(|s| !same_tenant_only || s.tenant == n.tenant)
@@ -617,6 +640,7 @@ impl Scheduler {
         };
         self.running
             .iter()
+            .filter(|id| !self.busy.contains(id))
             .map(|id| &self.seqs[id])
             .filter(|s| self.cfg.tiers[s.tier].priority < prio && over_share(s.tier))
             .min_by_key(|s| (self.cfg.tiers[s.tier].priority, Reverse(s.admit_seq)))
@@ -630,6 +654,7 @@ impl Scheduler {
         let prio = self.cfg.tiers[tier].priority;
         self.running
             .iter()
+            .filter(|id| !self.busy.contains(id))
             .map(|id| &self.seqs[id])
             .filter(|s| self.cfg.tiers[s.tier].priority < prio)
             .filter_map(|s| s.lease.as_ref())
@@ -678,7 +703,7 @@ impl Scheduler {
         let mut tenant_blocked = vec![false; self.cfg.tenants.len()];
         let mut hold: Option<Hold> = None;
         loop {
-            if continuous && draft.budget == 0 {
+            if continuous && (draft.budget == 0 || draft.chunks.len() >= draft.seq_cap) {
                 break;
             }
             if !continuous && self.running.len() >= self.cfg.max_num_seqs {
@@ -986,7 +1011,8 @@ impl Scheduler {
         assert!(total <= self.cfg.max_num_batched_tokens);
         if !items.is_empty() {
             self.next_step += 1;
-            self.in_flight = Some(step);
+            self.in_flight.push(step);
+            self.busy.extend(items.iter().map(|it| it.id));
             self.counters.steps += 1;
         }
         Plan { step, items, steps }

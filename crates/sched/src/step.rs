@@ -165,16 +165,20 @@ impl Scheduler {
         }
     }
 
-    /// Checks that `plan` is the step in flight and clears it.
+    /// Checks that `plan` is the oldest step in flight (steps end in the
+    /// order they were planned) and clears it and its sequences.
     fn end_step(&mut self, plan: &Plan) {
         if plan.items.is_empty() {
             return;
         }
         assert_eq!(
-            self.in_flight,
-            Some(plan.step),
-            "results for a step that is not in flight"
+            self.in_flight.first(),
+            Some(&plan.step),
+            "results for a step that is not the oldest in flight"
         );
-        self.in_flight = None;
+        self.in_flight.remove(0);
+        for it in &plan.items {
+            self.busy.remove(&it.id);
+        }
     }
 }

@@ -100,8 +100,8 @@ impl QuicStageLink {
             .map_err(|e| format!("stage {name} at {addr}: {e}"))?
             .next()
             .ok_or_else(|| format!("stage {name} at {addr}: no address"))?;
-        let client = tls::client_config(tls, transport(opts.idle_timeout)?)
-            .map_err(|e| e.to_string())?;
+        let client =
+            tls::client_config(tls, transport(opts.idle_timeout)?).map_err(|e| e.to_string())?;
         // The driver awaits requests (a blocking wait would starve the
         // connection's keep-alives).
         let (to, mut from) = tokio::sync::mpsc::unbounded_channel::<(Vec<u8>, Reply)>();
@@ -353,9 +353,8 @@ mod tests {
         let rt = tokio::runtime::Runtime::new().unwrap();
         let s1 = TlsMaterial::load(dir.path(), "s1").unwrap();
         let server = tls::server_config(&s1, transport(Duration::from_secs(3)).unwrap()).unwrap();
-        let ep = rt.block_on(async {
-            Endpoint::server(server, "127.0.0.1:0".parse().unwrap()).unwrap()
-        });
+        let ep = rt
+            .block_on(async { Endpoint::server(server, "127.0.0.1:0".parse().unwrap()).unwrap() });
         let addr = ep.local_addr().unwrap().to_string();
         let served = rt.spawn(serve_on(ep.clone(), "s0".into(), handler()));
         let s0 = TlsMaterial::load(dir.path(), "s0").unwrap();

@@ -632,3 +632,74 @@ fn a_multi_step_plan_never_evicts_a_cached_prefix_for_its_later_steps() {
     sim.run_until_idle(100);
     sim.assert_all_done();
 }
+
+/// Plans until `depth` are in flight (or none can be made), then
+/// completes the oldest, until idle: a pipeline's engine.
+fn run_pipelined(sim: &mut Sim, max_steps: usize) -> usize {
+    let mut q = std::collections::VecDeque::new();
+    let mut most = 0;
+    for _ in 0..max_steps {
+        while sim.s.may_plan() {
+            let p = sim.plan();
+            if p.items.is_empty() {
+                break;
+            }
+            // Disjoint from every plan in flight.
+            for other in &q {
+                let o: &Plan = other;
+                assert!(ids(&p).iter().all(|id| !ids(o).contains(id)));
+            }
+            q.push_back(p);
+        }
+        most = most.max(q.len());
+        match q.pop_front() {
+            Some(p) => sim.execute(&p),
+            None if sim.s.is_idle() => return most,
+            None => {}
+        }
+    }
+    panic!("not idle after {max_steps} steps");
+}
+
+#[test]
+fn two_steps_in_flight_take_disjoint_halves_in_order() {
+    let mut c = two_tiers(256, 16);
+    c.max_num_seqs = 16;
+    c.max_num_batched_tokens = 512;
+    let mut sim = Sim::new(c);
+    sim.s.set_depth(2);
+    let reqs: Vec<RequestId> = (0..8).map(|i| sim.submit(i % 2, 10, 20).unwrap()).collect();
+    let a = sim.plan();
+    let b = sim.plan();
+    assert_eq!((a.items.len(), b.items.len()), (4, 4), "even halves");
+    assert!(!sim.s.may_plan(), "two in flight at most");
+    assert_eq!(sim.s.num_in_flight(), 2);
+    sim.execute(&a);
+    // The next plan takes the sequences that are not in flight: a's.
+    let a2 = sim.plan();
+    assert_eq!(ids(&a2), ids(&a));
+    // A cancel in flight: the step's result skips it.
+    assert!(sim.cancel(ids(&b)[0]));
+    sim.execute(&b);
+    sim.execute(&a2);
+    assert!(run_pipelined(&mut sim, 500) >= 2);
+    assert_eq!(reqs.len(), 8);
+    sim.assert_all_done();
+}
+
+#[test]
+fn steps_in_flight_are_never_preempted() {
+    // 24 blocks of 16 for 12 requests of 4 blocks each: preemption.
+    let mut c = two_tiers(24, 16);
+    c.max_num_seqs = 12;
+    c.max_num_batched_tokens = 256;
+    let mut sim = Sim::new(c);
+    sim.s.set_depth(3);
+    for i in 0..12 {
+        let p = sim.unique_prompt(30);
+        sim.submit_req(Sim::request(i % 2, p, 30)).unwrap();
+    }
+    assert!(run_pipelined(&mut sim, 2000) >= 2);
+    assert!(sim.s.counters().preemptions > 0, "the test preempts");
+    sim.assert_all_done();
+}
