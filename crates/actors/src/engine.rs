@@ -701,7 +701,13 @@ fn step_done(st: &mut SchedState, now: Duration, r: StepResult) {
         }
         Err(e) => {
             tracing::error!(error = %e, "step failed");
-            st.sched.fail_step(now, &plan, &e);
+            if worker_ok {
+                st.sched.fail_step(now, &plan, &e);
+            } else {
+                // The engine is lost, not the request: the Router moves it.
+                st.sched
+                    .fail_step_with(now, &plan, EngineFailure::EngineLost(e.clone()));
+            }
             Some(e)
         }
     };
@@ -759,7 +765,7 @@ fn check_after(st: &mut SchedState) {
 fn worker_lost(st: &mut SchedState, now: Duration, why: String) {
     st.worker_ok = false;
     st.in_flight = 0;
-    st.sched.fail_all(now, EngineFailure::Internal(why));
+    st.sched.fail_all(now, EngineFailure::EngineLost(why));
 }
 
 /// Expires what is due, starts the next step if the worker is idle,

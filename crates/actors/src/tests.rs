@@ -291,7 +291,8 @@ async fn executor_panic_fails_running_and_queued_requests() {
     r.open_gate();
     for rs in [&mut a, &mut b] {
         match end_of(rs).await {
-            Some(EngineEvent::Failed(EngineFailure::Internal(m))) => {
+            // The engine is lost: the Router would move them.
+            Some(EngineEvent::Failed(EngineFailure::EngineLost(m))) => {
                 assert!(m.contains("panicked"), "{m}")
             }
             other => panic!("{other:?}"),
@@ -315,7 +316,7 @@ async fn dead_worker_fails_running_and_queued_requests() {
     r.open_gate();
     for rs in [&mut a, &mut b] {
         match end_of(rs).await {
-            Some(EngineEvent::Failed(EngineFailure::Internal(m))) => {
+            Some(EngineEvent::Failed(EngineFailure::EngineLost(m))) => {
                 assert!(m.contains("worker"), "{m}")
             }
             other => panic!("{other:?}"),

@@ -1407,3 +1407,122 @@ async fn one_trace_follows_a_request_through_router_prefill_and_decode_nodes() {
     assert!(page.contains("flotilla_running_sequences{"), "{page}");
     drop(c);
 }
+
+/// Makes worker-1 and worker-2 a pipeline group (stage 0 and stage 1) with
+/// rows in f32 (one node's numbers), worker-1 scrapeable at `metrics`.
+fn as_group(text: String, metrics: &str) -> String {
+    let mut out = String::new();
+    let mut node = 0;
+    for line in text.lines() {
+        out += line;
+        out.push('\n');
+        if line.starts_with("name = \"worker-") {
+            node = line[15..16].parse().unwrap_or(0);
+        }
+        if line.starts_with("addr = ") && (node == 1 || node == 2) {
+            out += "pipeline = \"g\"\n";
+            if node == 1 {
+                out += &format!("metrics = \"{metrics}\"\n");
+            }
+        }
+    }
+    out.replace(
+        "reconnect_backoff_max_ms = 200\n",
+        "reconnect_backoff_max_ms = 200\npipeline_activations = \"f32\"\n",
+    )
+}
+
+/// A pipeline group of two nodes (worker-1 stage 0, worker-2 stage 1)
+/// beside a whole-model worker-3, its Router seeing two workers: the
+/// group's greedy texts are worker-3's (rows in f32), its stage 0 reports
+/// the split; killed at stage 1 under 16 streams, no stream errs (each
+/// moves to worker-3 and ends with the undisturbed text), and stage 0
+/// gives back every block.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pipeline_group_serves_as_one_node_and_a_lost_stage_loses_no_stream() {
+    const TOKENS: u32 = 64;
+    let metrics = format!("127.0.0.1:{}", free_tcp_port());
+    let m = metrics.clone();
+    let mut c = start_cluster_edited(
+        &["worker", "worker", "worker"],
+        &flotilla_hub::test_model_path(),
+        &[],
+        &move |t| as_group(t, &m),
+    );
+    let r = wait_for(&c.base, "the group and worker-3 up", |r| {
+        node(r, "worker-1")["up"] == true && node(r, "worker-3")["up"] == true
+    })
+    .await;
+    // The Router sees the group as one worker.
+    let names: Vec<&str> = r["nodes"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|n| n["name"].as_str().unwrap())
+        .collect();
+    assert_eq!(names, ["worker-1", "worker-3"], "{r}");
+    let stage0 = format!("http://{metrics}");
+    let cfg = common::get_json(&stage0, "/config", Some(PAID_KEY)).await;
+    assert_eq!(
+        cfg["pipeline"]["stages"].as_array().unwrap().len(),
+        2,
+        "{cfg}"
+    );
+    assert_eq!(cfg["pipeline"]["activations"], "f32");
+    let prompts: Vec<String> = (0..16)
+        .map(|i| format!("Story number {i}, about a lighthouse keeper,"))
+        .collect();
+    let mut streams = Vec::new();
+    let mut seen = Vec::new();
+    for p in &prompts {
+        let resp = post(&c.base, &completion(p, TOKENS, true)).await;
+        assert_eq!(resp.status(), 200);
+        let n = Arc::new(AtomicUsize::new(0));
+        streams.push(tokio::spawn(read_sse_counting(resp, n.clone())));
+        seen.push(n);
+    }
+    let t0 = Instant::now();
+    while seen.iter().any(|n| n.load(Ordering::Relaxed) < 4) {
+        assert!(
+            t0.elapsed() < Duration::from_secs(120),
+            "the streams did not start"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let r = ready(&c.base).await;
+    assert!(
+        node(&r, "worker-1")["in_flight"].as_u64().unwrap() >= 1,
+        "{r}"
+    );
+    let v = c.nodes.iter_mut().find(|n| n.name == "worker-2").unwrap();
+    v.child.kill().unwrap();
+    v.child.wait().unwrap();
+    let mut texts = Vec::new();
+    for s in streams {
+        let (chunks, err, done, text) = tokio::time::timeout(Duration::from_secs(180), s)
+            .await
+            .expect("a stream hung after a stage died")
+            .unwrap();
+        assert!(done, "stream without [DONE]");
+        assert_eq!(err, None, "a stream ended with an error");
+        assert_eq!(chunks, TOKENS as usize);
+        texts.push(text);
+    }
+    let r = ready(&c.base).await;
+    assert!(
+        node(&r, "worker-1")["moved_away"].as_u64().unwrap() >= 1,
+        "no stream moved: {r}"
+    );
+    // Every text is what worker-3 alone gives (the group's tokens before
+    // the kill were one node's).
+    for (p, moved) in prompts.iter().zip(&texts) {
+        let (alone, _) = complete_text(&c.base, &completion(p, TOKENS, false)).await;
+        assert_eq!(moved, &alone, "prompt {p:?}");
+    }
+    // Stage 0 is not ready (its group lost a stage) and holds no block.
+    let s0 = common::get_json(&stage0, "/ready", None).await;
+    assert_eq!(s0["ready"], false, "{s0}");
+    assert_eq!(s0["kv_blocks"]["used"], 0, "{s0}");
+    assert_eq!(s0["running"], 0, "{s0}");
+    drop(c.dir);
+}

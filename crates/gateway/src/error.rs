@@ -261,6 +261,9 @@ impl ApiError {
                 EngineFailure::RouterLost(_) => {
                     c(S::SERVICE_UNAVAILABLE, SERVER, "worker_lost", None)
                 }
+                EngineFailure::EngineLost(_) => {
+                    c(S::SERVICE_UNAVAILABLE, SERVER, "engine_lost", None)
+                }
             },
         }
     }

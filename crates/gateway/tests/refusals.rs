@@ -396,6 +396,7 @@ async fn engine_failures_map_to_status_or_an_error_event() {
             400,
         ),
         (EngineFailure::Internal("boom".into()), 500),
+        (EngineFailure::EngineLost("stage 1 lost".into()), 503),
     ];
     for (f, want) in cases {
         s.fake

@@ -178,6 +178,12 @@ pub enum EngineFailure {
     /// request again if no token reached the client, else ends it.
     #[error("the engine node lost contact with the Router: {0}")]
     RouterLost(String),
+    /// The engine can run no more steps (its worker broke: a device
+    /// error, or a pipeline group's stage lost): the Router moves the
+    /// request to another engine (with the tokens it streamed), else ends
+    /// it with this.
+    #[error("the engine stopped: {0}")]
+    EngineLost(String),
 }
 
 /// Why an engine refused a request at admission (nothing was queued).

@@ -29,7 +29,7 @@ use crate::{EngineEvent, EngineRequest, EngineStatus, KvDtype, Rejection, Role, 
 /// First four bytes of every frame.
 pub const MAGIC: [u8; 4] = *b"FLTL";
 /// The protocol this build speaks; a peer with another one is refused.
-pub const PROTOCOL_VERSION: u16 = 15;
+pub const PROTOCOL_VERSION: u16 = 16;
 /// Bytes of the envelope before the payload.
 pub const HEADER_LEN: usize = 32;
 /// Smallest frame cap a config may set (a load report must fit).

@@ -157,10 +157,17 @@ impl Scheduler {
     /// The executor refused `plan`: every request in it fails with
     /// `EngineFailure::Internal(error)` and gives its blocks back.
     pub fn fail_step(&mut self, now: Duration, plan: &Plan, error: &str) {
+        self.fail_step_with(now, plan, EngineFailure::Internal(error.to_owned()));
+    }
+
+    /// [`Scheduler::fail_step`] with `failure` for each of its requests
+    /// (`EngineFailure::EngineLost` when the executor can run no more:
+    /// the Router moves them).
+    pub fn fail_step_with(&mut self, now: Duration, plan: &Plan, failure: EngineFailure) {
         self.end_step(plan);
         for item in &plan.items {
             if self.seqs.contains_key(&item.id) {
-                self.fail(now, item.id, EngineFailure::Internal(error.to_owned()));
+                self.fail(now, item.id, failure.clone());
             }
         }
     }

@@ -1284,6 +1284,16 @@ impl RouterCore {
         }
         let p = self.pending.get_mut(&id).expect("looked up above");
         let (tokens, mut end) = ev.into_parts();
+        // Its engine stopped: the tokens it sent go out, then it moves.
+        let lost = match &end {
+            Some(EngineEvent::Failed(EngineFailure::EngineLost(why))) => {
+                Some(format!("{}: {why}", self.workers[w].name))
+            }
+            _ => None,
+        };
+        if lost.is_some() {
+            end = None;
+        }
         let fresh = tokens.len().saturating_sub(skip);
         p.tokens_sent += fresh as u32;
         p.streamed.extend(tokens.iter().skip(skip).map(|s| s.token));
@@ -1319,6 +1329,9 @@ impl RouterCore {
         }
         if ended {
             self.finish(id);
+        }
+        if let Some(why) = lost {
+            self.rerun_or_fail(id, Some(w), &why, Fallback::Nothing, reach);
         }
     }
 
