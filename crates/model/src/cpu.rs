@@ -466,16 +466,14 @@ impl CpuExecutor {
                 "number of KV blocks {num_blocks} must be positive"
             )));
         }
-        if num_blocks != self.kv.num_blocks {
-            let dtype = self.kv.dtype();
-            // The old cache goes first: never both in memory.
-            self.kv =
-                KvStore::new(&self.cfg, self.kv.block_size, 1, dtype).map_err(LoadError::Config)?;
-            self.kv = KvStore::new(&self.cfg, self.kv.block_size, num_blocks, dtype)
-                .map_err(LoadError::Config)?;
-        } else {
-            self.kv.bytes_mut().fill(0);
-        }
+        // A new store, the old one gone first (never both in memory): its
+        // pages are the system's zero pages until written, where filling
+        // the old one with zeros would make every page resident.
+        let dtype = self.kv.dtype();
+        self.kv =
+            KvStore::new(&self.cfg, self.kv.block_size, 1, dtype).map_err(LoadError::Config)?;
+        self.kv = KvStore::new(&self.cfg, self.kv.block_size, num_blocks, dtype)
+            .map_err(LoadError::Config)?;
         Ok(())
     }
 

@@ -229,7 +229,9 @@ impl Actor for RouterActor {
                 RouterInput::Tick
             }
             RouterMsg::Status(reply) => {
-                let _ = reply.send(st.core.status());
+                let transport = &st.transport;
+                let reach = Reach::except(st.core.nodes().filter(|&n| !transport.is_reachable(n)));
+                let _ = reply.send(st.core.status_reaching(&reach));
                 return Ok(());
             }
             RouterMsg::UpNodes(reply) => {

@@ -424,6 +424,13 @@ impl RouterCore {
     /// The cluster as `/ready` shows it: the sum of the nodes that are up,
     /// and every node's line.
     pub fn status(&self) -> EngineStatus {
+        self.status_reaching(&Reach::all())
+    }
+
+    /// [`RouterCore::status`], ready only through a node that `reach`
+    /// reaches (a node's heartbeats can arrive before this side's link to
+    /// it is up again: it cannot take a request until then).
+    pub fn status_reaching(&self, reach: &Reach) -> EngineStatus {
         let mut s = EngineStatus::default();
         let mut tiers: Vec<TierStatus> = Vec::new();
         for w in &self.workers {
@@ -446,7 +453,7 @@ impl RouterCore {
                 continue;
             }
             let l = &w.load;
-            s.ready |= l.ready;
+            s.ready |= l.ready && reach.reaches(w.node);
             s.steps += l.steps;
             s.running += l.running;
             s.preemptions += l.preemptions;
