@@ -129,6 +129,8 @@ struct SchedState {
     in_flight: usize,
     /// Most steps in flight (the executor's pipeline depth).
     depth: usize,
+    /// A `TryRecover` is on its way (the worker broke).
+    recovering: bool,
     /// Set to end a multi-step plan in flight after the step in progress
     /// (`SchedConfig::decode_steps`): anything the Scheduler is told may
     /// change the next step. Cleared when a plan is sent.
@@ -247,6 +249,7 @@ impl Actor for SchedulerActor {
             next_id: 1,
             in_flight: 0,
             depth,
+            recovering: false,
             cut,
             wake_at: None,
             worker_ok: true,
@@ -380,6 +383,21 @@ impl Actor for SchedulerActor {
             // `pump` below expires what is due and arms the next wake-up;
             // cleared even if it came early, so that one is armed again.
             SchedMsg::Wake => st.wake_at = None,
+            SchedMsg::TryRecover => {
+                st.recovering = false;
+                if !st.worker_ok {
+                    let _ = st.worker.cast(WorkerMsg::Recover(myself.clone()));
+                }
+            }
+            SchedMsg::WorkerRecovered => {
+                if !st.worker_ok {
+                    // Every block's contents are gone: no cached prefix
+                    // may be offered again.
+                    st.sched.clear_prefix_cache();
+                    st.worker_ok = true;
+                    tracing::info!("the worker runs steps again");
+                }
+            }
             SchedMsg::KvHolders(reply) => {
                 let _ = reply.send(st.sched.kv_holders());
             }
@@ -760,6 +778,9 @@ fn check_after(st: &mut SchedState) {
     }
 }
 
+/// How often a broken worker is asked to recover.
+const RECOVER_EVERY: Duration = Duration::from_secs(1);
+
 /// The worker can run no more steps: fail every request, the one in flight
 /// included (its plan is abandoned), and refuse new ones from now on.
 fn worker_lost(st: &mut SchedState, now: Duration, why: String) {
@@ -798,6 +819,12 @@ fn pump(myself: &ActorRef<SchedMsg>, st: &mut SchedState, now: Duration) {
             worker_lost(st, now, "the GPU worker has stopped".into());
             break;
         }
+    }
+    // A broken worker is asked to recover every second (a pipeline group
+    // whose stage is back forms again; other backends never do).
+    if !st.worker_ok && !st.recovering {
+        st.recovering = true;
+        myself.send_after(RECOVER_EVERY, || SchedMsg::TryRecover);
     }
     // A pipelined worker holds begun steps until `depth` are under way:
     // with no more to send now, it finishes the ones it has.

@@ -15,6 +15,10 @@ use ractor::{ActorRef, RpcReplyPort};
 
 /// Messages of the Scheduler actor.
 pub(crate) enum SchedMsg {
+    /// The worker is broken: ask it to recover (again a while later).
+    TryRecover,
+    /// The broken worker runs steps again (every block's contents lost).
+    WorkerRecovered,
     /// Admit a request (or refuse it at once); its events go to its own
     /// stream, or with a `sink` there, per step.
     Submit {
@@ -96,6 +100,9 @@ pub(crate) struct PendingImport {
 /// writes and the moves between KV tiers all run here, one at a time, in
 /// the order the Scheduler actor decided them; none can race another.
 pub(crate) enum WorkerMsg {
+    /// Try to make a broken executor usable again; answered with
+    /// `SchedMsg::WorkerRecovered` when it is.
+    Recover(ActorRef<SchedMsg>),
     /// Finish every begun step now (a pipelined executor): the Scheduler
     /// has no other step to overlap them with.
     Flush,

@@ -45,6 +45,35 @@ fn slot(table: &[u32], pos: usize) -> usize {
     table[pos / BLOCK] as usize * BLOCK + pos % BLOCK
 }
 
+/// The fake executors' step over their one-byte-a-position cache: writes
+/// each token where it goes and samples 42 where every earlier position
+/// holds one (7 where one does not).
+fn fake_step(kv: &mut [u8], batch: &[SeqInput<'_>]) -> Vec<SeqOutput> {
+    let mut outs = Vec::with_capacity(batch.len());
+    for s in batch {
+        let table = s.block_table;
+        let kv_ok = (0..s.start_pos).all(|p| kv[slot(table, p)] != 0);
+        for (i, &t) in s.tokens.iter().enumerate() {
+            kv[slot(table, s.start_pos + i)] = t as u8;
+        }
+        // A constrained sample reads its mask when it samples, as the
+        // real executors do.
+        if let Some(m) = s.allow {
+            assert!(flotilla_exec::constraint::allowed(&m.words(), 42));
+        }
+        outs.push(SeqOutput {
+            logits_row: None,
+            sampled: matches!(s.output, OutputKind::Sample(_)).then(|| Sampled {
+                token: if kv_ok { 42 } else { 7 },
+                logprob: 0.0,
+                top: Vec::new(),
+            }),
+            accepted: Vec::new(),
+        });
+    }
+    outs
+}
+
 impl Executor for FakeExec {
     fn model_spec(&self) -> &ModelSpec {
         &self.spec
@@ -70,28 +99,7 @@ impl Executor for FakeExec {
         // Err once the test drops the sender: every later step runs at once.
         let _ = self.gate.recv();
         assert!(!self.panic, "injected executor panic");
-        out.seqs.clear();
-        for s in batch {
-            let table = s.block_table;
-            let kv_ok = (0..s.start_pos).all(|p| self.kv[slot(table, p)] != 0);
-            for (i, &t) in s.tokens.iter().enumerate() {
-                self.kv[slot(table, s.start_pos + i)] = t as u8;
-            }
-            // A constrained sample reads its mask when it samples, as the
-            // real executors do.
-            if let Some(m) = s.allow {
-                assert!(flotilla_exec::constraint::allowed(&m.words(), 42));
-            }
-            out.seqs.push(SeqOutput {
-                logits_row: None,
-                sampled: matches!(s.output, OutputKind::Sample(_)).then(|| Sampled {
-                    token: if kv_ok { 42 } else { 7 },
-                    logprob: 0.0,
-                    top: Vec::new(),
-                }),
-                accepted: Vec::new(),
-            });
-        }
+        out.seqs = fake_step(&mut self.kv, batch);
         Ok(())
     }
 
@@ -741,23 +749,7 @@ impl Executor for PipeExec {
     }
 
     fn begin_step(&mut self, batch: &[SeqInput<'_>], _: &mut StepOutputs) -> Result<(), ExecError> {
-        let mut outs = Vec::new();
-        for s in batch {
-            let table = s.block_table;
-            let kv_ok = (0..s.start_pos).all(|p| self.kv[slot(table, p)] != 0);
-            for (i, &t) in s.tokens.iter().enumerate() {
-                self.kv[slot(table, s.start_pos + i)] = t as u8;
-            }
-            outs.push(SeqOutput {
-                logits_row: None,
-                sampled: matches!(s.output, OutputKind::Sample(_)).then(|| Sampled {
-                    token: if kv_ok { 42 } else { 7 },
-                    logprob: 0.0,
-                    top: Vec::new(),
-                }),
-                accepted: Vec::new(),
-            });
-        }
+        let outs = fake_step(&mut self.kv, batch);
         self.begun.push_back(outs);
         self.most
             .fetch_max(self.begun.len(), std::sync::atomic::Ordering::SeqCst);

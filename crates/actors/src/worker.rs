@@ -122,6 +122,25 @@ impl Actor for GpuWorker {
                 let _ = reply.cast(SchedMsg::Imported(pending, written));
                 return Ok(());
             }
+            WorkerMsg::Recover(reply) => {
+                if st.broken.is_some() {
+                    // Steps begun before the break were failed with it.
+                    st.pending.clear();
+                    let exec = &mut st.exec;
+                    let mut go =
+                        || catch_unwind(AssertUnwindSafe(|| exec.recover())).unwrap_or(false);
+                    let back = if crate::on_multi_thread_runtime() {
+                        tokio::task::block_in_place(go)
+                    } else {
+                        go()
+                    };
+                    if back {
+                        st.broken = None;
+                        let _ = reply.cast(SchedMsg::WorkerRecovered);
+                    }
+                }
+                return Ok(());
+            }
             WorkerMsg::Flush => {
                 while !st.pending.is_empty() {
                     finish_oldest(st);

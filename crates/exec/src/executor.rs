@@ -663,6 +663,13 @@ pub trait Executor: Send {
     fn simulated_step_time(&self) -> Option<std::time::Duration> {
         None
     }
+    /// Tries to make a backend that failed with `ExecError::Backend` usable
+    /// again (a pipeline group whose lost stage is back): true when it can
+    /// run steps again, every KV block's contents lost; false when it
+    /// cannot (yet). Every single-device backend: false.
+    fn recover(&mut self) -> bool {
+        false
+    }
     /// Steps this executor works on at once: a pipeline group's stages
     /// each work on a different step, so the engine keeps this many in
     /// flight over disjoint sequences ([`Executor::begin_step`]). 1 (every

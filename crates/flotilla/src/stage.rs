@@ -36,7 +36,7 @@ pub struct PipelinePlan {
     /// Stage 0's layers where the config gives them.
     pub head_layers: Option<Range<usize>>,
     /// Stage 0's certificate (the stages accept only it).
-    pub tls: TlsMaterial,
+    pub tls: Arc<TlsMaterial>,
     /// The links' timeouts and test delay.
     pub link: StageLinkOptions,
     /// How rows travel.
@@ -66,8 +66,10 @@ impl PipelinePlan {
                 layers: n.layers.clone(),
             })
             .collect();
-        let tls = TlsMaterial::load(&cl.certs_dir, &node.name)
-            .with_context(|| format!("loading node {}'s certificates", node.name))?;
+        let tls = Arc::new(
+            TlsMaterial::load(&cl.certs_dir, &node.name)
+                .with_context(|| format!("loading node {}'s certificates", node.name))?,
+        );
         let dtype = ActDtype::parse(&cl.pipeline_activations).with_context(|| {
             format!(
                 "[cluster] pipeline_activations '{}' is f16 or f32",
@@ -205,7 +207,20 @@ pub fn pipeline_executor(
     }
     let bytes = std::fs::metadata(path)?.len();
     let name = model_name(g);
-    PipelineExecutor::connect(head, links, plan.dtype, bytes, &name).map_err(anyhow::Error::msg)
+    let exec = PipelineExecutor::connect(head, links, plan.dtype, bytes, &name)
+        .map_err(anyhow::Error::msg)?;
+    // A lost stage is dialed again until it answers; the group then forms
+    // again (the engine asks every second).
+    let stages: Vec<(String, String)> = plan
+        .stages
+        .iter()
+        .map(|s| (s.addr.clone(), s.name.clone()))
+        .collect();
+    let (tls, opts) = (plan.tls.clone(), plan.link.clone());
+    Ok(exec.with_redial(Box::new(move |i| {
+        let (addr, name) = &stages[i];
+        QuicStageLink::connect(addr, name, &tls, &opts).map(|l| Box::new(l) as Box<dyn StageLink>)
+    })))
 }
 
 fn model_name(g: &GgufFile) -> String {

@@ -721,6 +721,33 @@ async fn a_sigterm_drains_a_worker_its_streams_move_with_their_kv_and_it_exits()
     drop(c.dir);
 }
 
+/// Sixteen greedy streams of `tokens` tokens, each past its fourth token
+/// (so those on a node that dies move rather than run again from the
+/// start): their prompts and readers.
+async fn sixteen_streams(base: &str, tokens: u32) -> (Vec<String>, Vec<StreamTask>) {
+    let prompts: Vec<String> = (0..16)
+        .map(|i| format!("Story number {i}, about a lighthouse keeper,"))
+        .collect();
+    let mut streams = Vec::new();
+    let mut seen = Vec::new();
+    for p in &prompts {
+        let resp = post(base, &completion(p, tokens, true)).await;
+        assert_eq!(resp.status(), 200);
+        let n = Arc::new(AtomicUsize::new(0));
+        streams.push(tokio::spawn(read_sse_counting(resp, n.clone())));
+        seen.push(n);
+    }
+    let t0 = Instant::now();
+    while seen.iter().any(|n| n.load(Ordering::Relaxed) < 4) {
+        assert!(
+            t0.elapsed() < Duration::from_secs(120),
+            "the streams did not start"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    (prompts, streams)
+}
+
 /// A cluster of `roles` under 16 streams with node `victim` killed while
 /// they run: every stream ends whole, none with an error, each with the
 /// text an undisturbed greedy run gives; the killed node's streams moved;
@@ -732,28 +759,7 @@ async fn kill_one_under_16_streams(roles: &[&str], victim: &str) {
         (1..=roles.len()).all(|i| node(r, &format!("worker-{i}"))["up"] == true)
     })
     .await;
-    let prompts: Vec<String> = (0..16)
-        .map(|i| format!("Story number {i}, about a lighthouse keeper,"))
-        .collect();
-    let mut streams = Vec::new();
-    let mut seen = Vec::new();
-    for p in &prompts {
-        let resp = post(&c.base, &completion(p, TOKENS, true)).await;
-        assert_eq!(resp.status(), 200);
-        let n = Arc::new(AtomicUsize::new(0));
-        streams.push(tokio::spawn(read_sse_counting(resp, n.clone())));
-        seen.push(n);
-    }
-    // Every stream has tokens (so those on the victim move rather than run
-    // again from the start).
-    let t0 = Instant::now();
-    while seen.iter().any(|n| n.load(Ordering::Relaxed) < 4) {
-        assert!(
-            t0.elapsed() < Duration::from_secs(120),
-            "the streams did not start"
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    let (prompts, streams) = sixteen_streams(&c.base, TOKENS).await;
     let r = ready(&c.base).await;
     assert!(node(&r, victim)["in_flight"].as_u64().unwrap() >= 1, "{r}");
     let v = c.nodes.iter_mut().find(|n| n.name == victim).unwrap();
@@ -1437,9 +1443,10 @@ fn as_group(text: String, metrics: &str) -> String {
 /// group's greedy texts are worker-3's (rows in f32), its stage 0 reports
 /// the split; killed at stage 1 under 16 streams, no stream errs (each
 /// moves to worker-3 and ends with the undisturbed text), and stage 0
-/// gives back every block.
+/// gives back every block; when stage 1 returns the group forms again
+/// and takes requests.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_pipeline_group_serves_as_one_node_and_a_lost_stage_loses_no_stream() {
+async fn a_pipeline_group_serves_as_one_node_loses_no_stream_with_a_stage_and_forms_again() {
     const TOKENS: u32 = 64;
     let metrics = format!("127.0.0.1:{}", free_tcp_port());
     let m = metrics.clone();
@@ -1469,26 +1476,7 @@ async fn a_pipeline_group_serves_as_one_node_and_a_lost_stage_loses_no_stream() 
         "{cfg}"
     );
     assert_eq!(cfg["pipeline"]["activations"], "f32");
-    let prompts: Vec<String> = (0..16)
-        .map(|i| format!("Story number {i}, about a lighthouse keeper,"))
-        .collect();
-    let mut streams = Vec::new();
-    let mut seen = Vec::new();
-    for p in &prompts {
-        let resp = post(&c.base, &completion(p, TOKENS, true)).await;
-        assert_eq!(resp.status(), 200);
-        let n = Arc::new(AtomicUsize::new(0));
-        streams.push(tokio::spawn(read_sse_counting(resp, n.clone())));
-        seen.push(n);
-    }
-    let t0 = Instant::now();
-    while seen.iter().any(|n| n.load(Ordering::Relaxed) < 4) {
-        assert!(
-            t0.elapsed() < Duration::from_secs(120),
-            "the streams did not start"
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    let (prompts, streams) = sixteen_streams(&c.base, TOKENS).await;
     let r = ready(&c.base).await;
     assert!(
         node(&r, "worker-1")["in_flight"].as_u64().unwrap() >= 1,
@@ -1524,5 +1512,53 @@ async fn a_pipeline_group_serves_as_one_node_and_a_lost_stage_loses_no_stream() 
     assert_eq!(s0["ready"], false, "{s0}");
     assert_eq!(s0["kv_blocks"]["used"], 0, "{s0}");
     assert_eq!(s0["running"], 0, "{s0}");
+    // The stage comes back: the group forms again and takes requests.
+    let model = flotilla_hub::test_model_path();
+    let (s1, _) = start_node_with(
+        flotilla(),
+        &c.config,
+        "worker-2",
+        &["--model", model.to_str().unwrap()],
+    );
+    c.nodes.push(s1);
+    let t0 = Instant::now();
+    loop {
+        let s0 = common::get_json(&stage0, "/ready", None).await;
+        if s0["ready"] == true {
+            break;
+        }
+        assert!(
+            t0.elapsed() < Duration::from_secs(60),
+            "the group never formed again: {s0}"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let before = node(&ready(&c.base).await, "worker-1")["routed"]
+        .as_u64()
+        .unwrap();
+    let t0 = Instant::now();
+    let mut i = 0;
+    loop {
+        i += 1;
+        let (text, _) = complete_text(
+            &c.base,
+            &completion(&format!("Poem {i} about rain"), 8, false),
+        )
+        .await;
+        assert!(!text.is_empty());
+        if node(&ready(&c.base).await, "worker-1")["routed"]
+            .as_u64()
+            .unwrap()
+            > before
+        {
+            break;
+        }
+        assert!(
+            t0.elapsed() < Duration::from_secs(60),
+            "nothing routed to the group again"
+        );
+    }
+    let s0 = common::get_json(&stage0, "/ready", None).await;
+    assert_eq!(s0["ready"], true, "{s0}");
     drop(c.dir);
 }

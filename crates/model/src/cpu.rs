@@ -191,9 +191,6 @@ fn load_weights(
         // A stage maps its matrices from the whole model's cache by name
         // where it is there; it writes none (the cache holds whole models).
         let c = layout::open(&path, src, kernel, compact).ok().flatten();
-        if let Some(c) = &c {
-            c.release_pages();
-        }
         let w = Weights::load_with(g, cfg, kernel, compact, c.as_ref(), threads)?;
         let note = match c {
             Some(_) => format!(

@@ -78,6 +78,9 @@ struct Entry {
     len: usize,
 }
 
+/// Bytes of the cache verified before their pages are dropped.
+const VERIFY_PIECE: usize = 32 << 20;
+
 /// An open, verified cache file.
 pub struct Cached {
     map: Arc<Mmap>,
@@ -85,20 +88,6 @@ pub struct Cached {
 }
 
 impl Cached {
-    /// Drops the mapped file's pages from the resident set (verifying the
-    /// checksum read them all): a stage that maps a few of the matrices
-    /// then holds only the pages it reads again.
-    pub fn release_pages(&self) {
-        #[cfg(unix)]
-        // SAFETY: a read-only shared mapping of a file: dropping its pages
-        // loses nothing, a later access reads the file (or the page cache)
-        // again.
-        let _ = unsafe {
-            self.map
-                .unchecked_advise(memmap2::UncheckedAdvice::DontNeed)
-        };
-    }
-
     /// The matrix `name` of `rows x cols` as the cache holds it, a view of
     /// the mapped file; `None` where it holds no such matrix.
     pub fn matrix(&self, name: &str, rows: usize, cols: usize) -> Option<QMatrix> {
@@ -233,7 +222,21 @@ pub fn open(
     let table_end = map.len() - r.0.len();
     let mut h = crc32fast::Hasher::new();
     h.update(&map[table_start..table_end]);
-    h.update(&map[data_start..]);
+    // In pieces, each piece's pages dropped once read: verifying never
+    // makes the whole file resident (a pipeline stage maps a few of its
+    // matrices; anyone's pages come back from the page cache on use).
+    let mut at = data_start;
+    while at < map.len() {
+        let end = (at + VERIFY_PIECE).min(map.len());
+        h.update(&map[at..end]);
+        #[cfg(unix)]
+        // SAFETY: a read-only shared mapping of a file that is replaced by
+        // rename, never written in place: dropping its pages loses
+        // nothing, a later read fetches them again.
+        let _ =
+            unsafe { map.unchecked_advise_range(memmap2::UncheckedAdvice::DontNeed, at, end - at) };
+        at = end;
+    }
     if h.finalize() != crc {
         return Err("checksum mismatch".into());
     }

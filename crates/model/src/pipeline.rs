@@ -460,6 +460,9 @@ impl Relay {
     }
 }
 
+/// Dials later stage `i` (0 is stage 1) again, for a group that lost one.
+pub type Redial = Box<dyn FnMut(usize) -> Result<Box<dyn StageLink>, String> + Send>;
+
 /// Stage 0's executor: its own part (the ends and the first layers) and
 /// links to the later stages, in layer order. To the engine it is the
 /// whole model's executor, with a pipeline depth of its stage count: it
@@ -483,6 +486,10 @@ pub struct PipelineExecutor {
     /// Frames to reuse.
     spare: Vec<ToStage>,
     outs: Vec<u32>,
+    /// Each later stage's hello, said again when the group forms again.
+    hellos: Vec<ToStage>,
+    /// How to reach the later stages again, if it can.
+    redial: Option<Redial>,
 }
 
 impl std::fmt::Debug for PipelineExecutor {
@@ -537,6 +544,7 @@ impl PipelineExecutor {
         let mut stage_bytes = Vec::with_capacity(stages.len());
         let mut weight_bytes = head.model_spec().weight_bytes;
         let mut bytes_per_block = kv.bytes_per_block;
+        let mut hellos = Vec::with_capacity(stages.len());
         for (i, (mut link, l)) in stages.into_iter().enumerate() {
             let hello = ToStage::Hello(StageHello {
                 version: STAGE_VERSION,
@@ -560,6 +568,7 @@ impl PipelineExecutor {
                     stage_bytes.push(b as usize);
                     links.push(link);
                     layers.push(l);
+                    hellos.push(hello);
                 }
                 Ok(FromStage::Refused { reason }) => {
                     return Err(format!("stage {n} refused the group: {reason}"));
@@ -587,7 +596,16 @@ impl PipelineExecutor {
             arrived: Mutex::new(std::collections::VecDeque::new()),
             spare: Vec::new(),
             outs: Vec::new(),
+            hellos,
+            redial: None,
         })
+    }
+
+    /// Lets the group form again after losing a stage
+    /// ([`Executor::recover`]): `redial` reaches a later stage anew.
+    pub fn with_redial(mut self, redial: Redial) -> PipelineExecutor {
+        self.redial = Some(redial);
+        self
     }
 
     /// The file's layers of every stage, stage 0's first.
@@ -670,6 +688,41 @@ impl Executor for PipelineExecutor {
     /// One step in flight for each stage.
     fn pipeline_depth(&self) -> usize {
         self.layers.len()
+    }
+
+    /// Dials every later stage again and says hello (each starts from an
+    /// empty cache, and the group's blocks hold nothing): the group runs
+    /// again once every stage answers as before.
+    fn recover(&mut self) -> bool {
+        let Some(redial) = &mut self.redial else {
+            return false;
+        };
+        let mut links = Vec::with_capacity(self.hellos.len());
+        for (i, hello) in self.hellos.iter().enumerate() {
+            let Ok(mut link) = redial(i) else {
+                return false;
+            };
+            match link.call(hello) {
+                Ok(FromStage::Ready {
+                    layers,
+                    bytes_per_block,
+                    ..
+                }) if (layers.0 as usize..layers.1 as usize) == self.layers[i + 1]
+                    && bytes_per_block as usize == self.stage_bytes[i] =>
+                {
+                    links.push(link)
+                }
+                _ => return false,
+            }
+        }
+        // The old relay's threads end with its channel.
+        self.relay = Relay::start(links);
+        self.begun.clear();
+        self.arrived
+            .get_mut()
+            .unwrap_or_else(|e| e.into_inner())
+            .clear();
+        true
     }
 
     /// Drafts run on stage 0 alone: the first `layers` layers where stage

@@ -86,6 +86,23 @@ fn group(kv_dtype: KvDtype, cuts: &[usize], dtype: ActDtype) -> PipelineExecutor
     PipelineExecutor::connect(head, stages, dtype, bytes, &name(&g)).expect("the group forms")
 }
 
+/// A stage link that answers `after` calls, then is lost.
+struct Dies {
+    inner: InProcess,
+    calls: usize,
+    after: usize,
+}
+
+impl StageLink for Dies {
+    fn call(&mut self, msg: &ToStage) -> Result<FromStage, String> {
+        self.calls += 1;
+        if self.calls > self.after {
+            return Err("connection lost".into());
+        }
+        self.inner.call(msg)
+    }
+}
+
 fn seq<'a>(tokens: &'a [u32], start: usize, output: OutputKind, table: &'a [u32]) -> SeqInput<'a> {
     SeqInput {
         tokens,
@@ -355,20 +372,6 @@ fn stages_refuse_what_does_not_fit_and_a_bad_step_changes_nothing() {
 /// with the wrong step.
 #[test]
 fn a_lost_stage_fails_the_step() {
-    struct Dies {
-        inner: InProcess,
-        calls: usize,
-        after: usize,
-    }
-    impl StageLink for Dies {
-        fn call(&mut self, msg: &ToStage) -> Result<FromStage, String> {
-            self.calls += 1;
-            if self.calls > self.after {
-                return Err("connection lost".into());
-            }
-            self.inner.call(msg)
-        }
-    }
     let path = flotilla_hub::test_model_path();
     let g = GgufFile::open(&path).unwrap();
     let c = cfg(KvDtype::F16);
@@ -448,4 +451,59 @@ fn overlapping_steps_give_each_its_own_results() {
         assert_eq!(got, reference, "cuts {cuts:?}");
         assert!(have == want, "cuts {cuts:?}: the block read in flight");
     }
+}
+
+/// A group that lost a stage forms again once the stage answers: every
+/// block's contents are gone, and a new sequence decodes as one node.
+#[test]
+fn a_group_recovers_when_its_stage_answers_again() {
+    let path = flotilla_hub::test_model_path();
+    let g = GgufFile::open(&path).unwrap();
+    let c = cfg(KvDtype::F16);
+    let bytes = std::fs::metadata(&path).unwrap().len();
+    let head = CpuExecutor::from_gguf_part(&g, &c, Some((0..10, true))).unwrap();
+    let link = Dies {
+        inner: InProcess(stage(&g, &c, 10..30)),
+        calls: 0,
+        after: 2,
+    };
+    let mut e = PipelineExecutor::connect(
+        head,
+        vec![(Box::new(link), 10..30)],
+        ActDtype::F32,
+        bytes,
+        &name(&g),
+    )
+    .unwrap();
+    assert!(!e.recover(), "no way to dial again: no recovery");
+    let (p2, c2) = (path.clone(), c.clone());
+    let dials = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let d = dials.clone();
+    let mut e = e.with_redial(Box::new(move |_| {
+        // The first dial finds the stage still down.
+        if d.fetch_add(1, std::sync::atomic::Ordering::SeqCst) == 0 {
+            return Err("connection refused".into());
+        }
+        let g = GgufFile::open(&p2).map_err(|e| e.to_string())?;
+        let s = stage(&g, &c2, 10..30);
+        Ok(Box::new(InProcess(s)) as Box<dyn StageLink>)
+    }));
+    let table: Vec<u32> = (0..8).collect();
+    let p = SamplingParams::greedy();
+    let mut out = StepOutputs::default();
+    e.step(&[seq(&PROMPT, 0, OutputKind::Sample(p), &table)], &mut out)
+        .unwrap();
+    assert!(
+        e.step(
+            &[seq(&[5], PROMPT.len(), OutputKind::Sample(p), &table)],
+            &mut out
+        )
+        .is_err()
+    );
+    assert!(!e.recover(), "the stage is not back yet");
+    assert!(e.recover(), "the stage is back");
+    let mut one = whole(KvDtype::F16);
+    let reference = plain_decode(&mut one, &PROMPT, p, 16, &table);
+    assert_eq!(plain_decode(&mut e, &PROMPT, p, 16, &table), reference);
+    assert_eq!(dials.load(std::sync::atomic::Ordering::SeqCst), 2);
 }

@@ -171,6 +171,13 @@ impl Scheduler {
         self.depth = depth.max(1);
     }
 
+    /// Forgets every cached prefix (and the offload tier's copies): the
+    /// executor's blocks lost their contents (a pipeline group formed
+    /// again).
+    pub fn clear_prefix_cache(&mut self) {
+        self.pool.clear_cache();
+    }
+
     /// Steps in flight now.
     pub fn num_in_flight(&self) -> usize {
         self.in_flight.len()
