@@ -383,14 +383,16 @@ impl Actor for SchedulerActor {
             // `pump` below expires what is due and arms the next wake-up;
             // cleared even if it came early, so that one is armed again.
             SchedMsg::Wake => st.wake_at = None,
+            // One attempt at a time: the next is armed when this one's
+            // answer comes.
             SchedMsg::TryRecover => {
-                st.recovering = false;
-                if !st.worker_ok {
-                    let _ = st.worker.cast(WorkerMsg::Recover(myself.clone()));
+                if st.worker_ok || st.worker.cast(WorkerMsg::Recover(myself.clone())).is_err() {
+                    st.recovering = false;
                 }
             }
-            SchedMsg::WorkerRecovered => {
-                if !st.worker_ok {
+            SchedMsg::WorkerRecovered(back) => {
+                st.recovering = false;
+                if back && !st.worker_ok {
                     // Every block's contents are gone: no cached prefix
                     // may be offered again.
                     st.sched.clear_prefix_cache();
@@ -691,6 +693,7 @@ fn step_done(st: &mut SchedState, now: Duration, r: StepResult) {
         moved,
         move_time,
         worker_ok,
+        lost,
     } = r;
     st.in_flight -= 1;
     st.traces.step_done(&plan.items, now);
@@ -719,12 +722,15 @@ fn step_done(st: &mut SchedState, now: Duration, r: StepResult) {
         }
         Err(e) => {
             tracing::error!(error = %e, "step failed");
-            if worker_ok {
-                st.sched.fail_step(now, &plan, &e);
-            } else {
-                // The engine is lost, not the request: the Router moves it.
+            if lost {
+                // A part of the engine is lost, not the request: the
+                // Router moves it.
                 st.sched
                     .fail_step_with(now, &plan, EngineFailure::EngineLost(e.clone()));
+            } else {
+                // The step's own failure (a panic, or a device error the
+                // request may have caused): not moved to break another.
+                st.sched.fail_step(now, &plan, &e);
             }
             Some(e)
         }

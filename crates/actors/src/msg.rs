@@ -17,8 +17,9 @@ use ractor::{ActorRef, RpcReplyPort};
 pub(crate) enum SchedMsg {
     /// The worker is broken: ask it to recover (again a while later).
     TryRecover,
-    /// The broken worker runs steps again (every block's contents lost).
-    WorkerRecovered,
+    /// The worker's answer to `WorkerMsg::Recover`: true when it runs
+    /// steps again (every block's contents lost).
+    WorkerRecovered(bool),
     /// Admit a request (or refuse it at once); its events go to its own
     /// stream, or with a `sink` there, per step.
     Submit {
@@ -149,4 +150,7 @@ pub(crate) struct StepResult {
     pub move_time: Duration,
     /// False once the executor can no longer be trusted.
     pub worker_ok: bool,
+    /// It broke because a part of it was lost (a pipeline stage), not
+    /// because of a request: the step's requests may run elsewhere.
+    pub lost: bool,
 }

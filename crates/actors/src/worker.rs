@@ -42,6 +42,8 @@ pub(crate) struct WorkerState {
     depth: usize,
     /// Steps begun and not finished, oldest first.
     pending: std::collections::VecDeque<Begun>,
+    /// The break was a part of the backend lost (`ExecError::Lost`).
+    lost: bool,
 }
 
 /// A step begun on a pipelined executor, waiting to be finished.
@@ -80,6 +82,7 @@ impl Actor for GpuWorker {
         Ok(WorkerState {
             depth,
             pending: std::collections::VecDeque::new(),
+            lost: false,
             exec: args.exec,
             out: StepOutputs::default(),
             clock: args.clock,
@@ -123,22 +126,25 @@ impl Actor for GpuWorker {
                 return Ok(());
             }
             WorkerMsg::Recover(reply) => {
-                if st.broken.is_some() {
+                let mut back = st.broken.is_none();
+                // Only a backend that lost a part of itself comes back.
+                if st.broken.is_some() && st.lost {
                     // Steps begun before the break were failed with it.
                     st.pending.clear();
                     let exec = &mut st.exec;
                     let mut go =
                         || catch_unwind(AssertUnwindSafe(|| exec.recover())).unwrap_or(false);
-                    let back = if crate::on_multi_thread_runtime() {
+                    back = if crate::on_multi_thread_runtime() {
                         tokio::task::block_in_place(go)
                     } else {
                         go()
                     };
                     if back {
                         st.broken = None;
-                        let _ = reply.cast(SchedMsg::WorkerRecovered);
+                        st.lost = false;
                     }
                 }
+                let _ = reply.cast(SchedMsg::WorkerRecovered(back));
                 return Ok(());
             }
             WorkerMsg::Flush => {
@@ -239,6 +245,7 @@ fn answer(
         moved: std::mem::take(&mut st.moved),
         move_time: std::mem::take(&mut st.move_time),
         worker_ok: st.broken.is_none(),
+        lost: st.lost,
     })));
 }
 
@@ -274,6 +281,13 @@ fn on_executor(
             let why = format!("{e}; the engine needs a restart");
             st.broken = Some(why.clone());
             Err(why)
+        }
+        // A part of the backend is gone, not this step's fault: its
+        // requests may move.
+        Ok(Err(ExecError::Lost(e))) => {
+            st.broken = Some(e.clone());
+            st.lost = true;
+            Err(e)
         }
         Ok(Err(e)) => Err(e.to_string()),
         Err(_) => {

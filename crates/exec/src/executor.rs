@@ -424,6 +424,11 @@ pub enum ExecError {
     /// can no longer be trusted.
     #[error("{0}")]
     Backend(String),
+    /// A part of the backend is gone (a pipeline group's stage): as
+    /// `Backend`, but no request caused it, so the step's requests may run
+    /// elsewhere.
+    #[error("{0}")]
+    Lost(String),
     /// The backend does not do what was asked (its state is unchanged).
     #[error("this backend has no {0}")]
     Unsupported(&'static str),
@@ -663,7 +668,7 @@ pub trait Executor: Send {
     fn simulated_step_time(&self) -> Option<std::time::Duration> {
         None
     }
-    /// Tries to make a backend that failed with `ExecError::Backend` usable
+    /// Tries to make a backend that failed with `ExecError::Lost` usable
     /// again (a pipeline group whose lost stage is back): true when it can
     /// run steps again, every KV block's contents lost; false when it
     /// cannot (yet). Every single-device backend: false.

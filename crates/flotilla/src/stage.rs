@@ -84,6 +84,7 @@ impl PipelinePlan {
                 idle_timeout: cl.down_after().max(Duration::from_millis(500)),
                 connect_timeout: cl.down_after().max(Duration::from_millis(500)),
                 delay,
+                ..StageLinkOptions::default()
             },
             dtype,
             wait: Duration::from_secs(120),

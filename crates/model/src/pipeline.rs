@@ -25,8 +25,8 @@ use std::sync::Mutex;
 use flotilla_exec::{ExecError, Executor, KvSpec, ModelSpec, OutputKind, SeqInput, StepOutputs};
 pub use flotilla_proto::stage::StageLink;
 use flotilla_proto::stage::{
-    ActDtype, FromStage, STAGE_VERSION, StageHello, StageSeq, ToStage, decode_from_stage,
-    decode_to_stage, encode, frame_len,
+    ActDtype, FromStage, STAGE_FRAME_MAX, STAGE_VERSION, StageHello, StageSeq, ToStage,
+    decode_from_stage, decode_to_stage, encode, frame_len,
 };
 
 use crate::CpuExecutor;
@@ -538,6 +538,16 @@ impl PipelineExecutor {
                 part.total
             ));
         }
+        // The largest step's rows must fit a frame, with room for its
+        // sequences' tokens and block tables.
+        let rows =
+            head.max_batch_tokens() as u64 * head.config().n_embd as u64 * dtype.bytes() as u64;
+        if rows + (rows / 4).max(1 << 20) > STAGE_FRAME_MAX as u64 {
+            return Err(format!(
+                "a step of {} tokens sends {rows} bytes of rows a hop, more than a frame holds ({STAGE_FRAME_MAX} bytes with room for the step's sequences): lower max_num_batched_tokens",
+                head.max_batch_tokens()
+            ));
+        }
         let kv = head.kv_spec();
         let mut links = Vec::with_capacity(stages.len());
         let mut layers = vec![part.layers.clone()];
@@ -633,17 +643,17 @@ impl PipelineExecutor {
             answers: Vec::new(),
         };
         if self.relay.first.send(job).is_err() {
-            return Err(ExecError::Backend("the stages' relay has stopped".into()));
+            return Err(ExecError::Lost("the stages' relay has stopped".into()));
         }
         loop {
             match self.relay.done.recv() {
-                Ok(Done::Op(r)) => return r.map_err(ExecError::Backend),
+                Ok(Done::Op(r)) => return r.map_err(ExecError::Lost),
                 Ok(Done::Step(r)) => self
                     .arrived
                     .lock()
                     .unwrap_or_else(|e| e.into_inner())
                     .push_back(r),
-                Err(_) => return Err(ExecError::Backend("the stages' relay has stopped".into())),
+                Err(_) => return Err(ExecError::Lost("the stages' relay has stopped".into())),
             }
         }
     }
@@ -656,13 +666,13 @@ impl PipelineExecutor {
             .unwrap_or_else(|e| e.into_inner())
             .pop_front()
         {
-            return r.map_err(ExecError::Backend);
+            return r.map_err(ExecError::Lost);
         }
         loop {
             match self.relay.done.recv() {
-                Ok(Done::Step(r)) => return r.map_err(ExecError::Backend),
+                Ok(Done::Step(r)) => return r.map_err(ExecError::Lost),
                 Ok(Done::Op(_)) => continue,
-                Err(_) => return Err(ExecError::Backend("the stages' relay has stopped".into())),
+                Err(_) => return Err(ExecError::Lost("the stages' relay has stopped".into())),
             }
         }
     }
@@ -784,7 +794,7 @@ impl Executor for PipelineExecutor {
             last: false,
         };
         if self.relay.first.send(Job::Step(msg)).is_err() {
-            return Err(ExecError::Backend("the stages' relay has stopped".into()));
+            return Err(ExecError::Lost("the stages' relay has stopped".into()));
         }
         self.begun.push_back(self.step);
         Ok(())
@@ -803,10 +813,10 @@ impl Executor for PipelineExecutor {
             step: got, rows, ..
         } = &msg
         else {
-            return Err(ExecError::Backend("the relay returned no step".into()));
+            return Err(ExecError::Lost("the relay returned no step".into()));
         };
         if *got != step {
-            return Err(ExecError::Backend(format!(
+            return Err(ExecError::Lost(format!(
                 "step {got}'s rows came back for step {step}"
             )));
         }
@@ -818,7 +828,7 @@ impl Executor for PipelineExecutor {
         self.outs.extend_from_slice(self.head.stage_out_rows());
         let width = d * self.dtype.bytes();
         if rows.len() != self.outs.len() * width {
-            return Err(ExecError::Backend(format!(
+            return Err(ExecError::Lost(format!(
                 "the last stage sent {} bytes for {} output rows",
                 rows.len(),
                 self.outs.len()
@@ -845,7 +855,7 @@ impl Executor for PipelineExecutor {
             .enumerate()
         {
             if a != FromStage::Done {
-                return Err(ExecError::Backend(format!(
+                return Err(ExecError::Lost(format!(
                     "stage {} answered a copy with {a:?}",
                     i + 1
                 )));
@@ -875,7 +885,7 @@ impl Executor for PipelineExecutor {
                     at += data.len();
                 }
                 o => {
-                    return Err(ExecError::Backend(format!(
+                    return Err(ExecError::Lost(format!(
                         "stage {} answered a read with {o:?}",
                         i + 1
                     )));
@@ -904,7 +914,7 @@ impl Executor for PipelineExecutor {
             match answers.first() {
                 Some(FromStage::Done) => {}
                 o => {
-                    return Err(ExecError::Backend(format!(
+                    return Err(ExecError::Lost(format!(
                         "stage {} answered a write with {o:?}",
                         i + 1
                     )));

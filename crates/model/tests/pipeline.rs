@@ -398,7 +398,7 @@ fn a_lost_stage_fails_the_step() {
         .step(&[seq(&[5], PROMPT.len(), p, &table)], &mut out)
         .unwrap_err();
     assert!(
-        matches!(&err, flotilla_model::ExecError::Backend(m) if m.contains("stage 1 lost")),
+        matches!(&err, flotilla_model::ExecError::Lost(m) if m.contains("stage 1 lost")),
         "{err:?}"
     );
 }

@@ -320,7 +320,13 @@ impl Scheduler {
         if self.depth <= 1 {
             return usize::MAX;
         }
-        let free = self.running.len() - self.busy.len();
+        // (A sequence cancelled in flight is in `busy` until its step ends,
+        // no longer in `running`.)
+        let free = self
+            .running
+            .iter()
+            .filter(|id| !self.busy.contains(id))
+            .count();
         let queued: usize = self.tier_queued.iter().sum();
         let slots = self.depth - self.in_flight.len();
         (free + queued).div_ceil(slots).max(1)

@@ -32,6 +32,11 @@ pub struct StageLinkOptions {
     /// Added before each request is sent (a test hook: the round-trip
     /// time of a longer link; the kernel here has no netem).
     pub delay: Duration,
+    /// Longest wait for a step's or a block operation's answer: a stage
+    /// that keeps its connection alive but never answers is lost after
+    /// it (a hello, which may load the stage's layers, waits ten times
+    /// as long).
+    pub call_timeout: Duration,
 }
 
 impl Default for StageLinkOptions {
@@ -40,6 +45,7 @@ impl Default for StageLinkOptions {
             idle_timeout: Duration::from_secs(3),
             connect_timeout: Duration::from_secs(5),
             delay: Duration::ZERO,
+            call_timeout: Duration::from_secs(120),
         }
     }
 }
@@ -63,6 +69,7 @@ type Reply = mpsc::SyncSender<Result<Vec<u8>, String>>;
 pub struct QuicStageLink {
     to: tokio::sync::mpsc::UnboundedSender<(Vec<u8>, Reply)>,
     peer: String,
+    call_timeout: Duration,
     /// Set once the link failed: every later call fails at once.
     lost: Option<String>,
     /// The driver thread; it ends when `to` is dropped.
@@ -176,6 +183,7 @@ impl QuicStageLink {
             Ok(Ok(())) => Ok(QuicStageLink {
                 to,
                 peer: format!("{name} at {addr}"),
+                call_timeout: opts.call_timeout,
                 lost: None,
                 _thread: thread,
             }),
@@ -190,13 +198,23 @@ impl StageLink for QuicStageLink {
         if let Some(why) = &self.lost {
             return Err(why.clone());
         }
-        let frame = encode(msg).map_err(|e| e.to_string())?;
+        // Refused here, nothing sent: the link stays as it is.
+        let frame = encode(msg).map_err(|e| format!("{}: {e}", self.peer))?;
         let (tx, rx) = mpsc::sync_channel(1);
+        let limit = match msg {
+            ToStage::Hello(_) => self.call_timeout * 10,
+            _ => self.call_timeout,
+        };
         let answer = self
             .to
             .send((frame, tx))
             .map_err(|_| "the link's thread ended".to_string())
-            .and_then(|()| rx.recv().map_err(|_| "the link's thread ended".to_string()))
+            .and_then(|()| {
+                rx.recv_timeout(limit).map_err(|e| match e {
+                    mpsc::RecvTimeoutError::Timeout => format!("no answer in {limit:?}"),
+                    mpsc::RecvTimeoutError::Disconnected => "the link's thread ended".to_string(),
+                })
+            })
             .and_then(|r| r)
             .and_then(|payload| decode_from_stage(&payload).map_err(|e| e.to_string()));
         if let Err(e) = &answer {
@@ -392,5 +410,37 @@ mod tests {
         assert!(e.contains("s1"), "{e}");
         assert!(t.elapsed() < Duration::from_secs(10));
         assert!(link.call(&step(10)).is_err());
+    }
+
+    /// A stage that keeps its connection but never answers is lost after
+    /// the call timeout.
+    #[test]
+    fn a_stage_that_does_not_answer_is_lost_after_the_call_timeout() {
+        let dir = certs();
+        let rt = tokio::runtime::Runtime::new().unwrap();
+        let s1 = TlsMaterial::load(dir.path(), "s1").unwrap();
+        let server = tls::server_config(&s1, transport(Duration::from_secs(3)).unwrap()).unwrap();
+        let ep = rt
+            .block_on(async { Endpoint::server(server, "127.0.0.1:0".parse().unwrap()).unwrap() });
+        let addr = ep.local_addr().unwrap().to_string();
+        let slow: StageHandler = Arc::new(Mutex::new(|_m: ToStage| {
+            std::thread::sleep(Duration::from_secs(2));
+            FromStage::Done
+        }));
+        rt.spawn(serve_on(ep.clone(), "s0".into(), slow));
+        let s0 = TlsMaterial::load(dir.path(), "s0").unwrap();
+        let opts = StageLinkOptions {
+            call_timeout: Duration::from_millis(300),
+            ..Default::default()
+        };
+        let mut link = QuicStageLink::connect(&addr, "s1", &s0, &opts).unwrap();
+        let t = std::time::Instant::now();
+        let e = link
+            .call(&ToStage::CopyBlock { src: 0, dst: 1 })
+            .unwrap_err();
+        assert!(e.contains("no answer"), "{e}");
+        assert!(t.elapsed() < Duration::from_secs(2), "{:?}", t.elapsed());
+        assert!(link.call(&ToStage::CopyBlock { src: 0, dst: 1 }).is_err());
+        ep.close(0u32.into(), b"bye");
     }
 }

@@ -703,3 +703,26 @@ fn steps_in_flight_are_never_preempted() {
     assert!(sim.s.counters().preemptions > 0, "the test preempts");
     sim.assert_all_done();
 }
+
+#[test]
+fn a_sequence_cancelled_in_flight_is_not_counted_free() {
+    let mut c = two_tiers(256, 16);
+    c.max_num_seqs = 4;
+    let mut sim = Sim::new(c);
+    sim.s.set_depth(2);
+    let a = sim.submit(0, 10, 20).unwrap();
+    let p = sim.plan();
+    assert_eq!(ids(&p), [a]);
+    // In flight, then cancelled: the next plan has nothing to take (and
+    // counting it as free would be one more than is running).
+    assert!(sim.cancel(a));
+    assert!(sim.s.may_plan());
+    assert!(sim.plan().items.is_empty());
+    let b = sim.submit(1, 10, 4).unwrap();
+    let q = sim.plan();
+    assert_eq!(ids(&q), [b]);
+    sim.execute(&p);
+    sim.execute(&q);
+    assert!(run_pipelined(&mut sim, 100) >= 1);
+    sim.assert_all_done();
+}
