@@ -149,7 +149,7 @@ impl Actor for GpuWorker {
             }
             WorkerMsg::Flush => {
                 while !st.pending.is_empty() {
-                    finish_oldest(st);
+                    finish_oldest(st).await;
                 }
                 return Ok(());
             }
@@ -158,7 +158,7 @@ impl Actor for GpuWorker {
         perform_moves(st, &moves);
         let mut plan = plan;
         if st.depth > 1 {
-            begin(st, plan, reply, t0);
+            begin(st, plan, reply, t0).await;
             return Ok(());
         }
         let (sampled, ran) = if plan.is_multi_step() {
@@ -184,7 +184,7 @@ impl Actor for GpuWorker {
 /// Begins a step on a pipelined executor (its self-drafts first, on the
 /// executor's first stage), finishing the oldest begun one once `depth`
 /// are under way. A begin that fails answers at once.
-fn begin(st: &mut WorkerState, mut plan: Plan, reply: ActorRef<SchedMsg>, t0: Duration) {
+async fn begin(st: &mut WorkerState, mut plan: Plan, reply: ActorRef<SchedMsg>, t0: Duration) {
     if plan
         .items
         .iter()
@@ -200,21 +200,33 @@ fn begin(st: &mut WorkerState, mut plan: Plan, reply: ActorRef<SchedMsg>, t0: Du
         Ok(()) => {
             st.pending.push_back(Begun { plan, reply, t0 });
             if st.pending.len() >= st.depth {
-                finish_oldest(st);
+                finish_oldest(st).await;
             }
         }
         Err(e) => {
             // Ends after every step begun before it, as steps must.
             while !st.pending.is_empty() {
-                finish_oldest(st);
+                finish_oldest(st).await;
             }
             answer(st, plan, &reply, Err(e), t0, 1);
         }
     }
 }
 
-/// Finishes the oldest begun step and answers it.
-fn finish_oldest(st: &mut WorkerState) {
+/// Finishes the oldest begun step and answers it (a modelled backend's
+/// step first takes what is left of its modelled time on the clock).
+async fn finish_oldest(st: &mut WorkerState) {
+    if st.pending.is_empty() {
+        return;
+    }
+    if let Some(d) = st.exec.simulated_wait() {
+        // Whole milliseconds (the timer's grain), rounded down: the model
+        // keeps each stage's exact times, so nothing adds up.
+        let whole = Duration::from_millis(d.as_millis() as u64);
+        if !whole.is_zero() {
+            tokio::time::sleep(whole).await;
+        }
+    }
     let Some(Begun { plan, reply, t0 }) = st.pending.pop_front() else {
         return;
     };

@@ -668,6 +668,14 @@ pub trait Executor: Send {
     fn simulated_step_time(&self) -> Option<std::time::Duration> {
         None
     }
+    /// For a modelled pipelined backend (the simulator's groups): how long
+    /// until its oldest begun step is done on the hardware it models; the
+    /// GpuWorker waits that long on the runtime's clock before it calls
+    /// [`Executor::finish_step`]. `None` (every real backend): the finish
+    /// itself waits for the step.
+    fn simulated_wait(&self) -> Option<std::time::Duration> {
+        None
+    }
     /// Tries to make a backend that failed with `ExecError::Lost` usable
     /// again (a pipeline group whose lost stage is back): true when it can
     /// run steps again, every KV block's contents lost; false when it

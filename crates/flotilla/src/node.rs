@@ -38,9 +38,10 @@ pub struct NodeArgs {
     /// Ctrl-C stops it at once.
     #[arg(long, default_value_t = 30)]
     pub drain_grace_s: u64,
-    /// Test hook: delay every frame this node sends by this many ms (this
-    /// kernel has no netem).
-    #[arg(long, hide = true, default_value_t = 0)]
+    /// Test and benchmark hook: delay every frame this node sends (to the
+    /// Router, to peers, to its pipeline stages) by this many ms, as a
+    /// longer link would (where the kernel has no netem).
+    #[arg(long, default_value_t = 0)]
     pub fault_delay_ms: u64,
     /// Test hook: one frame in this many is delayed four times as long, as
     /// a lost packet's retransmission would be (0 = never).

@@ -380,6 +380,7 @@ fn every_flag_the_docs_name_exists() {
         "--kl-divergence-base",
         "--output-format",
         "--repack",
+        "--rpc",
         "--spec-type",
     ];
     let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");

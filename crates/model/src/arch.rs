@@ -667,8 +667,8 @@ fn vector(g: &GgufFile, name: &str, n: usize) -> Result<Vec<f32>, GgufError> {
 /// Reads a `rows` x `cols` matrix into the layout `kernel` reads: Q4_0
 /// and Q4_1 as interleaved Q4_1; Q8_0 zero-copy from the file, Q5_0
 /// exactly as Q8_0, interleaved (`q + 128`) for the VNNI kernels; floats
-/// as f32. Q4_K and Q6_K: with `compact` and the VNNI kernels,
-/// interleaved at the file's own size and bits (`quant::repack_q4_k_x8`,
+/// as f32. Q4_K and Q6_K: with `compact` and a kernel that reads them so
+/// (AVX2, AVX-512 VNNI, AMX), interleaved at the file's own size and bits (`quant::repack_q4_k_x8`,
 /// `repack_q6_k_x8`: the bytes a token reads are the file's); otherwise
 /// Q4_K as interleaved Q4_1 (sub-block scales rounded to f16) and Q6_K
 /// requantised as Q8_0 (interleaved for VNNI): more bytes, fewer
@@ -683,7 +683,7 @@ pub fn matrix(
     compact: bool,
 ) -> Result<QMatrix, GgufError> {
     let exact = kernel == Resolved::Exact;
-    let native_k = compact && kernel.vnni() && cols.is_multiple_of(quant::QK_K);
+    let native_k = compact && kernel.reads_compact_k() && cols.is_multiple_of(quant::QK_K);
     let t = g.tensor(name)?;
     check_shape(t, &[cols as u64, rows as u64])?;
     let bytes = g.tensor_bytes(t);

@@ -63,10 +63,14 @@ pub fn cache_path(dir: &Path, source: &FileIdentity, kernel: Resolved, compact: 
 }
 
 /// The kernel a cache was written for, and `-compact` where its K-quants
-/// are at the file's size (`CpuConfig::compact_k_quants`; only the VNNI
-/// kernels read them so).
+/// are at the file's size (`CpuConfig::compact_k_quants`, for the kernels
+/// that read them so: `Resolved::reads_compact_k`).
 fn kernel_name(k: Resolved, compact: bool) -> String {
-    let compact = if compact && k.vnni() { "-compact" } else { "" };
+    let compact = if compact && k.reads_compact_k() {
+        "-compact"
+    } else {
+        ""
+    };
     format!("{:?}{compact}", k.layout()).to_lowercase()
 }
 

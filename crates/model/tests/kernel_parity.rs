@@ -73,9 +73,10 @@ fn tokens(path: &std::path::Path) -> Vec<u32> {
 /// (`CpuConfig::compact_k_quants`).
 type KernelCase = (&'static str, Kernel, bool);
 
-/// The SIMD kernels this CPU has, AVX-512 VNNI also with compact K-quants
-/// (the scalar kernel, their plain-code twin, is held to them by the
-/// kernels' own unit tests, and is too slow to run over real models here).
+/// The SIMD kernels this CPU has, AVX2 and AVX-512 VNNI also with compact
+/// K-quants (the scalar kernel, their plain-code twin, is held to them by
+/// the kernels' own unit tests, and is too slow to run over real models
+/// here).
 fn kernels() -> Vec<KernelCase> {
     let required = std::env::var("FLOTILLA_REQUIRE_KERNELS").unwrap_or_default();
     let mut out = Vec::new();
@@ -86,8 +87,10 @@ fn kernels() -> Vec<KernelCase> {
     ] {
         if k.supported() {
             out.push((name, k, false));
-            if k == Kernel::Avx512 {
-                out.push(("avx512-compact", k, true));
+            match k {
+                Kernel::Avx2 => out.push(("avx2-compact", k, true)),
+                Kernel::Avx512 => out.push(("avx512-compact", k, true)),
+                _ => {}
             }
         } else {
             assert!(

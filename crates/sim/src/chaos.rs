@@ -20,6 +20,10 @@ use flotilla_exec::rng::Rng;
 pub struct ChaosSection {
     /// Engine-node crashes.
     pub crashes: u32,
+    /// Crashes of a pipeline group's later stage (`[pipeline]`): the
+    /// group's node stays up and cannot serve until the stage is back.
+    /// Restarts as crashes (`restart_fraction`, `restart_after_s`).
+    pub stage_crashes: u32,
     /// Fraction of crashed nodes that restart (each after a delay drawn
     /// from `restart_after_s`).
     pub restart_fraction: f64,
@@ -46,6 +50,7 @@ impl Default for ChaosSection {
     fn default() -> Self {
         ChaosSection {
             crashes: 0,
+            stage_crashes: 0,
             restart_fraction: 0.75,
             restart_after_s: (0.5, 5.0),
             partitions: 0,
@@ -67,6 +72,7 @@ impl ChaosSection {
     pub fn validate(&self, duration_s: f64) -> Result<(), String> {
         for (n, name) in [
             (self.crashes, "crashes"),
+            (self.stage_crashes, "stage_crashes"),
             (self.partitions, "partitions"),
             (self.clogs, "clogs"),
         ] {
@@ -115,14 +121,18 @@ impl ChaosSection {
         let within = |rng: &mut Rng, (lo, hi): (f64, f64)| lo + rng.f64() * (hi - lo);
         let mut out = Vec::new();
 
-        // Crashes: a node that is up at that time, never the last of its
-        // role; some restart later.
+        // Crashes (of a node, or of one of its group's later stages): a
+        // node that is up at that time, never the last of its role; some
+        // restart later.
         let nodes = sc.engine_nodes() as u32;
-        let mut crash_at: Vec<f64> = (0..self.crashes).map(|_| at(rng)).collect();
-        crash_at.sort_by(f64::total_cmp);
+        let mut crash_at: Vec<(f64, bool)> = (0..self.crashes).map(|_| (at(rng), false)).collect();
+        for _ in 0..self.stage_crashes {
+            crash_at.push((at(rng), true));
+        }
+        crash_at.sort_by(|a, b| a.0.total_cmp(&b.0));
         // When each node is back up (INFINITY: never).
         let mut down_until = vec![f64::NEG_INFINITY; nodes as usize + 1];
-        for t in crash_at {
+        for (t, of_stage) in crash_at {
             let up = |n: u32, down_until: &[f64]| down_until[n as usize] <= t;
             let candidates: Vec<u32> = (1..=nodes)
                 .filter(|&n| up(n, &down_until))
@@ -138,16 +148,27 @@ impl ChaosSection {
                 continue;
             }
             let node = candidates[rng.range(0, candidates.len() as u64 - 1) as usize];
+            let stage = if of_stage && sc.stages() > 1 {
+                Some(rng.range(1, sc.stages() as u64 - 1) as usize)
+            } else {
+                None
+            };
             out.push(FaultSection {
                 at_s: t,
-                kind: FaultKind::Crash { node },
+                kind: match stage {
+                    Some(stage) => FaultKind::StageCrash { node, stage },
+                    None => FaultKind::Crash { node },
+                },
             });
             if rng.chance(self.restart_fraction) {
                 let back = t + within(rng, self.restart_after_s);
                 down_until[node as usize] = back;
                 out.push(FaultSection {
                     at_s: back,
-                    kind: FaultKind::Restart { node },
+                    kind: match stage {
+                        Some(stage) => FaultKind::StageRestart { node, stage },
+                        None => FaultKind::Restart { node },
+                    },
                 });
             } else {
                 down_until[node as usize] = f64::INFINITY;

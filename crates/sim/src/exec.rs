@@ -125,6 +125,127 @@ pub struct SimExecutor {
     tap: Option<DecodeTap>,
     /// Offload-tier moves since the last step, charged to the next one.
     moves: u32,
+    /// Where this engine is a pipeline group: its stages' model.
+    pipe: Option<SimPipe>,
+}
+
+/// A pipeline group as the simulator models it (issue 45): each of
+/// `stages` stages computes an equal share of the step's layers; stage 0
+/// also embeds, samples and bears the step's fixed cost, and is the hub:
+/// the hidden rows (`row_bytes` a token) go from it to each later stage
+/// and back, one hop each way at the link's latency and bandwidth, as the
+/// real group's `PipelineExecutor` sends them. Each stage works on one
+/// step at a time, so up to `stages` steps overlap, each on its own stage.
+#[derive(Clone, Debug, PartialEq)]
+pub struct PipeModel {
+    /// Stages of the group (2 and up).
+    pub stages: usize,
+    /// One hop's latency.
+    pub hop_latency: Duration,
+    /// A stage link's bytes a second.
+    pub link_bytes_per_s: f64,
+    /// Bytes one token's hidden row takes on the wire.
+    pub row_bytes: usize,
+}
+
+impl PipeModel {
+    /// One hop of `tokens` hidden rows.
+    pub fn hop(&self, tokens: usize) -> Duration {
+        self.hop_latency
+            + Duration::from_secs_f64((tokens * self.row_bytes) as f64 / self.link_bytes_per_s)
+    }
+}
+
+/// Which stages of a group are down: shared by the group's executor (each
+/// life of its node) and the run's faults. Stage 0 is the node itself,
+/// which a crash takes; only later stages are here.
+#[derive(Debug)]
+pub struct StageHealth {
+    down: Vec<std::sync::atomic::AtomicBool>,
+    formed: std::sync::atomic::AtomicU64,
+}
+
+impl StageHealth {
+    /// A group of `stages` stages, all up.
+    pub fn new(stages: usize) -> StageHealth {
+        StageHealth {
+            down: (0..stages)
+                .map(|_| std::sync::atomic::AtomicBool::new(false))
+                .collect(),
+            formed: std::sync::atomic::AtomicU64::new(0),
+        }
+    }
+
+    /// Times the group formed again after a lost stage (its engine's
+    /// recovery found every stage up).
+    pub fn formed_again(&self) -> u64 {
+        self.formed.load(std::sync::atomic::Ordering::SeqCst)
+    }
+
+    /// Stage `stage` goes down (true) or comes back; false where the
+    /// group has no such stage.
+    pub fn set_down(&self, stage: usize, down: bool) -> bool {
+        match self.down.get(stage) {
+            Some(d) => {
+                d.store(down, std::sync::atomic::Ordering::SeqCst);
+                true
+            }
+            None => false,
+        }
+    }
+
+    /// The first stage that is down.
+    pub fn first_down(&self) -> Option<usize> {
+        self.down
+            .iter()
+            .position(|d| d.load(std::sync::atomic::Ordering::SeqCst))
+    }
+}
+
+/// The pipelined part of a [`SimExecutor`]: the model, the stages'
+/// health, when each stage is next free, and the begun steps (when each
+/// one's rows are back on stage 0, and its outputs).
+struct SimPipe {
+    model: PipeModel,
+    health: std::sync::Arc<StageHealth>,
+    free: Vec<tokio::time::Instant>,
+    /// The head and sampling's time (the step's fixed cost).
+    fixed: Duration,
+    begun: std::collections::VecDeque<(tokio::time::Instant, Vec<SeqOutput>)>,
+}
+
+impl SimPipe {
+    /// Begins a step costing `cost` in all (the fixed part on stage 0 at
+    /// its finish) of `tokens` tokens at `now`, in the order the real
+    /// group runs it: stage 0's share now (after what stage 0 has begun
+    /// or finished before), then each later stage's after a hop there and
+    /// before a hop back, each stage one step at a time. Returns when its
+    /// rows are back on stage 0.
+    fn begin(
+        &mut self,
+        now: tokio::time::Instant,
+        cost: Duration,
+        tokens: usize,
+    ) -> tokio::time::Instant {
+        let s = self.model.stages;
+        let share = cost.saturating_sub(self.fixed) / s as u32;
+        let hop = self.model.hop(tokens);
+        let mut t = now.max(self.free[0]) + share;
+        self.free[0] = t;
+        for k in 1..s {
+            let start = (t + hop).max(self.free[k]);
+            self.free[k] = start + share;
+            t = start + share + hop;
+        }
+        t
+    }
+
+    /// When the oldest begun step is done: its head and sampling on stage
+    /// 0 once its rows are back and stage 0 has done what it began since.
+    fn oldest_done(&self) -> Option<tokio::time::Instant> {
+        let (back, _) = self.begun.front()?;
+        Some((*back).max(self.free[0]) + self.fixed)
+    }
 }
 
 impl SimExecutor {
@@ -137,9 +258,26 @@ impl SimExecutor {
         max_batch_tokens: usize,
         rng: Rng,
     ) -> Result<SimExecutor, String> {
-        let real_block_bytes = block_size * shape.kv_bytes_per_token();
-        let free = gpu.mem_bytes * 0.9 - shape.weight_bytes();
-        let num_blocks = (free / real_block_bytes as f64).floor();
+        SimExecutor::with_stages(gpu, shape, block_size, max_batch_tokens, rng, 1)
+    }
+
+    /// [`SimExecutor::new`] for a pipeline group of `stages` stages, each
+    /// on its own accelerator with `1 / stages` of the layers: the KV
+    /// cache has the blocks that each stage's share of the weights leaves
+    /// room for, a block taking `1 / stages` of its bytes on each stage
+    /// ([`SimExecutor::pipelined`] makes the steps overlap).
+    pub fn with_stages(
+        gpu: GpuParams,
+        shape: ModelShape,
+        block_size: usize,
+        max_batch_tokens: usize,
+        rng: Rng,
+        stages: usize,
+    ) -> Result<SimExecutor, String> {
+        let stages = stages.max(1) as f64;
+        let real_block_bytes = (block_size * shape.kv_bytes_per_token()) as f64 / stages;
+        let free = gpu.mem_bytes * 0.9 - shape.weight_bytes() / stages;
+        let num_blocks = (free / real_block_bytes).floor();
         if num_blocks < (shape.ctx_len / block_size) as f64 {
             return Err(format!(
                 "{} on {}: {:.1} GB of weights leave room for {num_blocks} KV blocks, \
@@ -182,34 +320,36 @@ impl SimExecutor {
             costs: Vec::new(),
             moves: 0,
             tap: None,
+            pipe: None,
         })
     }
 
-    /// Reports every decode step's requests to a run's [`DecodeLog`].
-    pub fn with_tap(mut self, tap: DecodeTap) -> SimExecutor {
-        self.tap = Some(tap);
+    /// Makes this engine a pipeline group of `model.stages` stages whose
+    /// health `health` holds (the stages beyond stage 0; a step begun or
+    /// ended while one is down fails with [`ExecError::Lost`]).
+    pub fn pipelined(
+        mut self,
+        model: PipeModel,
+        health: std::sync::Arc<StageHealth>,
+    ) -> SimExecutor {
+        let now = tokio::time::Instant::now();
+        self.pipe = Some(SimPipe {
+            free: vec![now; model.stages],
+            model,
+            health,
+            fixed: Duration::from_secs_f64(self.gpu.overhead_s),
+            begun: std::collections::VecDeque::new(),
+        });
         self
     }
-}
 
-impl Executor for SimExecutor {
-    fn model_spec(&self) -> &ModelSpec {
-        &self.spec
-    }
-
-    fn kv_spec(&self) -> KvSpec {
-        self.kv
-    }
-
-    fn max_batch_tokens(&self) -> usize {
-        self.max_batch_tokens
-    }
-
-    fn max_draft_tokens(&self) -> usize {
-        self.max_batch_tokens.saturating_sub(1)
-    }
-
-    fn step(&mut self, batch: &[SeqInput<'_>], out: &mut StepOutputs) -> Result<(), ExecError> {
+    /// Checks a step, draws its samples into `out` and returns its
+    /// modelled time (the offload moves since the last one included).
+    fn run_step(
+        &mut self,
+        batch: &[SeqInput<'_>],
+        out: &mut StepOutputs,
+    ) -> Result<Duration, ExecError> {
         let tokens: usize = batch.iter().map(|s| s.tokens.len()).sum();
         if tokens > self.max_batch_tokens {
             return Err(ExecError::BatchTooLarge {
@@ -260,8 +400,113 @@ impl Executor for SimExecutor {
         let masks = batch.iter().filter(|s| s.allow.is_some()).count();
         let moves = self.simulated_offload_time().unwrap_or_default() * self.moves;
         self.moves = 0;
-        self.last = Some(step_time_masked(&self.gpu, &self.shape, &self.costs, masks) + moves);
+        Ok(step_time_masked(&self.gpu, &self.shape, &self.costs, masks) + moves)
+    }
+
+    /// Refuses a step while a stage of the group is down.
+    fn check_stages(&self) -> Result<(), ExecError> {
+        match self.pipe.as_ref().and_then(|p| p.health.first_down()) {
+            Some(k) => Err(ExecError::Lost(format!(
+                "pipeline stage {k} is gone; the group waits for it"
+            ))),
+            None => Ok(()),
+        }
+    }
+
+    /// Reports every decode step's requests to a run's [`DecodeLog`].
+    pub fn with_tap(mut self, tap: DecodeTap) -> SimExecutor {
+        self.tap = Some(tap);
+        self
+    }
+}
+
+impl Executor for SimExecutor {
+    fn model_spec(&self) -> &ModelSpec {
+        &self.spec
+    }
+
+    fn kv_spec(&self) -> KvSpec {
+        self.kv
+    }
+
+    fn max_batch_tokens(&self) -> usize {
+        self.max_batch_tokens
+    }
+
+    fn max_draft_tokens(&self) -> usize {
+        self.max_batch_tokens.saturating_sub(1)
+    }
+
+    fn step(&mut self, batch: &[SeqInput<'_>], out: &mut StepOutputs) -> Result<(), ExecError> {
+        self.last = Some(self.run_step(batch, out)?);
         Ok(())
+    }
+
+    fn pipeline_depth(&self) -> usize {
+        self.pipe.as_ref().map_or(1, |p| p.model.stages)
+    }
+
+    fn begin_step(
+        &mut self,
+        batch: &[SeqInput<'_>],
+        out: &mut StepOutputs,
+    ) -> Result<(), ExecError> {
+        self.check_stages()?;
+        let cost = self.run_step(batch, out)?;
+        let tokens = batch.iter().map(|s| s.tokens.len()).sum();
+        let Some(p) = self.pipe.as_mut() else {
+            self.last = Some(cost);
+            return Ok(());
+        };
+        let back = p.begin(tokio::time::Instant::now(), cost, tokens);
+        p.begun.push_back((back, std::mem::take(&mut out.seqs)));
+        Ok(())
+    }
+
+    fn finish_step(
+        &mut self,
+        _batch: &[SeqInput<'_>],
+        out: &mut StepOutputs,
+    ) -> Result<(), ExecError> {
+        let lost = self.check_stages();
+        let Some(p) = self.pipe.as_mut() else {
+            return Err(ExecError::Unsupported("pipelined steps"));
+        };
+        let Some(done) = p.oldest_done() else {
+            return Err(ExecError::Unsupported("a finish with no step begun"));
+        };
+        // Stage 0 runs the head and sampling.
+        p.free[0] = done;
+        let Some((_, seqs)) = p.begun.pop_front() else {
+            return Err(ExecError::Unsupported("a finish with no step begun"));
+        };
+        lost?;
+        out.seqs = seqs;
+        out.vocab = self.shape.vocab;
+        Ok(())
+    }
+
+    fn simulated_wait(&self) -> Option<Duration> {
+        let done = self.pipe.as_ref()?.oldest_done()?;
+        Some(done.saturating_duration_since(tokio::time::Instant::now()))
+    }
+
+    fn recover(&mut self) -> bool {
+        if self.check_stages().is_err() {
+            return false;
+        }
+        match self.pipe.as_mut() {
+            Some(p) => {
+                p.begun.clear();
+                let now = tokio::time::Instant::now();
+                p.free.iter_mut().for_each(|f| *f = now);
+                p.health
+                    .formed
+                    .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                true
+            }
+            None => false,
+        }
     }
 
     fn copy_block(&mut self, _src: u32, _dst: u32) -> Result<(), ExecError> {

@@ -123,6 +123,8 @@ pub struct Report {
     pub offload: flotilla_proto::KvOffload,
     /// Faults that fired.
     pub faults: FaultCounts,
+    /// Pipeline groups that formed again after a lost stage, in all.
+    pub groups_formed_again: u64,
     /// Orphaned leases the nodes found and gave back, all while a link
     /// was cut or soon after (any other breaks the run).
     pub orphans: u64,
@@ -244,6 +246,13 @@ impl std::fmt::Display for Report {
             x.drains,
             x.drained
         )?;
+        if x.stage_crashes + x.stage_restarts > 0 {
+            writeln!(
+                f,
+                "pipeline stages: crashed {}, back {}; groups formed again {}",
+                x.stage_crashes, x.stage_restarts, self.groups_formed_again
+            )?;
+        }
         if self.orphans > 0 {
             writeln!(
                 f,
@@ -401,6 +410,8 @@ struct World {
     cuts: Mutex<Cuts>,
     /// Orphaned leases given back within a fault's reach.
     orphans: Mutex<u64>,
+    /// Each engine node's pipeline stages' health (`[pipeline]`), by node.
+    stages: Vec<Arc<crate::exec::StageHealth>>,
 }
 
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
@@ -412,12 +423,13 @@ async fn simulate(sc: &Scenario, seed: u64) -> Result<Report, SimError> {
     let gpu = sc.gpu_params()?;
     let shape = sc.model_shape()?;
     let e = &sc.engine;
-    let probe = SimExecutor::new(
+    let probe = SimExecutor::with_stages(
         gpu.clone(),
         shape.clone(),
         e.block_size,
         e.max_num_batched_tokens,
         root.split(0),
+        sc.stages(),
     )
     .map_err(|m| SimError::Scenario(ScenarioError::Invalid(m)))?;
     // The Scheduler's settings from the scenario's config tables, built
@@ -496,6 +508,9 @@ async fn simulate(sc: &Scenario, seed: u64) -> Result<Report, SimError> {
         decodes: Arc::new(DecodeLog::default()),
         cuts: Mutex::new(Cuts::default()),
         orphans: Mutex::new(0),
+        stages: (0..=n)
+            .map(|_| Arc::new(crate::exec::StageHealth::new(sc.stages())))
+            .collect(),
     });
     for i in 1..=n as u32 {
         start_engine(&world, i, 1).await?;
@@ -661,6 +676,7 @@ async fn simulate(sc: &Scenario, seed: u64) -> Result<Report, SimError> {
         preemptions,
         offload,
         faults,
+        groups_formed_again: world.stages.iter().map(|h| h.formed_again()).sum(),
         orphans: *lock(&world.orphans),
         moved,
         moved_by_kv,
@@ -687,14 +703,18 @@ async fn start_engine(w: &Arc<World>, node: u32, life: u64) -> Result<(), SimErr
     let shape = w.sc.model_shape()?;
     let vocab = shape.vocab;
     let model = shape.name.clone();
-    let mut exec = SimExecutor::new(
+    let mut exec = SimExecutor::with_stages(
         w.sc.gpu_params()?,
         shape,
         e.block_size,
         e.max_num_batched_tokens,
         w.rng.split(100 + u64::from(node) * 1000 + life),
+        w.sc.stages(),
     )
     .map_err(SimError::Start)?;
+    if let Some(pipe) = w.sc.pipe_model()? {
+        exec = exec.pipelined(pipe, w.stages[node as usize].clone());
+    }
     // A prefill node samples each request's first token too; only decoding
     // engines say where a request runs.
     if w.sc.run.check_every_step && w.sc.role_of(node) != Role::Prefill {
@@ -823,6 +843,16 @@ async fn apply_fault(w: &Arc<World>, f: &FaultKind) {
                 lock(&w.trace).violate(format!("restarting node {node}: {e}"));
             }
         }
+        FaultKind::StageCrash { node, stage } => {
+            if w.stages[node as usize].set_down(stage, true) {
+                w.net.note_stage_crash();
+            }
+        }
+        FaultKind::StageRestart { node, stage } => {
+            if w.stages[node as usize].set_down(stage, false) {
+                w.net.note_stage_restart();
+            }
+        }
         FaultKind::Partition { a, b, one_way } => {
             cut(w, Cut::Partition, true);
             w.net.partition(a, b, !one_way);
@@ -947,6 +977,8 @@ fn unfired(sc: &Scenario, f: &FaultCounts) -> Option<String> {
         let (fired, name) = match x.kind {
             FaultKind::Crash { .. } => (f.crashes, "crash"),
             FaultKind::Restart { .. } => (f.restarts, "restart"),
+            FaultKind::StageCrash { .. } => (f.stage_crashes, "stage_crash"),
+            FaultKind::StageRestart { .. } => (f.stage_restarts, "stage_restart"),
             // Started, and ended with the node leaving.
             FaultKind::Drain { .. } => (f.drains.min(f.drained), "drain"),
             FaultKind::Partition { .. } => (f.partitioned, "partition"),

@@ -46,6 +46,8 @@ pub struct Scenario {
     pub faults: Vec<FaultSection>,
     /// Faults drawn by the seed, beside the scheduled ones.
     pub chaos: Option<crate::chaos::ChaosSection>,
+    /// Every engine node a pipeline group (`[pipeline]`), or none.
+    pub pipeline: Option<PipelineSection>,
 }
 
 /// The scenario's own top-level tables, read by serde; the config's are
@@ -72,6 +74,8 @@ struct RawScenario {
     faults: Vec<FaultSection>,
     #[serde(default)]
     chaos: Option<crate::chaos::ChaosSection>,
+    #[serde(default)]
+    pipeline: Option<PipelineSection>,
     // The config's tables: `flotilla_config` reads them.
     #[serde(default, rename = "engine")]
     _engine: serde::de::IgnoredAny,
@@ -84,8 +88,9 @@ struct RawScenario {
 }
 
 /// The scenario's own top-level tables (beside the config's).
-const OWN_TABLES: [&str; 10] = [
+const OWN_TABLES: [&str; 11] = [
     "run", "model", "gpu", "topology", "flags", "network", "slos", "traffic", "faults", "chaos",
+    "pipeline",
 ];
 
 /// What the simulator takes where `[engine]` says nothing: a GPU
@@ -242,6 +247,39 @@ impl Default for Topology {
     }
 }
 
+/// `[pipeline]`: every engine node is a pipeline group (issue 45) of
+/// `stages` stages over links of their own, the layers split evenly
+/// (`exec::PipeModel`). Stage 0 is the node (its Scheduler, embedding,
+/// head and sampling); `stage_crash` and `stage_restart` faults and
+/// `[chaos] stage_crashes` take later stages down and back.
+#[derive(Clone, Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct PipelineSection {
+    /// Stages of each group (2 and up, at most the model's layers).
+    pub stages: usize,
+    /// One hop's latency between two stages, us.
+    #[serde(default = "default_hop_latency_us")]
+    pub hop_latency_us: f64,
+    /// A stage link's bandwidth, Gbit/s.
+    #[serde(default = "default_link_gbps")]
+    pub link_gbps: f64,
+    /// How hidden rows cross a hop: `f16` (2 bytes a feature) or `f32`.
+    #[serde(default = "default_activations")]
+    pub activations: String,
+}
+
+fn default_hop_latency_us() -> f64 {
+    100.0
+}
+
+fn default_link_gbps() -> f64 {
+    10.0
+}
+
+fn default_activations() -> String {
+    "f16".into()
+}
+
 /// A tier's latency objective: a finished request meets it if its TTFT
 /// is at most `ttft_ms` and its mean TPOT at most `tpot_ms` (goodput).
 #[derive(Clone, Debug, Deserialize)]
@@ -351,6 +389,22 @@ pub struct FaultSection {
 #[derive(Clone, Debug, Deserialize)]
 #[serde(tag = "kind", rename_all = "snake_case")]
 pub enum FaultKind {
+    /// Stage `stage` (1..) of pipeline group `node` dies: the group's
+    /// steps fail, its requests move, and it serves again once the stage
+    /// is back (`stage_restart`).
+    StageCrash {
+        /// The group's node id.
+        node: u32,
+        /// The stage.
+        stage: usize,
+    },
+    /// A crashed stage comes back; its group forms again.
+    StageRestart {
+        /// The group's node id.
+        node: u32,
+        /// The stage.
+        stage: usize,
+    },
     /// Engine node `node` dies (its engine and its link).
     Crash {
         /// Node id (1.. are engines).
@@ -519,6 +573,7 @@ impl Scenario {
             traffic,
             faults: raw.faults,
             chaos: raw.chaos,
+            pipeline: raw.pipeline,
         };
         sc.validate()?;
         Ok(sc)
@@ -538,6 +593,33 @@ impl Scenario {
             Named::Gpu(g) => Ok(g.clone()),
             Named::Model(_) => Err(ScenarioError::Invalid("[gpu] holds model fields".into())),
         }
+    }
+
+    /// Stages of each engine node's group (1: no groups).
+    pub fn stages(&self) -> usize {
+        self.pipeline.as_ref().map_or(1, |p| p.stages)
+    }
+
+    /// The pipeline groups' model, where `[pipeline]` makes groups.
+    pub fn pipe_model(&self) -> Result<Option<crate::exec::PipeModel>, ScenarioError> {
+        let Some(p) = &self.pipeline else {
+            return Ok(None);
+        };
+        let width = match p.activations.as_str() {
+            "f16" => 2,
+            "f32" => 4,
+            other => {
+                return Err(ScenarioError::Invalid(format!(
+                    "pipeline.activations '{other}': f16 or f32"
+                )));
+            }
+        };
+        Ok(Some(crate::exec::PipeModel {
+            stages: p.stages,
+            hop_latency: std::time::Duration::from_secs_f64(p.hop_latency_us * 1e-6),
+            link_bytes_per_s: p.link_gbps * 1e9 / 8.0,
+            row_bytes: self.model_shape()?.q_width * width,
+        }))
     }
 
     /// The model's shape.
@@ -686,10 +768,37 @@ impl Scenario {
                 }
             }
         }
+        if let Some(p) = &self.pipeline {
+            if !(2..=m.n_layer).contains(&p.stages) {
+                return bad(format!(
+                    "pipeline.stages {} is not in 2..={} (the model's layers)",
+                    p.stages, m.n_layer
+                ));
+            }
+            if !(p.hop_latency_us.is_finite() && (0.0..=1e6).contains(&p.hop_latency_us)) {
+                return bad(format!(
+                    "pipeline.hop_latency_us {} is not in [0, 1e6]",
+                    p.hop_latency_us
+                ));
+            }
+            if !positive(p.link_gbps) {
+                return bad(format!(
+                    "pipeline.link_gbps {} must be a positive number",
+                    p.link_gbps
+                ));
+            }
+            self.pipe_model()?;
+        }
         let engines = total as u32;
         if let Some(c) = &self.chaos {
             c.validate(self.run.duration_s)
                 .map_err(ScenarioError::Invalid)?;
+            if c.stage_crashes > 0 && self.pipeline.is_none() {
+                return bad(format!(
+                    "[chaos] stage_crashes = {}: the scenario has no [pipeline] groups",
+                    c.stage_crashes
+                ));
+            }
         }
         for f in &self.faults {
             let node_ok = |n: u32| (1..=engines).contains(&n);
@@ -701,6 +810,18 @@ impl Scenario {
                     a <= engines && b <= engines && a != b
                 }
                 FaultKind::Heal | FaultKind::Unclog => true,
+                FaultKind::StageCrash { node, stage } | FaultKind::StageRestart { node, stage } => {
+                    if !(1..self.stages()).contains(&stage) {
+                        return bad(format!(
+                            "fault {:?} at {} s: stage {stage} is not in 1..{} \
+                             (`[pipeline] stages`; stage 0 is the node: `crash`)",
+                            f.kind,
+                            f.at_s,
+                            self.stages()
+                        ));
+                    }
+                    node_ok(node)
+                }
             };
             if !(ok && f.at_s.is_finite() && f.at_s >= 0.0) {
                 return bad(format!(

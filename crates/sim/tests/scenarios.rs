@@ -772,3 +772,192 @@ output = { kind = "fixed", tokens = 512 }
         "{shown}"
     );
 }
+
+/// One group of `stages` stages (or one node, for 1) of the CPU preset
+/// with the default model, `clients` closed-loop streams of 64 + 64
+/// tokens, hops of `hop_us`.
+fn grouped(stages: usize, clients: usize, hop_us: f64, extra: &str) -> Scenario {
+    let pipeline = if stages > 1 {
+        format!("[pipeline]\nstages = {stages}\nhop_latency_us = {hop_us}\nlink_gbps = 10\n")
+    } else {
+        String::new()
+    };
+    Scenario::parse(&format!(
+        r#"
+[run]
+duration_s = 3.0
+drain_s = 60.0
+[model]
+preset = "smollm2-135m"
+[gpu]
+preset = "cpu"
+[engine]
+max_num_seqs = 32
+max_num_batched_tokens = 256
+max_model_len = 1024
+[topology]
+engines = 1
+{pipeline}
+[[tiers]]
+name = "paid"
+[[slos]]
+tier = "paid"
+ttft_ms = 100000
+tpot_ms = 100000
+[[tenants]]
+name = "a"
+tier = "paid"
+[[traffic]]
+tenant = "a"
+arrivals = {{ kind = "closed", clients = {clients} }}
+prompt = {{ kind = "fixed", tokens = 64 }}
+output = {{ kind = "fixed", tokens = 64 }}
+{extra}
+"#,
+    ))
+    .unwrap()
+}
+
+/// A lone stream through a group of two pays the step's cost (the stages
+/// compute its halves one after the other) and two hops a token: one to
+/// stage 1 and one back, each the link's latency and one hidden row's
+/// bytes (576 f16 features) at its bandwidth.
+#[test]
+fn a_pipeline_group_s_lone_stream_pays_the_step_and_two_hops() {
+    use flotilla_sim::cost::{GpuParams, ModelShape, SeqCost, step_time};
+    let hop_us = 500.0;
+    let one = run(&grouped(1, 1, hop_us, ""), 1).unwrap();
+    let two = run(&grouped(2, 1, hop_us, ""), 1).unwrap();
+    let (g, m) = (
+        GpuParams::preset("cpu").unwrap(),
+        ModelShape::preset("smollm2-135m").unwrap(),
+    );
+    // Steps at contexts 65..128 (a token's TPOT, averaged).
+    let step: f64 = (65..128)
+        .map(|p| {
+            step_time(
+                &g,
+                &m,
+                &[SeqCost {
+                    start_pos: p,
+                    tokens: 1,
+                }],
+            )
+            .as_secs_f64()
+                * 1e3
+        })
+        .sum::<f64>()
+        / 63.0;
+    let hop_ms = hop_us / 1e3 + 576.0 * 2.0 / (10e9 / 8.0) * 1e3;
+    let (t1, t2) = (one.tiers[0].tpot_ms.0, two.tiers[0].tpot_ms.0);
+    assert!(
+        (t1 - step).abs() < 0.05,
+        "one node: TPOT {t1:.3} ms, step {step:.3}"
+    );
+    assert!(
+        (t2 - (step + 2.0 * hop_ms)).abs() < 0.05,
+        "group: TPOT {t2:.3} ms, want {:.3}",
+        step + 2.0 * hop_ms
+    );
+}
+
+/// Sixteen streams through a group of two: its stages work on two
+/// micro-batches at once, so it serves more than one node of the same
+/// accelerator (each stage has its own), and less than twice as much
+/// (a micro-batch of 8 costs more a token than a batch of 16 on a step
+/// that reads every weight).
+#[test]
+fn a_pipeline_group_of_two_overlaps_its_micro_batches() {
+    let one = run(&grouped(1, 16, 100.0, ""), 2).unwrap();
+    let two = run(&grouped(2, 16, 100.0, ""), 2).unwrap();
+    let three = run(&grouped(3, 16, 100.0, ""), 2).unwrap();
+    for r in [&one, &two, &three] {
+        assert_eq!(r.tiers[0].failed, 0, "{r}");
+        assert!(r.tiers[0].finished >= 16, "{r}");
+    }
+    let ratio = two.throughput() / one.throughput();
+    eprintln!(
+        "16 streams: one node {:.0} tok/s, group of 2 {:.0}, group of 3 {:.0}",
+        one.throughput(),
+        two.throughput(),
+        three.throughput()
+    );
+    assert!(
+        (1.3..2.0).contains(&ratio),
+        "group of 2 / one node: {ratio:.2} ({:.0} vs {:.0} tok/s)",
+        two.throughput(),
+        one.throughput()
+    );
+    let ratio3 = three.throughput() / one.throughput();
+    assert!(
+        ratio3 > ratio && ratio3 < 3.0,
+        "group of 3 / one node: {ratio3:.2}, group of 2: {ratio:.2}"
+    );
+}
+
+/// Stage 1 of one of two groups crashes under load and comes back: the
+/// group's requests move to the other group with no stream failing, and
+/// the group forms again and serves.
+#[test]
+fn a_lost_stage_moves_its_group_s_streams_and_the_group_forms_again() {
+    let mut sc = grouped(
+        2,
+        12,
+        100.0,
+        r#"
+[[faults]]
+at_s = 1.0
+kind = "stage_crash"
+node = 1
+stage = 1
+
+[[faults]]
+at_s = 1.8
+kind = "stage_restart"
+node = 1
+stage = 1
+"#,
+    );
+    sc.topology.engines = 2;
+    sc.run.duration_s = 4.0;
+    sc.run.check_every_step = true;
+    let r = run(&sc, 5).unwrap_or_else(|e| panic!("{e}"));
+    let (f, t) = (r.faults, &r.tiers[0]);
+    assert_eq!((f.stage_crashes, f.stage_restarts), (1, 1), "{r}");
+    assert_eq!(r.groups_formed_again, 1, "{r}");
+    assert!(r.moved > 0, "no stream moved off the broken group: {r}");
+    assert_eq!(t.failed, 0, "{r}");
+    assert_accounted(t, &r);
+}
+
+#[test]
+fn bad_pipeline_sections_are_refused() {
+    for (extra, why) in [
+        ("[pipeline]\nstages = 31\n", "not in 2..=30"),
+        ("[pipeline]\nstages = 2\nlink_gbps = 0\n", "link_gbps"),
+        (
+            "[pipeline]\nstages = 2\nactivations = \"i4\"\n",
+            "f16 or f32",
+        ),
+        (
+            "[pipeline]\nstages = 2\n[[faults]]\nat_s = 1.0\nkind = \"stage_crash\"\nnode = 1\nstage = 2\n",
+            "stage 2 is not in 1..2",
+        ),
+        (
+            "[[faults]]\nat_s = 1.0\nkind = \"stage_crash\"\nnode = 1\nstage = 1\n",
+            "stage 1 is not in 1..1",
+        ),
+        ("[chaos]\nstage_crashes = 1\n", "no [pipeline] groups"),
+    ] {
+        let text = format!(
+            "[run]\nduration_s = 3.0\n[model]\npreset = \"smollm2-135m\"\n[gpu]\npreset = \"cpu\"\n\
+             [[tiers]]\nname = \"paid\"\n[[slos]]\ntier = \"paid\"\nttft_ms = 1000\ntpot_ms = 100\n\
+             [[tenants]]\nname = \"a\"\ntier = \"paid\"\n[[traffic]]\ntenant = \"a\"\n\
+             arrivals = {{ kind = \"poisson\", rate_per_s = 1.0 }}\n\
+             prompt = {{ kind = \"fixed\", tokens = 8 }}\noutput = {{ kind = \"fixed\", tokens = 8 }}\n\
+             {extra}"
+        );
+        let e = Scenario::parse(&text).unwrap_err().to_string();
+        assert!(e.contains(why), "{extra}: {e}");
+    }
+}

@@ -176,6 +176,30 @@ fn swarms_of_the_chaos_storms_with_multi_step_decode_hold() {
     }
 }
 
+/// Pipeline groups under drawn faults: stage crashes fired, groups formed
+/// again, and no stream failed (two other groups had room) in any seed.
+#[test]
+fn a_swarm_of_the_pipeline_storm_holds() {
+    let s = swarm_of("pipeline-storm.toml", 1);
+    let (mut stage_crashes, mut formed) = (0, 0);
+    for r in &s.seeds {
+        let rep = r.result.as_ref().unwrap();
+        stage_crashes += rep.faults.stage_crashes;
+        formed += rep.groups_formed_again;
+    }
+    let n = s.seeds.len() as u64;
+    assert!(
+        stage_crashes >= 2 * n,
+        "{stage_crashes} stage crashes over {n} seeds"
+    );
+    assert!(
+        formed >= n,
+        "groups formed again {formed} times over {n} seeds"
+    );
+    let t = s.totals();
+    assert!(t.finished > 0 && t.moved > 0, "{t:?}");
+}
+
 /// Seeds that once broke an invariant, each with what it found.
 #[test]
 fn every_seed_that_ever_failed_holds() {

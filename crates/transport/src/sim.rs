@@ -106,6 +106,10 @@ pub struct FaultCounts {
     pub crashes: u64,
     /// Nodes restarted.
     pub restarts: u64,
+    /// Pipeline stages crashed (their groups' nodes stay up).
+    pub stage_crashes: u64,
+    /// Pipeline stages back.
+    pub stage_restarts: u64,
     /// Drains started (a running node was told to drain).
     pub drains: u64,
     /// Nodes that drained and left.
@@ -262,6 +266,17 @@ impl SimNet {
     /// Counts a restart (the caller joins the node again with a new epoch).
     pub fn note_restart(&self) {
         self.lock().faults.restarts += 1;
+    }
+
+    /// Counts a pipeline stage's crash (the simulator models the stage
+    /// links inside its group's executor, not on this network).
+    pub fn note_stage_crash(&self) {
+        self.lock().faults.stage_crashes += 1;
+    }
+
+    /// Counts a pipeline stage coming back.
+    pub fn note_stage_restart(&self) {
+        self.lock().faults.stage_restarts += 1;
     }
 
     /// Cuts the link `a -> b`, and `b -> a` too if `both`.

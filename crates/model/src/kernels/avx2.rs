@@ -10,7 +10,7 @@ use std::arch::x86_64::*;
 use std::ops::Range;
 
 use super::{Acts, OutPtr};
-use crate::quant::{BlockQ8A, Q4_1X8_BYTES, Q8_0_BYTES, QK};
+use crate::quant::{BlockQ8A, Q4_1X8_BYTES, Q4_KX8_BYTES, Q6_KX8_BYTES, Q8_0_BYTES, QK, QK_K};
 
 /// Tokens per register tile.
 const TILE: usize = 4;
@@ -147,6 +147,347 @@ pub(crate) unsafe fn q4_1x8_rows(w: &[u8], x: &Acts<'_>, rows: Range<usize>, out
         }
         p0 = p1;
     }
+}
+
+/// Sub-block scales of one 8-row group a super-block: Q4_K's `d * sc` of
+/// its 8 sub-blocks then `-(dmin * m)`, or Q6_K's `d * sc` of its 16.
+const K_PRE: usize = 16;
+
+thread_local! {
+    /// Per-thread scratch of the K-quant kernels: a group's scale vectors
+    /// for every super-block, and each token block's half sums (Q6_K).
+    static K_SCRATCH: std::cell::RefCell<(Vec<__m256>, Vec<[f32; 2]>)> =
+        const { std::cell::RefCell::new((Vec::new(), Vec::new())) };
+}
+
+/// Q4_K: for each of `nsb` super-blocks of group `g`, lanes `d * sc` of its
+/// 8 sub-blocks, then `-(dmin * m)` of them: the file's products, exact in
+/// f32, and the AVX-512 kernel's lane for lane.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn q4_kx8_prep(g: *const u8, nsb: usize, pre: &mut [__m256]) {
+    let shifts = _mm256_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14);
+    let shifts_m = _mm256_add_epi32(shifts, _mm256_set1_epi32(16));
+    let (three, fifteen) = (_mm256_set1_epi32(3), _mm256_set1_epi32(15));
+    let sign = _mm256_set1_epi32(i32::MIN);
+    assert!(pre.len() >= nsb * K_PRE);
+    for sb in 0..nsb {
+        // SAFETY: sb < nsb; the group holds nsb super-blocks, each
+        // Q4_KX8_BYTES long, and every read below lies inside one.
+        unsafe {
+            let s = g.add(sb * Q4_KX8_BYTES);
+            let d = _mm256_cvtph_ps(_mm_loadu_si128(s as *const __m128i));
+            let dmin = _mm256_cvtph_ps(_mm_loadu_si128(s.add(16) as *const __m128i));
+            for j in 0..8 {
+                let off = 32 + 12 * j;
+                let v = _mm256_cvtepu8_epi32(_mm_loadl_epi64(s.add(off) as *const __m128i));
+                let h = _mm256_set1_epi32(std::ptr::read_unaligned(s.add(off + 8) as *const i32));
+                let sc = _mm256_or_si256(
+                    _mm256_and_si256(v, fifteen),
+                    _mm256_slli_epi32::<4>(_mm256_and_si256(_mm256_srlv_epi32(h, shifts), three)),
+                );
+                let m = _mm256_or_si256(
+                    _mm256_srli_epi32::<4>(v),
+                    _mm256_slli_epi32::<4>(_mm256_and_si256(_mm256_srlv_epi32(h, shifts_m), three)),
+                );
+                pre[sb * K_PRE + j] = _mm256_mul_ps(d, _mm256_cvtepi32_ps(sc));
+                let dm = _mm256_mul_ps(dmin, _mm256_cvtepi32_ps(m));
+                pre[sb * K_PRE + 8 + j] =
+                    _mm256_castsi256_ps(_mm256_xor_si256(_mm256_castps_si256(dm), sign));
+            }
+        }
+    }
+}
+
+/// Q6_K: for each of `nsb` super-blocks of group `g`, lanes `d * sc` of its
+/// 16 sub-blocks.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn q6_kx8_prep(g: *const u8, nsb: usize, pre: &mut [__m256]) {
+    assert!(pre.len() >= nsb * K_PRE);
+    for sb in 0..nsb {
+        // SAFETY: as q4_kx8_prep.
+        unsafe {
+            let s = g.add(sb * Q6_KX8_BYTES);
+            let d = _mm256_cvtph_ps(_mm_loadu_si128(s as *const __m128i));
+            for k in 0..16 {
+                let sc = _mm_loadl_epi64(s.add(16 + 8 * k) as *const __m128i);
+                pre[sb * K_PRE + k] =
+                    _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(sc)));
+            }
+        }
+    }
+}
+
+/// The 4 activation bytes `qs[at..at + 4]` of token block `ab`, in all
+/// eight lanes.
+#[inline(always)]
+unsafe fn bcast4(ab: &BlockQ8A, at: usize) -> __m256i {
+    // SAFETY: at + 4 <= 32 at every call site.
+    unsafe {
+        _mm256_set1_epi32(std::ptr::read_unaligned(
+            ab.qs.as_ptr().add(at) as *const i32
+        ))
+    }
+}
+
+/// One interleaved Q4_K group (8 rows) times N tokens from `t0`: Q4_1x8's
+/// inner loop on each 32-weight sub-block, its scale and min from `pre`
+/// (or, where `pre` is empty, unpacked from each super-block as it is
+/// reached). The integer sums are exact and folded in the AVX-512
+/// kernel's order.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn q4_kx8_tile<const N: usize>(
+    g: *const u8,
+    nsb: usize,
+    pre: &[__m256],
+    a: &[BlockQ8A],
+    t0: usize,
+) -> [__m256; N] {
+    let nb = nsb * 8;
+    let mask = _mm256_set1_epi8(0x0F);
+    let ones = _mm256_set1_epi16(1);
+    let mut acc = [_mm256_setzero_ps(); N];
+    let mut local = [_mm256_setzero_ps(); K_PRE];
+    for sb in 0..nsb {
+        // SAFETY: sb < nsb; the group holds nsb super-blocks.
+        let s = unsafe { g.add(sb * Q4_KX8_BYTES) };
+        let p: &[__m256] = if pre.is_empty() {
+            // SAFETY: one super-block of the group; same features.
+            unsafe { q4_kx8_prep(s, 1, &mut local) };
+            &local
+        } else {
+            &pre[sb * K_PRE..(sb + 1) * K_PRE]
+        };
+        for j in 0..8 {
+            let b = sb * 8 + j;
+            // Eight maddubs a token (each lane at most 2 x 15 x 127) sum in
+            // i16 to at most 30480: one madd widens them.
+            let mut s16 = [_mm256_setzero_si256(); N];
+            for c in 0..4 {
+                // SAFETY: sub-block j's chunk c lies inside the super-block.
+                let v =
+                    unsafe { _mm256_loadu_si256(s.add(128 + 128 * j + 32 * c) as *const __m256i) };
+                let lo = _mm256_and_si256(v, mask);
+                let hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), mask);
+                for (t, acc16) in s16.iter_mut().enumerate() {
+                    let ab = &a[(t0 + t) * nb + b];
+                    // SAFETY: offsets 4c and 16 + 4c leave 4 bytes inside qs.
+                    let (alo, ahi) = unsafe { (bcast4(ab, 4 * c), bcast4(ab, 16 + 4 * c)) };
+                    *acc16 = _mm256_add_epi16(
+                        *acc16,
+                        _mm256_add_epi16(
+                            _mm256_maddubs_epi16(lo, alo),
+                            _mm256_maddubs_epi16(hi, ahi),
+                        ),
+                    );
+                }
+            }
+            let (dw, mw) = (p[j], p[8 + j]);
+            for t in 0..N {
+                let ab = &a[(t0 + t) * nb + b];
+                let isum = _mm256_madd_epi16(s16[t], ones);
+                acc[t] = _mm256_fmadd_ps(
+                    _mm256_cvtepi32_ps(isum),
+                    _mm256_mul_ps(dw, _mm256_set1_ps(ab.d)),
+                    acc[t],
+                );
+                acc[t] = _mm256_fmadd_ps(mw, _mm256_set1_ps(ab.s), acc[t]);
+            }
+        }
+    }
+    acc
+}
+
+/// One interleaved Q6_K group times N tokens: the 6-bit values (nibble |
+/// top bits << 4, unsigned) times the activations, each half of a
+/// 32-block summed apart (its own scale), `- 32` folded in through the
+/// blocks' half sums `hs`, as the AVX-512 kernel folds them.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn q6_kx8_tile<const N: usize>(
+    g: *const u8,
+    nsb: usize,
+    pre: &[__m256],
+    a: &[BlockQ8A],
+    hs: &[[f32; 2]],
+    t0: usize,
+) -> [__m256; N] {
+    let nb = nsb * 8;
+    let (m0f, m30) = (_mm256_set1_epi8(0x0F), _mm256_set1_epi8(0x30));
+    let ones = _mm256_set1_epi16(1);
+    let mut acc = [_mm256_setzero_ps(); N];
+    let mut local = [_mm256_setzero_ps(); K_PRE];
+    for sb in 0..nsb {
+        // SAFETY: sb < nsb; the group holds nsb super-blocks.
+        let s = unsafe { g.add(sb * Q6_KX8_BYTES) };
+        let p: &[__m256] = if pre.is_empty() {
+            // SAFETY: one super-block of the group; same features.
+            unsafe { q6_kx8_prep(s, 1, &mut local) };
+            &local
+        } else {
+            &pre[sb * K_PRE..(sb + 1) * K_PRE]
+        };
+        for blk in 0..8 {
+            let b = sb * 8 + blk;
+            let mut ilo = [_mm256_setzero_si256(); N];
+            let mut ihi = [_mm256_setzero_si256(); N];
+            for pair in 0..2 {
+                // SAFETY: block blk's plane of top bits lies inside the super-block.
+                let h = unsafe {
+                    _mm256_loadu_si256(s.add(1168 + 64 * blk + 32 * pair) as *const __m256i)
+                };
+                // Two chunks a pair: two maddubs (each lane at most
+                // 2 x 63 x 128) sum in i16 before a madd widens them.
+                let mut v = [[_mm256_setzero_si256(); 2]; 2];
+                for (p2, vp) in v.iter_mut().enumerate() {
+                    let c = 2 * pair + p2;
+                    // SAFETY: block blk's chunk c lies inside the super-block.
+                    let q = unsafe {
+                        _mm256_loadu_si256(s.add(144 + 128 * blk + 32 * c) as *const __m256i)
+                    };
+                    let (lh, hh) = if p2 == 0 {
+                        (_mm256_slli_epi16(h, 4), _mm256_slli_epi16(h, 2))
+                    } else {
+                        (h, _mm256_srli_epi16(h, 2))
+                    };
+                    vp[0] = _mm256_or_si256(_mm256_and_si256(q, m0f), _mm256_and_si256(lh, m30));
+                    vp[1] = _mm256_or_si256(
+                        _mm256_and_si256(_mm256_srli_epi16(q, 4), m0f),
+                        _mm256_and_si256(hh, m30),
+                    );
+                }
+                for t in 0..N {
+                    let ab = &a[(t0 + t) * nb + b];
+                    let (c0, c1) = (4 * (2 * pair), 4 * (2 * pair + 1));
+                    // SAFETY: offsets below 16 + 4 * 3 + 4 = 32 stay inside qs.
+                    let lo = unsafe {
+                        _mm256_add_epi16(
+                            _mm256_maddubs_epi16(v[0][0], bcast4(ab, c0)),
+                            _mm256_maddubs_epi16(v[1][0], bcast4(ab, c1)),
+                        )
+                    };
+                    // SAFETY: as above.
+                    let hi = unsafe {
+                        _mm256_add_epi16(
+                            _mm256_maddubs_epi16(v[0][1], bcast4(ab, 16 + c0)),
+                            _mm256_maddubs_epi16(v[1][1], bcast4(ab, 16 + c1)),
+                        )
+                    };
+                    ilo[t] = _mm256_add_epi32(ilo[t], _mm256_madd_epi16(lo, ones));
+                    ihi[t] = _mm256_add_epi32(ihi[t], _mm256_madd_epi16(hi, ones));
+                }
+            }
+            let (dlo, dhi) = (p[2 * blk], p[2 * blk + 1]);
+            for t in 0..N {
+                let ab = &a[(t0 + t) * nb + b];
+                let [slo, shi] = hs[(t0 + t) * nb + b];
+                let da = _mm256_set1_ps(ab.d);
+                acc[t] =
+                    _mm256_fmadd_ps(_mm256_cvtepi32_ps(ilo[t]), _mm256_mul_ps(dlo, da), acc[t]);
+                acc[t] = _mm256_fmadd_ps(dlo, _mm256_set1_ps(-32.0 * slo), acc[t]);
+                acc[t] =
+                    _mm256_fmadd_ps(_mm256_cvtepi32_ps(ihi[t]), _mm256_mul_ps(dhi, da), acc[t]);
+                acc[t] = _mm256_fmadd_ps(dhi, _mm256_set1_ps(-32.0 * shi), acc[t]);
+            }
+        }
+    }
+    acc
+}
+
+/// Interleaved Q4_K rows `rows` times all tokens of `x` at the file's
+/// size (`quant::repack_q4_k_x8`): a group at a time, its scales unpacked
+/// once a pass.
+///
+/// # Safety
+/// As [`q4_1x8_rows`]; `x.k` a multiple of 256.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(crate) unsafe fn q4_kx8_rows(w: &[u8], x: &Acts<'_>, rows: Range<usize>, out: OutPtr) {
+    // SAFETY: forwarded.
+    unsafe { kx8_rows(w, Q4_KX8_BYTES, false, x, rows, out) }
+}
+
+/// Interleaved Q6_K rows `rows` times all tokens of `x`, as
+/// [`q4_kx8_rows`].
+///
+/// # Safety
+/// As [`q4_1x8_rows`]; `x.k` a multiple of 256.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(crate) unsafe fn q6_kx8_rows(w: &[u8], x: &Acts<'_>, rows: Range<usize>, out: OutPtr) {
+    // SAFETY: forwarded.
+    unsafe { kx8_rows(w, Q6_KX8_BYTES, true, x, rows, out) }
+}
+
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn kx8_rows(
+    w: &[u8],
+    bytes: usize,
+    q6: bool,
+    x: &Acts<'_>,
+    rows: Range<usize>,
+    out: OutPtr,
+) {
+    assert_eq!(x.k % QK_K, 0);
+    let (nb, nsb) = (x.k / QK, x.k / QK_K);
+    let gb = nsb * bytes;
+    let (g_first, g_end) = (rows.start / 8, rows.end.div_ceil(8));
+    assert!(g_end * gb <= w.len());
+    assert!(x.q.len() >= x.t * nb);
+    K_SCRATCH.with(|scratch| {
+        let (pre, hs) = &mut *scratch.borrow_mut();
+        pre.clear();
+        pre.resize(nsb * K_PRE, _mm256_setzero_ps());
+        hs.clear();
+        if q6 {
+            hs.extend(x.q[..x.t * nb].iter().map(super::scalar::half_sums));
+        }
+        let mut p0 = 0;
+        while p0 < x.t {
+            let p1 = (p0 + TOKENS_PER_PASS).min(x.t);
+            for g in g_first..g_end {
+                // SAFETY: g < g_end, asserted in bounds above; the
+                // features are this function's.
+                unsafe {
+                    let gp = w.as_ptr().add(g * gb);
+                    // A pass of a tile or two (a decode) unpacks each
+                    // super-block's scales where the tile reads it, in the
+                    // stream of its weights; a longer one unpacks them all
+                    // first, once for all its tiles.
+                    let inline = p1 - p0 <= 2 * TILE;
+                    if !inline && q6 {
+                        q6_kx8_prep(gp, nsb, pre);
+                    } else if !inline {
+                        q4_kx8_prep(gp, nsb, pre);
+                    }
+                    let pre: &[__m256] = if inline { &[] } else { pre };
+                    let mut t = p0;
+                    while t + TILE <= p1 {
+                        let r = if q6 {
+                            q6_kx8_tile::<TILE>(gp, nsb, pre, x.q, hs, t)
+                        } else {
+                            q4_kx8_tile::<TILE>(gp, nsb, pre, x.q, t)
+                        };
+                        for (c, v) in r.iter().enumerate() {
+                            store_group(*v, out, t + c, g * 8, &rows);
+                        }
+                        t += TILE;
+                    }
+                    while t < p1 {
+                        let [v] = if q6 {
+                            q6_kx8_tile::<1>(gp, nsb, pre, x.q, hs, t)
+                        } else {
+                            q4_kx8_tile::<1>(gp, nsb, pre, x.q, t)
+                        };
+                        store_group(v, out, t, g * 8, &rows);
+                        t += 1;
+                    }
+                }
+            }
+            p0 = p1;
+        }
+    });
 }
 
 /// Q8_0 weights times quantised activations for a tile of N tokens.

@@ -138,6 +138,14 @@ impl Resolved {
         matches!(self, Resolved::Amx | Resolved::Avx512Vnni)
     }
 
+    /// Whether this kernel reads Q4_K and Q6_K at the file's size (the
+    /// `Q4Kx8`/`Q6Kx8` layouts) at speed, so `CpuConfig::compact_k_quants`
+    /// applies: AVX2, AVX-512 VNNI and AMX (which reads VNNI's layouts).
+    #[inline(always)]
+    pub fn reads_compact_k(self) -> bool {
+        matches!(self, Resolved::Amx | Resolved::Avx512Vnni | Resolved::Avx2)
+    }
+
     /// The kernel whose weight layouts this one reads (AMX reads the
     /// VNNI kernels'), which names a layout cache.
     pub fn layout(self) -> Resolved {
@@ -454,11 +462,22 @@ pub(crate) fn matmul_rows(
         (WData::Q8_0x8(b), Resolved::Scalar | Resolved::Avx2) => {
             scalar::q8_0x8_rows(b, x, rows, out)
         }
-        (WData::Q4Kx8(b), Resolved::Scalar | Resolved::Avx2) => {
+        (WData::Q4Kx8(b), Resolved::Scalar) => {
             scalar::kx8_rows(b, Q4_KX8_BYTES, scalar::dot_q4_kx8_q8a, x, rows, out)
         }
-        (WData::Q6Kx8(b), Resolved::Scalar | Resolved::Avx2) => {
+        (WData::Q6Kx8(b), Resolved::Scalar) => {
             scalar::kx8_rows(b, Q6_KX8_BYTES, scalar::dot_q6_kx8_q8a, x, rows, out)
+        }
+        #[cfg(target_arch = "x86_64")]
+        (WData::Q4Kx8(b), Resolved::Avx2) => {
+            // SAFETY: Avx2 is only resolved when the CPU has AVX2, FMA and
+            // F16C; shapes asserted inside.
+            unsafe { avx2::q4_kx8_rows(b, x, rows, out) }
+        }
+        #[cfg(target_arch = "x86_64")]
+        (WData::Q6Kx8(b), Resolved::Avx2) => {
+            // SAFETY: as above.
+            unsafe { avx2::q6_kx8_rows(b, x, rows, out) }
         }
         #[cfg(target_arch = "x86_64")]
         (WData::Q8_0x8(b), Resolved::Amx) if x.t >= amx::MIN_TOKENS && has_amx() => {
