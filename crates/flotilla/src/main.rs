@@ -72,7 +72,7 @@ struct ModelArgs {
     /// <cache>/layouts after the first load and maps them from there after).
     #[arg(long)]
     no_layout_cache: bool,
-    /// Keep Q4_K and Q6_K weights at the file's size (AVX-512 VNNI kernel):
+    /// Keep Q4_K and Q6_K weights at the file's size (AVX2 and AVX-512 VNNI kernels):
     /// less memory and fewer bytes read a decoded token, more instructions
     /// a weight. Faster where decode is bound by memory bandwidth, slower
     /// where the core is the limit; by default they are widened (Q4_1, Q8_0).

@@ -46,7 +46,7 @@ pub struct CpuConfig {
     /// that converted them. `None`: convert at every load, write nothing.
     pub layout_cache: Option<PathBuf>,
     /// Q4_K and Q6_K weights at the file's size (4.5 and 6.56 bits a
-    /// weight) where the kernel reads them so (AVX-512 VNNI), instead of
+    /// weight) where the kernel reads them so (AVX2, AVX-512 VNNI), instead of
     /// widened to Q4_1 and Q8_0 (5 and 8.5 bits): less memory and fewer
     /// bytes a decoded token reads, more instructions a weight (the faster
     /// choice where decode is bound by memory, the slower where it is

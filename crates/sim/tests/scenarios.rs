@@ -961,3 +961,97 @@ fn bad_pipeline_sections_are_refused() {
         assert!(e.contains(why), "{extra}: {e}");
     }
 }
+
+/// A group drains as a node does (issue 45): told to drain under load, it
+/// takes nothing new, lets what runs finish for its grace, then leaves,
+/// and the Router moves the rest with their KV blocks, read from the
+/// group's stages; the group restarts empty. No request fails or is
+/// refused.
+#[test]
+fn a_pipeline_group_drains_as_a_node_does() {
+    let mut sc = grouped(
+        2,
+        12,
+        100.0,
+        r#"
+[[faults]]
+at_s = 1.0
+kind = "drain"
+node = 1
+grace_ms = 300
+
+[[faults]]
+at_s = 2.5
+kind = "restart"
+node = 1
+"#,
+    );
+    sc.topology.engines = 2;
+    sc.run.duration_s = 4.0;
+    sc.run.check_every_step = true;
+    let r = run(&sc, 9).unwrap_or_else(|e| panic!("{e}"));
+    let (f, t) = (r.faults, &r.tiers[0]);
+    assert_eq!((f.drains, f.drained, f.restarts), (1, 1, 1), "{r}");
+    assert_eq!((t.failed, t.refused), (0, 0), "{r}");
+    assert!(
+        r.moved > 0 && r.moved_by_kv > 0,
+        "nothing moved with its KV: {r}"
+    );
+    assert_accounted(t, &r);
+}
+
+/// The simulator's pipeline group against the real one (issue 45): the
+/// fitted scenario of `simulations/pipeline-1.5b-cpu.toml` as a group, as
+/// one node (no `[pipeline]`) and as a group with 2 ms more a round trip
+/// (1 ms a hop), each figure within 15% of what `tests/bench/pipeline.sh`
+/// measured on that machine in one run (docs/BENCHMARKS.md).
+#[test]
+fn the_simulated_pipeline_group_agrees_with_the_real_one() {
+    let base = Scenario::load(&shipped().join("pipeline-1.5b-cpu.toml")).unwrap();
+    let mut one = base.clone();
+    one.pipeline = None;
+    let mut delayed = base.clone();
+    if let Some(p) = delayed.pipeline.as_mut() {
+        p.hop_latency_us += 1000.0;
+    }
+    let lone = |sc: &Scenario| {
+        let mut sc = sc.clone();
+        sc.traffic[0].arrivals = flotilla_sim::scenario::Arrivals::Closed {
+            clients: 1,
+            requests: Some(6),
+        };
+        run(&sc, 1).unwrap().tiers[0].tpot_ms.0
+    };
+    // (what, simulated, measured by tests/bench/pipeline.sh).
+    let figures = [
+        (
+            "one node, 16 streams, tok/s",
+            run(&one, 1).unwrap().throughput(),
+            15.16,
+        ),
+        (
+            "group, 16 streams, tok/s",
+            run(&base, 1).unwrap().throughput(),
+            21.27,
+        ),
+        (
+            "group +2 ms, 16 streams, tok/s",
+            run(&delayed, 1).unwrap().throughput(),
+            19.90,
+        ),
+        ("one node, 1 stream, TPOT ms", lone(&one), 128.5),
+        ("group, 1 stream, TPOT ms", lone(&base), 130.9),
+    ];
+    for (what, sim, real) in figures {
+        eprintln!(
+            "{what}: simulated {sim:.1}, measured {real:.1} ({:+.0}%)",
+            (sim / real - 1.0) * 100.0
+        );
+    }
+    for (what, sim, real) in figures {
+        assert!(
+            (sim / real - 1.0).abs() <= 0.15,
+            "{what}: simulated {sim:.2}, measured {real:.2}"
+        );
+    }
+}
