@@ -1456,10 +1456,24 @@ async fn a_pipeline_group_serves_as_one_node_loses_no_stream_with_a_stage_and_fo
         &[],
         &move |t| as_group(t, &m),
     );
-    let r = wait_for(&c.base, "the group and worker-3 up", |r| {
+    wait_for(&c.base, "the group and worker-3 up", |r| {
         node(r, "worker-1")["up"] == true && node(r, "worker-3")["up"] == true
     })
     .await;
+    // The Router routes to the group once its engine says ready (a node
+    // can be up, heartbeating, before that): wait for stage 0's own
+    // /ready, then for the Router's next heartbeats from it.
+    let stage0 = format!("http://{metrics}");
+    let t0 = Instant::now();
+    while common::ready(&stage0).await["ready"] != true {
+        assert!(
+            t0.elapsed() < Duration::from_secs(120),
+            "the group's engine never became ready"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let r = ready(&c.base).await;
     // The Router sees the group as one worker.
     let names: Vec<&str> = r["nodes"]
         .as_array()
@@ -1468,7 +1482,6 @@ async fn a_pipeline_group_serves_as_one_node_loses_no_stream_with_a_stage_and_fo
         .map(|n| n["name"].as_str().unwrap())
         .collect();
     assert_eq!(names, ["worker-1", "worker-3"], "{r}");
-    let stage0 = format!("http://{metrics}");
     let cfg = common::get_json(&stage0, "/config", Some(PAID_KEY)).await;
     assert_eq!(
         cfg["pipeline"]["stages"].as_array().unwrap().len(),
