@@ -230,10 +230,15 @@ fn greedy_and_sampled_decoding_and_drafts_match_one_executor() {
             accepted > 0 && accepted < drafted,
             "{accepted} of {drafted}"
         );
-        // Rows in f16 round once a hop; greedy tokens stay one node's here.
+        // Rows in f16 round once a hop, so greedy tokens may part from one
+        // node's at a near-tie (on an AVX2-only AMD EPYC they parted at the
+        // 29th of 32; on AVX-512 machines not at all): the first 16 are
+        // one node's on every machine seen.
         if p.temperature == 0.0 {
             let mut h = group(KvDtype::F16, &[9, 21], ActDtype::F16);
-            assert_eq!(plain_decode(&mut h, &PROMPT, p, 32, &table), reference);
+            let got = plain_decode(&mut h, &PROMPT, p, 32, &table);
+            assert_eq!(got.len(), reference.len());
+            assert_eq!(got[..16], reference[..16], "f16 rows: {got:?}");
         }
     }
 }
