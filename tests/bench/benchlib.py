@@ -9,9 +9,11 @@ def model_id(url):
         return json.load(r)["data"][0]["id"]
 
 
-def stream_chat(url, body, timeout=1200):
+def stream_chat(url, body, timeout=1200, usage=None):
     """POSTs `body` (a chat completion with "stream": true) and reads the
-    stream: (sent, first content chunk, end, content chunks, text)."""
+    stream: (sent, first content chunk, end, content chunks, text). With a
+    dict `usage` (and `stream_options.include_usage` in the body), the
+    stream's usage chunk is copied into it."""
     req = urllib.request.Request(url + "/v1/chat/completions", json.dumps(body).encode(),
                                  {"Content-Type": "application/json"})
     t0 = time.time(); first = None; n = 0; text = []
@@ -21,6 +23,8 @@ def stream_chat(url, body, timeout=1200):
             if not line.startswith(b"data: ") or line == b"data: [DONE]":
                 continue
             d = json.loads(line[6:])
+            if usage is not None and d.get("usage"):
+                usage.update(d["usage"])
             if d.get("choices") and d["choices"][0]["delta"].get("content"):
                 n += 1
                 text.append(d["choices"][0]["delta"]["content"])

@@ -7,7 +7,8 @@ decode speed (tokens after the first over the time after the first).
   speculation.py URL TASK CONCURRENCY REQUESTS [MAX_TOKENS]
 
 TASK is `copy` (repeat a ~1,000-token text given in the prompt: a
-copy-heavy edit task), `natural` (open questions) or `json` (a record
+copy-heavy edit task), `natural` (open questions), `code` (programming
+tasks, one a line of tests/bench/code-tasks.txt) or `json` (a record
 given as text, returned as JSON under a JSON Schema: structured output,
 whose keys the grammar forces and whose values the prompt holds). Greedy,
 no ignore_eos: each answer is what the model says."""
@@ -20,6 +21,7 @@ url, task, conc, nreq = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv
 max_tokens = int(sys.argv[5]) if len(sys.argv) > 5 else 256
 here = __file__.rsplit("/", 1)[0]
 SOURCE = open(f"{here}/../../docs/ARCHITECTURE.md").read().split()
+CODE = [l.strip() for l in open(f"{here}/code-tasks.txt") if l.strip()]
 
 FIELDS = ["name", "port", "captain", "cargo", "tonnage", "built", "flag", "destination", "notes"]
 SCHEMA = {"type": "object", "additionalProperties": False, "required": FIELDS,
@@ -48,6 +50,8 @@ def prompt(i):
         text = " ".join(SOURCE[200 + 40 * i: 900 + 40 * i])
         return ("Here is a text:\n\n" + text +
                 "\n\nRepeat the text above word for word, fixing nothing.")
+    if task == "code":
+        return CODE[i % len(CODE)]
     topics = ["the history of bread", "how rivers form", "why the sky is blue",
               "the rules of chess", "how vaccines work", "the life of bees",
               "what makes a good story", "how computers add numbers"]
@@ -65,11 +69,15 @@ def worker():
                 return
             i = queue.pop(0)
         body = {"model": MODEL, "stream": True, "temperature": 0, "max_tokens": max_tokens,
+                "stream_options": {"include_usage": True},
                 "messages": [{"role": "user", "content": prompt(i)}]}
         if task == "json":
             body["response_format"] = {"type": "json_schema",
                                        "json_schema": {"name": "ship", "schema": SCHEMA, "strict": True}}
-        t0, first, t1, n, text = stream_chat(url, body, timeout=600)
+        usage = {}
+        t0, first, t1, n, text = stream_chat(url, body, timeout=600, usage=usage)
+        # Tokens, where the server counts them (a chunk may carry several).
+        n = usage.get("completion_tokens", n)
         valid = None
         if task == "json":
             try:

@@ -59,6 +59,12 @@ pub struct EngineOptions {
     /// `EngineRequest::trace` is set); `None`: tracing is off and nothing
     /// is recorded. Its clock must be the engine's.
     pub tracing: Option<Tracing>,
+    /// The draft model of speculative decoding (`Speculation::draft_model`),
+    /// held by the GpuWorker beside `exec`: its KV cache has `exec`'s blocks
+    /// (the same count and tokens per block, its own bytes per block, which
+    /// the pool's size must already count). Refused where its vocabulary
+    /// differs from the model's. `None`: no draft model (model drafts off).
+    pub draft: Option<Box<dyn Executor>>,
 }
 
 struct Live {
@@ -211,6 +217,7 @@ struct SchedArgs {
     check: Option<InvariantHook>,
     offload: Option<Offload>,
     tracing: Option<Tracing>,
+    draft: Option<crate::draft::DraftModel>,
 }
 
 impl Actor for SchedulerActor {
@@ -234,6 +241,7 @@ impl Actor for SchedulerActor {
                 clock: a.clock.clone(),
                 offload: a.offload,
                 cut: cut.clone(),
+                draft: a.draft,
             },
             myself.get_cell(),
         )
@@ -694,6 +702,8 @@ fn step_done(st: &mut SchedState, now: Duration, r: StepResult) {
         move_time,
         worker_ok,
         lost,
+        draft,
+        draft_blocks,
     } = r;
     st.in_flight -= 1;
     st.traces.step_done(&plan.items, now);
@@ -708,7 +718,43 @@ fn step_done(st: &mut SchedState, now: Duration, r: StepResult) {
     }
     st.offload_cost
         .observe(moved, move_time, plan.num_tokens(), each);
-    st.sched.observe_step(&plan, each.saturating_sub(move_time));
+    // The draft model's passes ran before the step, within its time:
+    // each teaches the draft's cost, and the step's own is what is left.
+    let mut drafting = Duration::ZERO;
+    for p in &draft {
+        st.sched.observe_draft(p.tokens, p.rows, p.time);
+        drafting += p.time;
+    }
+    if !draft.is_empty() || draft_blocks.is_some() {
+        let passes = draft.len() as u64;
+        let tokens = draft.iter().map(|p| p.tokens as u64).sum();
+        st.metrics
+            .draft_model(passes, tokens, drafting.as_secs_f64(), draft_blocks);
+    }
+    if let Ok(outs) = &sampled {
+        let verified = plan
+            .items
+            .iter()
+            .zip(outs)
+            .filter(|(i, o)| i.draft > 0 && o.sampled.is_some());
+        st.metrics.verify_steps(verified.count() as u64);
+    }
+    let decodes = plan.items.iter().filter(|i| i.sample.is_some()).count();
+    if let Some((k, gain)) = st
+        .sched
+        .config()
+        .speculation
+        .draft_model
+        .then(|| st.sched.draft_plan(decodes))
+        .flatten()
+    {
+        st.metrics
+            .draft_prediction(st.sched.draft_acceptance(), k as u64, gain);
+    }
+    st.sched.observe_step(
+        &plan,
+        each.saturating_sub(move_time).saturating_sub(drafting),
+    );
     if let Some(c) = st.sched.step_cost() {
         st.metrics.step_cost(c.fixed, c.per_token, c.per_output);
     }
@@ -1080,6 +1126,39 @@ pub async fn spawn_engine(
             cfg.speculation.self_layers = layers;
         }
     }
+    let draft = match opts.draft {
+        Some(d) if cfg.speculation.is_on() && cfg.speculation.draft_model => {
+            let (t, m) = (exec.model_spec(), d.model_spec());
+            if t.vocab != m.vocab {
+                return Err(EngineStartError::Config(format!(
+                    "the draft model's vocabulary ({} tokens) differs from the model's ({} \
+                     tokens): a draft model must share the model's tokenizer",
+                    m.vocab, t.vocab
+                )));
+            }
+            let (kt, kd) = (exec.kv_spec(), d.kv_spec());
+            if kd.block_size != kt.block_size || kd.num_blocks < kt.num_blocks {
+                return Err(EngineStartError::Config(format!(
+                    "the draft model's KV cache ({} blocks of {} tokens) must have the \
+                     model's blocks ({} of {} tokens)",
+                    kd.num_blocks, kd.block_size, kt.num_blocks, kt.block_size
+                )));
+            }
+            let most = cfg.max_num_batched_tokens.min(d.max_batch_tokens());
+            Some(crate::draft::DraftModel::new(
+                d,
+                most,
+                cfg.speculation.draft_p_min,
+            ))
+        }
+        _ => {
+            if cfg.speculation.draft_model {
+                tracing::info!("no draft model: n-gram drafts only");
+                cfg.speculation.draft_model = false;
+            }
+            None
+        }
+    };
     let offload = match cfg.offload_blocks {
         0 => None,
         // A file-backed tier stays with the worker; otherwise the backend
@@ -1122,6 +1201,7 @@ pub async fn spawn_engine(
             check: opts.check_invariants,
             offload,
             tracing: opts.tracing,
+            draft,
         },
     )
     .await

@@ -12,11 +12,14 @@
 //! migration protocol of disaggregated serving (issue 5) is where a
 //! KvBlockPool actor earns its mailbox.
 
+mod draft;
 mod engine;
 mod msg;
 mod trace;
 mod worker;
 
+#[cfg(test)]
+mod draft_tests;
 #[cfg(test)]
 mod tests;
 

@@ -153,4 +153,9 @@ pub(crate) struct StepResult {
     /// It broke because a part of it was lost (a pipeline stage), not
     /// because of a request: the step's requests may run elsewhere.
     pub lost: bool,
+    /// The draft model's passes before this step (and any since the last
+    /// result), for its cost fit.
+    pub draft: Vec<crate::draft::DraftPass>,
+    /// Blocks whose draft half holds KV, where the worker has a draft model.
+    pub draft_blocks: Option<usize>,
 }

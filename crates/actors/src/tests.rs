@@ -240,6 +240,7 @@ async fn rig_with(
             constraints,
             offload_path: None,
             tracing: None,
+            draft: None,
         },
         Arc::new(TestClock(Instant::now())),
         Arc::new(Metrics::new().unwrap()),
@@ -356,7 +357,7 @@ async fn stop_fails_live_requests_with_shutting_down() {
     r.open_gate();
 }
 
-fn prompt_of(max_tokens: u32) -> EngineRequest {
+pub(crate) fn prompt_of(max_tokens: u32) -> EngineRequest {
     EngineRequest {
         tenant: TenantId(0),
         prompt: (1..=10).collect(),
@@ -837,6 +838,7 @@ async fn a_pipelined_executor_gets_two_steps_in_flight() {
             constraints: None,
             offload_path: None,
             tracing: None,
+            draft: None,
         },
         Arc::new(TestClock(Instant::now())),
         Arc::new(Metrics::new().unwrap()),
@@ -893,7 +895,7 @@ async fn a_pipelined_executor_gets_two_steps_in_flight() {
 
 /// The scheduler settings of the rigs: one seat, a minute's queue
 /// timeout, one tier and tenant, no speculation.
-fn r_sched() -> SchedConfig {
+pub(crate) fn r_sched() -> SchedConfig {
     SchedConfig {
         num_blocks: 64,
         block_size: 4,

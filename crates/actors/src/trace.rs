@@ -379,6 +379,7 @@ mod tests {
             allow: None,
             draft: 0,
             self_draft: 0,
+            model_draft: None,
         }
     }
 

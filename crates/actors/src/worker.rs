@@ -44,6 +44,8 @@ pub(crate) struct WorkerState {
     pending: std::collections::VecDeque<Begun>,
     /// The break was a part of the backend lost (`ExecError::Lost`).
     lost: bool,
+    /// The draft model (speculative decoding with one), if any.
+    draft: Option<crate::draft::DraftModel>,
 }
 
 /// A step begun on a pipelined executor, waiting to be finished.
@@ -58,6 +60,7 @@ pub(crate) struct WorkerArgs {
     pub clock: Arc<dyn Clock>,
     pub offload: Option<Offload>,
     pub cut: Arc<AtomicBool>,
+    pub draft: Option<crate::draft::DraftModel>,
 }
 
 /// Where the KV offload tier's bytes are.
@@ -92,6 +95,7 @@ impl Actor for GpuWorker {
             moved: 0,
             move_time: Duration::ZERO,
             cut: args.cut,
+            draft: args.draft,
         })
     }
 
@@ -171,6 +175,7 @@ impl Actor for GpuWorker {
             {
                 fill_self_drafts(st, &mut plan);
             }
+            fill_model_drafts(st, &mut plan);
             let inputs: Vec<SeqInput<'_>> = plan.items.iter().map(|it| it.seq_input()).collect();
             let sampled = run_step(st, &inputs);
             sleep_modelled(st).await;
@@ -192,6 +197,7 @@ async fn begin(st: &mut WorkerState, mut plan: Plan, reply: ActorRef<SchedMsg>, 
     {
         fill_self_drafts(st, &mut plan);
     }
+    fill_model_drafts(st, &mut plan);
     let begun = {
         let inputs: Vec<SeqInput<'_>> = plan.items.iter().map(|it| it.seq_input()).collect();
         on_executor(st, |exec, out| exec.begin_step(&inputs, out))
@@ -258,6 +264,12 @@ fn answer(
         move_time: std::mem::take(&mut st.move_time),
         worker_ok: st.broken.is_none(),
         lost: st.lost,
+        draft: st
+            .draft
+            .as_mut()
+            .map(|d| std::mem::take(&mut d.passes))
+            .unwrap_or_default(),
+        draft_blocks: st.draft.as_ref().map(|d| d.blocks_with_kv()),
     })));
 }
 
@@ -363,6 +375,22 @@ fn fill_self_drafts(st: &mut WorkerState, plan: &mut flotilla_sched::Plan) {
                 it.tokens[at] = t.token;
             }
         }
+    }
+}
+
+/// Fills a plan's model-drafted placeholders with the draft model's
+/// guesses ([`crate::draft::DraftModel::fill`]), where the worker holds one.
+fn fill_model_drafts(st: &mut WorkerState, plan: &mut Plan) {
+    if let Some(d) = st.draft.as_mut()
+        && st.broken.is_none()
+        && plan
+            .items
+            .iter()
+            .any(|it| it.model_draft.is_some() && it.draft > 0)
+    {
+        d.fill(st.clock.as_ref(), plan);
+        // A modelled draft's passes take their time with the step's.
+        st.owed += std::mem::take(&mut d.modelled);
     }
 }
 

@@ -76,6 +76,11 @@ pub struct EngineSettings {
     pub kv_dtype: KvDtype,
     /// Speculative decoding.
     pub speculation: Speculation,
+    /// The draft model's name or path, where `speculation.draft_model`.
+    pub draft_model: Option<String>,
+    /// The draft model's logits cover the first this many token ids (0:
+    /// the whole vocabulary).
+    pub draft_vocab: usize,
     /// Bytes of the KV offload tier (0: none).
     pub kv_offload_bytes: u64,
     /// File that holds the offload tier, if not RAM.
@@ -87,6 +92,13 @@ pub struct EngineSettings {
     /// (`SchedConfig::decode_steps`).
     pub decode_steps: usize,
 }
+
+/// Token ids a draft model's logits cover unless told otherwise
+/// (`--draft-vocab`): all of them (0). Cut to Qwen2.5's first 32,768 ids,
+/// the 0.5B draft's passes were 17% shorter but its guesses for code
+/// were accepted less often (62% against 74% of draft tokens), a loss
+/// (docs/BENCHMARKS.md).
+pub const DEFAULT_DRAFT_VOCAB: usize = 0;
 
 /// Draft tokens per step of `--speculative ngram` unless told otherwise.
 pub const DEFAULT_DRAFT: usize = 4;
@@ -182,6 +194,40 @@ impl EngineSection {
             (None, None) => KvDtype::default(),
         };
         let speculation = self.speculation(flags, d)?;
+        let draft_model = match (&flags.draft_model, &self.draft_model) {
+            (Some(m), _) | (None, Some(m)) => Some(m.clone()),
+            (None, None) => None,
+        };
+        match (speculation.draft_model, &draft_model) {
+            (true, None) => {
+                return Err(
+                    "--speculative draft needs a draft model: --draft-model NAME|PATH \
+                     (engine.draft_model)"
+                        .into(),
+                );
+            }
+            (false, Some(m)) => {
+                return Err(format!(
+                    "--draft-model {m} is for --speculative draft, not {}",
+                    if speculation.is_on() {
+                        if speculation.self_layers > 0 {
+                            "self"
+                        } else {
+                            "ngram"
+                        }
+                    } else {
+                        "off"
+                    }
+                ));
+            }
+            _ => {}
+        }
+        let (draft_vocab, _) = pick(
+            flags.draft_vocab,
+            self.draft_vocab,
+            DEFAULT_DRAFT_VOCAB,
+            ("draft-vocab", "draft_vocab"),
+        );
         let (kv_offload_bytes, _) = pick(
             flags.kv_offload_bytes,
             self.kv_offload_bytes,
@@ -233,6 +279,8 @@ impl EngineSection {
             batching,
             kv_dtype,
             speculation,
+            draft_model,
+            draft_vocab,
             kv_offload_bytes,
             kv_offload_path,
             step_time_max,
@@ -251,6 +299,10 @@ impl EngineSection {
         let mode = match (&flags.speculative, &self.speculative) {
             (Some(m), _) => Some((m.as_str(), "--speculative")),
             (None, Some(m)) => Some((m.as_str(), "engine.speculative")),
+            // A draft model given alone means speculation with it.
+            (None, None) if flags.draft_model.is_some() || self.draft_model.is_some() => {
+                Some(("draft", "--draft-model"))
+            }
             (None, None) => None,
         };
         let mut spec = match mode {
@@ -260,9 +312,10 @@ impl EngineSection {
             Some(("self", _)) => {
                 Speculation::self_draft(DEFAULT_DRAFT, flotilla_sched::SELF_LAYERS_DEFAULT)
             }
+            Some(("draft", _)) => Speculation::draft_model(DEFAULT_DRAFT),
             Some((other, from)) => {
                 return Err(format!(
-                    "{from}: unknown speculation '{other}' (expected ngram, self or off)"
+                    "{from}: unknown speculation '{other}' (expected ngram, self, draft or off)"
                 ));
             }
         };
@@ -287,6 +340,18 @@ impl EngineSection {
             ),
             SPECULATIVE_MAX_BATCH,
         )?;
+        if spec.draft_model {
+            let (p, from) = pick(
+                flags.draft_p_min,
+                self.draft_p_min,
+                f64::from(flotilla_sched::DRAFT_P_MIN),
+                ("draft-p-min", "draft_p_min"),
+            );
+            if !(0.0..=1.0).contains(&p) {
+                return Err(format!("{from} {p} must be in 0..=1"));
+            }
+            spec.draft_p_min = p as f32;
+        }
         if spec.self_layers > 0 {
             let layers = (
                 flags.speculative_draft_layers,
@@ -503,6 +568,56 @@ mod tests {
     }
 
     #[test]
+    fn a_draft_model_turns_on_draft_speculation_and_draft_needs_one() {
+        let d = EngineDefaults::serve(16);
+        let resolve = |flags: EngineSection, file: EngineSection| {
+            file.resolve(&flags, "continuous", &d)
+                .map(|s| (s.speculation, s.draft_model, s.draft_vocab))
+        };
+        let with = |mode: Option<&str>, model: Option<&str>| EngineSection {
+            speculative: mode.map(String::from),
+            draft_model: model.map(String::from),
+            ..EngineSection::default()
+        };
+        // A draft model alone means draft speculation, from a flag or the file.
+        let (spec, model, vocab) = resolve(
+            with(None, Some("qwen2.5-coder-0.5b")),
+            EngineSection::default(),
+        )
+        .unwrap();
+        assert_eq!(spec, Speculation::draft_model(DEFAULT_DRAFT));
+        assert_eq!(model.as_deref(), Some("qwen2.5-coder-0.5b"));
+        assert_eq!(vocab, DEFAULT_DRAFT_VOCAB);
+        let (spec, model, _) = resolve(
+            EngineSection {
+                draft_vocab: Some(32768),
+                ..EngineSection::default()
+            },
+            with(Some("draft"), Some("/models/d.gguf")),
+        )
+        .unwrap();
+        assert!(spec.draft_model && spec.is_on());
+        assert_eq!(model.as_deref(), Some("/models/d.gguf"));
+        // Draft needs a model; a model is for draft only.
+        assert_eq!(
+            resolve(with(Some("draft"), None), EngineSection::default()).unwrap_err(),
+            "--speculative draft needs a draft model: --draft-model NAME|PATH (engine.draft_model)"
+        );
+        assert_eq!(
+            resolve(
+                with(Some("ngram"), Some("d.gguf")),
+                EngineSection::default()
+            )
+            .unwrap_err(),
+            "--draft-model d.gguf is for --speculative draft, not ngram"
+        );
+        assert_eq!(
+            resolve(with(Some("off"), Some("d.gguf")), EngineSection::default()).unwrap_err(),
+            "--draft-model d.gguf is for --speculative draft, not off"
+        );
+    }
+
+    #[test]
     fn speculation_from_flag_file_or_default_with_its_source_named() {
         let d = EngineDefaults::serve(16);
         let none = EngineSection::default;
@@ -540,7 +655,7 @@ mod tests {
         .unwrap_err();
         assert_eq!(
             e,
-            "--speculative: unknown speculation 'eagle' (expected ngram, self or off)"
+            "--speculative: unknown speculation 'eagle' (expected ngram, self, draft or off)"
         );
         // A self-draft: three quarters of the model unless told, which the
         // engine resolves; the depth is checked here.

@@ -84,8 +84,17 @@ pub struct EngineSection {
     pub kv_cache_dtype: Option<String>,
     /// `--queue-timeout`, seconds.
     pub queue_timeout_s: Option<f64>,
-    /// `--speculative`: `ngram`, `self` or `off`.
+    /// `--speculative`: `ngram`, `self`, `draft` or `off`.
     pub speculative: Option<String>,
+    /// `--draft-model`: the draft model of `--speculative draft` (a known
+    /// name or a GGUF file's path); given alone, it means `draft`.
+    pub draft_model: Option<String>,
+    /// `--draft-vocab`: the draft model's logits cover the first this many
+    /// token ids only (0: all).
+    pub draft_vocab: Option<usize>,
+    /// `--draft-p-min`: a draft model's guess less likely than this under
+    /// the draft is not proposed.
+    pub draft_p_min: Option<f64>,
     /// `--speculative-draft-layers`: layers a self-draft runs.
     pub speculative_draft_layers: Option<usize>,
     /// `--num-speculative-tokens`: most draft tokens per sequence per step.

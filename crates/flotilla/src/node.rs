@@ -287,7 +287,7 @@ pub fn run(args: NodeArgs) -> Result<()> {
             let metrics = Arc::new(Metrics::new()?);
             serve_http(Arc::new(engine), f.text, metrics, gw, http, &what).await
         } else {
-            let r = serve::resolve_with(&args.serve, plan.as_ref())?;
+            let r = serve::resolve_with(&args.serve, plan.as_ref(), node.role != Role::Prefill)?;
             let metrics = Arc::new(Metrics::new()?);
             let text = Arc::new(r.text);
             let scrape = node.metrics.map(|addr| {
@@ -313,6 +313,7 @@ pub fn run(args: NodeArgs) -> Result<()> {
                     constraints: Some(constraints),
                     offload_path: r.offload_path.clone(),
                     tracing: tracing.clone(),
+                    draft: r.draft,
                 },
                 clock,
                 metrics,

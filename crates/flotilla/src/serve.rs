@@ -77,10 +77,35 @@ pub struct ServeArgs {
     /// constraint, verified in the next step; the output is the same token
     /// for token), `self` (the same, and where the lookup finds nothing the
     /// model's own first layers guess the draft: slower than `ngram` on
-    /// the models measured so far, see docs/BENCHMARKS.md) or `off`. Config: `[engine]
+    /// the models measured so far, see docs/BENCHMARKS.md), `draft` (the
+    /// same, and where the lookup finds nothing a small draft model,
+    /// --draft-model, guesses) or `off`. Config: `[engine]
     /// speculative`. Default: ngram.
     #[arg(long)]
     pub speculative: Option<String>,
+    /// The draft model of `--speculative draft` (given alone, it turns
+    /// that on): a known name (fetched on first use) or a GGUF file's path,
+    /// sharing the model's vocabulary (Qwen2.5-Coder-0.5B for the 1.5B).
+    /// It runs beside the model in the same worker, its KV in the same
+    /// blocks (the KV cache's size counts both). How many tokens it drafts
+    /// a step follows its measured cost and acceptance, up to
+    /// --num-speculative-tokens. Config: `[engine] draft_model`.
+    #[arg(long)]
+    pub draft_model: Option<String>,
+    /// The draft model computes logits for the first this many token ids
+    /// only (0, the default: all). A BPE vocabulary's ids come in the
+    /// order of its merges, commonest first, so the head reads a fraction
+    /// of the bytes for guesses that are still often right (on Qwen2.5's
+    /// code at 32768 of 151,936 ids, less often than the time saved paid
+    /// for: see docs/BENCHMARKS.md). Config: `[engine] draft_vocab`.
+    #[arg(long)]
+    pub draft_vocab: Option<usize>,
+    /// A draft model's guess that the draft itself gives less than this
+    /// probability is not proposed, and that sequence drafts no further
+    /// this step (default 0.5; 0: every guess up to the length the cost
+    /// sum picks). Config: `[engine] draft_p_min`.
+    #[arg(long)]
+    pub draft_p_min: Option<f64>,
     /// Most draft tokens per sequence per step (default 4).
     #[arg(long)]
     pub num_speculative_tokens: Option<usize>,
@@ -224,6 +249,8 @@ pub struct Resolved {
     /// The model, its precision and the engine's settings as `GET /config`
     /// shows them.
     pub server_info: serde_json::Value,
+    /// The draft model (`--speculative draft`), its KV in the same blocks.
+    pub draft: Option<Box<dyn Executor>>,
 }
 
 /// The element type that holds most of a model file's weight bytes
@@ -295,15 +322,17 @@ pub fn front(args: &ServeArgs) -> Result<Front> {
 }
 
 pub fn resolve(args: &ServeArgs) -> Result<Resolved> {
-    resolve_with(args, None)
+    resolve_with(args, None, true)
 }
 
 /// [`resolve`], for a pipeline group's stage 0 where `pipeline` is given:
 /// the executor is the group's (this node's part and links to the later
-/// stages).
+/// stages). `hold_draft`: load the draft model where the settings name one
+/// (a node that only prefills never drafts, and holds none).
 pub fn resolve_with(
     args: &ServeArgs,
     pipeline: Option<&crate::stage::PipelinePlan>,
+    hold_draft: bool,
 ) -> Result<Resolved> {
     let Front {
         cluster,
@@ -325,6 +354,9 @@ pub fn resolve_with(
         kv_cache_dtype: margs.kv_cache_dtype.clone(),
         queue_timeout_s: args.queue_timeout,
         speculative: args.speculative.clone(),
+        draft_model: args.draft_model.clone(),
+        draft_vocab: args.draft_vocab,
+        draft_p_min: args.draft_p_min,
         num_speculative_tokens: args.num_speculative_tokens,
         speculative_max_batch: args.speculative_max_batch,
         speculative_draft_layers: args.speculative_draft_layers,
@@ -355,6 +387,42 @@ pub fn resolve_with(
         .map_err(anyhow::Error::msg)?;
     let bytes_per_block =
         kv_dtype.bytes_per_block(lc.n_layer, lc.n_head_kv, lc.head_dim, block_size) as u64;
+    // The draft model's KV shares the model's blocks: a block's bytes are
+    // both halves.
+    let draft = match settings.draft_model.as_deref().filter(|_| hold_draft) {
+        Some(name) => {
+            if margs.device() != Device::Cpu || pipeline.is_some() {
+                bail!(
+                    "--speculative draft runs on one node's CPU backend (--device cpu, no pipeline group)"
+                );
+            }
+            let p = crate::resolve_model(Some(Path::new(name)))
+                .map_err(|e| anyhow::anyhow!("--draft-model: {e:#}"))?;
+            let dg =
+                GgufFile::open(&p).with_context(|| format!("--draft-model {}", p.display()))?;
+            let dc = ModelConfig::from_gguf(&dg)
+                .with_context(|| format!("--draft-model {}", p.display()))?;
+            if dc.vocab != lc.vocab {
+                bail!(
+                    "--draft-model {}: its vocabulary ({} tokens) differs from the model's ({} \
+                     tokens); a draft model must share the model's tokenizer",
+                    p.display(),
+                    dc.vocab,
+                    lc.vocab
+                );
+            }
+            kv_dtype
+                .check_head_dim(dc.head_dim)
+                .map_err(|why| anyhow::anyhow!("--draft-model: {why}"))?;
+            let bpb =
+                kv_dtype.bytes_per_block(dc.n_layer, dc.n_head_kv, dc.head_dim, block_size) as u64;
+            Some((p, dg, dc, bpb))
+        }
+        None => None,
+    };
+    let draft_bpb = draft.as_ref().map_or(0, |d| d.3);
+    let target_bpb = bytes_per_block;
+    let bytes_per_block = bytes_per_block + draft_bpb;
     // The memory a fraction is of: the memory cgroup's limit less the
     // weights (the file's tensor bytes) where a limit is set, else the
     // host's available memory (`/ready` shows which).
@@ -413,6 +481,7 @@ pub fn resolve_with(
                 if let Some(note) = exec.load_note() {
                     tracing::info!("{note}");
                 }
+                debug_assert_eq!(exec.kv_spec().bytes_per_block as u64, target_bpb);
                 (Box::new(exec), num_blocks, bytes_per_block)
             }
         }
@@ -446,6 +515,16 @@ pub fn resolve_with(
             (Box::new(exec), n, kv.bytes_per_block as u64)
         }
     };
+    let draft_exec: Option<Box<dyn Executor>> = match &draft {
+        Some((p, dg, _, _)) => {
+            let mut cpu = model_args.cpu_config(num_blocks as usize, max_num_batched_tokens)?;
+            cpu.head_rows = settings.draft_vocab;
+            let exec = crate::alloc::loading(|| CpuExecutor::from_gguf(dg, &cpu))
+                .with_context(|| format!("loading the draft model {}", p.display()))?;
+            Some(Box::new(exec))
+        }
+        None => None,
+    };
     let sched = cluster
         .sched_config(
             &settings,
@@ -477,9 +556,17 @@ pub fn resolve_with(
         "speculative": match settings.speculation {
             s if !s.is_on() => "off",
             s if s.self_layers > 0 => "self",
+            s if s.draft_model => "draft",
             _ => "ngram",
         },
+        "draft_model": draft.as_ref().map(|(p, _, dc, bpb)| serde_json::json!({
+            "file": p.file_name().map(|f| f.to_string_lossy().into_owned()),
+            "architecture": dc.describe(),
+            "kv_bytes_per_block": bpb,
+            "vocab": if settings.draft_vocab == 0 { dc.vocab } else { settings.draft_vocab.next_multiple_of(8).min(dc.vocab) },
+        })),
         "num_speculative_tokens": settings.speculation.max_draft,
+        "draft_p_min": settings.speculation.draft_model.then_some(settings.speculation.draft_p_min),
         "speculative_max_batch": settings.speculation.max_batch,
         "kv_offload_bytes": settings.kv_offload_bytes,
         "queue_timeout_s": settings.queue_timeout.as_secs_f64(),
@@ -498,6 +585,7 @@ pub fn resolve_with(
         kv_bytes: num_blocks as u64 * bytes_per_block,
         config_origin,
         offload_path: settings.kv_offload_path.clone(),
+        draft: draft_exec,
     })
 }
 
@@ -574,6 +662,7 @@ async fn serve(
             constraints: Some(constraints.clone()),
             offload_path: r.offload_path.clone(),
             tracing: tracing.clone(),
+            draft: r.draft,
         },
         clock,
         metrics.clone(),

@@ -382,6 +382,7 @@ fn every_flag_the_docs_name_exists() {
         "--repack",
         "--rpc",
         "--spec-type",
+        "--spec-draft-n-max",
     ];
     let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
     let mut files = vec![root.join("README.md"), root.join("CHANGELOG.md")];

@@ -683,6 +683,124 @@ async fn a_self_draft_changes_speed_not_text() {
     assert_eq!(r["kv_blocks"]["used"], 0, "{r}");
 }
 
+/// `--speculative draft`: a draft model beside the model in the worker
+/// guesses where the text gives the lookup nothing. The draft here is the
+/// test model itself with its logits cut to the first 4,096 token ids
+/// (`--draft-vocab`): another output shape, guesses often right and
+/// sometimes not. The text is the same token for token as without
+/// speculation, greedy, sampled with a seed and under a logit bias (which
+/// the draft proposes under); `/config` and `/metrics` show the draft and
+/// its passes; every block (both halves) comes back. A draft of another
+/// vocabulary is refused at start with both sizes named.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_draft_model_changes_speed_not_text() {
+    let model = flotilla_hub::test_model_path();
+    let draft = model.to_string_lossy().into_owned();
+    let c = client();
+    for sampling in [
+        json!({"temperature": 0}),
+        json!({"temperature": 0.8, "top_p": 0.95, "seed": 9}),
+        json!({"temperature": 0, "logit_bias": {"28": 4}}),
+    ] {
+        // A server of its own each: here the draft costs nearly what the
+        // model does, so once the cost sum has measured both it turns the
+        // draft off; until then it drafts all it may.
+        let srv = start(
+            &config(4, 8),
+            &[
+                "--speculative",
+                "draft",
+                "--draft-model",
+                &draft,
+                "--draft-vocab",
+                "4096",
+                "--max-model-len",
+                "1024",
+            ],
+        );
+        let cfg = settings(&srv.base).await;
+        assert_eq!(cfg["speculative"], "draft", "{cfg}");
+        assert_eq!(cfg["draft_model"]["vocab"], 4096, "{cfg}");
+        // The draft's KV shares the model's blocks: a block's bytes are both.
+        let per_block =
+            cfg["kv_cache_bytes"].as_u64().unwrap() / cfg["kv_cache_blocks"].as_u64().unwrap();
+        assert_eq!(
+            per_block,
+            2 * cfg["draft_model"]["kv_bytes_per_block"].as_u64().unwrap(),
+            "{cfg}"
+        );
+        let run = |speculative: bool| {
+            let (c, base, sampling) = (c.clone(), srv.base.clone(), sampling.clone());
+            async move {
+                let body = json!({"prompt": "Write a short story about a lighthouse keeper.",
+                                  "max_tokens": 48, "ignore_eos": true,
+                                  "speculative": speculative});
+                let v = paid_completion(&c, &base, body, &sampling).await;
+                assert_eq!(v["usage"]["completion_tokens"], 48, "{v}");
+                v["choices"][0]["text"].as_str().unwrap().to_string()
+            }
+        };
+        let on = run(true).await;
+        let m = metrics_text(&c, &srv.base).await;
+        let passes: f64 = m
+            .lines()
+            .filter(|l| l.starts_with("flotilla_spec_draft_model_passes_total"))
+            .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+            .sum();
+        let SpecCounts { drafted, accepted } = SpecCounts::from_metrics(&m).unwrap();
+        let off = run(false).await;
+        assert_eq!(on, off, "{sampling}: a draft model changed the text");
+        assert!(passes > 0.0, "{sampling}: the draft model never ran");
+        assert!(
+            drafted > 0 && accepted <= drafted,
+            "{sampling}: {accepted} of {drafted} draft tokens accepted"
+        );
+        if sampling["temperature"] == 0 {
+            assert!(
+                accepted > 0,
+                "greedy: none of {drafted} draft tokens accepted"
+            );
+        }
+        let r = settle(&srv.base).await;
+        assert_eq!(r["kv_blocks"]["used"], 0, "{r}");
+    }
+}
+
+/// A draft model whose vocabulary differs from the model's is refused
+/// before anything loads, with both sizes named; `--speculative draft`
+/// without one names the flag it needs.
+#[test]
+fn a_draft_model_must_share_the_vocabulary() {
+    let model = flotilla_hub::test_model_path();
+    // Gemma 3's vocabulary (262,144 tokens) against SmolLM2's (49,152).
+    let other = flotilla_hub::test_gemma3_path();
+    let out = Command::new(env!("CARGO_BIN_EXE_flotilla"))
+        .arg("serve")
+        .arg("--model")
+        .arg(&model)
+        .arg("--draft-model")
+        .arg(&other)
+        .args(["--port", "0"])
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{err}");
+    assert!(
+        err.contains("49152 tokens") && err.contains("262144 tokens"),
+        "{err}"
+    );
+    let out = Command::new(env!("CARGO_BIN_EXE_flotilla"))
+        .arg("serve")
+        .arg("--model")
+        .arg(&model)
+        .args(["--speculative", "draft", "--port", "0"])
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{err}");
+    assert!(err.contains("--draft-model NAME|PATH"), "{err}");
+}
+
 /// The KV offload tier through the whole server, on a KV cache of 40
 /// blocks (640 tokens) with a tier of 200. A second long prompt evicts the
 /// first's cached blocks into the tier; the first prompt's next turn

@@ -52,6 +52,13 @@ pub struct CpuConfig {
     /// choice where decode is bound by memory, the slower where it is
     /// bound by the core; `docs/BENCHMARKS.md`).
     pub compact_k_quants: bool,
+    /// Logits for the first this many tokens only (rounded up to a
+    /// multiple of 8); 0: the whole vocabulary. For a draft model, whose
+    /// guesses need only be likely: a BPE vocabulary's ids come in the
+    /// order of its merges, the commonest pieces first, so a head over the
+    /// first ids reads a fraction of the bytes and seldom misses the
+    /// token the target picks (the target verifies every guess anyway).
+    pub head_rows: usize,
 }
 
 impl Default for CpuConfig {
@@ -65,6 +72,7 @@ impl Default for CpuConfig {
             max_batch_tokens: 512,
             layout_cache: None,
             compact_k_quants: false,
+            head_rows: 0,
         }
     }
 }
@@ -157,6 +165,8 @@ pub struct CpuExecutor {
     int8_rot: Option<(usize, usize)>,
     /// What the load did with the layout cache, when one was named.
     load_note: Option<String>,
+    /// The head's first rows (`CpuConfig::head_rows`), where it is cut.
+    short_head: Option<QMatrix>,
 }
 
 /// The weights, from the layout cache in `dir` where it holds this
@@ -377,6 +387,13 @@ impl CpuExecutor {
             KvDtype::Int8 => int8_rotations(cfg.head_dim),
             _ => None,
         };
+        let short_head = match c.head_rows {
+            0 => None,
+            n if n.next_multiple_of(8) >= cfg.vocab => None,
+            n => Some(w.head().first_rows(n.next_multiple_of(8)).ok_or_else(|| {
+                LoadError::Config(format!("the head cannot be cut to its first {n} rows"))
+            })?),
+        };
         Ok(CpuExecutor {
             kernel: c.kernel.resolve(),
             pool: ThreadPool::new(c.threads),
@@ -390,6 +407,7 @@ impl CpuExecutor {
             layers: None,
             int8_rot,
             load_note,
+            short_head,
         })
     }
 
@@ -641,13 +659,15 @@ impl CpuExecutor {
                 &mut s.xn[j * d..(j + 1) * d],
             );
         }
-        let vocab = self.cfg.vocab;
+        let head = self.short_head.as_ref().unwrap_or(self.w.head());
+        let vocab = head.rows;
+        out.vocab = vocab;
         out.logits.resize(n_out * vocab, 0.0);
         let acts = quantize_acts(self.kernel, &s.xn[..n_out * d], d, &mut s.q8, &self.pool);
         matmul(
             &self.pool,
             self.kernel,
-            &[(self.w.head(), OutPtr::new(&mut out.logits, vocab, 0))],
+            &[(head, OutPtr::new(&mut out.logits, vocab, 0))],
             &acts,
         );
         for (i, q) in batch.iter().enumerate() {

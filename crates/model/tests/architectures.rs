@@ -107,6 +107,7 @@ fn exec_kv(path: &Path, kernel: Kernel, kv_dtype: KvDtype) -> CpuExecutor {
         max_batch_tokens: 64,
         layout_cache: None,
         compact_k_quants: false,
+        head_rows: 0,
     };
     CpuExecutor::load(&path.join("model.gguf"), &cfg).expect("load the tiny model")
 }

@@ -249,3 +249,53 @@ fn early_exit_agreement_with_the_whole_model() {
         "a quarter of the model predicts like all of it"
     );
 }
+
+/// A draft model's cut head (`CpuConfig::head_rows`): the logits of the
+/// first ids are the whole head's, to the bit, and its greedy token is
+/// the best among them (a guess; the target verifies it).
+#[test]
+fn a_cut_head_computes_the_first_logits_of_the_whole_head() {
+    let table: Vec<u32> = (0..16).collect();
+    let mut whole = exec(KvDtype::F16);
+    let cfg = CpuConfig {
+        kv_dtype: KvDtype::F16,
+        threads: 2,
+        num_blocks: 64,
+        max_batch_tokens: 128,
+        head_rows: 1000,
+        ..Default::default()
+    };
+    let mut cut = CpuExecutor::load(&flotilla_hub::test_model_path(), &cfg).unwrap();
+    let (mut a, mut b) = (StepOutputs::default(), StepOutputs::default());
+    whole
+        .step(&one_seq(&PROMPT, 0, OutputKind::Logits, &table), &mut a)
+        .unwrap();
+    cut.step(&one_seq(&PROMPT, 0, OutputKind::Logits, &table), &mut b)
+        .unwrap();
+    assert_eq!(b.vocab, 1000);
+    assert!(a.vocab > 40_000, "{}", a.vocab);
+    let (ra, rb) = (a.seqs[0].logits_row.unwrap(), b.seqs[0].logits_row.unwrap());
+    let first = &a.logits[ra * a.vocab..ra * a.vocab + 1000];
+    assert_eq!(first, &b.logits[rb * 1000..(rb + 1) * 1000]);
+    // Its greedy pick: the argmax of those first ids.
+    let p = SamplingParams::greedy();
+    cut.step(&one_seq(&PROMPT, 0, OutputKind::Sample(p), &table), &mut b)
+        .unwrap();
+    let best = first
+        .iter()
+        .enumerate()
+        .max_by(|x, y| x.1.total_cmp(y.1))
+        .unwrap()
+        .0;
+    assert_eq!(b.seqs[0].sampled.as_ref().unwrap().token as usize, best);
+    // A cut that is not a whole number of the kernels' row groups is
+    // rounded up to one.
+    let cfg = CpuConfig {
+        head_rows: 1001,
+        ..cfg
+    };
+    let mut odd = CpuExecutor::load(&flotilla_hub::test_model_path(), &cfg).unwrap();
+    odd.step(&one_seq(&PROMPT, 0, OutputKind::Logits, &table), &mut b)
+        .unwrap();
+    assert_eq!(b.vocab, 1008);
+}

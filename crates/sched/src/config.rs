@@ -64,7 +64,7 @@ pub enum Batching {
 /// Speculative decoding: draft tokens proposed from the sequence's own
 /// text (n-gram prompt lookup) and verified in the next step beside
 /// everything else (see [`crate::Scheduler::schedule`]).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq)]
 pub struct Speculation {
     /// Most draft tokens per sequence per step; 0 turns speculation off.
     pub max_draft: usize,
@@ -86,7 +86,21 @@ pub struct Speculation {
     /// before the step). 0: n-gram drafts only. [`SELF_LAYERS_DEFAULT`]
     /// until the engine, which knows the model, resolves it.
     pub self_layers: usize,
+    /// A draft model guesses where the n-gram lookup finds nothing
+    /// (`PlanItem::model_draft`; the GpuWorker holds the model and runs
+    /// its passes before the step). How many tokens it drafts is the cost
+    /// sum's answer ([`crate::best_draft`]) from the measured step costs
+    /// and acceptance, up to `max_draft`, in steps of any size
+    /// (`max_batch` bounds the n-gram drafts only).
+    pub draft_model: bool,
+    /// A draft model's guess whose probability under the draft is below
+    /// this is not proposed, and its sequence drafts no further that step
+    /// (0: every guess up to the length is proposed).
+    pub draft_p_min: f32,
 }
+
+/// `Speculation::draft_p_min` unless told otherwise.
+pub const DRAFT_P_MIN: f32 = 0.5;
 
 /// `Speculation::self_layers` before the engine resolves it: three
 /// quarters of the model's layers.
@@ -101,6 +115,8 @@ impl Speculation {
         max_batch: 0,
         max_step: 0,
         self_layers: 0,
+        draft_model: false,
+        draft_p_min: 0.0,
     };
 
     /// N-gram prompt lookup with `max_draft` tokens per step.
@@ -112,6 +128,18 @@ impl Speculation {
             max_batch: 2,
             max_step: usize::MAX,
             self_layers: 0,
+            draft_model: false,
+            draft_p_min: 0.0,
+        }
+    }
+
+    /// N-gram prompt lookup, and a draft model's guess where it finds
+    /// nothing.
+    pub fn draft_model(max_draft: usize) -> Speculation {
+        Speculation {
+            draft_model: true,
+            draft_p_min: DRAFT_P_MIN,
+            ..Speculation::ngram(max_draft)
         }
     }
 

@@ -146,6 +146,51 @@ impl StepCost {
     }
 }
 
+/// Speculative decoding with a draft model, as a cost sum: a step of `b`
+/// decodes, each drafting `k` tokens, runs `k` draft passes of `b` rows
+/// (`draft`'s line) and a verify step of `b * (k + 1)` positions
+/// (`target`'s line), and yields `(1 - alpha^(k+1)) / (1 - alpha)` tokens
+/// per sequence at a per-token acceptance `alpha`. The ratio of its tokens
+/// per second to a plain decode step's (1.0 at `k = 0`).
+pub fn draft_gain(target: &CostLine, draft: &CostLine, alpha: f64, b: usize, k: usize) -> f64 {
+    let b = b.max(1) as f64;
+    let alpha = alpha.clamp(0.0, 0.999);
+    let tokens = (0..=k).map(|j| alpha.powi(j as i32)).sum::<f64>();
+    let plain = target.fixed + b * target.per_decode();
+    let spec = plain
+        + b * k as f64 * target.per_decode()
+        + k as f64 * (draft.fixed + b * draft.per_decode());
+    if plain <= 0.0 || spec <= 0.0 {
+        return 1.0;
+    }
+    (tokens / spec) / (1.0 / plain)
+}
+
+/// The draft length in `0..=max` with the largest [`draft_gain`], and that
+/// gain; 0 (gain 1.0) unless some length gains at least `margin` (a
+/// fraction: the fit's error is not worth a loss).
+pub fn best_draft(
+    target: &CostLine,
+    draft: &CostLine,
+    alpha: f64,
+    b: usize,
+    max: usize,
+    margin: f64,
+) -> (usize, f64) {
+    let mut best = (0, 1.0);
+    for k in 1..=max {
+        let g = draft_gain(target, draft, alpha, b, k);
+        if g > best.1 {
+            best = (k, g);
+        }
+    }
+    if best.1 < 1.0 + margin {
+        (0, 1.0)
+    } else {
+        best
+    }
+}
+
 /// Whole items of `per` seconds each that fit in `secs` (0 if none), a
 /// millionth of an item forgiving the fit's rounding.
 pub(crate) fn fits(secs: f64, per: f64) -> usize {
@@ -253,5 +298,39 @@ mod tests {
         let l = c.line().unwrap();
         assert_eq!(l.fixed, 0.0);
         assert!(l.per_token > 0.0);
+    }
+
+    #[test]
+    fn a_draft_pays_where_steps_are_bound_by_the_weights_and_turns_down_as_streams_grow() {
+        // A step reads the weights once (40 ms) and each position adds 2 ms;
+        // the draft model's pass costs 10 ms + 0.5 ms a row.
+        let target = CostLine {
+            fixed: 0.040,
+            per_token: 0.002,
+            per_output: 0.0,
+        };
+        let draft = CostLine {
+            fixed: 0.010,
+            per_token: 0.0005,
+            per_output: 0.0,
+        };
+        // k = 0 is a plain step.
+        assert!((draft_gain(&target, &draft, 0.7, 1, 0) - 1.0).abs() < 1e-12);
+        // One stream, alpha 0.7, k = 3: (1+.7+.49+.343) = 2.533 tokens in
+        // 42 + 6 + 31.5 = 79.5 ms against 1 in 42 ms: 1.338x.
+        let g = draft_gain(&target, &draft, 0.7, 1, 3);
+        assert!((g - 2.533 * 42.0 / 79.5).abs() < 1e-3, "{g}");
+        let (k, gain) = best_draft(&target, &draft, 0.7, 1, 8, 0.02);
+        assert!(k >= 2 && gain > 1.3, "{k} {gain}");
+        // Many streams: verify positions cost as much as the tokens they
+        // may save, and the draft is turned off.
+        let (k, gain) = best_draft(&target, &draft, 0.7, 64, 8, 0.02);
+        assert_eq!((k, gain), (0, 1.0));
+        // A draft that is rarely right never pays.
+        assert_eq!(best_draft(&target, &draft, 0.05, 1, 8, 0.02).0, 0);
+        // More acceptance, longer drafts.
+        let lo = best_draft(&target, &draft, 0.6, 1, 16, 0.0).0;
+        let hi = best_draft(&target, &draft, 0.95, 1, 16, 0.0).0;
+        assert!(hi > lo, "{lo} {hi}");
     }
 }

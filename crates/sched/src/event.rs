@@ -120,4 +120,9 @@ pub struct Counters {
     pub drafted_tokens: u64,
     /// Draft tokens accepted.
     pub accepted_tokens: u64,
+    /// Sequences' steps that verified a draft (tokens per verify step:
+    /// `(accepted_tokens + verify_items) / verify_items`).
+    pub verify_items: u64,
+    /// Of those, the drafts a draft model guessed.
+    pub model_drafts: u64,
 }

@@ -37,10 +37,10 @@ use flotilla_proto::{
 };
 
 pub use config::{
-    Batching, ConfigError, DECODE_STEPS_MAX, SELF_LAYERS_DEFAULT, SchedConfig, Speculation,
-    TenantConfig, TierConfig,
+    Batching, ConfigError, DECODE_STEPS_MAX, DRAFT_P_MIN, SELF_LAYERS_DEFAULT, SchedConfig,
+    Speculation, TenantConfig, TierConfig,
 };
-pub use cost::{CostLine, StepCost};
+pub use cost::{CostLine, StepCost, best_draft, draft_gain};
 pub use event::{Counters, SchedEvent, Timings};
 pub use plan::{PROTECT_LINGER, Plan, PlanItem};
 
@@ -92,6 +92,12 @@ pub struct Scheduler {
     protect_linger: Option<(Duration, usize, Vec<bool>)>,
     /// What steps cost on this engine, from the ones it ran (time targets).
     step_cost: StepCost,
+    /// What a draft model's pass costs (speculative decoding with a draft
+    /// model), from the passes the worker ran.
+    draft_cost: StepCost,
+    /// The draft model's acceptance so far, decayed: tokens accepted and
+    /// drafts cut short by a rejection (a geometric fit's counts).
+    draft_accept: (f64, f64),
     /// Blocks of finished prefills kept for export to a decode node.
     held: BTreeMap<RequestId, HeldKv>,
     /// Blocks reserved for KV a prefill node is about to send.
@@ -102,6 +108,17 @@ pub struct Scheduler {
     /// request is refused.
     constraints: Option<std::sync::Arc<dyn flotilla_exec::ConstraintCompiler>>,
 }
+
+/// The draft model's acceptance before any draft was verified: 0.7 per
+/// token (what a draft of the same family reaches on code), worth three
+/// drafts' evidence.
+pub const DRAFT_ACCEPT_PRIOR: (f64, f64) = (2.1, 0.9);
+/// A draft model drafts only where the cost sum predicts at least this
+/// gain: the fit's error is not worth a loss.
+pub const DRAFT_MARGIN: f64 = 0.03;
+/// The engine's acceptance counts as this many drafts of a sequence's own
+/// until it has some: a sequence's text soon says how guessable it is.
+pub const DRAFT_PRIOR_DRAFTS: f64 = 2.0;
 
 impl Scheduler {
     /// Validates `cfg` and builds the KV pool with every block free.
@@ -151,6 +168,8 @@ impl Scheduler {
             lower_cursor: 0,
             protect_linger: None,
             step_cost: StepCost::default(),
+            draft_cost: StepCost::default(),
+            draft_accept: DRAFT_ACCEPT_PRIOR,
             held: BTreeMap::new(),
             reservations: BTreeMap::new(),
             kv_deadlines: BTreeSet::new(),
@@ -309,6 +328,39 @@ impl Scheduler {
             .map(|i| 1 + i.draft)
             .sum();
         self.step_cost.observe(plan.num_tokens(), outputs, elapsed);
+    }
+
+    /// Teaches the draft model's cost one pass the worker ran: `tokens`
+    /// positions (catch-up included), `rows` sequences, in `elapsed`.
+    pub fn observe_draft(&mut self, tokens: usize, rows: usize, elapsed: Duration) {
+        self.draft_cost.observe(tokens, rows, elapsed);
+    }
+
+    /// The draft model's per-token acceptance so far (a prior of
+    /// [`DRAFT_ACCEPT_PRIOR`] before any draft was verified).
+    pub fn draft_acceptance(&self) -> f64 {
+        let (acc, cut) = self.draft_accept;
+        acc / (acc + cut).max(1e-9)
+    }
+
+    /// What the cost sum says a step of `decodes` decodes should draft with
+    /// the draft model, and the gain it predicts (tokens per second against
+    /// no draft), at the engine's acceptance: `None` until both costs are
+    /// measured.
+    pub fn draft_plan(&self, decodes: usize) -> Option<(usize, f64)> {
+        self.draft_plan_at(self.draft_acceptance(), decodes)
+    }
+
+    /// [`Scheduler::draft_plan`] at acceptance `alpha`.
+    pub(crate) fn draft_plan_at(&self, alpha: f64, decodes: usize) -> Option<(usize, f64)> {
+        let (t, d) = (self.step_cost.line()?, self.draft_cost.line()?);
+        let max = self.cfg.speculation.max_draft;
+        Some(best_draft(&t, &d, alpha, decodes, max, DRAFT_MARGIN))
+    }
+
+    /// The draft model's cost fitted so far.
+    pub fn draft_cost(&self) -> Option<CostLine> {
+        self.draft_cost.line()
     }
 
     /// The step cost fitted so far (`None` before a few steps ran).

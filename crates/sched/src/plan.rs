@@ -87,6 +87,14 @@ pub struct PlanItem {
     /// (`Executor::draft_step`, one pass per draft token). 0: the tokens
     /// are the draft (or there is none).
     pub self_draft: usize,
+    /// A draft model's draft: the draft tokens are placeholders, which the
+    /// GpuWorker replaces before the step with the draft model's greedy
+    /// guesses (under the item's `bias`). Holds the sequence's tokens
+    /// before `start_pos`: the draft model's KV (in the same blocks, its
+    /// own bytes) may lack any of them (a prefix cached by a sequence that
+    /// never drafted, KV moved in from another node or the offload tier),
+    /// and the worker computes what it lacks first. `None`: no model draft.
+    pub model_draft: Option<Vec<u32>>,
 }
 
 impl PlanItem {
@@ -123,6 +131,8 @@ pub(crate) struct Draft {
     pub(crate) guesses: Vec<(RequestId, Vec<u32>)>,
     /// Of those, the ones whose tokens are placeholders for a self-draft.
     pub(crate) self_drafted: Vec<RequestId>,
+    /// And those whose placeholders the draft model fills.
+    pub(crate) model_drafted: Vec<RequestId>,
     pub(crate) budget: usize,
     /// Prefill tokens each tier may still add this step (see
     /// [`Scheduler::prefill_caps`]).
@@ -290,6 +300,7 @@ impl Scheduler {
             chunks: Vec::with_capacity(self.cfg.max_num_seqs),
             guesses: Vec::new(),
             self_drafted: Vec::new(),
+            model_drafted: Vec::new(),
             budget: self.cfg.max_num_batched_tokens,
             prefill_left: self.prefill_caps(),
             protect,
@@ -1011,6 +1022,10 @@ impl Scheduler {
                         0
                     },
                     draft: guess.len(),
+                    model_draft: draft
+                        .model_drafted
+                        .contains(&id)
+                        .then(|| seq.tokens[..start].to_vec()),
                 }
             })
             .collect();

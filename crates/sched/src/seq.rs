@@ -77,6 +77,11 @@ pub(crate) struct SpecState {
     pub(crate) drafted: u32,
     /// Draft tokens accepted.
     pub(crate) accepted: u32,
+    /// A draft model's guesses for this sequence: tokens accepted and
+    /// drafts cut short by a rejection (its own acceptance, which decides
+    /// its draft length with the engine's as a prior).
+    pub(crate) model_accepted: f64,
+    pub(crate) model_cut: f64,
 }
 
 impl Seq {

@@ -9,7 +9,9 @@
 //! never a preemption), only in steps with few decodes (where a step's time
 //! is reading the weights, and extra positions are nearly free), and a
 //! sequence whose drafts keep failing waits longer and longer before its
-//! next one.
+//! next one. A draft model's drafts are the exception to "few decodes":
+//! their length comes from the cost sum ([`crate::best_draft`]), which
+//! turns them down as the step grows.
 
 use crate::Scheduler;
 use crate::plan::Draft;
@@ -64,9 +66,14 @@ impl Scheduler {
             .filter(|c| c.2 == 1 && self.seqs[&c.0].to_compute() == 1)
             .filter(|c| !draft.is_lower(self.seqs[&c.0].tier))
             .count();
-        if decodes == 0 || decodes > spec.max_batch {
+        // N-gram and self-drafts only in small steps; a draft model's
+        // length is the cost sum's answer for a step of this many decodes
+        // (its full length until both costs are measured, so they are).
+        let small = decodes <= spec.max_batch;
+        if decodes == 0 || (!small && !spec.draft_model) {
             return;
         }
+        let engine_alpha = self.draft_acceptance();
         let bs = self.cfg.block_size as usize;
         let mut step_left = spec.max_step;
         let mut guess = Vec::new();
@@ -99,10 +106,10 @@ impl Scheduler {
             // A grammar's forced tokens first (accepted whenever they are
             // the model's tokenization of them), else the text's n-grams.
             guess.clear();
-            if let Some(c) = &seq.constraint {
+            if let Some(c) = seq.constraint.as_ref().filter(|_| small) {
                 flotilla_exec::constraint::forced(c, room, &mut guess);
             }
-            if guess.is_empty() {
+            if guess.is_empty() && small {
                 ngram_draft(
                     &seq.tokens,
                     spec.ngram_min,
@@ -116,6 +123,7 @@ impl Scheduler {
             // before the step, when neither is known to the plan).
             let mut self_drafted = false;
             if guess.is_empty()
+                && small
                 && spec.self_layers > 0
                 && seq.constraint.is_none()
                 && !seq.penalised()
@@ -123,6 +131,31 @@ impl Scheduler {
                 let last = *seq.tokens.last().expect("a decode has tokens");
                 guess.resize(room, last);
                 self_drafted = true;
+            }
+            // Else the draft model's, as long as the cost sum says, under
+            // the same bias (a constant one: not under penalties, which
+            // change with every token, nor a grammar's mask).
+            // Its length: the cost sum's at this sequence's own acceptance
+            // (the engine's as a prior), the most it may until the costs
+            // are measured.
+            let mut model_drafted = false;
+            if guess.is_empty() && spec.draft_model && seq.constraint.is_none() && !seq.penalised()
+            {
+                // The prior: that many drafts at the engine's acceptance
+                // (a geometric draft: a / (1 - a) tokens, one cut).
+                let s = &seq.spec;
+                let prior = crate::DRAFT_PRIOR_DRAFTS;
+                let tokens = prior * engine_alpha / (1.0 - engine_alpha).max(1e-3);
+                let alpha =
+                    (s.model_accepted + tokens) / (s.model_accepted + s.model_cut + tokens + prior);
+                let k = self
+                    .draft_plan_at(alpha, decodes)
+                    .map_or(spec.max_draft, |(k, _)| k);
+                if k > 0 {
+                    let last = *seq.tokens.last().expect("a decode has tokens");
+                    guess.resize(room.min(k), last);
+                    model_drafted = true;
+                }
             }
             if guess.is_empty() {
                 continue;
@@ -148,6 +181,9 @@ impl Scheduler {
             step_left -= guess.len();
             if self_drafted {
                 draft.self_drafted.push(id);
+            }
+            if model_drafted {
+                draft.model_drafted.push(id);
             }
             draft.guesses.push((id, std::mem::take(&mut guess)));
         }

@@ -12,6 +12,10 @@ use crate::{Plan, SchedEvent, Scheduler};
 /// failing.
 const MAX_BACKOFF: usize = 64;
 
+/// Weight kept by the draft model's old acceptance at each verified draft:
+/// the estimate follows the last ~30 drafts (the text being written moves).
+const DRAFT_DECAY: f64 = 0.97;
+
 impl Scheduler {
     /// Applies the executor's results of `plan`: `outs[i]` is item `i`'s
     /// output (its sampled token, after the draft tokens it accepted, if
@@ -76,7 +80,19 @@ impl Scheduler {
                 self.fail(now, item.id, failure);
                 continue;
             }
+            if item.draft > 0 && item.model_draft.is_some() {
+                // A geometric fit's counts: the tokens accepted, and one
+                // rejection unless all were.
+                let cut_short = f64::from(u8::from(accepted < item.draft));
+                let (acc, cut) = &mut self.draft_accept;
+                *acc = *acc * DRAFT_DECAY + accepted as f64;
+                *cut = *cut * DRAFT_DECAY + cut_short;
+                seq.spec.model_accepted += accepted as f64;
+                seq.spec.model_cut += cut_short;
+                self.counters.model_drafts += 1;
+            }
             if item.draft > 0 {
+                self.counters.verify_items += 1;
                 self.counters.drafted_tokens += item.draft as u64;
                 self.counters.accepted_tokens += accepted as u64;
                 seq.spec.drafted += item.draft as u32;

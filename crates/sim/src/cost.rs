@@ -165,10 +165,36 @@ pub struct ModelShape {
 }
 
 impl ModelShape {
-    /// `llama-7b` (Llama 2 7B, MHA), `llama3-8b` (GQA 8 KV heads),
-    /// `smollm2-135m` (the default model, Q4_1).
+    /// The presets' names.
+    pub const PRESETS: [&str; 6] = [
+        "llama-7b",
+        "llama-1b",
+        "llama3-8b",
+        "llama3-1b",
+        "smollm2-135m",
+        "gemma3-270m",
+    ];
+
+    /// `llama-7b` (Llama 2 7B, MHA), `llama-1b` (TinyLlama 1.1B: Llama
+    /// 2's tokenizer, a draft model for it), `llama3-8b` (GQA 8 KV heads),
+    /// `llama3-1b` (Llama 3.2 1B: Llama 3's tokenizer, a draft for it),
+    /// `smollm2-135m` (the default model, Q4_1), `gemma3-270m`.
     pub fn preset(name: &str) -> Option<ModelShape> {
         Some(match name {
+            "llama-1b" => ModelShape {
+                name: name.into(),
+                params: 1.1e9,
+                weight_bytes_per_param: 2.0,
+                n_layer: 22,
+                q_width: 2048,
+                n_head_kv: 4,
+                head_dim: 64,
+                kv_dtype: KvDtype::F16,
+                vocab: 32_000,
+                ctx_len: 2048,
+                window: 0,
+                window_layers: 0,
+            },
             "llama-7b" => ModelShape {
                 name: name.into(),
                 params: 6.74e9,
@@ -180,6 +206,20 @@ impl ModelShape {
                 kv_dtype: KvDtype::F16,
                 vocab: 32_000,
                 ctx_len: 4096,
+                window: 0,
+                window_layers: 0,
+            },
+            "llama3-1b" => ModelShape {
+                name: name.into(),
+                params: 1.24e9,
+                weight_bytes_per_param: 2.0,
+                n_layer: 16,
+                q_width: 2048,
+                n_head_kv: 8,
+                head_dim: 64,
+                kv_dtype: KvDtype::F16,
+                vocab: 128_256,
+                ctx_len: 8192,
                 window: 0,
                 window_layers: 0,
             },

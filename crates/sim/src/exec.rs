@@ -127,6 +127,43 @@ pub struct SimExecutor {
     moves: u32,
     /// Where this engine is a pipeline group: its stages' model.
     pipe: Option<SimPipe>,
+    /// Where it verifies a draft model's guesses: how often each request's
+    /// are right.
+    acceptance: Option<std::sync::Arc<Acceptance>>,
+}
+
+/// The per-token acceptance of a draft model's guesses for each request
+/// (by its sampling seed, which the simulator makes its id): the
+/// simulated tokens are random, so whether a guess is right is drawn at
+/// the rate of the request's tenant (`[[traffic]] draft_acceptance`).
+#[derive(Debug, Default)]
+pub struct Acceptance(std::sync::Mutex<std::collections::HashMap<u64, f64>>);
+
+impl Acceptance {
+    /// Request `seed`'s guesses are right at `rate`.
+    pub fn set(&self, seed: u64, rate: f64) {
+        self.0
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .insert(seed, rate);
+    }
+
+    /// Forgets a request that ended.
+    pub fn forget(&self, seed: u64) {
+        self.0
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .remove(&seed);
+    }
+
+    fn of(&self, seed: u64) -> f64 {
+        self.0
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .get(&seed)
+            .copied()
+            .unwrap_or(0.0)
+    }
 }
 
 /// A pipeline group as the simulator models it (issue 45): each of
@@ -321,7 +358,57 @@ impl SimExecutor {
             moves: 0,
             tap: None,
             pipe: None,
+            acceptance: None,
         })
+    }
+
+    /// Makes room beside this engine's model for a draft model of shape
+    /// `draft` on the same accelerator: its weights, and its KV in the
+    /// same blocks (a block's bytes are both models'), so the KV cache
+    /// has fewer blocks. Its verify steps accept guesses at each request's
+    /// rate in `acceptance`.
+    pub fn with_draft(
+        mut self,
+        draft: &ModelShape,
+        acceptance: std::sync::Arc<Acceptance>,
+    ) -> Result<SimExecutor, String> {
+        let block = self.kv.block_size;
+        let bytes = (block * (self.shape.kv_bytes_per_token() + draft.kv_bytes_per_token())) as f64;
+        let free = self.gpu.mem_bytes * 0.9 - self.shape.weight_bytes() - draft.weight_bytes();
+        let num_blocks = (free / bytes).floor();
+        if num_blocks < (self.shape.ctx_len / block) as f64 {
+            return Err(format!(
+                "{} with the draft {} on {}: their weights leave room for {num_blocks} KV \
+                 blocks, fewer than one sequence of {} tokens",
+                self.shape.name, draft.name, self.gpu.name, self.shape.ctx_len
+            ));
+        }
+        self.kv.num_blocks = num_blocks.min(f64::from(u32::MAX / 2)) as usize;
+        self.acceptance = Some(acceptance);
+        Ok(self)
+    }
+
+    /// The draft model of an engine whose model runs `target` (its KV in
+    /// `target`'s blocks): its passes cost what the cost model says for its
+    /// shape; its guesses are random tokens (whether one is right is drawn
+    /// by the target's verify, [`SimExecutor::with_draft`]).
+    pub fn draft_for(
+        target: &SimExecutor,
+        draft: ModelShape,
+        rng: Rng,
+    ) -> Result<SimExecutor, String> {
+        let mut d = SimExecutor::new(
+            target.gpu.clone(),
+            ModelShape {
+                ctx_len: target.shape.ctx_len,
+                ..draft
+            },
+            target.kv.block_size,
+            target.max_batch_tokens,
+            rng,
+        )?;
+        d.kv.num_blocks = target.kv.num_blocks;
+        Ok(d)
     }
 
     /// Makes this engine a pipeline group of `model.stages` stages whose
@@ -390,8 +477,17 @@ impl SimExecutor {
             // positions are charged above); a random draw seldom equals it.
             let mut o = SeqOutput::default();
             let (rng, vocab) = (&mut self.rng, self.shape.vocab as u64);
-            flotilla_exec::sample_outputs(s, &mut o, |_| Sampled {
-                token: rng.range(3, vocab - 1) as u32,
+            // A draft model's guess is right at its request's rate.
+            let (draft, rate) = match (s.output, &self.acceptance) {
+                (OutputKind::Verify { draft, params }, Some(a)) => (draft, a.of(params.seed)),
+                _ => (0, 0.0),
+            };
+            let guesses = &s.tokens[s.tokens.len() - draft..];
+            flotilla_exec::sample_outputs(s, &mut o, |d| Sampled {
+                token: match guesses.get(d.row) {
+                    Some(&g) if rng.chance(rate) => g,
+                    _ => rng.range(3, vocab - 1) as u32,
+                },
                 logprob: 0.0,
                 top: Vec::new(),
             });

@@ -412,6 +412,8 @@ struct World {
     orphans: Mutex<u64>,
     /// Each engine node's pipeline stages' health (`[pipeline]`), by node.
     stages: Vec<Arc<crate::exec::StageHealth>>,
+    /// With a draft model: each request's acceptance (its tenant's).
+    acceptance: Arc<crate::exec::Acceptance>,
 }
 
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
@@ -432,6 +434,18 @@ async fn simulate(sc: &Scenario, seed: u64) -> Result<Report, SimError> {
         sc.stages(),
     )
     .map_err(|m| SimError::Scenario(ScenarioError::Invalid(m)))?;
+    // A draft model beside the model takes its weights' room, and its KV
+    // shares the model's blocks.
+    let draft = sc.draft_shape()?;
+    let acceptance = Arc::new(crate::exec::Acceptance::default());
+    let probe = match &draft {
+        Some(d) => probe
+            .with_draft(d, acceptance.clone())
+            .map_err(|m| SimError::Scenario(ScenarioError::Invalid(m)))?,
+        None => probe,
+    };
+    let block_bytes = e.block_size
+        * (shape.kv_bytes_per_token() + draft.as_ref().map_or(0, |d| d.kv_bytes_per_token()));
     // The Scheduler's settings from the scenario's config tables, built
     // and checked by the same code as `flotilla serve`'s.
     let cfg = &sc.config;
@@ -440,10 +454,7 @@ async fn simulate(sc: &Scenario, seed: u64) -> Result<Report, SimError> {
         .sched_config(
             e,
             sc.max_model_len,
-            (
-                probe.kv_spec().num_blocks as u32,
-                (e.block_size * shape.kv_bytes_per_token()) as u64,
-            ),
+            (probe.kv_spec().num_blocks as u32, block_bytes as u64),
             Vec::new(),
         )
         .map_err(invalid)?;
@@ -511,6 +522,7 @@ async fn simulate(sc: &Scenario, seed: u64) -> Result<Report, SimError> {
         stages: (0..=n)
             .map(|_| Arc::new(crate::exec::StageHealth::new(sc.stages())))
             .collect(),
+        acceptance,
     });
     for i in 1..=n as u32 {
         start_engine(&world, i, 1).await?;
@@ -715,6 +727,19 @@ async fn start_engine(w: &Arc<World>, node: u32, life: u64) -> Result<(), SimErr
     if let Some(pipe) = w.sc.pipe_model()? {
         exec = exec.pipelined(pipe, w.stages[node as usize].clone());
     }
+    // A decode node's draft model (a prefill node never drafts).
+    let mut draft: Option<Box<dyn flotilla_exec::Executor>> = None;
+    if let Some(d) = w.sc.draft_shape()?
+        && w.sc.role_of(node) != Role::Prefill
+    {
+        exec = exec
+            .with_draft(&d, w.acceptance.clone())
+            .map_err(SimError::Start)?;
+        let rng = w.rng.split(200 + u64::from(node) * 1000 + life);
+        draft = Some(Box::new(
+            SimExecutor::draft_for(&exec, d, rng).map_err(SimError::Start)?,
+        ));
+    }
     // A prefill node samples each request's first token too; only decoding
     // engines say where a request runs.
     if w.sc.run.check_every_step && w.sc.role_of(node) != Role::Prefill {
@@ -741,6 +766,7 @@ async fn start_engine(w: &Arc<World>, node: u32, life: u64) -> Result<(), SimErr
             constraints: Some(Arc::new(crate::exec::SimConstraints { vocab })),
             offload_path: None,
             tracing: None,
+            draft,
         },
         Arc::new(SimClock(w.t0)),
         metrics,
@@ -1034,6 +1060,7 @@ async fn one_request(w: &Arc<World>, tenant: usize, rng: &mut Rng) {
         *n
     };
     lock(&w.trace).record(id, SUBMIT, u64::from(prompt_len));
+    w.acceptance.set(id, t.draft_acceptance);
     tracing::debug!(req = id, prompt_len, max_tokens, "client: submit");
     let sent = Instant::now();
     let req = EngineRequest {

@@ -313,6 +313,16 @@ pub struct TrafficSection {
     /// mask, which costs the accelerator's `mask_us`.
     #[serde(default)]
     pub constrained_fraction: f64,
+    /// With a draft model (`[engine] draft_model`): how often its guess at
+    /// this tenant's next token is right, per token (the simulated tokens
+    /// are random, so the verify draws it). Code and edits run high, chat
+    /// lower.
+    #[serde(default = "default_draft_acceptance")]
+    pub draft_acceptance: f64,
+}
+
+fn default_draft_acceptance() -> f64 {
+    0.7
 }
 
 /// An arrival process.
@@ -622,13 +632,43 @@ impl Scenario {
         }))
     }
 
+    /// The draft model's shape, where `[engine]` speculates with one
+    /// (`draft_model`: a model preset sharing the model's vocabulary).
+    pub fn draft_shape(&self) -> Result<Option<ModelShape>, ScenarioError> {
+        if !self.engine.speculation.draft_model {
+            return Ok(None);
+        }
+        let name = self.engine.draft_model.as_deref().unwrap_or_default();
+        let mut d = ModelShape::preset(name).ok_or_else(|| {
+            ScenarioError::Invalid(format!(
+                "engine.draft_model: unknown model preset '{name}' ({})",
+                ModelShape::PRESETS.join(", ")
+            ))
+        })?;
+        let target = self.model_shape()?;
+        if d.vocab != target.vocab {
+            return Err(ScenarioError::Invalid(format!(
+                "engine.draft_model: {name}'s vocabulary ({} tokens) differs from {}'s ({} tokens)",
+                d.vocab, target.name, target.vocab
+            )));
+        }
+        if self.pipeline.is_some() {
+            return Err(ScenarioError::Invalid(
+                "engine.draft_model: a draft model runs beside a whole model, not in a pipeline group".into(),
+            ));
+        }
+        d.kv_dtype = target.kv_dtype;
+        Ok(Some(d))
+    }
+
     /// The model's shape.
     pub fn model_shape(&self) -> Result<ModelShape, ScenarioError> {
         let mut m = match &self.model {
             Named::Preset { preset, set } => {
                 let base = ModelShape::preset(preset).ok_or_else(|| {
                     ScenarioError::Invalid(format!(
-                        "unknown model preset '{preset}' (llama-7b, llama3-8b, smollm2-135m, gemma3-270m)"
+                        "unknown model preset '{preset}' ({})",
+                        ModelShape::PRESETS.join(", ")
                     ))
                 })?;
                 with_fields(base, set, "model")?
@@ -646,6 +686,7 @@ impl Scenario {
         let bad = |m: String| Err(ScenarioError::Invalid(m));
         let g = self.gpu_params()?;
         let m = self.model_shape()?;
+        self.draft_shape()?;
         // Every figure a time is divided by or built from: a zero, a
         // negative or a NaN would panic deep in the run instead.
         let positive = |x: f64| x.is_finite() && x > 0.0;
@@ -732,6 +773,12 @@ impl Scenario {
             if !(0.0..=1.0).contains(&t.cancel_fraction) {
                 return bad(format!(
                     "tenant '{}': cancel_fraction not in [0, 1]",
+                    t.tenant
+                ));
+            }
+            if !(0.0..1.0).contains(&t.draft_acceptance) {
+                return bad(format!(
+                    "tenant '{}': draft_acceptance not in [0, 1)",
                     t.tenant
                 ));
             }

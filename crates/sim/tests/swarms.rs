@@ -176,6 +176,29 @@ fn swarms_of_the_chaos_storms_with_multi_step_decode_hold() {
     }
 }
 
+/// The chaos storms with a draft model on every decoding engine (a 1B
+/// beside the 8B; a prefill node holds none): drafts filled, verified and
+/// given back among crashes, partitions, clogs, P/D transfers and moves,
+/// every invariant held (no block leaked, no request answered twice).
+#[test]
+fn swarms_of_the_chaos_storms_with_a_draft_model_hold() {
+    for name in ["chaos-storm.toml", "pd-chaos-storm.toml"] {
+        let mut sc = shipped(name);
+        let one = run(&sc, 3).unwrap().trace_hash;
+        let max_draft = 4;
+        sc.engine.speculation = flotilla_sched::Speculation::draft_model(max_draft);
+        sc.engine.draft_model = Some("llama3-1b".into());
+        let s = swarm(&sc, 3000, CI_SEEDS / 2, jobs(), &|_| {});
+        assert_no_failures(name, &s);
+        assert_chaos_fired(&s);
+        assert_ne!(
+            run(&sc, 3).unwrap().trace_hash,
+            one,
+            "{name}: the draft model changed nothing"
+        );
+    }
+}
+
 /// Pipeline groups under drawn faults: stage crashes fired, groups formed
 /// again, and no stream failed (two other groups had room) in any seed.
 #[test]

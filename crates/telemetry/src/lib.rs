@@ -88,6 +88,12 @@ pub struct Metrics {
     queued: Gauge<u64>,
     running: Gauge<u64>,
     step_cost: Gauge<f64>,
+    verify_steps: Counter<u64>,
+    draft_passes: Counter<u64>,
+    draft_pass_tokens: Counter<u64>,
+    draft_seconds: Counter<f64>,
+    draft_blocks: Gauge<u64>,
+    draft_plan: Gauge<f64>,
 }
 
 impl std::fmt::Debug for Metrics {
@@ -255,6 +261,42 @@ impl Metrics {
                     "What a step costs by the scheduler's fit of the steps run (part: fixed, per_token, per_output); step time targets are sized from it",
                 )
                 .build(),
+            verify_steps: m
+                .u64_counter("flotilla_spec_verify_steps")
+                .with_description(
+                    "Sequences' steps that verified a draft; tokens per verify step are \
+                     1 + flotilla_spec_accepted_tokens over this",
+                )
+                .build(),
+            draft_passes: m
+                .u64_counter("flotilla_spec_draft_model_passes")
+                .with_description("Passes of the draft model (one per draft position, all drafting sequences together)")
+                .build(),
+            draft_pass_tokens: m
+                .u64_counter("flotilla_spec_draft_model_tokens")
+                .with_description(
+                    "Positions the draft model computed (its guesses' and the KV it caught up on)",
+                )
+                .build(),
+            draft_seconds: m
+                .f64_counter("flotilla_spec_draft_model_seconds")
+                .with_description("Time the draft model's passes took")
+                .build(),
+            draft_blocks: m
+                .u64_gauge("flotilla_spec_draft_kv_blocks")
+                .with_description(
+                    "KV blocks whose draft-model half holds some sequence's KV (the draft's KV \
+                     shares the model's blocks)",
+                )
+                .build(),
+            draft_plan: m
+                .f64_gauge("flotilla_spec_draft_model_plan")
+                .with_description(
+                    "The draft model's cost sum at the last step (part: acceptance, the measured \
+                     per-token acceptance; draft_len, the tokens it drafts; predicted_gain, tokens \
+                     per second against no draft)",
+                )
+                .build(),
             registry,
             _provider: provider,
         }
@@ -337,6 +379,40 @@ impl Metrics {
         self.draft_tokens.add(drafted, &a);
         self.accepted_tokens.add(accepted, &a);
         self.acceptance.record(accepted as f64 / drafted as f64, &a);
+    }
+
+    /// Sequences' steps that verified a draft.
+    pub fn verify_steps(&self, n: u64) {
+        if self.enabled && n > 0 {
+            self.verify_steps.add(n, &[]);
+        }
+    }
+
+    /// The draft model's passes of one step, and the blocks holding its KV.
+    pub fn draft_model(&self, passes: u64, tokens: u64, seconds: f64, blocks: Option<usize>) {
+        if !self.enabled {
+            return;
+        }
+        self.draft_passes.add(passes, &[]);
+        self.draft_pass_tokens.add(tokens, &[]);
+        self.draft_seconds.add(seconds, &[]);
+        if let Some(b) = blocks {
+            self.draft_blocks.record(b as u64, &[]);
+        }
+    }
+
+    /// The draft model's cost sum: acceptance, draft length, predicted gain.
+    pub fn draft_prediction(&self, acceptance: f64, draft_len: u64, gain: f64) {
+        if !self.enabled {
+            return;
+        }
+        for (part, v) in [
+            ("acceptance", acceptance),
+            ("draft_len", draft_len as f64),
+            ("predicted_gain", gain),
+        ] {
+            self.draft_plan.record(v, &[KeyValue::new("part", part)]);
+        }
     }
 
     /// One sequence preempted.

@@ -274,6 +274,32 @@ pub struct QMatrix {
 }
 
 impl QMatrix {
+    /// A copy of its first `n` rows (a multiple of 8, as the kernels'
+    /// row groups are): a head that computes the logits of the first `n`
+    /// tokens only. `None` where `n` or the layout does not allow it.
+    pub fn first_rows(&self, n: usize) -> Option<QMatrix> {
+        if n == 0 || n > self.rows || !n.is_multiple_of(8) || !self.rows.is_multiple_of(8) {
+            return None;
+        }
+        // Every layout keeps each group of 8 rows contiguous, groups in
+        // order: the first n rows are a prefix of the bytes.
+        let prefix = |b: &Bytes| -> Option<Bytes> {
+            let s = b.as_slice();
+            s.len()
+                .is_multiple_of(self.rows)
+                .then(|| Bytes::Owned(s[..s.len() / self.rows * n].to_vec()))
+        };
+        let data = match &self.data {
+            WData::F32(v) => WData::F32(v[..n * self.cols].to_vec()),
+            WData::Q4_1x8(b) => WData::Q4_1x8(prefix(b)?),
+            WData::Q8_0(b) => WData::Q8_0(prefix(b)?),
+            WData::Q8_0x8(b) => WData::Q8_0x8(prefix(b)?),
+            WData::Q4Kx8(b) => WData::Q4Kx8(prefix(b)?),
+            WData::Q6Kx8(b) => WData::Q6Kx8(prefix(b)?),
+        };
+        QMatrix::try_new(n, self.cols, data)
+    }
+
     /// Builds a matrix from row-major Q4_1 blocks, repacking them for the kernels.
     pub fn from_q4_1(rows: usize, cols: usize, blocks: &[u8]) -> QMatrix {
         QMatrix::new(

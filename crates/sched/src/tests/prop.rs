@@ -122,6 +122,11 @@ pub(crate) fn config() -> impl Strategy<Value = SchedConfig> {
                         // Below what the seats could draft, at times.
                         max_step: 1 + max_draft * max_batch / 2,
                         self_layers: 0,
+                        // A draft model's placeholders at times (the
+                        // worker that fills them is not here; they are
+                        // verified, and rejected, all the same).
+                        draft_model: max_draft % 2 == 0,
+                        draft_p_min: 0.0,
                     };
                 }
                 c

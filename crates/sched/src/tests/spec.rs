@@ -279,3 +279,113 @@ fn where_the_lookup_finds_nothing_a_self_draft_is_planned_and_kept_exact() {
     }
     assert_eq!(sim.s.kv_usage().used, 0, "every block given back");
 }
+
+#[test]
+fn a_draft_model_drafts_as_long_as_the_cost_sum_says_and_not_where_it_would_lose() {
+    use std::time::Duration;
+    let ms = |v: f64| Duration::from_secs_f64(v / 1000.0);
+    let mut cfg = two_tiers(64, 4);
+    // N-gram drafts only in steps of no decodes: none here, so every
+    // draft is the draft model's.
+    cfg.speculation = Speculation {
+        max_batch: 0,
+        ..Speculation::draft_model(6)
+    };
+    let mut sim = Sim::new(cfg);
+    let prompt = sim.unique_prompt(8);
+    let id = sim.submit_req(Sim::request(0, prompt, 200));
+    let id = id.expect("accepted");
+    // The plan's items whose placeholders the draft model fills: each
+    // carries the sequence's tokens before it.
+    let drafts = |sim: &mut Sim| -> Vec<usize> {
+        let plan = sim.step();
+        let mut lens = Vec::new();
+        for it in plan.items.iter().filter(|i| i.draft > 0) {
+            let history = it.model_draft.as_ref().expect("only model drafts");
+            assert_eq!(it.id, id);
+            assert_eq!(history.len(), it.start_pos);
+            assert_eq!(&sim.reqs[&id].prompt[..8], &history[..8]);
+            assert!(it.draft_bias.is_empty() && it.allow.is_none());
+            lens.push(it.draft);
+        }
+        lens
+    };
+    // Before both costs are measured: the whole length, so that they are.
+    let early: Vec<usize> = (0..3).flat_map(|_| drafts(&mut sim)).collect();
+    assert!(early.contains(&6), "{early:?}");
+    // A step reads the weights once (40 ms) and each position adds 2 ms;
+    // the draft's pass costs 10 ms and 0.5 ms a position: it pays, and
+    // the plan drafts the cost sum's length.
+    sim.s.step_cost = Default::default();
+    sim.step_cost_us = (40_000, 2_000);
+    for n in [1, 5, 1, 7, 2, 3, 1, 5] {
+        sim.s.step_cost.observe(n, n, ms(40.0 + 2.0 * n as f64));
+    }
+    for n in [1, 2, 1, 2, 1] {
+        sim.s.draft_cost.observe(n, 1, ms(10.0 + 0.5 * n as f64));
+    }
+    // An engine whose drafts were right 90% of the time, and a sequence
+    // with no drafts of its own yet (the fake model rejected the ones above).
+    sim.s.draft_accept = (9.0, 1.0);
+    let fresh = |sim: &mut Sim| {
+        let spec = &mut sim.s.seqs.get_mut(&id).unwrap().spec;
+        (
+            spec.model_accepted,
+            spec.model_cut,
+            spec.backoff,
+            spec.skip_until,
+        ) = (0.0, 0.0, 0, 0);
+    };
+    fresh(&mut sim);
+    let (k, gain) = sim.s.draft_plan(1).expect("both costs measured");
+    assert!(k >= 3 && gain > 1.5, "{k} {gain}");
+    // The placeholders are never filled here, so every draft is
+    // rejected: this sequence's own acceptance falls (and the engine's
+    // with it), its drafts shorten, and then stop.
+    let mut planned = Vec::new();
+    for _ in 0..60 {
+        planned.extend(drafts(&mut sim));
+    }
+    assert_eq!(planned.first(), Some(&k), "{planned:?}");
+    assert!(planned.iter().all(|&l| l >= 1), "{planned:?}");
+    assert!(planned.windows(2).all(|w| w[1] <= w[0]), "{planned:?}");
+    // Not the back-off after a rejection: the cost sum at its acceptance.
+    let spec = &mut sim.s.seqs.get_mut(&id).unwrap().spec;
+    (spec.backoff, spec.skip_until) = (0, 0);
+    assert!(
+        (0..20).all(|_| drafts(&mut sim).is_empty()),
+        "still drafting after {planned:?}"
+    );
+    assert!(
+        sim.s.draft_acceptance() < 0.7,
+        "{}",
+        sim.s.draft_acceptance()
+    );
+    // Its own drafts, right this time, at the engine's fallen acceptance
+    // (the step cost as measured before; steps of one token since taught
+    // the fit nothing it can split): its length comes back.
+    fresh(&mut sim);
+    let spec = &mut sim.s.seqs.get_mut(&id).unwrap().spec;
+    spec.model_accepted = 40.0;
+    spec.model_cut = 2.0;
+    for n in [1, 5, 1, 7, 2, 3, 1, 5] {
+        sim.s.step_cost.observe(n, n, ms(40.0 + 2.0 * n as f64));
+    }
+    let got = drafts(&mut sim);
+    assert!(got.first().is_some_and(|&l| l >= 3), "{got:?}");
+    // A machine where a position costs as much as a step: drafting would
+    // lose, and nothing is drafted.
+    sim.s.step_cost = Default::default();
+    sim.step_cost_us = (1_000, 40_000);
+    for n in [1, 5, 1, 7, 2, 3, 1, 5] {
+        sim.s.step_cost.observe(n, n, ms(1.0 + 40.0 * n as f64));
+    }
+    assert_eq!(sim.s.draft_plan(1), Some((0, 1.0)));
+    for _ in 0..10 {
+        assert!(drafts(&mut sim).is_empty());
+    }
+    sim.run_until_idle(1000);
+    sim.assert_all_done();
+    assert_eq!(sim.reqs[&id].out.len(), 200);
+    assert_eq!(sim.s.kv_usage().used, 0, "every block given back");
+}
