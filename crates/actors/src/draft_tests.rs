@@ -19,7 +19,8 @@ use flotilla_telemetry::Metrics;
 
 use crate::{Clock, EngineOptions, spawn_engine};
 
-const BLOCK: usize = 4;
+use crate::tests::{BLOCK, slot};
+
 const BLOCKS: usize = 64;
 
 struct TestClock(Instant);
@@ -45,6 +46,9 @@ struct Fake {
     per_token: Duration,
     last: Duration,
     verifies: bool,
+    /// As a draft: unsure (log-probability -5) of a guess after tokens
+    /// whose sum is a multiple of 4, so some drafts end early.
+    unsure: bool,
 }
 
 impl Fake {
@@ -67,12 +71,9 @@ impl Fake {
             per_token,
             last: Duration::ZERO,
             verifies,
+            unsure: false,
         }
     }
-}
-
-fn slot(table: &[u32], pos: usize) -> usize {
-    table[pos / BLOCK] as usize * BLOCK + pos % BLOCK
 }
 
 impl Executor for Fake {
@@ -106,7 +107,7 @@ impl Executor for Fake {
                 self.kv[slot(table, s.start_pos + i)] = t as u8;
             }
             tokens += s.tokens.len();
-            let kv = &self.kv;
+            let (kv, unsure) = (&self.kv, self.unsure);
             let mut o = SeqOutput::default();
             flotilla_exec::sample_outputs(s, &mut o, |d| {
                 // The input of this row: the token before the sampled one.
@@ -196,15 +197,24 @@ async fn a_draft_model_guesses_from_its_own_kv_only_and_every_block_comes_back()
     // A step reads the weights (20 ms) and each position adds 1 ms; a
     // draft pass costs 1 ms: the cost sum drafts the most it may.
     let target = Fake::new(100, true, ms(20), ms(1));
-    let draft = Fake::new(100, false, ms(1), Duration::ZERO);
+    let draft = Fake {
+        unsure: true,
+        ..Fake::new(100, false, ms(1), Duration::ZERO)
+    };
     let metrics = Arc::new(Metrics::new().unwrap());
+    let broken = Arc::new(std::sync::Mutex::new(None::<String>));
+    let seen = broken.clone();
     // 12 blocks of 4 tokens for three sequences of up to 36 tokens:
     // they preempt one another.
     let engine = spawn_engine(
         Box::new(target),
         EngineOptions {
             sched: sched(12, 3),
-            check_invariants: None,
+            // Every scheduler invariant (each lease's blocks among them)
+            // after every message.
+            check_invariants: Some(Arc::new(move |what| {
+                seen.lock().unwrap().get_or_insert(what);
+            })),
             constraints: None,
             offload_path: None,
             tracing: None,
@@ -266,6 +276,14 @@ async fn a_draft_model_guesses_from_its_own_kv_only_and_every_block_comes_back()
         }
     });
     assert!(waited.await.is_ok(), "blocks still held");
+    assert_eq!(*broken.lock().unwrap(), None, "a scheduler invariant broke");
+    // Some drafts ended early where the draft was unsure: fewer proposed
+    // than planned, and their positions went back.
+    let verified = counter(&text, "flotilla_spec_verify_steps_total");
+    assert!(
+        drafted < 4.0 * verified,
+        "{drafted} drafted in {verified} verify steps"
+    );
     engine.stop();
 }
 

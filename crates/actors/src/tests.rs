@@ -39,9 +39,9 @@ struct FakeExec {
     in_step: Arc<std::sync::atomic::AtomicBool>,
 }
 
-const BLOCK: usize = 4;
+pub(crate) const BLOCK: usize = 4;
 
-fn slot(table: &[u32], pos: usize) -> usize {
+pub(crate) fn slot(table: &[u32], pos: usize) -> usize {
     table[pos / BLOCK] as usize * BLOCK + pos % BLOCK
 }
 

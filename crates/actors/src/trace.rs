@@ -380,6 +380,7 @@ mod tests {
             draft: 0,
             self_draft: 0,
             model_draft: None,
+            draft_planned: 0,
         }
     }
 

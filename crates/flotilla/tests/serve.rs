@@ -763,6 +763,7 @@ async fn a_draft_model_changes_speed_not_text() {
         }
         let r = settle(&srv.base).await;
         assert_eq!(r["kv_blocks"]["used"], 0, "{r}");
+        assert_eq!(r["draft_model"], cfg["draft_model"], "{r}");
     }
 }
 

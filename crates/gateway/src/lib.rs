@@ -572,6 +572,9 @@ async fn ready(State(gw): Shared, headers: HeaderMap) -> Response {
         // What the KV cache was sized from (a container's memory limit or
         // the host's), where this process loaded the model.
         "memory": gw.cfg.server_info.get("memory").cloned().unwrap_or(serde_json::Value::Null),
+        // A draft model's KV is in the same blocks (each of `kv_blocks`
+        // holds both halves): its share of each block's bytes.
+        "draft_model": gw.cfg.server_info.get("draft_model").cloned().unwrap_or(serde_json::Value::Null),
         "nodes": s.nodes.iter().map(|n| json!({
             "name": n.name, "up": n.up, "epoch": n.epoch, "in_flight": n.in_flight,
             "routed": n.routed, "downs": n.downs, "moved_away": n.moved_away,

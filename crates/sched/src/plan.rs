@@ -95,6 +95,10 @@ pub struct PlanItem {
     /// never drafted, KV moved in from another node or the offload tier),
     /// and the worker computes what it lacks first. `None`: no model draft.
     pub model_draft: Option<Vec<u32>>,
+    /// The draft tokens as planned: `draft` at first; a model draft the
+    /// worker shortened (a guess the draft model was unsure of) keeps the
+    /// planned length here, whose positions the step gives back.
+    pub draft_planned: usize,
 }
 
 impl PlanItem {
@@ -1022,6 +1026,7 @@ impl Scheduler {
                         0
                     },
                     draft: guess.len(),
+                    draft_planned: guess.len(),
                     model_draft: draft
                         .model_drafted
                         .contains(&id)

@@ -141,13 +141,13 @@ impl Scheduler {
             let mut model_drafted = false;
             if guess.is_empty() && spec.draft_model && seq.constraint.is_none() && !seq.penalised()
             {
-                // The prior: that many drafts at the engine's acceptance
-                // (a geometric draft: a / (1 - a) tokens, one cut).
+                // Each guess proposed is a trial (accepted, or the one
+                // rejected); the engine's acceptance is the prior, worth
+                // a few trials.
                 let s = &seq.spec;
-                let prior = crate::DRAFT_PRIOR_DRAFTS;
-                let tokens = prior * engine_alpha / (1.0 - engine_alpha).max(1e-3);
-                let alpha =
-                    (s.model_accepted + tokens) / (s.model_accepted + s.model_cut + tokens + prior);
+                let prior = crate::DRAFT_PRIOR_TRIALS;
+                let alpha = (s.model_accepted + prior * engine_alpha)
+                    / (s.model_accepted + s.model_cut + prior);
                 let k = self
                     .draft_plan_at(alpha, decodes)
                     .map_or(spec.max_draft, |(k, _)| k);

@@ -80,10 +80,15 @@ impl Scheduler {
                 self.fail(now, item.id, failure);
                 continue;
             }
-            if item.draft > 0 && item.model_draft.is_some() {
+            // The draft as planned: the worker proposes fewer where the
+            // draft model was unsure of a guess (or failed).
+            let planned = item.draft_planned.max(item.draft);
+            if planned > 0 && item.model_draft.is_some() {
                 // A geometric fit's counts: the tokens accepted, and one
-                // rejection unless all were.
-                let cut_short = f64::from(u8::from(accepted < item.draft));
+                // cut unless all the planned ones were (a guess the draft
+                // did not propose is a pass spent for nothing, as a
+                // rejected one is).
+                let cut_short = f64::from(u8::from(accepted < planned));
                 let (acc, cut) = &mut self.draft_accept;
                 *acc = *acc * DRAFT_DECAY + accepted as f64;
                 *cut = *cut * DRAFT_DECAY + cut_short;
@@ -107,7 +112,7 @@ impl Scheduler {
                     seq.spec.backoff = 0;
                 }
             }
-            if !self.take_tokens(now, item.id, out) || (item.draft == 0 && !plan.is_multi_step()) {
+            if !self.take_tokens(now, item.id, out) || (planned == 0 && !plan.is_multi_step()) {
                 continue;
             }
             // Still running: the rejected positions' blocks (or the steps'
