@@ -121,9 +121,14 @@ impl Executor for Fake {
                 } else {
                     u32::from(kv[slot(table, at - 1)])
                 };
+                let cur = u32::from(kv[slot(table, at)]);
                 Sampled {
-                    token: next(prev, u32::from(kv[slot(table, at)])),
-                    logprob: 0.0,
+                    token: next(prev, cur),
+                    logprob: if unsure && (prev + cur) % 4 == 0 {
+                        -5.0
+                    } else {
+                        0.0
+                    },
                     top: Vec::new(),
                 }
             });
