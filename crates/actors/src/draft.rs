@@ -60,8 +60,7 @@ pub(crate) struct DraftModel {
     /// draft shrinks; its positions go back to the pool with the step).
     p_min: f32,
     /// Set when the draft executor failed beyond a request's fault: no
-    /// more drafts are filled (the placeholders stay, the verify rejects
-    /// them, and the measured acceptance turns drafting off).
+    /// more drafts are proposed.
     broken: Option<String>,
 }
 
@@ -154,6 +153,14 @@ impl DraftModel {
     /// draft is only a guess, which the step verifies.
     pub(crate) fn fill(&mut self, clock: &dyn Clock, plan: &mut Plan) {
         if self.broken.is_some() {
+            // Nothing is proposed: the items decode plainly (their
+            // positions go back), and the acceptance, which counts each
+            // as a cut, soon stops the Scheduler planning drafts.
+            for it in plan.items.iter_mut().filter(|it| it.model_draft.is_some()) {
+                let at = it.tokens.len() - it.draft;
+                it.tokens.truncate(at);
+                it.draft = 0;
+            }
             return;
         }
         let mut rows: Vec<Row> = Vec::new();
@@ -179,9 +186,6 @@ impl DraftModel {
                 wrote: 0,
             });
         }
-        if rows.is_empty() {
-            return;
-        }
         let trusted: Vec<usize> = rows.iter().map(|r| r.done).collect();
         self.run(clock, plan, &mut rows);
         for (r, from) in rows.iter().zip(trusted) {
@@ -192,16 +196,23 @@ impl DraftModel {
             }
             self.record(&written, &it.block_table, from);
         }
+        let mut guesses: Vec<Option<Vec<u32>>> = vec![None; plan.items.len()];
         for r in rows {
-            let it = &mut plan.items[r.item];
-            let at = it.tokens.len() - it.draft;
+            guesses[r.item] = Some(r.guesses);
+        }
+        for (it, g) in plan.items.iter_mut().zip(guesses) {
+            if it.model_draft.is_none() {
+                continue;
+            }
             // Only what the draft proposed is verified: a shorter draft
-            // (a pass that failed, a guess it was unsure of) gives its
-            // other positions back with the step.
-            let keep = r.guesses.len().min(it.draft);
+            // (a pass that failed, a guess it was unsure of, an item it
+            // could not take) gives its other positions back with the step.
+            let g = g.unwrap_or_default();
+            let at = it.tokens.len() - it.draft;
+            let keep = g.len().min(it.draft);
             it.tokens.truncate(at + keep);
             it.draft = keep;
-            it.tokens[at..].copy_from_slice(&r.guesses[..keep]);
+            it.tokens[at..].copy_from_slice(&g[..keep]);
         }
     }
 
