@@ -18,8 +18,8 @@ use std::time::Duration;
 use flotilla_engine::{BoxFuture, Engine, EventSink, KvMigration, RequestStream};
 use flotilla_exec::{Executor, KvDtype};
 use flotilla_proto::{
-    EngineEvent, EngineFailure, EngineRequest, EngineStatus, KvExport, KvLayout, Rejection,
-    RequestId, Sampled, StepEvents, TenantId, TierId,
+    EngineEvent, EngineFailure, EngineRequest, EngineStatus, KvExport, KvLayout, PrefixChanges,
+    Rejection, RequestId, Sampled, StepEvents, TenantId, TierId,
 };
 use flotilla_sched::{SchedConfig, SchedEvent, Scheduler, Timings};
 use flotilla_telemetry::{Metrics, PhaseTimes, Terminal, Tracing};
@@ -295,6 +295,7 @@ impl Actor for SchedulerActor {
                     | SchedMsg::Wake
                     | SchedMsg::Status(_)
                     | SchedMsg::KvHolders(_)
+                    | SchedMsg::PrefixChanges { .. }
             )
         {
             st.cut.store(true, Ordering::Relaxed);
@@ -410,6 +411,14 @@ impl Actor for SchedulerActor {
             }
             SchedMsg::KvHolders(reply) => {
                 let _ = reply.send(st.sched.kv_holders());
+            }
+            SchedMsg::PrefixChanges { snapshot, reply } => {
+                let changes = if snapshot {
+                    st.sched.prefix_snapshot()
+                } else {
+                    st.sched.take_prefix_changes()
+                };
+                let _ = reply.send(changes);
             }
             SchedMsg::DropOrphan { id, reply } => {
                 let live = st.live.remove(&id);
@@ -1387,6 +1396,21 @@ impl KvMigration for LocalEngine {
     fn kv_holders(&self) -> BoxFuture<Vec<RequestId>> {
         let sched = self.sched.clone();
         Box::pin(async move { ask(&sched, SchedMsg::KvHolders, Vec::new()).await })
+    }
+
+    fn prefix_changes(&self, snapshot: bool) -> BoxFuture<Option<PrefixChanges>> {
+        let sched = self.sched.clone();
+        Box::pin(async move {
+            // An engine that stopped answers with nothing to report.
+            let none = PrefixChanges::default();
+            let c = ask(
+                &sched,
+                |reply| SchedMsg::PrefixChanges { snapshot, reply },
+                none,
+            )
+            .await;
+            Some(c)
+        })
     }
 
     fn drop_orphan(&self, id: RequestId) -> BoxFuture<bool> {

@@ -77,6 +77,12 @@ pub(crate) enum SchedMsg {
     },
     /// Ids that hold KV or a seat.
     KvHolders(RpcReplyPort<Vec<RequestId>>),
+    /// The prefix cache's changes since the last ask, or (`snapshot`) its
+    /// contents.
+    PrefixChanges {
+        snapshot: bool,
+        reply: RpcReplyPort<flotilla_proto::PrefixChanges>,
+    },
     /// Give back whatever an orphaned id holds.
     DropOrphan {
         id: RequestId,

@@ -46,6 +46,8 @@ impl<T: Clone> Recorder<T> {
 #[cfg(test)]
 mod pd_tests;
 #[cfg(test)]
+mod routers_tests;
+#[cfg(test)]
 mod testrig;
 #[cfg(test)]
 mod tests;
@@ -58,8 +60,14 @@ pub(crate) fn log_undelivered(
     msg: &flotilla_proto::wire::Message,
     reason: &dyn std::fmt::Display,
 ) {
-    if matches!(msg, flotilla_proto::wire::Message::Heartbeat(_)) {
-        tracing::debug!("heartbeat to node {to} not delivered: {reason}");
+    use flotilla_proto::wire::Message;
+    // Each is sent again by itself (a heartbeat next interval, a prefix
+    // report as the whole next heartbeat).
+    if matches!(
+        msg,
+        Message::Heartbeat(_) | Message::Prefix { .. } | Message::PrefixResync
+    ) {
+        tracing::debug!("{:?} to node {to} not delivered: {reason}", msg.kind());
     } else {
         tracing::warn!("{:?} to node {to} not delivered: {reason}", msg.kind());
     }

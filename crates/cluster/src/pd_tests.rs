@@ -27,9 +27,9 @@ use crate::{
 };
 use flotilla_transport::sim::SimNet;
 
-const HB: Duration = Duration::from_millis(20);
-const DOWN: Duration = Duration::from_millis(80);
-const BS: u32 = 4;
+pub(crate) const HB: Duration = Duration::from_millis(20);
+pub(crate) const DOWN: Duration = Duration::from_millis(80);
+pub(crate) const BS: u32 = 4;
 const TTL: Duration = Duration::from_millis(400);
 
 /// The fake model: token `k` of a request depends on its whole prompt.
@@ -70,14 +70,19 @@ struct Inner {
     imports: AtomicUsize,
     exports: AtomicUsize,
     orphans_dropped: AtomicUsize,
+    /// Block hashes of every prompt it ran (a prefix cache that keeps
+    /// all), and those not reported yet.
+    cache: Mutex<(std::collections::BTreeSet<u64>, Vec<u64>)>,
+    /// Prompts it ran, in order.
+    prompts: Mutex<Vec<Vec<u32>>>,
 }
 
 /// An engine with block accounting: a block is free, running, held or reserved.
 #[derive(Clone)]
-struct FakePd(Arc<Inner>);
+pub(crate) struct FakePd(Arc<Inner>);
 
 impl FakePd {
-    fn new(total: u32) -> FakePd {
+    pub(crate) fn new(total: u32) -> FakePd {
         FakePd(Arc::new(Inner {
             total,
             free: Mutex::new(total),
@@ -116,7 +121,12 @@ impl FakePd {
         true
     }
 
-    fn used(&self) -> u32 {
+    /// The prompts it ran, in order.
+    pub(crate) fn prompts(&self) -> Vec<Vec<u32>> {
+        self.0.prompts.lock().unwrap().clone()
+    }
+
+    pub(crate) fn used(&self) -> u32 {
         self.0.total - *self.0.free.lock().unwrap()
     }
 
@@ -168,6 +178,15 @@ impl Engine for FakePd {
             me.take(n)?;
             let id = me.0.next.fetch_add(1, Ordering::Relaxed);
             me.0.slots.lock().unwrap().insert(id, Slot::Running(n));
+            {
+                let mut c = me.0.cache.lock().unwrap();
+                for h in flotilla_kv::prefix_hashes(&req.prompt, BS as usize, 0) {
+                    if c.0.insert(h) {
+                        c.1.push(h);
+                    }
+                }
+            }
+            me.0.prompts.lock().unwrap().push(req.prompt.clone());
             Ok(me.stream(id, req.prompt.clone(), 0, &req))
         })
     }
@@ -361,6 +380,24 @@ impl KvMigration for FakePd {
         Box::pin(async move { r })
     }
 
+    fn prefix_changes(&self, snapshot: bool) -> BoxFuture<Option<flotilla_proto::PrefixChanges>> {
+        let mut c = self.0.cache.lock().unwrap();
+        let changes = if snapshot {
+            flotilla_proto::PrefixChanges {
+                full: true,
+                stored: c.0.iter().copied().collect(),
+                removed: Vec::new(),
+            }
+        } else {
+            flotilla_proto::PrefixChanges {
+                full: false,
+                stored: std::mem::take(&mut c.1),
+                removed: Vec::new(),
+            }
+        };
+        Box::pin(async move { Some(changes) })
+    }
+
     fn kv_holders(&self) -> BoxFuture<Vec<RequestId>> {
         let ids = self
             .0
@@ -387,7 +424,7 @@ struct Rig {
     engines: Vec<FakePd>,
 }
 
-fn opts(role: Role) -> NodeSettings {
+pub(crate) fn opts(role: Role) -> NodeSettings {
     NodeSettings {
         model: "fake".into(),
         reservation_ttl: TTL,
@@ -400,7 +437,7 @@ fn start(net: &Arc<SimNet>, node: NodeId, epoch: u64, role: Role, e: &FakePd) {
     start_with(net, node, epoch, e, opts(role));
 }
 
-fn start_with(net: &Arc<SimNet>, node: NodeId, epoch: u64, e: &FakePd, o: NodeSettings) {
+pub(crate) fn start_with(net: &Arc<SimNet>, node: NodeId, epoch: u64, e: &FakePd, o: NodeSettings) {
     let kv: Arc<dyn KvMigration> = Arc::new(e.clone());
     let o = WorkerOptions::new(o);
     let connect = crate::testrig::connect(net, node, epoch);
@@ -428,7 +465,7 @@ async fn rig_with(roles: &[Role], f: impl Fn(NodeSettings) -> NodeSettings) -> R
     }
 }
 
-fn req(prompt_len: u32, max_tokens: u32, tag: u32) -> EngineRequest {
+pub(crate) fn req(prompt_len: u32, max_tokens: u32, tag: u32) -> EngineRequest {
     EngineRequest {
         tenant: TenantId(0),
         prompt: (0..prompt_len).map(|i| i * 3 + tag).collect(),
@@ -444,7 +481,7 @@ fn req(prompt_len: u32, max_tokens: u32, tag: u32) -> EngineRequest {
     }
 }
 
-fn expected(r: &EngineRequest) -> Vec<u32> {
+pub(crate) fn expected(r: &EngineRequest) -> Vec<u32> {
     (0..r.max_tokens).map(|k| tok(&r.prompt, k)).collect()
 }
 

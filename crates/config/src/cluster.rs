@@ -118,13 +118,25 @@ impl ClusterSection {
         self.nodes.iter().find(|n| n.name == name)
     }
 
-    /// The router and its id. Validation guarantees exactly one; panics on a
-    /// hand-built section without one.
+    /// The first router and its id. Validation guarantees at least one;
+    /// panics on a hand-built section without one.
     pub fn router(&self) -> (u32, &Node) {
-        let mut routers = self.ids().filter(|(_, n)| n.role == Role::Router);
-        let router = routers.next().expect("a validated cluster has a router");
-        debug_assert!(routers.next().is_none(), "a cluster has one router");
-        router
+        self.routers()
+            .next()
+            .expect("a validated cluster has a router")
+    }
+
+    /// Every router, with its id, in file order. Each serves the API and
+    /// places on every engine; the engines admit from all of them.
+    pub fn routers(&self) -> impl Iterator<Item = (u32, &Node)> {
+        self.ids().filter(|(_, n)| n.role == Role::Router)
+    }
+
+    /// This router's place among the routers (0-based) and how many there
+    /// are: a tenant's limits are split between them by it.
+    pub fn router_share(&self, name: &str) -> Option<(usize, usize)> {
+        let all: Vec<&str> = self.routers().map(|(_, n)| n.name.as_str()).collect();
+        all.iter().position(|n| *n == name).map(|i| (i, all.len()))
     }
 
     /// The nodes that run an engine (all but the router and the later
@@ -273,13 +285,14 @@ pub(crate) fn validate(
                     ),
                 ));
             }
-            if node.role == Role::Router && other.role == Role::Router {
+            // Two routers' API sockets collide the same way.
+            if let (Some(a), Some(b)) = (node.http, other.http)
+                && a == b
+                && (!a.ip().is_unspecified() || *other_host == host)
+            {
                 return Err(invalid(
                     at,
-                    format!(
-                        "node '{name}': a second router (node '{}' is one); a cluster has exactly one",
-                        other.name
-                    ),
+                    format!("node '{name}': http {a} is also node '{}''s", other.name),
                 ));
             }
         }
@@ -289,7 +302,7 @@ pub(crate) fn validate(
     if !out.iter().any(|n| n.role == Role::Router) {
         return Err(invalid(
             whole_at,
-            "the cluster has no router: exactly one [[nodes]] needs role = \"router\"".into(),
+            "the cluster has no router: at least one [[nodes]] needs role = \"router\"".into(),
         ));
     }
     if !out.iter().any(|n| n.role.runs_engine()) {
@@ -1177,7 +1190,7 @@ addr = "[::1]:7402"
     }
 
     #[test]
-    fn refuses_no_router_and_two_routers() {
+    fn refuses_no_router_and_takes_two() {
         let none = with_cluster("").replace("role = \"router\"\n", "role = \"worker\"\n");
         let none = none.replace("http = \"127.0.0.1:8000\"\n", "");
         refused_at_cluster(&none, &["no router"]);
@@ -1189,11 +1202,20 @@ addr = "[::1]:7402"
             "role = \"worker\"\naddr = \"127.0.0.1:7401\"",
             "role = \"router\"\naddr = \"127.0.0.1:7401\"\nhttp = \"127.0.0.1:8001\"",
         );
-        refused_at_node(
-            &two,
-            1,
-            &["node 'worker-1': a second router", "node 'router'"],
-        );
+        let c = parse(&two);
+        let routers: Vec<(u32, &str)> = c.routers().map(|(i, n)| (i, n.name.as_str())).collect();
+        assert_eq!(routers, [(0, "router"), (1, "worker-1")]);
+        assert_eq!(c.router().0, 0, "the first router is the first in the file");
+        assert_eq!(c.router_share("worker-1"), Some((1, 2)));
+        assert_eq!(c.router_share("router"), Some((0, 2)));
+        assert_eq!(c.router_share("worker-2"), None, "an engine holds no share");
+        let engines: Vec<u32> = c.engines().map(|(i, _)| i).collect();
+        assert_eq!(engines, [2]);
+        // A second router needs its own API address, as the first does.
+        let no_http = two.replace("http = \"127.0.0.1:8001\"\n", "");
+        refused_at_node(&no_http, 1, &["http"]);
+        let same = two.replace("127.0.0.1:8001", "127.0.0.1:8000");
+        refused_at_node(&same, 1, &["http 127.0.0.1:8000 is also node 'router''s"]);
     }
 
     #[test]

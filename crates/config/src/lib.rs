@@ -954,7 +954,20 @@ max_concurrent = 4
     fn engines_and_pods(c: &ClusterConfig, n: usize) -> (Vec<NameAddr>, Vec<NameAddr>) {
         let cluster = c.cluster.clone().unwrap();
         assert_eq!(cluster.certs_dir, Path::new("/etc/flotilla/certs"));
-        assert_eq!(cluster.router().1.name, "router");
+        // The routers are the router StatefulSet's two pods.
+        let routers: Vec<NameAddr> = cluster
+            .routers()
+            .map(|(_, n)| (n.name.clone(), n.addr.clone()))
+            .collect();
+        let router_pods: Vec<NameAddr> = (0..2)
+            .map(|i| {
+                (
+                    format!("flotilla-router-{i}"),
+                    format!("flotilla-router-{i}.flotilla-router-peers:7400"),
+                )
+            })
+            .collect();
+        assert_eq!(routers, router_pods);
         let engines = cluster
             .engines()
             .map(|(_, n)| (n.name.clone(), n.addr.clone()))
@@ -982,6 +995,11 @@ max_concurrent = 4
             "deploy/k8s/config.yaml and cluster-configs/k8s.toml differ"
         );
         let c = ClusterConfig::parse(&toml, "k8s.toml").unwrap();
+        assert_eq!(
+            manifest_number(&read("deploy/k8s/router.yaml"), "  replicas: "),
+            2,
+            "one router pod per router node"
+        );
         let replicas = manifest_number(&read("deploy/k8s/workers.yaml"), "  replicas: ");
         let (engines, pods) = engines_and_pods(&c, replicas);
         assert_eq!(engines, pods);

@@ -1,33 +1,25 @@
 //! The Router's picture of which prompt prefixes each worker has cached.
 //!
-//! The Router cannot see a worker's KV pool, but it knows every prompt it
-//! sent there: a prompt's full blocks, hashed in a chain through their
-//! parent, are recorded against the worker that ran it (Dynamo's
-//! "approximate" KV router does the same). Entries age out first-in,
-//! first-out past a cap, as the worker's LRU would evict them; a worker
-//! that restarts loses its whole record.
+//! Two sources feed it. Each engine node reports its pool's prefix cache
+//! by block hash (`Message::Prefix`: the whole on a Router's first contact
+//! or after a gap, then the changes once a heartbeat), so the picture is
+//! the pool's own, whichever Router placed the requests, and a restarted
+//! Router has it again within a heartbeat. Between reports, a prompt the
+//! Router sends to a worker is recorded against it at once (Dynamo's
+//! "approximate" KV router does only this). The hashes are the pool's
+//! ([`flotilla_kv::prefix_hashes`]). Past a cap, entries age out
+//! first-in, first-out; a worker that restarts loses its whole record.
 
 use std::collections::VecDeque;
 
 use rustc_hash::FxHashMap;
 
-/// Hashes of a prompt's full blocks, each chained through its parent, so
-/// equal hashes mean equal prefixes (up to 64-bit collisions, which only
-/// cost a routing choice here, never correctness).
+/// Hashes of a prompt's full blocks, each chained through its parent, as
+/// the engines' pools key them, so equal hashes mean equal prefixes (up to
+/// 64-bit collisions, which only cost a routing choice here, never
+/// correctness).
 pub fn block_hashes(prompt: &[u32], block_size: usize, salt: u64) -> Vec<u64> {
-    let mut out = Vec::with_capacity(prompt.len() / block_size.max(1));
-    let mut parent = salt ^ 0x9e37_79b9_7f4a_7c15;
-    for block in prompt.chunks_exact(block_size.max(1)) {
-        let mut h = parent;
-        for &t in block {
-            h = (h ^ t as u64).wrapping_mul(0x0000_0100_0000_01b3);
-        }
-        // SplitMix64's finaliser spreads the FNV state over all bits.
-        h = flotilla_exec::rng::mix64(h);
-        out.push(h);
-        parent = h;
-    }
-    out
+    flotilla_kv::prefix_hashes(prompt, block_size, salt)
 }
 
 /// Block hashes a worker is believed to hold, with a cap.
@@ -81,6 +73,14 @@ impl PrefixIndex {
         if self.order.len() > 2 * self.cap {
             let seen = &self.seen;
             self.order.retain(|(h, t)| seen.get(h) == Some(t));
+        }
+    }
+
+    /// Records that the worker no longer holds these blocks.
+    pub fn remove(&mut self, hashes: &[u64]) {
+        for h in hashes {
+            // Its record in `order` goes stale (its tick no longer matches).
+            self.seen.remove(h);
         }
     }
 
@@ -142,5 +142,20 @@ mod tests {
         assert!(ix.order.len() <= 9, "stale records are compacted");
         ix.clear();
         assert!(ix.is_empty());
+        // A block the worker dropped ends the prefix there.
+        ix.insert(&h);
+        ix.remove(&h[1..2]);
+        assert_eq!((ix.matched(&h), ix.len()), (1, 3));
+        ix.insert(&h[1..2]);
+        assert_eq!(ix.matched(&h), 4);
+    }
+
+    #[test]
+    fn the_router_hashes_a_prompt_as_the_pool_does() {
+        let prompt: Vec<u32> = (0..40).collect();
+        assert_eq!(
+            block_hashes(&prompt, 16, 3),
+            flotilla_kv::prefix_hashes(&prompt, 16, 3)
+        );
     }
 }

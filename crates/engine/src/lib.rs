@@ -10,7 +10,7 @@ use std::pin::Pin;
 
 use flotilla_proto::{
     DrainRefusal, EngineEvent, EngineFailure, EngineRequest, EngineStatus, KvExport, KvLayout,
-    Rejection, RequestId, Sampled, StepEvents, TenantId,
+    PrefixChanges, Rejection, RequestId, Sampled, StepEvents, TenantId,
 };
 use tokio::sync::mpsc;
 
@@ -318,6 +318,16 @@ pub trait KvMigration: Send + Sync + 'static {
     /// Every id that holds KV or a seat here (requests, held prefills,
     /// reservations), for finding orphans.
     fn kv_holders(&self) -> BoxFuture<Vec<RequestId>>;
+    /// What the prefix cache registered and dropped since the last call,
+    /// by block hash (`full`: its whole contents, where more changed than
+    /// its log holds), or with `snapshot` its contents, the log left as
+    /// it is: the stream the cluster's Routers follow. None: this engine
+    /// reports no prefix cache (test doubles); its Routers keep their own
+    /// record of what they sent it.
+    fn prefix_changes(&self, snapshot: bool) -> BoxFuture<Option<PrefixChanges>> {
+        let _ = snapshot;
+        Box::pin(async { None })
+    }
     /// Gives back what `id` holds because nobody owns it any more; false
     /// if it held nothing (or its import is being written).
     fn drop_orphan(&self, id: RequestId) -> BoxFuture<bool>;

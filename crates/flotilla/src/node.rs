@@ -152,6 +152,7 @@ fn load_cluster(path: &Path) -> Result<(ClusterConfig, ClusterSection)> {
 /// Transport settings from the config's [cluster] table.
 fn quic_options(cl: &ClusterSection, node: u32, faults: LinkFaults) -> QuicOptions {
     let hb = Duration::from_millis(cl.heartbeat_interval_ms);
+    let router = cl.nodes[node as usize].role == Role::Router;
     QuicOptions {
         node,
         nodes: cl
@@ -160,8 +161,10 @@ fn quic_options(cl: &ClusterSection, node: u32, faults: LinkFaults) -> QuicOptio
             .map(|n| PeerSpec {
                 name: n.name.clone(),
                 role: n.role,
-                // A group's later stages run no cluster link: none dials them.
-                addr: if cl.stage_of(n).is_some_and(|s| s > 0) {
+                // A group's later stages run no cluster link: none dials
+                // them. Routers say nothing to each other.
+                addr: if cl.stage_of(n).is_some_and(|s| s > 0) || (router && n.role == Role::Router)
+                {
                     String::new()
                 } else {
                     n.addr.clone()
@@ -273,10 +276,12 @@ pub fn run(args: NodeArgs) -> Result<()> {
                         anyhow::anyhow!("structured output over this tokenizer: {e}")
                     })?),
                     tracing: tracing.clone(),
+                    limits_share: cl.router_share(&node.name).unwrap_or((0, 1)),
                     server_info: serde_json::json!({
                         "server": "flotilla",
                         "version": env!("CARGO_PKG_VERSION"),
                         "role": "router",
+                        "routers": cl.routers().map(|(_, n)| n.name.clone()).collect::<Vec<_>>(),
                         "model": f.model_name,
                         "max_model_len": f.max_model_len,
                         "nodes": cl.engines().map(|(_, n)| serde_json::json!({
@@ -346,7 +351,13 @@ pub fn run(args: NodeArgs) -> Result<()> {
                 "flotilla: node {} ({}) on QUIC {} epoch {}; KV cache {blocks} {dtype} blocks{scrape_at}",
                 node.name, node.role, node.listen, quic.epoch
             );
-            let settings = node_settings(&cfg, &cl, vec![cl.router().0], node.role, &r.model_name);
+            let settings = node_settings(
+                &cfg,
+                &cl,
+                cl.routers().map(|(i, _)| i).collect(),
+                node.role,
+                &r.model_name,
+            );
             // Every role moves KV: prefill and decode nodes for P/D, and
             // any node a drained one's requests move to (or from).
             let kv: Option<Arc<dyn KvMigration>> = Some(engine.clone() as _);

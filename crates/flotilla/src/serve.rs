@@ -689,6 +689,7 @@ async fn serve(
         constraints: Some(constraints.clone()),
         tracing,
         server_info: r.server_info.clone(),
+        limits_share: (0, 1),
     };
     serve_http(Arc::new(engine.clone()), r.text, metrics, gw, addr, &what).await?;
     engine.stop();

@@ -818,6 +818,191 @@ async fn a_killed_worker_of_two_loses_none_of_16_streams() {
     kill_one_under_16_streams(&["worker", "worker"], "worker-1").await;
 }
 
+/// Reads an SSE stream that may break off (its front died), counting its
+/// chunks in `seen`: whether it ended whole (`[DONE]`).
+async fn read_sse_or_broken(resp: reqwest::Response, seen: Arc<AtomicUsize>) -> bool {
+    let mut body = resp.bytes_stream();
+    let mut buf = String::new();
+    while let Some(b) = body.next().await {
+        let Ok(b) = b else { return false };
+        buf.push_str(&String::from_utf8_lossy(&b));
+        while let Some(i) = buf.find("\n\n") {
+            let ev: String = buf.drain(..i + 2).collect();
+            if ev.trim() == "data: [DONE]" {
+                return true;
+            }
+            seen.fetch_add(1, Ordering::Relaxed);
+        }
+    }
+    false
+}
+
+/// A prompt of several KV blocks that shares nothing with `i`'s others
+/// past its first words.
+fn shared_prefix_prompt(i: usize) -> String {
+    format!(
+        "Story number {i}. You are a careful storyteller who writes about the sea, \
+         the ships that cross it, the lighthouses on its coasts and the keepers who \
+         live in them through the long winters. Tell the story in plain words."
+    )
+}
+
+/// Two Routers over two workers, 16 streams on each; one Router
+/// SIGKILLed: its clients' streams break off, every stream of the other
+/// ends whole with no error, and the workers drop the dead Router's
+/// requests once it has been silent past the down bound (two heartbeats
+/// here). Restarted, it has the workers' prefix caches at once: each
+/// prompt the other Router ran finds a cache candidate.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_routers_one_killed_under_16_streams_each_then_restarted() {
+    let (b_quic, b_http) = (free_port(), free_tcp_port());
+    let more = format!(
+        "\n[[nodes]]\nname = \"router-b\"\nrole = \"router\"\naddr = \"127.0.0.1:{b_quic}\"\n\
+         http = \"127.0.0.1:{b_http}\"\n"
+    );
+    let mut c = start_cluster_config(
+        &["worker", "worker"],
+        &flotilla_hub::test_model_path(),
+        &[],
+        &more,
+    );
+    let certs = c.dir.0.join("certs");
+    run_ok(
+        flotilla()
+            .args(["certs", "issue", "--dir"])
+            .arg(&certs)
+            .args(["--node", "router-b", "--role", "router"]),
+    );
+    let (rb, url) = start_node(&c.config, "router-b");
+    c.nodes.push(rb);
+    let base_b = url.expect("router-b prints its URL");
+    for base in [&c.base, &base_b] {
+        wait_for(base, "both workers up", |r| {
+            node(r, "worker-1")["up"] == true && node(r, "worker-2")["up"] == true
+        })
+        .await;
+    }
+    // 16 streams through each Router: A's long (they will break off),
+    // B's to run whole.
+    let mut a_streams = Vec::new();
+    let mut seen = Vec::new();
+    for i in 0..16 {
+        let resp = post(
+            &c.base,
+            &completion(&format!("Tale {i} of the old mill"), 400, true),
+        )
+        .await;
+        assert_eq!(resp.status(), 200);
+        let n = Arc::new(AtomicUsize::new(0));
+        a_streams.push(tokio::spawn(read_sse_or_broken(resp, n.clone())));
+        seen.push(n);
+    }
+    let b_prompts: Vec<String> = (0..16).map(shared_prefix_prompt).collect();
+    let mut b_streams = Vec::new();
+    for p in &b_prompts {
+        let resp = post(&base_b, &completion(p, 48, true)).await;
+        assert_eq!(resp.status(), 200);
+        let n = Arc::new(AtomicUsize::new(0));
+        b_streams.push(tokio::spawn(read_sse_counting(resp, n.clone())));
+        seen.push(n);
+    }
+    let t0 = Instant::now();
+    while seen.iter().any(|n| n.load(Ordering::Relaxed) < 2) {
+        assert!(
+            t0.elapsed() < Duration::from_secs(120),
+            "the streams did not start"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let r = ready(&base_b).await;
+    let running_before = r["running"].as_u64().unwrap();
+    assert!(running_before > 16, "both Routers' requests run: {r}");
+    let a = c.nodes.iter_mut().find(|n| n.name == "router").unwrap();
+    a.child.kill().unwrap();
+    let killed = Instant::now();
+    a.child.wait().unwrap();
+    // The workers drop A's requests: what runs is B's alone (B's view of
+    // the engines, from their heartbeats).
+    let a_gone = loop {
+        let r = ready(&base_b).await;
+        let live_b = b_streams.iter().filter(|s| !s.is_finished()).count() as u64;
+        if r["running"].as_u64().unwrap() <= live_b {
+            break killed.elapsed();
+        }
+        assert!(
+            killed.elapsed() < Duration::from_secs(30),
+            "the dead Router's requests still run: {r}"
+        );
+        tokio::time::sleep(Duration::from_millis(25)).await;
+    };
+    for s in a_streams {
+        let whole = tokio::time::timeout(Duration::from_secs(60), s)
+            .await
+            .expect("a dead Router's stream hung")
+            .unwrap();
+        assert!(!whole, "a stream of the killed Router ended whole");
+    }
+    for s in b_streams {
+        let (chunks, err, done, _) = tokio::time::timeout(Duration::from_secs(180), s)
+            .await
+            .expect("a stream of the live Router hung")
+            .unwrap();
+        assert_eq!(err, None, "a stream of the live Router ended with an error");
+        assert!(done, "stream without [DONE]");
+        assert_eq!(chunks, 48);
+    }
+    let r = wait_for(&base_b, "all blocks back", |r| {
+        r["kv_blocks"]["used"] == 0 && r["running"] == 0
+    })
+    .await;
+    let bound = Duration::from_millis(HEARTBEAT_MS * DOWN_AFTER_MISSED);
+    eprintln!(
+        "two routers: router-b's 16 streams whole, 0 errors; the killed router's requests \
+         gone from the workers {a_gone:?} after the kill (its down bound {bound:?}, \
+         heartbeat {HEARTBEAT_MS} ms); every block back {:?} after it",
+        killed.elapsed()
+    );
+    // Silence past the bound, noticed at a heartbeat, the blocks' release
+    // reported at the next: within two more heartbeats (and the polling).
+    assert!(
+        a_gone <= bound + Duration::from_millis(3 * HEARTBEAT_MS + 500),
+        "the dead Router's requests ran {a_gone:?} after its death"
+    );
+    let b_routing = r["routing"].clone();
+    // A again: its view of the workers' caches comes whole from each.
+    let (ra, url) = start_node(&c.config, "router");
+    c.nodes.push(ra);
+    let base_a = url.expect("the router prints its URL");
+    let started = Instant::now();
+    wait_for(&base_a, "a snapshot from each worker", |r| {
+        r["routing"]["prefix_snapshots"].as_u64() >= Some(2)
+    })
+    .await;
+    let view_back = started.elapsed();
+    // Within a heartbeat or two of the workers hearing it (a generous
+    // bound for a loaded test machine; the figure is printed below).
+    assert!(
+        view_back < Duration::from_secs(3),
+        "the restarted Router waited {view_back:?} for the workers' caches"
+    );
+    for p in &b_prompts {
+        let resp = post(&base_a, &completion(p, 4, false)).await;
+        assert_eq!(resp.status(), 200, "{:?}", resp.text().await);
+    }
+    let r = ready(&base_a).await;
+    let routing = &r["routing"];
+    eprintln!(
+        "restarted router: both workers' prefix caches {view_back:?} after it served; \
+         its placements {routing}; router-b's before: {b_routing}"
+    );
+    assert_eq!(routing["placements"], 16, "{r}");
+    assert_eq!(
+        routing["cache_candidate"], 16,
+        "a placement without a cache candidate after the restart: {r}"
+    );
+    drop(c.dir);
+}
+
 /// Three network namespaces on a bridge, one per node; removed on drop.
 struct Netns {
     tag: String,

@@ -49,7 +49,7 @@ fn the_kubernetes_manifests_are_valid_against_the_api_schemas() {
             }
         }
     }
-    // namespace, 2 secrets, router Service + Deployment, worker Service +
-    // StatefulSet, the HPA.
-    assert_eq!(resources, 8);
+    // namespace, 2 secrets, the routers' two Services + StatefulSet, the
+    // workers' Service + StatefulSet, the HPA.
+    assert_eq!(resources, 9);
 }

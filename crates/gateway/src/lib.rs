@@ -63,6 +63,9 @@ pub struct GatewayConfig {
     /// What `GET /config` answers: the server's model, precision and
     /// engine settings (load-test reports record them). `Null`: 404.
     pub server_info: serde_json::Value,
+    /// This front's place among the cluster's Routers and how many there
+    /// are, `(index, routers)`: each holds its share of a tenant's limits.
+    pub limits_share: (usize, usize),
 }
 
 impl GatewayConfig {
@@ -80,6 +83,7 @@ impl GatewayConfig {
             constraints: None,
             tracing: None,
             server_info: serde_json::Value::Null,
+            limits_share: (0, 1),
         }
     }
 }
@@ -152,7 +156,11 @@ impl Gateway {
             engine,
             text,
             metrics,
-            limits: Arc::new(limits::TenantLimits::new(&cfg.cluster)),
+            limits: Arc::new(limits::TenantLimits::share(
+                &cfg.cluster,
+                cfg.limits_share.0,
+                cfg.limits_share.1,
+            )),
             cfg,
             requests: AtomicU64::new(0),
         })
@@ -575,6 +583,14 @@ async fn ready(State(gw): Shared, headers: HeaderMap) -> Response {
         // A draft model's KV is in the same blocks (each of `kv_blocks`
         // holds both halves): its share of each block's bytes.
         "draft_model": gw.cfg.server_info.get("draft_model").cloned().unwrap_or(serde_json::Value::Null),
+        // A Router's placements and its prefix index's part in them.
+        "routing": json!({
+            "placements": s.routing.placements,
+            "cache_candidate": s.routing.cache_candidate,
+            "prompt_blocks": s.routing.prompt_blocks,
+            "matched_blocks": s.routing.matched_blocks,
+            "prefix_snapshots": s.routing.prefix_snapshots,
+        }),
         "nodes": s.nodes.iter().map(|n| json!({
             "name": n.name, "up": n.up, "epoch": n.epoch, "in_flight": n.in_flight,
             "routed": n.routed, "downs": n.downs, "moved_away": n.moved_away,
@@ -601,6 +617,9 @@ async fn prometheus_text(State(gw): Shared, headers: HeaderMap) -> Response {
         }
         gw.metrics
             .kv(s.kv.used as u64, s.kv.free as u64, s.kv.cached as u64);
+        if !s.nodes.is_empty() {
+            gw.metrics.routing(&s.routing);
+        }
     }
     (
         [(

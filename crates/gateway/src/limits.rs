@@ -1,8 +1,12 @@
 //! A tenant's concurrency and rate limits where requests enter: the HTTP
-//! front. A cluster has one front (the Router), so a tenant's
-//! `max_concurrent` and `requests_per_minute` hold across every engine
-//! node, not once per node; each engine's scheduler checks the same limits
-//! again (never the first to trip, as it sees a share of the requests).
+//! front. A tenant's `max_concurrent` and `requests_per_minute` hold
+//! across every engine node, not once per node; each engine's scheduler
+//! checks the same limits again (never the first to trip, as it sees a
+//! share of the requests). A cluster with several Routers splits each
+//! limit between them ([`split`]: the shares sum to the limit), so the
+//! limit holds across Routers with no message between them, as a load
+//! balancer spreads a tenant's requests; a Router whose share is 0 (a
+//! limit below the number of Routers) refuses with a 429 that says so.
 //!
 //! A slot is taken before the request is submitted and given back when the
 //! response ends, whichever way it ends (finished, refused by the engine,
@@ -18,14 +22,27 @@ use flotilla_proto::{Rejection, TenantId};
 
 struct Tenant {
     name: String,
+    /// The tenant's whole limit (0 = none) and this front's share of it.
     max_concurrent: u32,
+    concurrent_share: u32,
+    /// Requests per minute: the whole limit and this front's share.
     requests_per_minute: Option<u32>,
+    rate_share: u32,
     live: u32,
     rate: Option<RateLimit>,
 }
 
+/// Front `index`'s share of `limit` split over `fronts`: the first
+/// `limit % fronts` fronts hold one more, so the shares sum to `limit`.
+pub fn split(limit: u32, index: usize, fronts: usize) -> u32 {
+    let n = fronts.max(1) as u32;
+    limit / n + u32::from((index as u32) < limit % n)
+}
+
 /// Every tenant's live count and rate bucket.
 pub struct TenantLimits {
+    /// How many fronts share the limits.
+    fronts: usize,
     epoch: Instant,
     tenants: Mutex<Vec<Tenant>>,
 }
@@ -46,20 +63,37 @@ impl Drop for TenantSlot {
 }
 
 impl TenantLimits {
-    /// The limits of `cluster`'s tenants.
+    /// The limits of `cluster`'s tenants, held by one front.
     pub fn new(cluster: &ClusterConfig) -> TenantLimits {
+        TenantLimits::share(cluster, 0, 1)
+    }
+
+    /// Front `index` of `fronts`' share of the limits of `cluster`'s
+    /// tenants (see [`split`]).
+    pub fn share(cluster: &ClusterConfig, index: usize, fronts: usize) -> TenantLimits {
+        let fronts = fronts.max(1);
         TenantLimits {
+            fronts,
             epoch: Instant::now(),
             tenants: Mutex::new(
                 cluster
                     .tenants
                     .iter()
-                    .map(|t| Tenant {
-                        name: t.name.clone(),
-                        max_concurrent: t.max_concurrent,
-                        requests_per_minute: t.requests_per_minute,
-                        live: 0,
-                        rate: t.requests_per_minute.map(RateLimit::new),
+                    .map(|t| {
+                        let rate_share =
+                            t.requests_per_minute.map_or(0, |r| split(r, index, fronts));
+                        Tenant {
+                            name: t.name.clone(),
+                            max_concurrent: t.max_concurrent,
+                            concurrent_share: split(t.max_concurrent, index, fronts),
+                            requests_per_minute: t.requests_per_minute,
+                            rate_share,
+                            live: 0,
+                            rate: t
+                                .requests_per_minute
+                                .filter(|_| rate_share > 0)
+                                .map(|_| RateLimit::new(rate_share)),
+                        }
                     })
                     .collect(),
             ),
@@ -98,17 +132,38 @@ impl TenantLimits {
             reason,
             retry_after_s: retry_after_s(wait),
         };
-        if t.max_concurrent > 0 && t.live >= t.max_concurrent {
-            let reason = format!(
-                "{} requests in flight, the limit is {}",
-                t.live, t.max_concurrent
-            );
+        let fronts = self.fronts;
+        if t.max_concurrent > 0 && t.live >= t.concurrent_share {
+            let reason = if fronts == 1 {
+                format!(
+                    "{} requests in flight, the limit is {}",
+                    t.live, t.max_concurrent
+                )
+            } else {
+                format!(
+                    "{} requests in flight at this router, its share of the limit of {} over {fronts} routers is {}",
+                    t.live, t.max_concurrent, t.concurrent_share
+                )
+            };
             return Err(refuse(t, reason, Duration::from_secs(1)));
         }
-        if let Some(rate) = &mut t.rate {
+        if let Some(rpm) = t.requests_per_minute {
+            let Some(rate) = &mut t.rate else {
+                // A limit below the number of Routers: this one holds none.
+                let reason = format!(
+                    "rate limit of {rpm} requests per minute, split over {fronts} routers: this router's share is 0"
+                );
+                return Err(refuse(t, reason, Duration::from_secs(60)));
+            };
             if let Err(wait) = rate.check(now) {
-                let rpm = t.requests_per_minute.unwrap_or(0);
-                let reason = format!("rate limit of {rpm} requests per minute");
+                let reason = if fronts == 1 {
+                    format!("rate limit of {rpm} requests per minute")
+                } else {
+                    format!(
+                        "rate limit of {rpm} requests per minute, this router's share over {fronts} routers is {}",
+                        t.rate_share
+                    )
+                };
                 return Err(refuse(t, reason, wait));
             }
             rate.take(now);
@@ -194,5 +249,100 @@ requests_per_minute = 3
         assert!(l.acquire_at(b, t0 + Duration::from_secs(20)).is_ok());
         // An unknown tenant (open deployments) is not limited.
         assert!(l.acquire(TenantId(7)).is_ok());
+    }
+
+    #[test]
+    fn shares_sum_to_the_limit() {
+        for limit in 0..20 {
+            for fronts in 1..6 {
+                let sum: u32 = (0..fronts).map(|i| split(limit, i, fronts)).sum();
+                assert_eq!(sum, limit, "limit {limit} over {fronts}");
+                let max = (0..fronts).map(|i| split(limit, i, fronts)).max().unwrap();
+                let min = (0..fronts).map(|i| split(limit, i, fronts)).min().unwrap();
+                assert!(max - min <= 1, "limit {limit} over {fronts}: even shares");
+            }
+        }
+    }
+
+    /// Two Routers, one tenant at its limit on both: together they hold
+    /// exactly the limit, each refusing past its share.
+    #[test]
+    fn two_routers_hold_one_limit_between_them() {
+        let cfg = ClusterConfig::parse(
+            "[[tiers]]\nname = \"paid\"\n[[tenants]]\nname = \"a\"\ntier = \"paid\"\n\
+             api_keys = [\"sk-a-0000000000000001\"]\nmax_concurrent = 5\nrequests_per_minute = 1\n",
+            "t.toml",
+        )
+        .unwrap();
+        let fronts = [
+            Arc::new(TenantLimits::share(&cfg, 0, 2)),
+            Arc::new(TenantLimits::share(&cfg, 1, 2)),
+        ];
+        let a = TenantId(0);
+        let t0 = Duration::from_secs(100);
+        let mut held = Vec::new();
+        let mut refused = Vec::new();
+        // Each front is offered the whole limit and more, one request per
+        // minute apart so the rate (1 a minute, all of it router 0's)
+        // only speaks where its share is 0.
+        for round in 0..5u64 {
+            for (i, f) in fronts.iter().enumerate() {
+                match f.acquire_at(a, t0 + Duration::from_secs(60 * round)) {
+                    Ok(s) => held.push((i, s)),
+                    Err(e) => refused.push((i, e.to_string())),
+                }
+            }
+        }
+        // Router 1 holds none of the rate: all its requests are refused,
+        // saying why.
+        assert!(
+            refused.iter().filter(|(i, _)| *i == 1).count() == 5,
+            "{refused:?}"
+        );
+        assert!(
+            refused[0]
+                .1
+                .contains("split over 2 routers: this router's share is 0"),
+            "{refused:?}"
+        );
+        assert_eq!(held.len(), 3, "router 0 holds its share of 3: {refused:?}");
+        let at0: Vec<&String> = refused
+            .iter()
+            .filter(|(i, _)| *i == 0)
+            .map(|(_, e)| e)
+            .collect();
+        assert!(
+            at0[0].contains("its share of the limit of 5 over 2 routers is 3"),
+            "{at0:?}"
+        );
+        assert_eq!(fronts[0].live(a) + fronts[1].live(a), 3);
+        drop(held);
+        assert_eq!(fronts[0].live(a), 0, "slots go back on drop");
+
+        // Without a rate, both fronts fill their shares: 3 + 2 = the limit.
+        let cfg = ClusterConfig::parse(
+            "[[tiers]]\nname = \"paid\"\n[[tenants]]\nname = \"a\"\ntier = \"paid\"\n\
+             api_keys = [\"sk-a-0000000000000001\"]\nmax_concurrent = 5\n",
+            "t.toml",
+        )
+        .unwrap();
+        let fronts = [
+            Arc::new(TenantLimits::share(&cfg, 0, 2)),
+            Arc::new(TenantLimits::share(&cfg, 1, 2)),
+        ];
+        let mut held = Vec::new();
+        for _ in 0..10 {
+            for f in &fronts {
+                if let Ok(s) = f.acquire(a) {
+                    held.push(s);
+                }
+            }
+        }
+        assert_eq!(
+            held.len(),
+            5,
+            "the two shares hold the limit of 5 between them"
+        );
+        assert_eq!((fronts[0].live(a), fronts[1].live(a)), (3, 2));
     }
 }

@@ -39,6 +39,7 @@ mod prefix_cache;
 
 pub use lease::Lease;
 pub use pool::BlockPool;
+pub use prefix_cache::{PrefixDelta, prefix_hashes};
 
 /// A physical block index, as the executor's block tables use it.
 pub type BlockId = u32;

@@ -457,6 +457,22 @@ impl BlockPool {
         }
     }
 
+    /// What the prefix cache registered and dropped since the last call
+    /// (each block hash once, with its last change; blocks moved between
+    /// tiers keep theirs), or its whole contents (`full`) when more changed
+    /// than the log holds: the stream a Router's prefix index follows.
+    pub fn take_prefix_changes(&mut self) -> crate::PrefixDelta {
+        self.reclaim();
+        self.cache.take_changes()
+    }
+
+    /// Every block hash the prefix cache holds (either tier), ascending:
+    /// a Router's starting point. Leaves the change log alone.
+    pub fn prefix_snapshot(&mut self) -> Vec<u64> {
+        self.reclaim();
+        self.cache.hashes()
+    }
+
     /// Occupancy now.
     pub fn usage(&mut self) -> Usage {
         self.reclaim();

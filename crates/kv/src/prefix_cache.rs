@@ -112,6 +112,40 @@ pub(crate) struct PrefixCache {
     next_node: u64,
     /// All ones outside tests; tests narrow it to force collisions.
     hash_mask: u64,
+    /// Registrations (true) and removals (false) since the last
+    /// [`PrefixCache::take_changes`], in order; at most `changes_cap`
+    /// (past it they are dropped and `changes_lost` says so).
+    changes: Vec<(u64, bool)>,
+    changes_cap: usize,
+    changes_lost: bool,
+}
+
+/// What the prefix cache gained and lost since the last look, each hash
+/// once with its last change, or (`full`) its whole contents in `stored`
+/// when more changed than the log holds.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct PrefixDelta {
+    /// `stored` is every hash the cache holds, not a change.
+    pub full: bool,
+    /// Block hashes registered (and still so at the last change).
+    pub stored: Vec<u64>,
+    /// Block hashes no longer registered.
+    pub removed: Vec<u64>,
+}
+
+/// The hashes under which a pool registers `tokens`' full blocks for a
+/// tenant of prefix salt `salt`, first block first: what a Router computes
+/// for a prompt to find a worker's cached prefix in the hashes the pool
+/// reports ([`crate::BlockPool::take_prefix_changes`]).
+pub fn prefix_hashes(tokens: &[u32], block_size: usize, salt: u64) -> Vec<u64> {
+    let bs = block_size.max(1);
+    let mut out = Vec::with_capacity(tokens.len() / bs);
+    let mut parent = ROOT_HASH;
+    for block in tokens.chunks_exact(bs) {
+        parent = block_hash(parent, salt, block);
+        out.push(parent);
+    }
+    out
 }
 
 impl PrefixCache {
@@ -124,7 +158,59 @@ impl PrefixCache {
             tokens: Vec::new(),
             next_node: 1,
             hash_mask: u64::MAX,
+            changes: Vec::new(),
+            // Each block is registered and removed at most once between
+            // looks unless it is churned: twice the pool, and some.
+            changes_cap: 2 * num_blocks as usize + 1024,
+            changes_lost: false,
         }
+    }
+
+    fn log(&mut self, hash: u64, stored: bool) {
+        if self.changes.len() >= self.changes_cap {
+            self.changes.clear();
+            self.changes_lost = true;
+        }
+        if !self.changes_lost {
+            self.changes.push((hash, stored));
+        }
+    }
+
+    /// The changes since the last call (each hash's last), or the whole
+    /// contents when the log overflowed; the log starts again empty.
+    pub(crate) fn take_changes(&mut self) -> PrefixDelta {
+        if std::mem::take(&mut self.changes_lost) {
+            self.changes.clear();
+            return PrefixDelta {
+                full: true,
+                stored: self.hashes(),
+                removed: Vec::new(),
+            };
+        }
+        let mut last: HashMap<u64, bool, BuildHasherDefault<KeyIsHash>> = HashMap::default();
+        let mut order = Vec::with_capacity(self.changes.len());
+        for &(h, stored) in &self.changes {
+            if last.insert(h, stored).is_none() {
+                order.push(h);
+            }
+        }
+        self.changes.clear();
+        let mut d = PrefixDelta::default();
+        for h in order {
+            if last[&h] {
+                d.stored.push(h);
+            } else {
+                d.removed.push(h);
+            }
+        }
+        d
+    }
+
+    /// Every registered hash, ascending.
+    pub(crate) fn hashes(&self) -> Vec<u64> {
+        let mut all: Vec<u64> = self.map.keys().copied().collect();
+        all.sort_unstable();
+        all
     }
 
     /// Narrows every hash to `mask`, so tests can make collisions common.
@@ -219,6 +305,7 @@ impl PrefixCache {
         });
         let prev = self.map.insert(hash, b);
         assert!(prev.is_none(), "hash {hash:#x} registered for two blocks");
+        self.log(hash, true);
         Link { hash, node }
     }
 
@@ -260,6 +347,7 @@ impl PrefixCache {
             Some(b),
             "hash map entry of block {b} points elsewhere"
         );
+        self.log(e.hash, false);
     }
 
     /// Registered blocks, ascending (deterministic order for callers that

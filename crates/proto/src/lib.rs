@@ -337,6 +337,41 @@ pub struct EngineStatus {
     pub draining: bool,
     /// Engine nodes behind a cluster Router (empty for an engine in this process).
     pub nodes: Vec<NodeStatus>,
+    /// A Router's placements and how its prefix index served them (all 0
+    /// for an engine in this process).
+    pub routing: RoutingStats,
+}
+
+/// How a Router's placements found cached prefixes, since it started.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Archive, Serialize, Deserialize)]
+pub struct RoutingStats {
+    /// Requests placed (first placements, not re-runs or moves) whose
+    /// prompt has at least one full block.
+    pub placements: u64,
+    /// Of those, the ones some node was known to hold a prefix of (a
+    /// cache candidate): a Router that lost its view places without one.
+    pub cache_candidate: u64,
+    /// Full prompt blocks of those placements.
+    pub prompt_blocks: u64,
+    /// Of those, the blocks the chosen node was known to hold.
+    pub matched_blocks: u64,
+    /// Times the Router's view of a node's prefix cache was replaced by a
+    /// snapshot from the node (its first, a restart, a gap in the changes).
+    pub prefix_snapshots: u64,
+}
+
+/// What an engine's prefix cache registered and dropped since the last
+/// look, by block hash (`flotilla_kv::prefix_hashes`): the stream a
+/// Router's prefix index follows.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Archive, Serialize, Deserialize)]
+pub struct PrefixChanges {
+    /// `stored` is the whole cache (a snapshot), not a change: the
+    /// receiver replaces what it had.
+    pub full: bool,
+    /// Hashes now registered.
+    pub stored: Vec<u64>,
+    /// Hashes no longer registered.
+    pub removed: Vec<u64>,
 }
 
 /// One engine node as a cluster Router sees it.

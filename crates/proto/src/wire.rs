@@ -24,12 +24,14 @@ use rkyv::rancor;
 use rkyv::util::AlignedVec;
 use rkyv::{Archive, Deserialize, Serialize};
 
-use crate::{EngineEvent, EngineRequest, EngineStatus, KvDtype, Rejection, Role, Sampled};
+use crate::{
+    EngineEvent, EngineRequest, EngineStatus, KvDtype, PrefixChanges, Rejection, Role, Sampled,
+};
 
 /// First four bytes of every frame.
 pub const MAGIC: [u8; 4] = *b"FLTL";
 /// The protocol this build speaks; a peer with another one is refused.
-pub const PROTOCOL_VERSION: u16 = 16;
+pub const PROTOCOL_VERSION: u16 = 17;
 /// Bytes of the envelope before the payload.
 pub const HEADER_LEN: usize = 32;
 /// Smallest frame cap a config may set (a load report must fit).
@@ -121,11 +123,15 @@ pub enum Kind {
     Drain = 17,
     /// [`Message::Leaving`].
     Leaving = 18,
+    /// [`Message::Prefix`].
+    Prefix = 19,
+    /// [`Message::PrefixResync`].
+    PrefixResync = 20,
 }
 
 impl Kind {
     /// Every kind, in number order.
-    pub const ALL: [Kind; 18] = [
+    pub const ALL: [Kind; 20] = [
         Kind::Heartbeat,
         Kind::Submit,
         Kind::Admitted,
@@ -144,6 +150,8 @@ impl Kind {
         Kind::Unknown,
         Kind::Drain,
         Kind::Leaving,
+        Kind::Prefix,
+        Kind::PrefixResync,
     ];
 
     /// The kind numbered `n`, if any.
@@ -158,10 +166,13 @@ impl Kind {
     pub fn may_send(self, role: Role) -> bool {
         match self {
             Kind::Heartbeat | Kind::Ping | Kind::Pong => true,
-            Kind::Submit | Kind::Cancel | Kind::PrefillAbandon | Kind::Unknown | Kind::Drain => {
-                role == Role::Router
-            }
-            Kind::Holding | Kind::Leaving => role.runs_engine(),
+            Kind::Submit
+            | Kind::Cancel
+            | Kind::PrefillAbandon
+            | Kind::Unknown
+            | Kind::Drain
+            | Kind::PrefixResync => role == Role::Router,
+            Kind::Holding | Kind::Leaving | Kind::Prefix => role.runs_engine(),
             Kind::Admitted | Kind::Refused | Kind::Events => role.runs_engine(),
             Kind::KvBlocks => matches!(role, Role::Prefill | Role::Decode | Role::Worker),
             // A decode node asks a prefill node; a node a request moves to
@@ -429,6 +440,19 @@ pub enum Message {
     /// drain deadline passed). Whatever of yours still runs here, move it;
     /// place nothing here until a new life is heard.
     Leaving,
+    /// Engine node -> each Router: its prefix cache's changes (or, `full`,
+    /// its contents), numbered per Router from 1 so that a Router that
+    /// misses one sees the gap and asks for the whole again.
+    Prefix {
+        /// 1 + the number of the last one sent to this Router in this
+        /// life of the node.
+        seq: u64,
+        /// The changes.
+        changes: PrefixChanges,
+    },
+    /// Router -> engine node: send your prefix cache's contents (a gap in
+    /// the `Prefix` numbers, or a Router that has none of this life).
+    PrefixResync,
 }
 
 /// One lease an engine node holds for a Router's request.
@@ -466,6 +490,8 @@ impl Message {
             Message::Unknown { .. } => Kind::Unknown,
             Message::Drain { .. } => Kind::Drain,
             Message::Leaving => Kind::Leaving,
+            Message::Prefix { .. } => Kind::Prefix,
+            Message::PrefixResync => Kind::PrefixResync,
         }
     }
 }
@@ -654,6 +680,7 @@ mod tests {
                 orphans: 0,
                 draining: true,
                 nodes: vec![],
+                routing: Default::default(),
             }),
             Message::Submit(Submit {
                 req: 7,
@@ -778,6 +805,15 @@ mod tests {
             },
             Message::Drain { grace_ms: 30_000 },
             Message::Leaving,
+            Message::Prefix {
+                seq: 3,
+                changes: PrefixChanges {
+                    full: false,
+                    stored: vec![1, u64::MAX],
+                    removed: vec![7],
+                },
+            },
+            Message::PrefixResync,
         ]
     }
 

@@ -18,7 +18,8 @@ use flotilla_proto::wire::{
 };
 use flotilla_proto::{
     Constraint, EngineEvent, EngineFailure, EngineRequest, EngineStatus, FinishReason, KvUsage,
-    NodeStatus, Rejection, Sampled, SamplingParams, TenantId, TierStatus, TraceContext, Usage,
+    NodeStatus, PrefixChanges, Rejection, RoutingStats, Sampled, SamplingParams, TenantId,
+    TierStatus, TraceContext, Usage,
 };
 
 fn request() -> EngineRequest {
@@ -96,6 +97,13 @@ fn samples() -> Vec<(&'static str, Message)> {
             epoch: 3,
             ..NodeStatus::default()
         }],
+        routing: RoutingStats {
+            placements: 10,
+            cache_candidate: 9,
+            prompt_blocks: 40,
+            matched_blocks: 30,
+            prefix_snapshots: 2,
+        },
     };
     let held = vec![Held {
         req: 5,
@@ -222,6 +230,18 @@ fn samples() -> Vec<(&'static str, Message)> {
         ("Unknown", Message::Unknown { held }),
         ("Drain", Message::Drain { grace_ms: 30_000 }),
         ("Leaving", Message::Leaving),
+        (
+            "Prefix",
+            Message::Prefix {
+                seq: 3,
+                changes: PrefixChanges {
+                    full: true,
+                    stored: vec![1, 2, u64::MAX],
+                    removed: vec![9],
+                },
+            },
+        ),
+        ("PrefixResync", Message::PrefixResync),
     ]
 }
 

@@ -278,6 +278,29 @@ impl Scheduler {
             orphans: 0,
             draining: false,
             nodes: Vec::new(),
+            routing: Default::default(),
+        }
+    }
+
+    /// What the prefix cache registered and dropped since the last call
+    /// (or, `full`, its contents): what this engine's node tells its
+    /// Routers, whose prefix indexes follow it.
+    pub fn take_prefix_changes(&mut self) -> flotilla_proto::PrefixChanges {
+        let d = self.pool.take_prefix_changes();
+        flotilla_proto::PrefixChanges {
+            full: d.full,
+            stored: d.stored,
+            removed: d.removed,
+        }
+    }
+
+    /// Every block hash the prefix cache holds: a Router's starting point
+    /// (the change log is left as it is, for the other Routers).
+    pub fn prefix_snapshot(&mut self) -> flotilla_proto::PrefixChanges {
+        flotilla_proto::PrefixChanges {
+            full: true,
+            stored: self.pool.prefix_snapshot(),
+            removed: Vec::new(),
         }
     }
 

@@ -81,6 +81,7 @@ pub struct Metrics {
     accepted_tokens: Counter<u64>,
     acceptance: Histogram<f64>,
     kv_blocks: Gauge<u64>,
+    routing: Gauge<u64>,
     kv_cache: Gauge<u64>,
     offload_slots: Gauge<u64>,
     offload_moves: Counter<u64>,
@@ -224,6 +225,13 @@ impl Metrics {
             kv_blocks: m
                 .u64_gauge("flotilla_kv_blocks")
                 .with_description("KV cache blocks by state (used, free, cached)")
+                .build(),
+            routing: m
+                .u64_gauge("flotilla_router_routing")
+                .with_description(
+                    "A Router's counts since it started: placements, those with a cache candidate, \
+                     their prompt blocks, the blocks the chosen node held, prefix snapshots taken",
+                )
                 .build(),
             offload_slots: m
                 .u64_gauge("flotilla_kv_offload_slots")
@@ -457,6 +465,23 @@ impl Metrics {
             .record(free, &[KeyValue::new("state", "free")]);
         self.kv_blocks
             .record(cached, &[KeyValue::new("state", "cached")]);
+    }
+
+    /// A Router's placements since it started and how its prefix index
+    /// served them (cumulative; a rate over them is the hit rate).
+    pub fn routing(&self, r: &flotilla_proto::RoutingStats) {
+        if !self.enabled {
+            return;
+        }
+        for (count, v) in [
+            ("placements", r.placements),
+            ("cache_candidate", r.cache_candidate),
+            ("prompt_blocks", r.prompt_blocks),
+            ("matched_blocks", r.matched_blocks),
+            ("prefix_snapshots", r.prefix_snapshots),
+        ] {
+            self.routing.record(v, &[KeyValue::new("count", count)]);
+        }
     }
 
     /// The KV pool's shape: its blocks, their element type (`f16`,

@@ -29,6 +29,7 @@ fn page() -> String {
     m.step_time(0.01);
     m.step_cost(0.004, 0.0009, 0.0002);
     m.kv(1, 2, 3);
+    m.routing(&flotilla_proto::RoutingStats::default());
     m.kv_cache("f16", 100, 4096);
     m.tier_load("paid", 1, 2);
     m.kv_offload([1, 2], [1, 2, 3], [4, 5]);

@@ -420,6 +420,13 @@ impl NodeState {
                 Some(EngineAnswer::Detached { ticket, result })
             }
             EngineCall::Status => Some(EngineAnswer::Status(self.engine.status().await)),
+            EngineCall::PrefixChanges { snapshot } => Some(EngineAnswer::Prefix {
+                snapshot,
+                changes: match &kv {
+                    Some(kv) => kv.prefix_changes(snapshot).await,
+                    None => None,
+                },
+            }),
             EngineCall::KvHolders => {
                 let holders = match &kv {
                     Some(kv) => kv.kv_holders().await,

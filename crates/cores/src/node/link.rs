@@ -21,7 +21,11 @@ impl NodeCore {
             return;
         }
         let known = self.routers.get(&from).map(|r| r.0);
-        if known.is_some_and(|e| epoch > e) {
+        // The last life heard of, kept after a silence forgets the
+        // Router: one that died and came back after the down bound is a
+        // new life all the same, and our link still reaches the old one.
+        let last = self.router_epochs.get(&from).copied();
+        if last.is_some_and(|e| epoch > e) {
             out.push(NodeOutput::Reconnect(from));
             self.active
                 .stop_where(|k| k.0 == from && k.1 < epoch, &Stop::Cancel, out);
@@ -38,6 +42,59 @@ impl NodeCore {
         }
         let e = known.map_or(epoch, |e| e.max(epoch));
         self.routers.insert(from, (e, now));
+        self.router_epochs
+            .insert(from, last.map_or(epoch, |l| l.max(epoch)));
+        if known.is_none_or(|k| epoch > k) {
+            // A Router new to this life (or restarted) has none of its
+            // prefix cache: the whole first, then the changes.
+            self.prefix.insert(
+                from,
+                PrefixLink {
+                    seq: 0,
+                    want_snapshot: true,
+                },
+            );
+        }
+    }
+
+    /// The prefix cache's changes (or contents) from the engine, to the
+    /// Routers: numbered per Router, split to fit the frame cap.
+    pub(super) fn on_prefix(
+        &mut self,
+        snapshot: bool,
+        changes: PrefixChanges,
+        out: &mut Vec<NodeOutput>,
+    ) {
+        // Whole contents (asked for, or the engine's log overflowed) go to
+        // every Router that waits for them (all of them, for an
+        // overflow); changes to those that have had the contents.
+        let overflow = !snapshot && changes.full;
+        let full = snapshot || overflow;
+        let per = (self.opts.frame_len_max_bytes as usize / 8)
+            .saturating_sub(512)
+            .max(64);
+        for (&r, link) in self.prefix.iter_mut() {
+            if !overflow && snapshot != link.want_snapshot {
+                continue;
+            }
+            if !full && changes.stored.is_empty() && changes.removed.is_empty() {
+                continue;
+            }
+            link.want_snapshot = false;
+            let chunks = prefix_chunks(&changes, full, per);
+            for c in chunks {
+                link.seq += 1;
+                Self::send(
+                    out,
+                    r,
+                    0,
+                    Message::Prefix {
+                        seq: link.seq,
+                        changes: c,
+                    },
+                );
+            }
+        }
     }
 
     pub(super) fn on_submit(
@@ -298,6 +355,13 @@ impl NodeCore {
                     )));
                     let why = format!("cannot reach prefill node {to}: {reason}");
                     fail(&mut self.active.outbox, key, &e, why);
+                }
+            }
+            // A lost report: the Router gets the whole at the next
+            // heartbeat (changes after a lost one would be a gap).
+            Message::Prefix { .. } => {
+                if let Some(l) = self.prefix.get_mut(&to) {
+                    l.want_snapshot = true;
                 }
             }
             // The rest is noticed by silence (a Router's requests are
@@ -600,4 +664,31 @@ impl Outbox {
     pub(super) fn is_empty(&self) -> bool {
         self.full.is_empty() && self.per_router.is_empty()
     }
+}
+
+/// `changes` split into messages of at most `per` hashes each (stored
+/// first, then removed); with `full`, the first says the contents follow
+/// (it replaces what the Router had), the rest add to it.
+fn prefix_chunks(changes: &PrefixChanges, full: bool, per: usize) -> Vec<PrefixChanges> {
+    let mut out = vec![PrefixChanges {
+        full,
+        ..PrefixChanges::default()
+    }];
+    let room = |c: &PrefixChanges| c.stored.len() + c.removed.len() < per;
+    for &h in &changes.stored {
+        if !room(out.last().expect("never empty")) {
+            out.push(PrefixChanges::default());
+        }
+        out.last_mut().expect("never empty").stored.push(h);
+    }
+    // A full cache has nothing removed: the contents say it all.
+    if !full {
+        for &h in &changes.removed {
+            if !room(out.last().expect("never empty")) {
+                out.push(PrefixChanges::default());
+            }
+            out.last_mut().expect("never empty").removed.push(h);
+        }
+    }
+    out
 }

@@ -32,8 +32,8 @@ use bytes::Bytes;
 use flotilla_proto::NodeId;
 use flotilla_proto::wire::{Held, KvTransferHeader, Message, PrefillMsg, ReqEvents, Submit};
 use flotilla_proto::{
-    EngineEvent, EngineFailure, EngineRequest, EngineStatus, KvExport, KvLayout, Rejection,
-    RequestId, Role, Sampled, StepEvents, TenantId, TraceContext,
+    EngineEvent, EngineFailure, EngineRequest, EngineStatus, KvExport, KvLayout, PrefixChanges,
+    Rejection, RequestId, Role, Sampled, StepEvents, TenantId, TraceContext,
 };
 
 mod drain;
@@ -228,6 +228,12 @@ pub enum EngineCall {
     },
     /// Figures for the heartbeat. Answer now: [`EngineAnswer::Status`].
     Status,
+    /// The prefix cache's changes since the last such call, or
+    /// (`snapshot`) its contents. Answer now: [`EngineAnswer::Prefix`].
+    PrefixChanges {
+        /// The contents, not the changes (the change log is left alone).
+        snapshot: bool,
+    },
     /// Every id that holds KV. Answer now: [`EngineAnswer::Holders`].
     KvHolders,
     /// Give back what an orphan holds. Answer now:
@@ -266,6 +272,7 @@ impl EngineCall {
                 | EngineCall::SubmitForExport { .. }
                 | EngineCall::Detach { .. }
                 | EngineCall::Status
+                | EngineCall::PrefixChanges { .. }
                 | EngineCall::KvHolders
                 | EngineCall::DropOrphan(_)
         )
@@ -306,6 +313,14 @@ pub enum EngineAnswer {
     },
     /// To [`EngineCall::Status`].
     Status(EngineStatus),
+    /// To [`EngineCall::PrefixChanges`].
+    Prefix {
+        /// The call's `snapshot`.
+        snapshot: bool,
+        /// The changes, or the contents; None: the engine reports no
+        /// prefix cache (nothing is sent).
+        changes: Option<PrefixChanges>,
+    },
     /// To [`EngineCall::KvHolders`].
     Holders(Vec<RequestId>),
     /// To [`EngineCall::DropOrphan`].
@@ -432,6 +447,15 @@ enum Stop {
     RouterSilent(String),
 }
 
+/// A Router's place in this node's stream of prefix-cache changes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct PrefixLink {
+    /// The number of the last `Prefix` sent to it (0: none yet).
+    seq: u64,
+    /// It waits for the whole cache (new, restarted, or it saw a gap).
+    want_snapshot: bool,
+}
+
 /// The engine node's protocol state.
 pub struct NodeCore {
     opts: NodeSettings,
@@ -441,6 +465,12 @@ pub struct NodeCore {
     layout: Option<KvLayout>,
     /// Per Router: its epoch and when it was last heard.
     routers: BTreeMap<NodeId, (u64, Duration)>,
+    /// Per Router ever heard: its last epoch (kept when a silence drops it
+    /// from `routers`).
+    router_epochs: BTreeMap<NodeId, u64>,
+    /// Per Router heard in its current life: the number of the last
+    /// `Prefix` sent to it, and whether it waits for the whole cache.
+    prefix: BTreeMap<NodeId, PrefixLink>,
     active: Active,
     importing: BTreeMap<(NodeId, u64), Importing>,
     /// Reservations an import owns (its bytes are being written): the
@@ -499,6 +529,8 @@ impl NodeCore {
             epoch,
             layout,
             routers: BTreeMap::new(),
+            router_epochs: BTreeMap::new(),
+            prefix: BTreeMap::new(),
             importing: BTreeMap::new(),
             import_tasks: BTreeMap::new(),
             prefills: BTreeMap::new(),
@@ -777,6 +809,11 @@ impl NodeCore {
                 self.on_drain(now, Duration::from_millis(grace_ms), out)
             }
             Message::Ping { seq, pad } => Self::send(out, from, seq, Message::Pong { seq, pad }),
+            Message::PrefixResync if is_router => {
+                if let Some(l) = self.prefix.get_mut(&from) {
+                    l.want_snapshot = true;
+                }
+            }
             _ => {}
         }
     }
@@ -811,6 +848,12 @@ impl NodeCore {
                 self.on_detached(ticket, result, out);
             }
             EngineAnswer::Status(report) => self.on_status(report, out),
+            EngineAnswer::Prefix { snapshot, changes } => {
+                self.answered();
+                if let Some(changes) = changes {
+                    self.on_prefix(snapshot, changes, out);
+                }
+            }
             EngineAnswer::Holders(holders) => {
                 self.answered();
                 self.on_holders(holders, out);
@@ -839,6 +882,14 @@ impl NodeCore {
         }
         self.next_heartbeat = now + self.opts.heartbeat_interval;
         self.call_now(EngineCall::Status, out);
+        // The prefix cache's changes go to the Routers once a heartbeat
+        // (the contents, to a Router that has none of this life).
+        if !self.prefix.is_empty() {
+            self.call_now(EngineCall::PrefixChanges { snapshot: false }, out);
+            if self.prefix.values().any(|l| l.want_snapshot) {
+                self.call_now(EngineCall::PrefixChanges { snapshot: true }, out);
+            }
+        }
         self.abandoned.retain(|_, until| *until > now);
         self.cancelled.retain(|_, (_, until)| *until > now);
         if now >= self.orphans.next {
@@ -926,6 +977,7 @@ impl NodeCore {
                 );
             }
             self.routers.remove(&n);
+            self.prefix.remove(&n);
         }
         // Reservations whose KV never came.
         let late: Vec<(NodeId, u64)> = self

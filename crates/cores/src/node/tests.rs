@@ -7,7 +7,8 @@ use bytes::Bytes;
 use flotilla_proto::wire::{Held, KvTransferHeader, Message, PrefillMsg, Submit};
 use flotilla_proto::{
     EngineEvent, EngineFailure, EngineRequest, EngineStatus, FinishReason, KvExport, KvLayout,
-    Rejection, RequestId, Role, Sampled, SamplingParams, TenantId, TraceContext, Usage,
+    PrefixChanges, Rejection, RequestId, Role, Sampled, SamplingParams, TenantId, TraceContext,
+    Usage,
 };
 
 use super::{
@@ -62,6 +63,9 @@ struct H {
     detach: Result<Vec<u32>, String>,
     /// Spans the core measured.
     spans: Vec<(TraceContext, TransferSpan)>,
+    /// The engine's prefix cache, and its changes since the last look.
+    cache: std::collections::BTreeSet<u64>,
+    cache_delta: PrefixChanges,
 }
 
 impl H {
@@ -92,6 +96,8 @@ impl H {
             left: false,
             detach: Err("not decoding".into()),
             spans: Vec::new(),
+            cache: Default::default(),
+            cache_delta: PrefixChanges::default(),
         };
         h.input(NodeInput::Tick);
         h.sent.clear();
@@ -153,6 +159,18 @@ impl H {
                 result: self.detach.clone(),
             },
             EngineCall::Status => EngineAnswer::Status(EngineStatus::default()),
+            EngineCall::PrefixChanges { snapshot } => EngineAnswer::Prefix {
+                snapshot,
+                changes: Some(if snapshot {
+                    PrefixChanges {
+                        full: true,
+                        stored: self.cache.iter().copied().collect(),
+                        removed: Vec::new(),
+                    }
+                } else {
+                    std::mem::take(&mut self.cache_delta)
+                }),
+            },
             EngineCall::KvHolders => EngineAnswer::Holders(self.holders.clone()),
             EngineCall::DropOrphan(id) => {
                 let dropped = self.holders.contains(&id);
@@ -1372,4 +1390,215 @@ fn the_router_s_answer_about_an_earlier_placement_never_ends_a_later_one() {
     assert!(h.orphans.is_empty(), "{:?}", h.orphans);
     h.step(vec![(second, tok(3))]);
     assert_eq!(h.events(), vec![(5, 1, 0, vec![tok(3)])]);
+}
+
+impl H {
+    /// The engine's cache gains `stored` and loses `removed`.
+    fn cache_change(&mut self, stored: &[u64], removed: &[u64]) {
+        for h in stored {
+            self.cache.insert(*h);
+            self.cache_delta.removed.retain(|x| x != h);
+            self.cache_delta.stored.push(*h);
+        }
+        for h in removed {
+            self.cache.remove(h);
+            self.cache_delta.stored.retain(|x| x != h);
+            self.cache_delta.removed.push(*h);
+        }
+    }
+
+    /// The `Prefix` messages sent since the last call: (to, seq, changes).
+    fn take_prefix(&mut self) -> Vec<(u32, u64, PrefixChanges)> {
+        let mut got = Vec::new();
+        self.sent.retain(|(to, m)| match m {
+            Message::Prefix { seq, changes } => {
+                got.push((*to, *seq, changes.clone()));
+                false
+            }
+            _ => true,
+        });
+        got
+    }
+}
+
+fn changes(full: bool, stored: &[u64], removed: &[u64]) -> PrefixChanges {
+    PrefixChanges {
+        full,
+        stored: stored.to_vec(),
+        removed: removed.to_vec(),
+    }
+}
+
+/// Each Router gets the whole prefix cache when it is first heard, then
+/// the changes once a heartbeat, numbered for it alone; one that asks
+/// (it saw a gap) or restarts gets the whole again.
+#[test]
+fn each_router_gets_the_whole_prefix_cache_then_its_changes() {
+    const OTHER: u32 = 5;
+    let mut h = H::new(Role::Worker, true, |o| NodeSettings {
+        routers: vec![ROUTER, OTHER],
+        ..o
+    });
+    h.cache_change(&[1, 2], &[]);
+    h.run_to(HB);
+    assert!(h.take_prefix().is_empty(), "no Router heard: nothing sent");
+    let ping = || Message::Ping {
+        seq: 1,
+        pad: Vec::new(),
+    };
+    h.msg(ROUTER, 5, ping());
+    h.run_to(HB * 2);
+    // The changes before it was heard are in the whole it gets.
+    assert_eq!(
+        h.take_prefix(),
+        vec![(ROUTER, 1, changes(true, &[1, 2], &[]))]
+    );
+    h.cache_change(&[3], &[1]);
+    h.msg(ROUTER, 5, ping());
+    h.msg(OTHER, 9, ping());
+    h.run_to(HB * 3);
+    assert_eq!(
+        h.take_prefix(),
+        vec![
+            (ROUTER, 2, changes(false, &[3], &[1])),
+            (OTHER, 1, changes(true, &[2, 3], &[])),
+        ]
+    );
+    // Nothing changed: nothing sent.
+    h.msg(ROUTER, 5, ping());
+    h.msg(OTHER, 9, ping());
+    h.run_to(HB * 4);
+    assert!(h.take_prefix().is_empty());
+    // A Router that saw a gap asks; it gets the whole, numbered on.
+    h.cache_change(&[4], &[]);
+    h.msg(ROUTER, 5, Message::PrefixResync);
+    h.msg(OTHER, 9, ping());
+    h.run_to(HB * 5);
+    assert_eq!(
+        h.take_prefix(),
+        vec![
+            (OTHER, 2, changes(false, &[4], &[])),
+            (ROUTER, 3, changes(true, &[2, 3, 4], &[])),
+        ]
+    );
+    // A restarted Router starts again at 1 with the whole.
+    h.msg(ROUTER, 6, ping());
+    h.msg(OTHER, 9, ping());
+    h.run_to(HB * 6);
+    assert_eq!(
+        h.take_prefix(),
+        vec![(ROUTER, 1, changes(true, &[2, 3, 4], &[]))]
+    );
+    // Routers silent past the down bound are forgotten: one heard again
+    // starts with the whole.
+    h.msg(ROUTER, 6, ping());
+    h.run_to(HB * 6 + DOWN + HB * 2);
+    h.cache_change(&[5], &[]);
+    h.msg(OTHER, 9, ping());
+    h.take_prefix();
+    h.run_to(HB * 6 + DOWN + HB * 3);
+    assert_eq!(
+        h.take_prefix(),
+        vec![(OTHER, 1, changes(true, &[2, 3, 4, 5], &[]))]
+    );
+}
+
+/// A cache bigger than one frame goes in several, the first replacing,
+/// each numbered.
+#[test]
+fn a_large_prefix_cache_is_split_to_fit_frames() {
+    let mut h = H::new(Role::Worker, true, |o| NodeSettings {
+        frame_len_max_bytes: 4096,
+        ..o
+    });
+    let all: Vec<u64> = (1..=150).collect();
+    h.cache_change(&all, &[]);
+    h.msg(
+        ROUTER,
+        5,
+        Message::Ping {
+            seq: 1,
+            pad: Vec::new(),
+        },
+    );
+    h.run_to(HB);
+    let got = h.take_prefix();
+    let seqs: Vec<u64> = got.iter().map(|g| g.1).collect();
+    assert_eq!(seqs, [1, 2, 3]);
+    let fulls: Vec<bool> = got.iter().map(|g| g.2.full).collect();
+    assert_eq!(fulls, [true, false, false]);
+    let joined: Vec<u64> = got.iter().flat_map(|g| g.2.stored.clone()).collect();
+    assert_eq!(joined, all);
+    for (_, _, c) in &got {
+        let f = flotilla_proto::wire::encode_frame(
+            &Message::Prefix {
+                seq: 1,
+                changes: c.clone(),
+            },
+            0,
+            0,
+            0,
+            4096,
+        );
+        assert!(f.is_ok(), "a part over the frame cap");
+    }
+}
+
+/// A report the transport could not deliver (the link was still dialing,
+/// or lost) is made good: the whole goes again at the next heartbeat.
+#[test]
+fn a_lost_prefix_report_is_sent_again_whole() {
+    let mut h = H::new(Role::Worker, true, |o| o);
+    h.cache_change(&[1, 2], &[]);
+    h.msg(
+        ROUTER,
+        5,
+        Message::Ping {
+            seq: 1,
+            pad: Vec::new(),
+        },
+    );
+    h.run_to(HB);
+    let sent = h.take_prefix();
+    assert_eq!(sent, vec![(ROUTER, 1, changes(true, &[1, 2], &[]))]);
+    let (to, seq, c) = sent[0].clone();
+    h.input(NodeInput::Undelivered {
+        to,
+        msg: Message::Prefix { seq, changes: c },
+        reason: "peer is unreachable".into(),
+    });
+    h.cache_change(&[3], &[]);
+    h.msg(
+        ROUTER,
+        5,
+        Message::Ping {
+            seq: 2,
+            pad: Vec::new(),
+        },
+    );
+    h.run_to(HB * 2);
+    assert_eq!(
+        h.take_prefix(),
+        vec![(ROUTER, 2, changes(true, &[1, 2, 3], &[]))]
+    );
+}
+
+/// A Router forgotten for its silence that comes back in a new life (it
+/// died and restarted past the down bound) gets a fresh link: the old one
+/// reaches the dead process. Back in the same life (a healed cut), the
+/// link stays.
+#[test]
+fn a_router_back_in_a_new_life_after_a_silence_gets_a_fresh_link() {
+    let mut h = H::new(Role::Worker, true, |o| o);
+    let ping = |seq| Message::Ping {
+        seq,
+        pad: Vec::new(),
+    };
+    h.msg(ROUTER, 5, ping(1));
+    h.run_to(DOWN + HB * 2);
+    h.msg(ROUTER, 5, ping(2));
+    assert!(h.reconnects.is_empty(), "the same life: {:?}", h.reconnects);
+    h.run_to(DOWN * 2 + HB * 4);
+    h.msg(ROUTER, 6, ping(3));
+    assert_eq!(h.reconnects, [ROUTER], "a new life after a silence");
 }

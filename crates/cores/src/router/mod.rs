@@ -35,7 +35,7 @@ use std::time::Duration;
 use flotilla_proto::wire::{Held, Message, ReqEvents, Submit};
 use flotilla_proto::{
     DrainRefusal, EngineEvent, EngineFailure, EngineRequest, EngineStatus, KvDtype, KvUsage,
-    NodeId, NodeStatus, Rejection, Role, TierStatus,
+    NodeId, NodeStatus, PrefixChanges, Rejection, Role, RoutingStats, TierStatus,
 };
 use rustc_hash::FxHashMap;
 
@@ -207,6 +207,12 @@ struct WorkerView {
     /// a drained node's last words, not a sign of life.
     left_epoch: u64,
     prefix: PrefixIndex,
+    /// The number of the last `Prefix` applied from its current life, if
+    /// the index follows its reports (it had the whole since).
+    prefix_seq: Option<u64>,
+    /// When the whole was last asked for (a gap): asked again only after
+    /// a heartbeat interval.
+    resync_asked: Option<Duration>,
     /// Placements (request, attempt) taken away from this node while it
     /// was silent, stopped again when it is heard from: the Cancel sent
     /// then may not have reached it, and a Submit held on the cut link may
@@ -297,6 +303,8 @@ pub struct RouterCore {
     /// Requests that lost their node when no other could take them: each
     /// waits (until then) for one that can, by id.
     parked: BTreeMap<u64, (Duration, Pending, String)>,
+    /// Placements and how the prefix index served them.
+    routing: RoutingStats,
     /// The time of the input being handled.
     now: Duration,
     out: Vec<RouterOutput>,
@@ -326,6 +334,8 @@ impl RouterCore {
                 kv_short: 0,
                 left_epoch: 0,
                 prefix: PrefixIndex::new(opts.prefix_blocks_max),
+                prefix_seq: None,
+                resync_asked: None,
                 recall: Vec::new(),
             })
             .collect();
@@ -341,6 +351,7 @@ impl RouterCore {
             next_check: now,
             checks_to_heartbeat: 0,
             parked: BTreeMap::new(),
+            routing: RoutingStats::default(),
             now,
             out: Vec::new(),
             opts,
@@ -479,6 +490,7 @@ impl RouterCore {
             }
         }
         s.tiers = tiers;
+        s.routing = self.routing;
         s
     }
 
@@ -563,6 +575,17 @@ impl RouterCore {
             },
         );
         assert!(old.is_none(), "request id {id} submitted twice");
+        if !hashes.is_empty() {
+            // Did any node that could take it hold a prefix of it?
+            let candidate = self
+                .workers
+                .iter()
+                .enumerate()
+                .any(|(i, w)| Self::usable(w, i, None, reach) && w.prefix.matched(&hashes) > 0);
+            self.routing.placements += 1;
+            self.routing.cache_candidate += u64::from(candidate);
+            self.routing.prompt_blocks += hashes.len() as u64;
+        }
         if !self.route(id, &hashes, None, reach) {
             self.unplace(id);
             // Said here: the client's 503 is all that tells of it otherwise.
@@ -697,6 +720,12 @@ impl RouterCore {
             .pending
             .get(&id)
             .expect("dispatch of an unknown request");
+        if p.reruns == 0 && p.moves == 0 && !kv_move {
+            // The first placement: the blocks the chosen node (or its
+            // prefill node) was known to hold.
+            let by = prefill.unwrap_or(w);
+            self.routing.matched_blocks += self.workers[by].prefix.matched(hashes) as u64;
+        }
         let submit = Submit {
             req: id,
             attempt: p.reruns,
@@ -902,7 +931,12 @@ impl RouterCore {
             .collect();
         // In request order, as a sorted map would give them.
         ids.sort_unstable();
-        self.workers[w].prefix.clear();
+        let v = &mut self.workers[w];
+        v.prefix.clear();
+        // Its next life numbers its reports from 1, starting with the
+        // whole cache.
+        v.prefix_seq = None;
+        v.resync_asked = None;
         let name = self.workers[w].name.clone();
         for id in ids {
             let p = &self.pending[&id];
@@ -1087,6 +1121,39 @@ impl RouterCore {
         block_hashes(&req.prompt, self.opts.block_size, salt)
     }
 
+    /// A node's prefix-cache report: the whole replaces what the index
+    /// had; changes apply when they follow the last one applied; a gap
+    /// (a report lost with a connection) asks for the whole again.
+    fn on_prefix(&mut self, now: Duration, w: usize, seq: u64, changes: PrefixChanges) {
+        let interval = self.opts.heartbeat_interval;
+        let v = &mut self.workers[w];
+        if changes.full {
+            v.prefix.clear();
+            v.prefix.insert(&changes.stored);
+            v.prefix_seq = Some(seq);
+            v.resync_asked = None;
+            self.routing.prefix_snapshots += 1;
+            return;
+        }
+        if v.prefix_seq.is_some_and(|last| seq == last + 1) {
+            v.prefix.remove(&changes.removed);
+            v.prefix.insert(&changes.stored);
+            v.prefix_seq = Some(seq);
+            return;
+        }
+        if v.prefix_seq.is_some_and(|last| seq <= last) {
+            // A duplicate: applied already.
+            return;
+        }
+        v.prefix_seq = None;
+        if v.resync_asked.is_none_or(|at| now >= at + interval) {
+            v.resync_asked = Some(now);
+            tracing::debug!(node = %v.name, seq, "a gap in the prefix reports: asking for the whole");
+            let node = v.node;
+            self.send(node, 0, Message::PrefixResync);
+        }
+    }
+
     fn on_message(&mut self, now: Duration, from: NodeId, epoch: u64, msg: Message, reach: &Reach) {
         let Some(&w) = self.by_node.get(&from) else {
             return;
@@ -1130,6 +1197,7 @@ impl RouterCore {
                 }
                 self.workers[w].load = load;
             }
+            Message::Prefix { seq, changes } => self.on_prefix(now, w, seq, changes),
             Message::Leaving => {
                 let v = &mut self.workers[w];
                 v.left_epoch = epoch;
@@ -1397,8 +1465,30 @@ impl RouterCore {
                 let node = self.workers[i].node;
                 self.send(node, 0, Message::Heartbeat(EngineStatus::default()));
             }
+            self.want_prefixes(now);
         }
         self.checks_to_heartbeat -= 1;
+    }
+
+    /// A node up for two heartbeats whose prefix cache the index does not
+    /// follow (its report was lost, or never came): ask for the whole.
+    fn want_prefixes(&mut self, now: Duration) {
+        let wait = self.opts.heartbeat_interval * 2;
+        for i in 0..self.workers.len() {
+            let v = &mut self.workers[i];
+            if !v.up || v.prefix_seq.is_some() {
+                continue;
+            }
+            match v.resync_asked {
+                None => v.resync_asked = Some(now),
+                Some(at) if now >= at + wait => {
+                    v.resync_asked = Some(now);
+                    let node = v.node;
+                    self.send(node, 0, Message::PrefixResync);
+                }
+                Some(_) => {}
+            }
+        }
     }
 
     fn check_silence(&mut self, now: Duration, reach: &Reach) {

@@ -828,3 +828,122 @@ fn the_last_decode_node_short_of_blocks_runs_it_whole_not_a_503() {
     let short: Vec<u64> = st.nodes.iter().map(|n| n.kv_short).collect();
     assert_eq!(short, [0, 0, 1], "counted where it was short");
 }
+
+/// Every PrefixResync in `out`, by node.
+fn resyncs(out: &[RouterOutput]) -> Vec<u32> {
+    out.iter()
+        .filter_map(|o| match o {
+            RouterOutput::Send {
+                to,
+                msg: Message::PrefixResync,
+                ..
+            } => Some(*to),
+            _ => None,
+        })
+        .collect()
+}
+
+fn prefix(seq: u64, full: bool, stored: &[u64], removed: &[u64]) -> Message {
+    Message::Prefix {
+        seq,
+        changes: flotilla_proto::PrefixChanges {
+            full,
+            stored: stored.to_vec(),
+            removed: removed.to_vec(),
+        },
+    }
+}
+
+/// The index follows each node's prefix reports: the whole replaces,
+/// changes apply in order, a gap asks for the whole (once a heartbeat),
+/// a restart forgets; placements count whether a cache candidate existed.
+#[test]
+fn the_prefix_index_follows_each_node_s_reports() {
+    let mut h = H::new(&[Role::Worker, Role::Worker]);
+    // Request 7's prompt, as `submit` makes it: 3 full blocks of 4.
+    let prompt: Vec<u32> = (0..12).map(|i| 100 + i + 7000).collect();
+    let hashes = crate::prefix::block_hashes(&prompt, 4, 0);
+    assert_eq!(hashes.len(), 3);
+    // Node 2 holds it (another Router placed it there, or it ran before
+    // this Router started): only its report says so.
+    h.msg(2, 1, prefix(1, true, &hashes, &[]));
+    let out = h.submit(7, 12, 4);
+    assert_eq!(submits(&out), [(2, 7, 0)], "placed where its prefix is");
+    let r = h.core.status().routing;
+    assert_eq!(
+        (
+            r.placements,
+            r.cache_candidate,
+            r.prompt_blocks,
+            r.matched_blocks
+        ),
+        (1, 1, 3, 3)
+    );
+    assert_eq!(r.prefix_snapshots, 1);
+    // Node 2 drops the first block: the prefix is gone there.
+    h.msg(2, 1, prefix(2, false, &[], &hashes[..1]));
+    // A gap: seq 3 never came. Not applied, the whole asked for once.
+    let out = h.msg(2, 1, prefix(4, false, &hashes[..1], &[]));
+    assert_eq!(resyncs(&out), [2]);
+    let out = h.msg(2, 1, prefix(5, false, &hashes[..1], &[]));
+    assert!(resyncs(&out).is_empty(), "asked once a heartbeat at most");
+    h.run_to(h.now + HB);
+    let out = h.msg(2, 1, prefix(6, false, &[], &[]));
+    assert_eq!(resyncs(&out), [2], "asked again a heartbeat later");
+    // Request 8 (another prompt): no node holds any of it.
+    h.submit(8, 12, 4);
+    let r = h.core.status().routing;
+    assert_eq!((r.placements, r.cache_candidate), (2, 1));
+    // The whole comes: applied, and followed from its number.
+    let p9: Vec<u32> = (0..12).map(|i| 100 + i + 9000).collect();
+    let h9 = crate::prefix::block_hashes(&p9, 4, 0);
+    h.msg(1, 1, prefix(1, true, &h9[..2], &[]));
+    h.msg(1, 1, prefix(2, false, &h9[2..], &[]));
+    let out = h.submit(9, 12, 4);
+    assert_eq!(submits(&out), [(1, 9, 0)]);
+    let r = h.core.status().routing;
+    assert_eq!(
+        (r.placements, r.cache_candidate, r.matched_blocks),
+        (3, 2, 6)
+    );
+    // Node 1 restarts: its record is gone (the new life reports afresh).
+    h.heartbeat(1, 2);
+    h.submit(10, 0, 4);
+    let p11 =
+        crate::prefix::block_hashes(&(0..12).map(|i| 100 + i + 11000).collect::<Vec<_>>(), 4, 0);
+    assert_eq!(p11.len(), 3);
+    let out = h.msg(1, 2, prefix(1, false, &p11, &[]));
+    assert_eq!(resyncs(&out), [1], "changes before the whole are a gap");
+    h.submit(11, 12, 4);
+    let r = h.core.status().routing;
+    assert_eq!(
+        (r.placements, r.cache_candidate),
+        (4, 2),
+        "an empty prompt is no placement to count; 11 had no candidate"
+    );
+}
+
+/// A node up for two heartbeats that never reported its prefix cache (the
+/// report was lost) is asked for it, once per two heartbeats.
+#[test]
+fn a_node_with_no_prefix_report_is_asked_for_one() {
+    let mut h = H::new(&[Role::Worker]);
+    // When each ask goes out, heartbeat by heartbeat.
+    let mut asked = Vec::new();
+    for k in 1..=8u32 {
+        let out = h.live_until(HB * k, &[1]);
+        asked.extend(resyncs(&out).into_iter().map(|_| k));
+    }
+    assert!(
+        asked.first().is_some_and(|&k| k >= 2),
+        "a grace of two heartbeats: asked at {asked:?}"
+    );
+    assert!(
+        asked.windows(2).all(|w| w[1] - w[0] >= 2) && asked.len() >= 2,
+        "asked again, never every heartbeat: {asked:?}"
+    );
+    // Once the whole came, nothing is asked.
+    h.msg(1, 1, prefix(1, true, &[], &[]));
+    let out = h.live_until(HB * 12, &[1]);
+    assert!(resyncs(&out).is_empty());
+}

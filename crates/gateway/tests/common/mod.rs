@@ -188,6 +188,7 @@ impl Engine for Fake {
                 orphans: 0,
                 draining: false,
                 nodes: vec![],
+                routing: Default::default(),
             }
         })
     }

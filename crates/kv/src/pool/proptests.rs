@@ -184,6 +184,9 @@ struct Model {
     slot_contents: Vec<Option<Vec<u32>>>,
     /// `clear_cache` calls so far.
     clears: u32,
+    /// The prefix cache as a Router follows it: the changes taken at each
+    /// check applied to the last (a snapshot where the log overflowed).
+    follower: std::collections::BTreeSet<u64>,
     stats: Stats,
 }
 
@@ -205,6 +208,7 @@ impl Model {
             setup,
             seqs: Vec::new(),
             clears: 0,
+            follower: Default::default(),
             stats: Stats::default(),
         }
     }
@@ -513,6 +517,23 @@ impl Model {
         let u = self.pool.usage();
         assert_eq!(u.total, self.setup.num_blocks);
         assert_eq!(u.free + u.used + u.cached, u.total);
+        // Following the change stream gives the cache's contents.
+        let d = self.pool.take_prefix_changes();
+        if d.full {
+            self.follower = d.stored.iter().copied().collect();
+        } else {
+            assert!(
+                d.stored.iter().all(|h| !d.removed.contains(h)),
+                "a hash both stored and removed in one delta"
+            );
+            for h in &d.removed {
+                self.follower.remove(h);
+            }
+            self.follower.extend(d.stored.iter().copied());
+        }
+        let snapshot: std::collections::BTreeSet<u64> =
+            self.pool.prefix_snapshot().into_iter().collect();
+        assert_eq!(self.follower, snapshot, "the change stream lost the cache");
 
         let mut holders: BTreeMap<BlockId, Vec<Origin>> = BTreeMap::new();
         let mut tenant_sum: BTreeMap<u32, u32> = BTreeMap::new();

@@ -580,3 +580,53 @@ fn a_full_tier_drops_its_least_recently_spilled_block() {
     assert_eq!(moves.last(), Some(&BlockMove::Spill { block: 0, slot: 0 }));
     pool.check_invariants();
 }
+
+#[test]
+fn prefix_changes_name_the_hashes_a_router_computes() {
+    let mut p = pool(8, 4);
+    let prompt: Vec<u32> = (0..10).collect();
+    let (lease, _) = prefill(&mut p, A, 7, &prompt);
+    let want = crate::prefix_hashes(&prompt, 4, 7);
+    assert_eq!(want.len(), 2, "two full blocks");
+    let d = p.take_prefix_changes();
+    assert!(!d.full);
+    assert_eq!(
+        (d.stored.clone(), d.removed.clone()),
+        (want.clone(), vec![])
+    );
+    assert_eq!(p.take_prefix_changes(), Default::default(), "taken once");
+    let mut sorted = want.clone();
+    sorted.sort_unstable();
+    assert_eq!(p.prefix_snapshot(), sorted);
+    // Another salt names other blocks.
+    assert_ne!(crate::prefix_hashes(&prompt, 4, 8), want);
+    drop(lease);
+    p.clear_cache();
+    let d = p.take_prefix_changes();
+    assert_eq!((d.stored.len(), d.removed.len()), (0, 2));
+    // Registered and dropped between looks: only the last change shows.
+    let (lease, _) = prefill(&mut p, A, 7, &prompt);
+    drop(lease);
+    p.clear_cache();
+    let d = p.take_prefix_changes();
+    assert_eq!((d.stored.len(), d.removed.len(), d.full), (0, 2, false));
+}
+
+#[test]
+fn an_overflowed_change_log_gives_the_whole_cache() {
+    let mut p = pool(4, 2);
+    // Churn far past the log's cap (2 x 4 blocks + 1024 entries).
+    for i in 0..600u32 {
+        let prompt = [i, i + 1, i + 2];
+        let (lease, _) = prefill(&mut p, A, 0, &prompt);
+        drop(lease);
+        p.clear_cache();
+    }
+    let prompt = [1u32, 2, 3, 4, 5];
+    let (_lease, _) = prefill(&mut p, A, 0, &prompt);
+    let d = p.take_prefix_changes();
+    assert!(d.full, "the log overflowed: a snapshot instead");
+    assert_eq!(d.stored, p.prefix_snapshot());
+    assert_eq!(d.stored.len(), 2);
+    assert!(!p.take_prefix_changes().full, "then deltas again");
+}
