@@ -38,6 +38,9 @@ pub struct ChaosSection {
     pub partition_s: (f64, f64),
     /// Clogs of one direction of a link (messages held, then released).
     pub clogs: u32,
+    /// Router crashes (`[topology] routers` above 1): a Router that is up,
+    /// never the last one up; each restarts after `restart_after_s`.
+    pub router_crashes: u32,
     /// How long a clog lasts, seconds (min, max).
     pub clog_s: (f64, f64),
     /// Faults begin no earlier than this, seconds.
@@ -57,6 +60,7 @@ impl Default for ChaosSection {
             one_way_fraction: 0.25,
             partition_s: (0.05, 2.0),
             clogs: 0,
+            router_crashes: 0,
             clog_s: (0.05, 1.0),
             from_s: 1.0,
             until_s: None,
@@ -75,6 +79,7 @@ impl ChaosSection {
             (self.stage_crashes, "stage_crashes"),
             (self.partitions, "partitions"),
             (self.clogs, "clogs"),
+            (self.router_crashes, "router_crashes"),
         ] {
             if n > CHAOS_FAULTS_MAX {
                 return Err(format!("[chaos] {name} = {n}: at most {CHAOS_FAULTS_MAX}"));
@@ -175,9 +180,38 @@ impl ChaosSection {
             }
         }
 
-        // Links that carry traffic: Router <-> every engine, and prefill <->
-        // decode (a cut between two mixed engines would hold nothing).
-        let mut links: Vec<(u32, u32)> = (1..=nodes).map(|n| (0, n)).collect();
+        // Router crashes: one that is up, never the last one up; each comes
+        // back (a front is restarted by its supervisor).
+        let routers = sc.topology.routers;
+        let mut router_at: Vec<f64> = (0..self.router_crashes).map(|_| at(rng)).collect();
+        router_at.sort_by(f64::total_cmp);
+        let mut router_back = vec![f64::NEG_INFINITY; routers];
+        for t in router_at {
+            let up: Vec<usize> = (0..routers).filter(|&r| router_back[r] <= t).collect();
+            if up.len() < 2 {
+                continue;
+            }
+            let router = up[rng.range(0, up.len() as u64 - 1) as usize];
+            let back = t + within(rng, self.restart_after_s);
+            router_back[router] = back;
+            out.push(FaultSection {
+                at_s: t,
+                kind: FaultKind::RouterCrash { router },
+            });
+            out.push(FaultSection {
+                at_s: back,
+                kind: FaultKind::RouterRestart { router },
+            });
+        }
+
+        // Links that carry traffic: each Router <-> every engine, and
+        // prefill <-> decode (a cut between two mixed engines would hold
+        // nothing).
+        let mut links: Vec<(u32, u32)> = sc
+            .router_nodes()
+            .into_iter()
+            .flat_map(|r| (1..=nodes).map(move |n| (r, n)))
+            .collect();
         for p in 1..=nodes {
             for d in 1..=nodes {
                 if sc.role_of(p) == flotilla_proto::Role::Prefill

@@ -137,6 +137,13 @@ pub struct Report {
     /// P/D requests a decode node had no KV blocks to reserve for (sent
     /// to another decode node, or run whole there).
     pub kv_short: u64,
+    /// Streams that broke off because their Router died (counted as
+    /// failed in their tier; any other stream that ends without a
+    /// terminal event breaks the run).
+    pub cut_by_router: u64,
+    /// Requests placed through each Router (first placements; the
+    /// Routers' own counts, summed over their lives).
+    pub placed_by_router: Vec<u64>,
     /// Streams whose longest pause between two tokens outlasted the down
     /// bound (a lost node, a cut link), and those pauses, ms.
     pub pauses_ms: Vec<f64>,
@@ -246,6 +253,14 @@ impl std::fmt::Display for Report {
             x.drains,
             x.drained
         )?;
+        if x.router_crashes + x.router_restarts > 0 || self.cut_by_router > 0 {
+            writeln!(
+                f,
+                "routers: crashed {}, back {}; streams cut with their router {}; placed through \
+                 each {:?}",
+                x.router_crashes, x.router_restarts, self.cut_by_router, self.placed_by_router
+            )?;
+        }
         if x.stage_crashes + x.stage_restarts > 0 {
             writeln!(
                 f,
@@ -392,7 +407,14 @@ const CANCELLED: u8 = 6;
 struct World {
     sc: Scenario,
     net: Arc<SimNet>,
-    router: ClusterEngine,
+    /// The Routers, the first at node 0.
+    routers: Vec<RouterSlot>,
+    /// Its Routers' bookkeeping checks report here (with their time).
+    router_check: Option<CheckHook>,
+    /// Requests each Router placed, summed over its past lives.
+    placed: Mutex<Vec<u64>>,
+    /// Streams that broke off with their Router.
+    cut_by_router: Mutex<u64>,
     engines: Mutex<Vec<Option<LocalEngine>>>,
     /// Each running engine node's drain switch.
     drains: Mutex<Vec<Option<tokio::sync::watch::Sender<Option<Duration>>>>>,
@@ -414,6 +436,14 @@ struct World {
     stages: Vec<Arc<crate::exec::StageHealth>>,
     /// With a draft model: each request's acceptance (its tenant's).
     acceptance: Arc<crate::exec::Acceptance>,
+}
+
+/// One Router: its node, its engine while it is up, and its life (bumped
+/// at each crash, so a client can tell its stream broke with it).
+struct RouterSlot {
+    node: u32,
+    engine: Mutex<Option<ClusterEngine>>,
+    life: Mutex<u64>,
 }
 
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
@@ -461,18 +491,17 @@ async fn simulate(sc: &Scenario, seed: u64) -> Result<Report, SimError> {
     let n = sc.engine_nodes();
     let mut link = sc.network.clone();
     link.kv_bytes_per_token = shape.kv_bytes_per_token() as u64;
+    // Node 0 the first Router, the engines, then the other Routers.
     let roles: Vec<Role> = std::iter::once(Role::Router)
         .chain((1..=n as u32).map(|i| sc.role_of(i)))
+        .chain((1..sc.topology.routers.max(1)).map(|_| Role::Router))
         .collect();
     let net = SimNet::new(roles, link, root.split(1));
     let hb = sc.heartbeat();
-    let router_net = net.clone();
-    let router_connect: flotilla_cluster::Connect =
-        Box::new(move |sink| Ok(router_net.join(0, 1, sink) as Arc<dyn Transport>));
-    // The Router's bookkeeping checked after every input it handles, with
+    // The Routers' bookkeeping checked after every input each handles, with
     // the schedulers' (`check_every_step`): the first break, with its time.
     let router_broken: Arc<Mutex<Option<(Duration, String)>>> = Arc::default();
-    let check = sc.run.check_every_step.then(|| {
+    let router_check = sc.run.check_every_step.then(|| {
         let slot = router_broken.clone();
         let t0 = Instant::now();
         CheckHook(Arc::new(move |what: &str| {
@@ -480,28 +509,23 @@ async fn simulate(sc: &Scenario, seed: u64) -> Result<Report, SimError> {
             lock(&slot).get_or_insert((at, what.to_string()));
         }))
     });
-    let router = ClusterEngine::start_with(
-        router_connect,
-        router_options(
-            &sc.config,
-            &sc.cluster,
-            (1..=n as u32)
-                .map(|i| (i, format!("engine-{i}"), sc.role_of(i)))
-                .collect(),
-            e.block_size,
-        ),
-        RouterHooks {
-            check,
-            record: None,
-        },
-    )
-    .await
-    .map_err(SimError::Start)?;
+    let routers: Vec<RouterSlot> = sc
+        .router_nodes()
+        .into_iter()
+        .map(|node| RouterSlot {
+            node,
+            engine: Mutex::new(None),
+            life: Mutex::new(1),
+        })
+        .collect();
     let t0 = Instant::now();
     let world = Arc::new(World {
         sc: sc.clone(),
         net,
-        router,
+        placed: Mutex::new(vec![0; routers.len()]),
+        cut_by_router: Mutex::new(0),
+        routers,
+        router_check,
         engines: Mutex::new((0..=n).map(|_| None).collect()),
         drains: Mutex::new((0..=n).map(|_| None).collect()),
         trace: Mutex::new(Trace {
@@ -524,6 +548,9 @@ async fn simulate(sc: &Scenario, seed: u64) -> Result<Report, SimError> {
             .collect(),
         acceptance,
     });
+    for r in 0..world.routers.len() {
+        start_router(&world, r, 1).await?;
+    }
     for i in 1..=n as u32 {
         start_engine(&world, i, 1).await?;
     }
@@ -632,7 +659,19 @@ async fn simulate(sc: &Scenario, seed: u64) -> Result<Report, SimError> {
     // Every block and seat back once the load is gone (load reports lag a
     // heartbeat, the engines answer at once).
     tokio::time::sleep(hb * 2).await;
-    let nodes = world.router.status().await.nodes;
+    // The nodes as a Router that is up sees them (each Router's own
+    // moves; the first one up speaks for the cluster's).
+    let mut nodes = Vec::new();
+    for (r, slot) in world.routers.iter().enumerate() {
+        let engine = lock(&slot.engine).clone();
+        if let Some(engine) = engine {
+            let s = engine.status().await;
+            lock(&world.placed)[r] += s.routing.placements;
+            if nodes.is_empty() {
+                nodes = s.nodes;
+            }
+        }
+    }
     let moved: u64 = nodes.iter().map(|n| n.moved_away).sum();
     let moved_by_kv: u64 = nodes.iter().map(|n| n.moved_by_kv).sum();
     let kv_short: u64 = nodes.iter().map(|n| n.kv_short).sum();
@@ -693,6 +732,8 @@ async fn simulate(sc: &Scenario, seed: u64) -> Result<Report, SimError> {
         moved,
         moved_by_kv,
         kv_short,
+        cut_by_router: *lock(&world.cut_by_router),
+        placed_by_router: lock(&world.placed).clone(),
         pauses_ms: outcomes
             .iter()
             .filter(|o| o.gap_max > down_after)
@@ -707,6 +748,36 @@ async fn simulate(sc: &Scenario, seed: u64) -> Result<Report, SimError> {
         events: trace.events,
         trace_hash: trace.hash,
     })
+}
+
+/// Starts Router `r` (an index into the scenario's Routers) in life `life`.
+async fn start_router(w: &Arc<World>, r: usize, life: u64) -> Result<(), SimError> {
+    let sc = &w.sc;
+    let n = sc.engine_nodes() as u32;
+    let node = w.routers[r].node;
+    let net = w.net.clone();
+    let connect: flotilla_cluster::Connect =
+        Box::new(move |sink| Ok(net.join(node, life, sink) as Arc<dyn Transport>));
+    let engine = ClusterEngine::start_with(
+        connect,
+        router_options(
+            &sc.config,
+            &sc.cluster,
+            (1..=n)
+                .map(|i| (i, format!("engine-{i}"), sc.role_of(i)))
+                .collect(),
+            sc.engine.block_size,
+        ),
+        RouterHooks {
+            check: w.router_check.clone(),
+            record: None,
+        },
+    )
+    .await
+    .map_err(SimError::Start)?;
+    *lock(&w.routers[r].engine) = Some(engine);
+    *lock(&w.routers[r].life) = life;
+    Ok(())
 }
 
 /// Starts engine node `node`'s engine and bridge at `epoch`.
@@ -775,7 +846,13 @@ async fn start_engine(w: &Arc<World>, node: u32, life: u64) -> Result<(), SimErr
     .map_err(|e| SimError::Start(e.to_string()))?;
     let hb = w.sc.heartbeat();
     let role = w.sc.role_of(node);
-    let settings = node_settings(&w.sc.config, &w.sc.cluster, vec![0], role, &model);
+    let settings = node_settings(
+        &w.sc.config,
+        &w.sc.cluster,
+        w.sc.router_nodes(),
+        role,
+        &model,
+    );
     let opts = WorkerOptions {
         on_orphan: Some(orphan_hook(w, hb)),
         // The node's protocol bookkeeping, checked with its scheduler's.
@@ -846,6 +923,31 @@ fn orphan_hook(w: &Arc<World>, hb: Duration) -> OrphanHook {
 async fn apply_fault(w: &Arc<World>, f: &FaultKind) {
     tracing::info!("fault: {f:?}");
     match *f {
+        FaultKind::RouterCrash { router } => {
+            let slot = &w.routers[router];
+            let engine = lock(&slot.engine).take();
+            let Some(engine) = engine else {
+                return;
+            };
+            // Its placements so far, before its counts die with it.
+            let placed = engine.status().await.routing.placements;
+            lock(&w.placed)[router] += placed;
+            *lock(&slot.life) += 1;
+            w.net.crash(slot.node);
+            // The actor stops with its last handle: its clients' streams
+            // break off.
+            drop(engine);
+        }
+        FaultKind::RouterRestart { router } => {
+            if lock(&w.routers[router].engine).is_some() {
+                return;
+            }
+            let life = *lock(&w.routers[router].life);
+            w.net.note_router_restart();
+            if let Err(e) = start_router(w, router, life).await {
+                lock(&w.trace).violate(format!("restarting router {router}: {e}"));
+            }
+        }
         FaultKind::Crash { node } => {
             w.net.crash(node);
             lock(&w.drains)[node as usize] = None;
@@ -1002,6 +1104,8 @@ fn unfired(sc: &Scenario, f: &FaultCounts) -> Option<String> {
     for x in &sc.faults {
         let (fired, name) = match x.kind {
             FaultKind::Crash { .. } => (f.crashes, "crash"),
+            FaultKind::RouterCrash { .. } => (f.router_crashes, "router_crash"),
+            FaultKind::RouterRestart { .. } => (f.router_restarts, "router_restart"),
             FaultKind::Restart { .. } => (f.restarts, "restart"),
             FaultKind::StageCrash { .. } => (f.stage_crashes, "stage_crash"),
             FaultKind::StageRestart { .. } => (f.stage_restarts, "stage_restart"),
@@ -1088,7 +1192,29 @@ async fn one_request(w: &Arc<World>, tenant: usize, rng: &mut Rng) {
         tokens: 0,
         gap_max: Duration::ZERO,
     };
-    let mut stream = match w.router.submit(req).await {
+    // The Routers that are up take clients in turn (a load balancer's
+    // round robin); with none up the client is refused, as by a front
+    // with no backend.
+    let up: Vec<(usize, ClusterEngine, u64)> = w
+        .routers
+        .iter()
+        .enumerate()
+        .filter_map(|(r, slot)| {
+            let e = lock(&slot.engine).clone()?;
+            Some((r, e, *lock(&slot.life)))
+        })
+        .collect();
+    if up.is_empty() {
+        lock(&w.trace).record(id, REFUSED, 503);
+        lock(&w.outcomes).push(out);
+        return;
+    }
+    let (router, engine, life) = up[(id as usize) % up.len()].clone();
+    drop(up);
+    let submitted = engine.submit(req).await;
+    // The client holds no Router: a crash stops it.
+    drop(engine);
+    let mut stream = match submitted {
         Ok(s) => s,
         Err(r) => {
             let code = match r {
@@ -1164,6 +1290,13 @@ async fn one_request(w: &Arc<World>, tenant: usize, rng: &mut Rng) {
                     _ => 0,
                 };
                 lock(&w.trace).record(id, FAILED, code);
+                break;
+            }
+            None if *lock(&w.routers[router].life) != life => {
+                // Its Router died: the client sees a broken connection.
+                out.end = End::Failed;
+                *lock(&w.cut_by_router) += 1;
+                lock(&w.trace).record(id, FAILED, 3);
                 break;
             }
             None => {

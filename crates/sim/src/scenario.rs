@@ -223,8 +223,8 @@ impl Default for Flags {
     }
 }
 
-/// The engine nodes: node 0 is the Router; then the mixed engines, then
-/// the prefill nodes, then the decode nodes.
+/// The nodes: node 0 is the first Router; then the mixed engines, then
+/// the prefill nodes, then the decode nodes, then the other Routers.
 #[derive(Clone, Debug, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct Topology {
@@ -234,6 +234,10 @@ pub struct Topology {
     pub prefill: usize,
     /// Decode nodes.
     pub decode: usize,
+    /// Routers (1..=8): each places on every engine, the engines admit
+    /// from all; clients go to the Routers that are up in turn, as a load
+    /// balancer spreads them.
+    pub routers: usize,
 }
 
 impl Default for Topology {
@@ -243,6 +247,7 @@ impl Default for Topology {
             engines: 1,
             prefill: 0,
             decode: 0,
+            routers: 1,
         }
     }
 }
@@ -447,6 +452,19 @@ pub enum FaultKind {
     },
     /// Restore every cut link.
     Heal,
+    /// Router `router` (0-based: 0 is node 0) dies: its clients' streams
+    /// break off, the engines drop its requests when it has been silent
+    /// past the down bound, its clients go to the other Routers.
+    RouterCrash {
+        /// Which Router.
+        router: usize,
+    },
+    /// A crashed Router starts again (a new life), with no requests and
+    /// no view: the engines' heartbeats and prefix reports rebuild it.
+    RouterRestart {
+        /// Which Router.
+        router: usize,
+    },
     /// Hold every message on `a -> b` until `unclog`.
     Clog {
         /// Sender.
@@ -491,6 +509,23 @@ impl Scenario {
     /// The cluster settings the simulated nodes run with (`[cluster]`).
     pub fn cluster_config(&self) -> flotilla_config::ClusterSection {
         self.cluster.clone()
+    }
+
+    /// Router `i`'s node id: the first is node 0, the others come after
+    /// the engine nodes.
+    pub fn router_node(&self, i: usize) -> u32 {
+        if i == 0 {
+            0
+        } else {
+            (self.engine_nodes() + i) as u32
+        }
+    }
+
+    /// Every Router's node id, the first first.
+    pub fn router_nodes(&self) -> Vec<u32> {
+        (0..self.topology.routers.max(1))
+            .map(|i| self.router_node(i))
+            .collect()
     }
 
     /// The heartbeat period.
@@ -751,6 +786,12 @@ impl Scenario {
         if total == 0 || total > 4096 {
             return bad(format!("{total} engine nodes: the cluster needs 1..=4096"));
         }
+        if !(1..=8).contains(&c.routers) {
+            return bad(format!(
+                "topology.routers = {}: the cluster needs 1..=8",
+                c.routers
+            ));
+        }
         if c.prefill > 0 && c.decode == 0 {
             return bad("topology.prefill nodes need at least one decode node".into());
         }
@@ -840,6 +881,13 @@ impl Scenario {
         if let Some(c) = &self.chaos {
             c.validate(self.run.duration_s)
                 .map_err(ScenarioError::Invalid)?;
+            if c.router_crashes > 0 && self.topology.routers < 2 {
+                return bad(format!(
+                    "[chaos] router_crashes = {}: needs `[topology] routers` of 2 or more \
+                     (one is never crashed while it is the last one up)",
+                    c.router_crashes
+                ));
+            }
             if c.stage_crashes > 0 && self.pipeline.is_none() {
                 return bad(format!(
                     "[chaos] stage_crashes = {}: the scenario has no [pipeline] groups",
@@ -847,14 +895,26 @@ impl Scenario {
                 ));
             }
         }
+        let routers = self.topology.routers;
         for f in &self.faults {
             let node_ok = |n: u32| (1..=engines).contains(&n);
             let ok = match f.kind {
+                FaultKind::RouterCrash { router } | FaultKind::RouterRestart { router } => {
+                    if router >= routers {
+                        return bad(format!(
+                            "fault {:?} at {} s: router {router} is not in 0..{routers} \
+                             (`[topology] routers`)",
+                            f.kind, f.at_s
+                        ));
+                    }
+                    true
+                }
                 FaultKind::Crash { node }
                 | FaultKind::Restart { node }
                 | FaultKind::Drain { node, .. } => node_ok(node),
                 FaultKind::Partition { a, b, .. } | FaultKind::Clog { a, b } => {
-                    a <= engines && b <= engines && a != b
+                    let last = engines + routers as u32 - 1;
+                    a <= last && b <= last && a != b
                 }
                 FaultKind::Heal | FaultKind::Unclog => true,
                 FaultKind::StageCrash { node, stage } | FaultKind::StageRestart { node, stage } => {
@@ -872,8 +932,11 @@ impl Scenario {
             };
             if !(ok && f.at_s.is_finite() && f.at_s >= 0.0) {
                 return bad(format!(
-                    "fault {:?} at {} s names a node outside 0..={engines}",
-                    f.kind, f.at_s
+                    "fault {:?} at {} s names a node outside 0..={} (engines 1..={engines}, \
+                     Routers 0 and past the engines)",
+                    f.kind,
+                    f.at_s,
+                    engines + routers as u32 - 1
                 ));
             }
         }

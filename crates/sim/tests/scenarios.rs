@@ -1123,3 +1123,54 @@ fn the_simulator_predicts_what_a_draft_model_gains_and_never_loses() {
     );
     assert!(full_on >= 0.95 * full_off, "{full_on} {full_off}");
 }
+
+/// Two Routers; the second dies at 1.5 s and comes back at 2.5 s: its
+/// streams break off (counted as cut, nothing else fails), the first
+/// Router's run on, the engines give back the dead one's blocks (the run's
+/// end finds every block back), and the second places again once back.
+#[test]
+fn a_router_s_death_cuts_only_its_own_streams() {
+    use flotilla_sim::scenario::{FaultKind, FaultSection};
+    let mut sc = small("");
+    sc.topology.routers = 2;
+    sc.faults.push(FaultSection {
+        at_s: 1.5,
+        kind: FaultKind::RouterCrash { router: 1 },
+    });
+    sc.faults.push(FaultSection {
+        at_s: 2.5,
+        kind: FaultKind::RouterRestart { router: 1 },
+    });
+    let r = run(&sc, 5).unwrap();
+    eprintln!("{r}");
+    assert_eq!(
+        (
+            r.faults.router_crashes,
+            r.faults.router_restarts,
+            r.faults.crashes
+        ),
+        (1, 1, 0),
+        "{r}"
+    );
+    assert!(r.cut_by_router > 0, "no stream ran on the dead Router: {r}");
+    let failed: u64 = r.tiers.iter().map(|t| t.failed).sum();
+    assert_eq!(
+        failed, r.cut_by_router,
+        "only the dead Router's streams failed: {r}"
+    );
+    assert!(r.placed_by_router.iter().all(|&p| p > 0), "{r}");
+    for t in &r.tiers {
+        assert_accounted(t, &r);
+    }
+    // Routers and their faults out of range are refused with the reason.
+    let text = std::fs::read_to_string(shipped().join("router-storm.toml")).unwrap();
+    let e = Scenario::parse(&text.replace("routers = 2", "routers = 1")).unwrap_err();
+    assert!(e.to_string().contains("router_crashes = 3: needs"), "{e}");
+    let e = Scenario::parse(&text.replace("routers = 2", "routers = 9")).unwrap_err();
+    assert!(e.to_string().contains("topology.routers = 9"), "{e}");
+    let e = Scenario::parse(&format!(
+        "{text}\n[[faults]]\nat_s = 2.0\nkind = \"router_crash\"\nrouter = 2\n"
+    ))
+    .unwrap_err();
+    assert!(e.to_string().contains("router 2 is not in 0..2"), "{e}");
+}

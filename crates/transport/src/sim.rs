@@ -106,6 +106,10 @@ pub struct FaultCounts {
     pub crashes: u64,
     /// Nodes restarted.
     pub restarts: u64,
+    /// Routers crashed (not counted in `crashes`).
+    pub router_crashes: u64,
+    /// Routers restarted.
+    pub router_restarts: u64,
     /// Pipeline stages crashed (their groups' nodes stay up).
     pub stage_crashes: u64,
     /// Pipeline stages back.
@@ -237,7 +241,11 @@ impl SimNet {
         let Some(old) = st.nodes[node as usize].take() else {
             return;
         };
-        st.faults.crashes += 1;
+        if st.roles[node as usize] == Role::Router {
+            st.faults.router_crashes += 1;
+        } else {
+            st.faults.crashes += 1;
+        }
         st.crashed_at.insert(node, Instant::now());
         drop(st);
         old.inbox.deliver(Inbound::Closed);
@@ -266,6 +274,11 @@ impl SimNet {
     /// Counts a restart (the caller joins the node again with a new epoch).
     pub fn note_restart(&self) {
         self.lock().faults.restarts += 1;
+    }
+
+    /// Counts a Router's restart.
+    pub fn note_router_restart(&self) {
+        self.lock().faults.router_restarts += 1;
     }
 
     /// Counts a pipeline stage's crash (the simulator models the stage
