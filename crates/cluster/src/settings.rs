@@ -29,6 +29,7 @@ pub fn router_options(
         reruns_max: RERUNS_MAX,
         moves_max: MOVES_MAX,
         prefix_blocks_max: PREFIX_BLOCKS_MAX,
+        forget_after: Duration::from_millis(cl.forget_after_ms),
     }
 }
 

@@ -70,6 +70,19 @@ pub struct ClusterSection {
     /// `f16` (2 bytes a value; the default) or `f32` (4, exactly one
     /// node's numbers).
     pub pipeline_activations: String,
+    /// Whether nodes that are not in `[[nodes]]` may join at run time
+    /// (`flotilla node --join`), on a certificate the cluster CA signed
+    /// for an engine role (default true).
+    pub allow_join: bool,
+    /// A file of revoked node names and certificate serial numbers (one
+    /// per line, `#` comments), read again whenever it changes; a node it
+    /// names is refused, and cut off if connected. As written by
+    /// [`crate::ClusterConfig::parse`]; `load` resolves a relative path
+    /// against the config file's directory.
+    pub revocation_list: Option<PathBuf>,
+    /// A node that joined at run time and has been down this long is
+    /// forgotten by the Routers, ms (1000..=86400000).
+    pub forget_after_ms: u64,
     /// Nodes in file order; a node's index is its node id.
     pub nodes: Vec<Node>,
 }
@@ -193,6 +206,9 @@ pub(crate) struct RawCluster {
     #[serde(default)]
     admin_keys: Vec<String>,
     pipeline_activations: Option<String>,
+    allow_join: Option<bool>,
+    revocation_list: Option<String>,
+    forget_after_ms: Option<i64>,
 }
 
 /// One `[[nodes]]` table as written.
@@ -305,10 +321,13 @@ pub(crate) fn validate(
             "the cluster has no router: at least one [[nodes]] needs role = \"router\"".into(),
         ));
     }
-    if !out.iter().any(|n| n.role.runs_engine()) {
+    // Engine nodes may all join at run time; with joining off, one must be
+    // declared.
+    if !section.allow_join && !out.iter().any(|n| n.role.runs_engine()) {
         return Err(invalid(
             whole_at,
-            "the cluster has no engine node: add a [[nodes]] with role worker, prefill or decode"
+            "the cluster has no engine node and allow_join = false: add a [[nodes]] with role \
+             worker, prefill or decode, or let workers join"
                 .into(),
         ));
     }
@@ -333,7 +352,7 @@ pub(crate) fn validate(
 /// The one place their defaults and ranges are written: a config file's
 /// values and a section built in code ([`ClusterSection::check`], the
 /// simulator's) are checked against it.
-const NUMBERS: [(&str, i64, i64, i64); 9] = [
+const NUMBERS: [(&str, i64, i64, i64); 10] = [
     ("heartbeat_interval_ms", 500, 10, 60_000),
     ("down_after_missed", 3, 1, 100),
     ("frame_len_max_bytes", 1 << 20, 4096, 1 << 28),
@@ -343,6 +362,7 @@ const NUMBERS: [(&str, i64, i64, i64); 9] = [
     ("kv_reservation_ttl_ms", 30_000, 100, 600_000),
     ("kv_hold_ttl_ms", 30_000, 100, 600_000),
     ("kv_transfers_max", 2, 1, 64),
+    ("forget_after_ms", 60_000, 1000, 86_400_000),
 ];
 
 /// `v` (or the default) for setting `field`, or why it is out of range.
@@ -374,7 +394,7 @@ impl ClusterSection {
     /// Checks a section built in code as a config file's is checked;
     /// the error names the setting, its value and its range.
     pub fn check(&self) -> Result<(), String> {
-        let values: [(&str, i64); 9] = [
+        let values: [(&str, i64); 10] = [
             ("heartbeat_interval_ms", self.heartbeat_interval_ms as i64),
             ("down_after_missed", i64::from(self.down_after_missed)),
             ("frame_len_max_bytes", i64::from(self.frame_len_max_bytes)),
@@ -387,6 +407,7 @@ impl ClusterSection {
             ("kv_reservation_ttl_ms", self.kv_reservation_ttl_ms as i64),
             ("kv_hold_ttl_ms", self.kv_hold_ttl_ms as i64),
             ("kv_transfers_max", self.kv_transfers_max as i64),
+            ("forget_after_ms", self.forget_after_ms as i64),
         ];
         for (field, v) in values {
             number(field, Some(v))?;
@@ -427,6 +448,9 @@ pub(crate) fn settings(
         kv_transfers_max: None,
         admin_keys: Vec::new(),
         pipeline_activations: None,
+        allow_join: None,
+        revocation_list: None,
+        forget_after_ms: None,
     };
     let c = cluster.map_or(&empty, |c| c.get_ref());
     let range = |field: &str, v: Option<i64>| number(field, v).map_err(|why| invalid(at, why));
@@ -445,6 +469,10 @@ pub(crate) fn settings(
     let kv_reservation_ttl_ms = range("kv_reservation_ttl_ms", c.kv_reservation_ttl_ms)?;
     let kv_hold_ttl_ms = range("kv_hold_ttl_ms", c.kv_hold_ttl_ms)?;
     let kv_transfers_max = range("kv_transfers_max", c.kv_transfers_max)?;
+    let forget_after_ms = range("forget_after_ms", c.forget_after_ms)?;
+    if c.revocation_list.as_deref() == Some("") {
+        return Err(invalid(at, "cluster.revocation_list is empty".into()));
+    }
     if c.admin_keys.iter().any(|k| !crate::operator_key_ok(k)) {
         return Err(invalid(
             at,
@@ -472,6 +500,9 @@ pub(crate) fn settings(
         kv_hold_ttl_ms: kv_hold_ttl_ms as u64,
         kv_transfers_max: kv_transfers_max as usize,
         admin_keys: c.admin_keys.clone(),
+        allow_join: c.allow_join.unwrap_or(true),
+        revocation_list: c.revocation_list.as_ref().map(PathBuf::from),
+        forget_after_ms: forget_after_ms as u64,
         nodes: Vec::new(),
     })
 }
@@ -797,6 +828,39 @@ addr = "127.0.0.1:7402"
         for w in what {
             assert!(message.contains(w), "{message:?} lacks {w:?}");
         }
+    }
+
+    #[test]
+    fn joining_is_on_by_default_and_the_revocation_list_is_beside_the_config() {
+        let c = parse(&with_cluster(""));
+        assert!(c.allow_join);
+        assert_eq!(
+            (c.revocation_list.as_ref(), c.forget_after_ms),
+            (None, 60_000)
+        );
+        let c = parse(&with_cluster(
+            "allow_join = false\nrevocation_list = \"revoked.txt\"\nforget_after_ms = 5000",
+        ));
+        assert!(!c.allow_join);
+        assert_eq!(c.revocation_list, Some(PathBuf::from("revoked.txt")));
+        assert_eq!(c.forget_after_ms, 5000);
+        refused_at_cluster(
+            &with_cluster("forget_after_ms = 10"),
+            &["forget_after_ms", "1000"],
+        );
+        refused_at_cluster(
+            &with_cluster("revocation_list = \"\""),
+            &["revocation_list"],
+        );
+        // `load` puts a relative list beside the file, as it does certs_dir.
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("c.toml");
+        std::fs::write(&path, with_cluster("revocation_list = \"revoked.txt\"")).unwrap();
+        let cfg = crate::ClusterConfig::load(&path).unwrap();
+        assert_eq!(
+            cfg.cluster.unwrap().revocation_list,
+            Some(dir.path().join("revoked.txt"))
+        );
     }
 
     #[test]
@@ -1224,7 +1288,10 @@ addr = "[::1]:7402"
             "{TIERS}[cluster]\n\n{}",
             &NODES[..NODES.find("\n\n").unwrap()]
         );
-        refused_at_cluster(&text, &["no engine node"]);
+        // Workers may all join at run time; with joining off, one is needed.
+        assert!(ClusterConfig::parse(&text, "c.toml").is_ok());
+        let off = text.replace("[cluster]\n", "[cluster]\nallow_join = false\n");
+        refused_at_cluster(&off, &["no engine node and allow_join = false"]);
     }
 
     #[test]

@@ -392,10 +392,15 @@ impl ClusterConfig {
         })?;
         let mut config = ClusterConfig::parse(&text, &path.display().to_string())?;
         let dir = path.parent().unwrap_or(Path::new(""));
-        if let Some(c) = &mut config.cluster
-            && c.certs_dir.is_relative()
-        {
-            c.certs_dir = dir.join(&c.certs_dir);
+        if let Some(c) = &mut config.cluster {
+            if c.certs_dir.is_relative() {
+                c.certs_dir = dir.join(&c.certs_dir);
+            }
+            if let Some(list) = &mut c.revocation_list
+                && list.is_relative()
+            {
+                *list = dir.join(&*list);
+            }
         }
         // A path (not a model name) is the config file's neighbour.
         if let Some(m) = &mut config.model.model
@@ -903,7 +908,11 @@ max_concurrent = 4
                 if let Some(cluster) = &c.cluster {
                     assert_eq!(cluster.router().1.role, Role::Router, "{}", p.display());
                     assert!(cluster.router().1.http.is_some(), "{}", p.display());
-                    assert!(cluster.engines().count() >= 1, "{}", p.display());
+                    assert!(
+                        cluster.engines().count() >= 1 || cluster.allow_join,
+                        "{}",
+                        p.display()
+                    );
                     clusters += 1;
                 }
                 n += 1;
@@ -1003,8 +1012,8 @@ max_concurrent = 4
         let replicas = manifest_number(&read("deploy/k8s/workers.yaml"), "  replicas: ");
         let (engines, pods) = engines_and_pods(&c, replicas);
         assert_eq!(engines, pods);
-        // The autoscaling overlay: a worker node for each pod the
-        // autoscaler may run, the base's replicas as its minimum.
+        // The autoscaling overlay: the routers only (workers join at run
+        // time, the pods run `--join`), the base's replicas as its minimum.
         let toml = read("cluster-configs/k8s-autoscaling.toml");
         assert_eq!(
             configmap_toml(&read("deploy/k8s/autoscaling/config.yaml")),
@@ -1013,10 +1022,24 @@ max_concurrent = 4
         );
         let hpa = read("deploy/k8s/autoscaling/hpa.yaml");
         assert_eq!(manifest_number(&hpa, "  minReplicas: "), replicas);
-        let max = manifest_number(&hpa, "  maxReplicas: ");
+        assert!(manifest_number(&hpa, "  maxReplicas: ") > replicas);
         let c = ClusterConfig::parse(&toml, "k8s-autoscaling.toml").unwrap();
-        let (engines, pods) = engines_and_pods(&c, max);
-        assert_eq!(engines, pods);
+        let (engines, _) = engines_and_pods(&c, 0);
+        assert_eq!(engines, vec![], "the workers join: none is declared");
+        let cl = c.cluster.clone().unwrap();
+        assert!(cl.allow_join);
+        let kust = read("deploy/k8s/autoscaling/kustomization.yaml");
+        for arg in [
+            "--join",
+            "flotilla-router-0,flotilla-router-1",
+            "--listen",
+            "--metrics-addr",
+        ] {
+            assert!(
+                kust.contains(&format!("- {arg}")),
+                "the overlay's worker pods run {arg}"
+            );
+        }
         // Everything else is the base's.
         let base = ClusterConfig::parse(&read("cluster-configs/k8s.toml"), "k8s.toml").unwrap();
         assert_eq!(

@@ -11,11 +11,12 @@ use flotilla_actors::{Clock, EngineOptions, spawn_engine};
 use flotilla_cluster::{
     ClusterEngine, Connect, WorkerEnd, WorkerOptions, node_settings, router_options, run_worker,
 };
-use flotilla_config::{ClusterConfig, ClusterSection, Role};
+use flotilla_config::{ClusterConfig, ClusterSection, Node, Role};
 use flotilla_engine::KvMigration;
 use flotilla_gateway::GatewayConfig;
 use flotilla_model::Executor;
 use flotilla_telemetry::Metrics;
+use flotilla_transport::members::JoinPolicy;
 use flotilla_transport::quic::{LinkFaults, PeerSpec, QuicOptions, QuicTransport};
 use flotilla_transport::tls::{self, TlsMaterial};
 use flotilla_transport::{Transport, new_epoch};
@@ -27,9 +28,26 @@ use crate::serve::{self, MonotonicClock, ServeArgs, serve_http};
 /// config's `http` address, not on --host/--port).
 #[derive(clap::Args, Clone)]
 pub struct NodeArgs {
-    /// This node's name in the config's [[nodes]].
+    /// This node's name in the config's [[nodes]] (with --join: its name in
+    /// its certificate, not in the config).
     #[arg(long)]
     pub name: String,
+    /// Join a running cluster as a node that is not in the config's
+    /// [[nodes]]: its role is the one in its certificate (`flotilla certs
+    /// issue --node NAME --role worker`); it reports to the Routers named
+    /// here (names or QUIC addresses from the config, comma-separated;
+    /// `--join` alone: every Router), which place work on it from its first
+    /// heartbeat. Needs --listen.
+    #[arg(long, value_name = "ROUTER_ADDR", num_args = 0..=1, default_missing_value = "")]
+    pub join: Option<String>,
+    /// With --join: the UDP socket its QUIC endpoint binds; peers reach it
+    /// at the address they see it dial from, so bind an address they can
+    /// route to (or 0.0.0.0).
+    #[arg(long, value_name = "ADDR")]
+    pub listen: Option<std::net::SocketAddr>,
+    /// With --join: where it serves /metrics, /health and /ready (TCP).
+    #[arg(long, value_name = "ADDR")]
+    pub metrics_addr: Option<std::net::SocketAddr>,
     #[command(flatten)]
     pub serve: ServeArgs,
     /// On SIGTERM an engine node drains: it takes no new requests, lets
@@ -109,8 +127,9 @@ pub fn certs(cmd: CertsCmd) -> Result<()> {
             let days_left = until
                 .duration_since(std::time::SystemTime::now())
                 .map_or(0, |d| d.as_secs() / 86_400);
+            let serial = tls::node_serial(&dir, &node)?;
             println!(
-                "{} {node} ({role}) in {}, valid for {days_left} more days{}",
+                "{} {node} ({role}) in {}, serial {serial}, valid for {days_left} more days{}",
                 if renew { "renewed" } else { "issued" },
                 dir.display(),
                 if renew {
@@ -149,21 +168,33 @@ fn load_cluster(path: &Path) -> Result<(ClusterConfig, ClusterSection)> {
     Ok((cfg, cl))
 }
 
-/// Transport settings from the config's [cluster] table.
-fn quic_options(cl: &ClusterSection, node: u32, faults: LinkFaults) -> QuicOptions {
+/// Transport settings from the config's [cluster] table, for node `node`
+/// (`me`); `routers`: the Routers it speaks to (a joined node's may be
+/// fewer than the config's).
+fn quic_options(
+    cl: &ClusterSection,
+    node: u32,
+    me: &Node,
+    routers: &[u32],
+    faults: LinkFaults,
+) -> QuicOptions {
     let hb = Duration::from_millis(cl.heartbeat_interval_ms);
-    let router = cl.nodes[node as usize].role == Role::Router;
+    let router = me.role == Role::Router;
+    let joining = cl.node_id(&me.name).is_none();
     QuicOptions {
         node,
         nodes: cl
             .nodes
             .iter()
-            .map(|n| PeerSpec {
+            .enumerate()
+            .map(|(i, n)| PeerSpec {
                 name: n.name.clone(),
                 role: n.role,
                 // A group's later stages run no cluster link: none dials
-                // them. Routers say nothing to each other.
-                addr: if cl.stage_of(n).is_some_and(|s| s > 0) || (router && n.role == Role::Router)
+                // them. Routers say nothing to each other, and a node
+                // dials only its own Routers.
+                addr: if cl.stage_of(n).is_some_and(|s| s > 0)
+                    || (n.role == Role::Router && (router || !routers.contains(&(i as u32))))
                 {
                     String::new()
                 } else {
@@ -171,8 +202,17 @@ fn quic_options(cl: &ClusterSection, node: u32, faults: LinkFaults) -> QuicOptio
                 },
             })
             .collect(),
-        listen: cl.nodes[node as usize].listen,
-        bulk_port: cl.nodes[node as usize].bulk_port,
+        joining: joining.then(|| PeerSpec {
+            name: me.name.clone(),
+            role: me.role,
+            addr: String::new(),
+        }),
+        join: JoinPolicy {
+            accept: cl.allow_join,
+            revoked: cl.revocation_list.clone(),
+        },
+        listen: me.listen,
+        bulk_port: me.bulk_port,
         epoch: new_epoch(),
         frame_len_max_bytes: cl.frame_len_max_bytes,
         send_queue_len_max: cl.send_queue_len_max,
@@ -184,6 +224,87 @@ fn quic_options(cl: &ClusterSection, node: u32, faults: LinkFaults) -> QuicOptio
         reconnect_backoff_max: Duration::from_millis(cl.reconnect_backoff_max_ms),
         faults,
     }
+}
+
+/// A node that is not in the config (`--join`): its id is its name's,
+/// its role its certificate's, its Routers those `join` names (all if
+/// empty).
+fn joining_node(
+    args: &NodeArgs,
+    cl: &ClusterSection,
+    path: &Path,
+    join: &str,
+) -> Result<(u32, Node, Vec<u32>)> {
+    if let Some(n) = cl.node(&args.name) {
+        bail!(
+            "{} has a node named '{}' ({}): start it without --join",
+            path.display(),
+            args.name,
+            n.role
+        );
+    }
+    if !cl.allow_join {
+        bail!(
+            "{} sets [cluster] allow_join = false: nodes cannot join at run time",
+            path.display()
+        );
+    }
+    let Some(listen) = args.listen else {
+        bail!("--join needs --listen ADDR: the UDP socket this node's QUIC endpoint binds");
+    };
+    let certs = TlsMaterial::load(&cl.certs_dir, &args.name).with_context(|| {
+        format!(
+            "loading the certificate of {} from {}: issue one with `flotilla certs issue --dir \
+             {} --node {} --role worker` on the machine that holds the cluster CA",
+            args.name,
+            cl.certs_dir.display(),
+            cl.certs_dir.display(),
+            args.name
+        )
+    })?;
+    let role = certs.identity()?.role;
+    if !matches!(role, Role::Worker | Role::Prefill | Role::Decode) {
+        bail!(
+            "the certificate of {} is for a {role}: only worker, prefill and decode nodes join \
+             at run time (routers are declared in [[nodes]])",
+            args.name
+        );
+    }
+    let all: Vec<(u32, &Node)> = cl.routers().collect();
+    let routers: Vec<u32> =
+        if join.trim().is_empty() {
+            all.iter().map(|(i, _)| *i).collect()
+        } else {
+            join.split(',')
+                .map(str::trim)
+                .map(|want| {
+                    all.iter()
+                    .find(|(_, n)| n.name == want || n.addr == want)
+                    .map(|(i, _)| *i)
+                    .with_context(|| {
+                        let known: Vec<String> =
+                            all.iter().map(|(_, n)| format!("{} ({})", n.name, n.addr)).collect();
+                        format!(
+                            "--join {want}: no Router of {} has that name or address (routers: {})",
+                            path.display(),
+                            known.join(", ")
+                        )
+                    })
+                })
+                .collect::<Result<_>>()?
+        };
+    let node = Node {
+        name: args.name.clone(),
+        role,
+        addr: String::new(),
+        listen,
+        bulk_port: 0,
+        http: None,
+        metrics: args.metrics_addr,
+        pipeline: None,
+        layers: None,
+    };
+    Ok((flotilla_proto::joined_node_id(&args.name), node, routers))
 }
 
 pub fn run(args: NodeArgs) -> Result<()> {
@@ -201,16 +322,32 @@ pub fn run(args: NodeArgs) -> Result<()> {
         );
     }
     let (cfg, cl) = load_cluster(&path)?;
-    let Some(id) = cl.node_id(&args.name) else {
-        let names: Vec<&str> = cl.nodes.iter().map(|n| n.name.as_str()).collect();
-        bail!(
-            "{} has no node named '{}' (nodes: {})",
-            path.display(),
-            args.name,
-            names.join(", ")
-        );
+    let (id, node, routers) = match &args.join {
+        Some(join) => joining_node(&args, &cl, &path, join)?,
+        None => {
+            if args.listen.is_some() || args.metrics_addr.is_some() {
+                bail!(
+                    "--listen and --metrics-addr are for a node that joins (--join); a node of \
+                     the config listens where its [[nodes]] table says"
+                );
+            }
+            let Some(id) = cl.node_id(&args.name) else {
+                let names: Vec<&str> = cl.nodes.iter().map(|n| n.name.as_str()).collect();
+                bail!(
+                    "{} has no node named '{}' (nodes: {}); a node that is not in the config \
+                     joins with --join",
+                    path.display(),
+                    args.name,
+                    names.join(", ")
+                );
+            };
+            (
+                id,
+                cl.nodes[id as usize].clone(),
+                cl.routers().map(|(i, _)| i).collect::<Vec<u32>>(),
+            )
+        }
     };
-    let node = cl.nodes[id as usize].clone();
     let certs = TlsMaterial::load(&cl.certs_dir, &node.name).with_context(|| {
         format!(
             "loading the certificates of node {} from {}: create them with `flotilla certs init \
@@ -240,7 +377,7 @@ pub fn run(args: NodeArgs) -> Result<()> {
             crate::stage::run_stage(&args.serve, &cfg, &cl, &node, certs).await
         } else if node.role == Role::Router {
             let f = serve::front(&args.serve)?;
-            let quic = quic_options(&cl, id, faults);
+            let quic = quic_options(&cl, id, &node, &routers, faults);
             let epoch = quic.epoch;
             let block_size = cfg.engine.block_size.unwrap_or(args.serve.model.block_size);
             let (connect, _quic) = connect_quic(quic, certs, node.listen);
@@ -346,18 +483,12 @@ pub fn run(args: NodeArgs) -> Result<()> {
                     }
                 });
             }
-            let quic = quic_options(&cl, id, faults);
+            let quic = quic_options(&cl, id, &node, &routers, faults);
             eprintln!(
                 "flotilla: node {} ({}) on QUIC {} epoch {}; KV cache {blocks} {dtype} blocks{scrape_at}",
                 node.name, node.role, node.listen, quic.epoch
             );
-            let settings = node_settings(
-                &cfg,
-                &cl,
-                cl.routers().map(|(i, _)| i).collect(),
-                node.role,
-                &r.model_name,
-            );
+            let settings = node_settings(&cfg, &cl, routers, node.role, &r.model_name);
             // Every role moves KV: prefill and decode nodes for P/D, and
             // any node a drained one's requests move to (or from).
             let kv: Option<Arc<dyn KvMigration>> = Some(engine.clone() as _);

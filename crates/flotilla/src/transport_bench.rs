@@ -113,6 +113,8 @@ pub fn run(args: &TransportBenchArgs) -> Result<()> {
         connect_timeout: Duration::from_secs(2),
         reconnect_backoff_max: Duration::from_millis(200),
         faults: LinkFaults::default(),
+        joining: None,
+        join: flotilla_transport::members::JoinPolicy::default(),
     };
     let recv_certs = TlsMaterial::load(&dir, "receiver")?;
     let send_certs = TlsMaterial::load(&dir, "sender")?;

@@ -1760,3 +1760,156 @@ async fn a_pipeline_group_serves_as_one_node_loses_no_stream_with_a_stage_and_fo
     assert_eq!(s0["ready"], true, "{s0}");
     drop(c.dir);
 }
+
+/// A worker that is not in the config file joins a one-worker cluster
+/// under 16 streams (`flotilla certs issue`, then `flotilla node --join`):
+/// it is up at the Router within a few heartbeats of starting and takes
+/// new requests while the streams run on; the streams all end whole. On
+/// SIGTERM it drains and leaves, and the Router forgets it after
+/// `forget_after_ms`. A worker whose name is in the revocation list is
+/// never admitted.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_worker_joins_under_16_streams_then_leaves_and_is_forgotten() {
+    const TOKENS: u32 = 48;
+    let mut c = start_cluster_edited(&["worker"], &flotilla_hub::test_model_path(), &[], &|t| {
+        t.replace(
+            "reconnect_backoff_max_ms = 200",
+            "reconnect_backoff_max_ms = 200\nforget_after_ms = 2000\nrevocation_list = \"revoked.txt\"",
+        )
+    });
+    std::fs::write(c.dir.0.join("revoked.txt"), "# revoked\nworker-7\n").unwrap();
+    let certs = c.dir.0.join("certs");
+    for name in ["worker-9", "worker-7"] {
+        let out = run_ok(
+            flotilla()
+                .args(["certs", "issue", "--dir"])
+                .arg(&certs)
+                .args(["--node", name, "--role", "worker"]),
+        );
+        assert!(out.contains("serial "), "{out}");
+    }
+    wait_for(&c.base, "worker-1 up", |r| {
+        node(r, "worker-1")["up"] == true
+    })
+    .await;
+    let (_, streams) = sixteen_streams(&c.base, TOKENS).await;
+
+    let listen = format!("127.0.0.1:{}", free_port());
+    let metrics = format!("127.0.0.1:{}", free_tcp_port());
+    let model = flotilla_hub::test_model_path();
+    let join_flags = |listen: &str, metrics: &str| -> Vec<String> {
+        [
+            "--join",
+            "router",
+            "--listen",
+            listen,
+            "--metrics-addr",
+            metrics,
+            "--model",
+            model.to_str().unwrap(),
+        ]
+        .map(String::from)
+        .to_vec()
+    };
+    let flags = join_flags(&listen, &metrics);
+    let flags: Vec<&str> = flags.iter().map(String::as_str).collect();
+    let (mut joiner, _) = start_node_with(flotilla(), &c.config, "worker-9", &flags);
+    let t0 = Instant::now();
+    let r = wait_for(&c.base, "worker-9 up", |r| {
+        r["nodes"]
+            .as_array()
+            .is_some_and(|n| n.iter().any(|n| n["name"] == "worker-9" && n["up"] == true))
+    })
+    .await;
+    eprintln!(
+        "worker-9 up at the Router {:?} after it started: {r}",
+        t0.elapsed()
+    );
+    // New requests while worker-1 runs 16 streams: the idle joiner takes
+    // them.
+    let mut answers = Vec::new();
+    for i in 0..4 {
+        let base = c.base.clone();
+        answers.push(tokio::spawn(async move {
+            post(
+                &base,
+                &completion(&format!("A joined worker, request {i}"), 8, false),
+            )
+            .await
+        }));
+    }
+    for a in answers {
+        let resp = a.await.unwrap();
+        assert_eq!(resp.status(), 200, "{:?}", resp.text().await);
+    }
+    let r = ready(&c.base).await;
+    assert!(node(&r, "worker-9")["routed"].as_u64().unwrap() >= 1, "{r}");
+    // Its own observability address answers too.
+    let own: Value = client()
+        .get(format!("http://{metrics}/ready"))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert!(own["steps"].as_u64().unwrap() >= 1, "{own}");
+    for s in streams {
+        let (chunks, err, done, _) = tokio::time::timeout(Duration::from_secs(180), s)
+            .await
+            .expect("a stream hung while a worker joined")
+            .unwrap();
+        assert!(done && err.is_none(), "{err:?}");
+        assert_eq!(chunks, TOKENS as usize);
+    }
+
+    // A revoked certificate: the node starts, and is never admitted.
+    let listen7 = format!("127.0.0.1:{}", free_port());
+    let metrics7 = format!("127.0.0.1:{}", free_tcp_port());
+    let flags7 = join_flags(&listen7, &metrics7);
+    let flags7: Vec<&str> = flags7.iter().map(String::as_str).collect();
+    let (mut revoked, _) = start_node_with(flotilla(), &c.config, "worker-7", &flags7);
+
+    // SIGTERM: it drains, leaves, and is forgotten within forget_after_ms
+    // (2 s) and a few heartbeats.
+    let term = Command::new("kill")
+        .args(["-TERM", &joiner.child.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(term.success());
+    let t0 = Instant::now();
+    let status = loop {
+        if let Some(s) = joiner.child.try_wait().unwrap() {
+            break s;
+        }
+        assert!(
+            t0.elapsed() < Duration::from_secs(30),
+            "the joined worker did not exit"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    assert!(status.success(), "{status:?}");
+    let r = wait_for(&c.base, "worker-9 forgotten", |r| {
+        r["nodes"]
+            .as_array()
+            .is_some_and(|n| n.iter().all(|n| n["name"] != "worker-9"))
+    })
+    .await;
+    let forgot = t0.elapsed();
+    assert!(
+        forgot >= Duration::from_secs(2),
+        "forgotten after {forgot:?}"
+    );
+    assert!(
+        r["nodes"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .all(|n| n["name"] != "worker-7"),
+        "a revoked node was admitted: {r}"
+    );
+    let _ = revoked.child.kill();
+    let _ = revoked.child.wait();
+    drop(c.nodes.drain(..));
+    drop(c.dir);
+}

@@ -77,8 +77,32 @@ pub struct EngineRequest {
     pub trace: Option<TraceContext>,
 }
 
-/// A node's index in the cluster config.
+/// A node's id: its index in the cluster config's `[[nodes]]`, or, for a
+/// node that joined at run time, [`joined_node_id`] of its name.
 pub type NodeId = u32;
+
+/// Ids below this are the config file's indices (it may declare at most
+/// this many nodes); a joined node's id is at or above it.
+pub const JOINED_ID_MIN: NodeId = 1 << 16;
+
+/// The id of a node that joined at run time (one not in the config file):
+/// a hash of its name (the name in its certificate) into
+/// `JOINED_ID_MIN..u32::MAX`, so every node of the cluster gives it the
+/// same id without asking anyone. Two names that hash alike cannot both
+/// join (the second is refused, its log line naming the first).
+pub fn joined_node_id(name: &str) -> NodeId {
+    // FNV-1a: stable across builds and platforms, unlike std's hasher.
+    let h = name.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| {
+        (h ^ u64::from(b)).wrapping_mul(0x0000_0100_0000_01b3)
+    });
+    let span = u64::from(u32::MAX - JOINED_ID_MIN);
+    JOINED_ID_MIN + ((h ^ (h >> 32)) % span) as NodeId
+}
+
+/// Whether `node` is a joined node's id rather than a config index.
+pub fn is_joined_id(node: NodeId) -> bool {
+    node >= JOINED_ID_MIN
+}
 
 /// W3C trace context of a traced request: the trace and the span that
 /// engine spans are children of (the Router's HTTP request span). Travels
@@ -456,4 +480,26 @@ pub struct KvExport {
     pub blocks: u32,
     /// `blocks * bytes_per_block` bytes.
     pub data: Vec<u8>,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn joined_ids_sit_above_the_config_s_and_rarely_meet() {
+        // Every node computes the id alone: it must not change between
+        // builds, or a mixed-version cluster would disagree on it.
+        assert_eq!(joined_node_id("worker-9"), joined_node_id("worker-9"));
+        assert_eq!(joined_node_id("worker-9"), 882_918_375);
+        let mut seen = std::collections::BTreeSet::new();
+        for i in 0..20_000 {
+            let id = joined_node_id(&format!("flotilla-worker-{i}"));
+            assert!(is_joined_id(id) && id < u32::MAX, "{id}");
+            seen.insert(id);
+        }
+        // 20,000 names in ~4.3e9 ids: a collision or two at most.
+        assert!(seen.len() >= 19_998, "{} distinct", seen.len());
+        assert!(!is_joined_id(1023));
+    }
 }

@@ -5,7 +5,9 @@ use std::fmt;
 use std::str::FromStr;
 
 /// A node's role in the cluster.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[derive(
+    Clone, Copy, Debug, PartialEq, Eq, Hash, rkyv::Archive, rkyv::Serialize, rkyv::Deserialize,
+)]
 pub enum Role {
     /// Runs the HTTP front and routes requests to workers.
     Router,

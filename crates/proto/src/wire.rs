@@ -31,7 +31,7 @@ use crate::{
 /// First four bytes of every frame.
 pub const MAGIC: [u8; 4] = *b"FLTL";
 /// The protocol this build speaks; a peer with another one is refused.
-pub const PROTOCOL_VERSION: u16 = 17;
+pub const PROTOCOL_VERSION: u16 = 18;
 /// Bytes of the envelope before the payload.
 pub const HEADER_LEN: usize = 32;
 /// Smallest frame cap a config may set (a load report must fit).
@@ -127,11 +127,13 @@ pub enum Kind {
     Prefix = 19,
     /// [`Message::PrefixResync`].
     PrefixResync = 20,
+    /// [`Message::Peer`].
+    Peer = 21,
 }
 
 impl Kind {
     /// Every kind, in number order.
-    pub const ALL: [Kind; 20] = [
+    pub const ALL: [Kind; 21] = [
         Kind::Heartbeat,
         Kind::Submit,
         Kind::Admitted,
@@ -152,6 +154,7 @@ impl Kind {
         Kind::Leaving,
         Kind::Prefix,
         Kind::PrefixResync,
+        Kind::Peer,
     ];
 
     /// The kind numbered `n`, if any.
@@ -171,7 +174,8 @@ impl Kind {
             | Kind::PrefillAbandon
             | Kind::Unknown
             | Kind::Drain
-            | Kind::PrefixResync => role == Role::Router,
+            | Kind::PrefixResync
+            | Kind::Peer => role == Role::Router,
             Kind::Holding | Kind::Leaving | Kind::Prefix => role.runs_engine(),
             Kind::Admitted | Kind::Refused | Kind::Events => role.runs_engine(),
             Kind::KvBlocks => matches!(role, Role::Prefill | Role::Decode | Role::Worker),
@@ -453,6 +457,24 @@ pub enum Message {
     /// Router -> engine node: send your prefix cache's contents (a gap in
     /// the `Prefix` numbers, or a Router that has none of this life).
     PrefixResync,
+    /// Router -> engine node: where a node that joined at run time (one
+    /// not in the config file) is reached, sent just before a message that
+    /// names it (a `Submit` whose `prefill` it is), so the receiver can dial
+    /// it: a joined node's address is known only to those it dialed.
+    Peer(JoinedPeer),
+}
+
+/// A node that joined at run time, as the Routers know it.
+#[derive(Archive, Serialize, Deserialize, Clone, Debug, PartialEq, Eq)]
+pub struct JoinedPeer {
+    /// Its node id ([`crate::joined_node_id`] of its name).
+    pub node: u32,
+    /// Its name, the one in its certificate.
+    pub name: String,
+    /// Its role, the one in its certificate.
+    pub role: Role,
+    /// Where its QUIC endpoint was seen (`ip:port`).
+    pub addr: String,
 }
 
 /// One lease an engine node holds for a Router's request.
@@ -492,6 +514,7 @@ impl Message {
             Message::Leaving => Kind::Leaving,
             Message::Prefix { .. } => Kind::Prefix,
             Message::PrefixResync => Kind::PrefixResync,
+            Message::Peer(_) => Kind::Peer,
         }
     }
 }
@@ -814,6 +837,12 @@ mod tests {
                 },
             },
             Message::PrefixResync,
+            Message::Peer(JoinedPeer {
+                node: crate::joined_node_id("worker-9"),
+                name: "worker-9".into(),
+                role: Role::Worker,
+                addr: "10.0.0.9:7400".into(),
+            }),
         ]
     }
 

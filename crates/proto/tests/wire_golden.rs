@@ -13,12 +13,12 @@ use std::collections::BTreeMap;
 use std::path::PathBuf;
 
 use flotilla_proto::wire::{
-    Held, Kind, KvTransferHeader, Message, PROTOCOL_VERSION, PrefillMsg, ReqEvents, Submit,
-    encode_frame,
+    Held, JoinedPeer, Kind, KvTransferHeader, Message, PROTOCOL_VERSION, PrefillMsg, ReqEvents,
+    Submit, encode_frame,
 };
 use flotilla_proto::{
     Constraint, EngineEvent, EngineFailure, EngineRequest, EngineStatus, FinishReason, KvUsage,
-    NodeStatus, PrefixChanges, Rejection, RoutingStats, Sampled, SamplingParams, TenantId,
+    NodeStatus, PrefixChanges, Rejection, Role, RoutingStats, Sampled, SamplingParams, TenantId,
     TierStatus, TraceContext, Usage,
 };
 
@@ -242,6 +242,15 @@ fn samples() -> Vec<(&'static str, Message)> {
             },
         ),
         ("PrefixResync", Message::PrefixResync),
+        (
+            "Peer",
+            Message::Peer(JoinedPeer {
+                node: flotilla_proto::joined_node_id("worker-9"),
+                name: "worker-9".into(),
+                role: Role::Worker,
+                addr: "10.0.0.9:7400".into(),
+            }),
+        ),
     ]
 }
 

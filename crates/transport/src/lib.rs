@@ -27,6 +27,7 @@ use flotilla_proto::wire::{KvTransferHeader, Message};
 use tokio::sync::mpsc;
 
 pub mod frames;
+pub mod members;
 pub mod quic;
 pub mod sim;
 pub mod stage;
@@ -63,6 +64,12 @@ pub enum Inbound {
         /// arrived in.
         data: Vec<Bytes>,
     },
+    /// A node that is not in the config connected to this one (its
+    /// certificate chains to the cluster CA, its role may join, it is not
+    /// revoked): from now on it is a peer like the config's, and what it
+    /// sends follows this. Said again on each new connection it makes (a
+    /// restart, a new address).
+    Joined(flotilla_proto::wire::JoinedPeer),
     /// The transport closed (it was shut down, or in a simulation this
     /// node crashed or restarted): nothing more arrives through it.
     Closed,
@@ -225,6 +232,16 @@ pub trait Transport: Send + Sync + 'static {
     fn reconnect(&self, to: NodeId) {
         let _ = to;
     }
+    /// Where a node that joined at run time is reached, as a Router saw
+    /// it: messages to `peer.node` go there from now on (a node it never
+    /// dialed itself is unknown to this one otherwise).
+    fn learn(&self, peer: &flotilla_proto::wire::JoinedPeer) {
+        let _ = peer;
+    }
+    /// A joined node is gone for good: drop its link and what it queued.
+    fn forget(&self, node: NodeId) {
+        let _ = node;
+    }
 }
 
 /// What a transport refused or dropped, since start.
@@ -272,27 +289,42 @@ impl Counters {
 /// The newest epoch seen from each peer. A node that restarts picks a
 /// larger epoch; anything still arriving from its old life is dropped.
 pub struct EpochFilter {
-    newest: Mutex<Vec<u64>>,
+    newest: Mutex<std::collections::BTreeMap<NodeId, u64>>,
 }
 
 impl EpochFilter {
-    /// A filter for `nodes` peers.
+    /// A filter for the config's `nodes` peers (ids `0..nodes`).
     pub fn new(nodes: usize) -> EpochFilter {
         EpochFilter {
-            newest: Mutex::new(vec![0; nodes]),
+            newest: Mutex::new((0..nodes as NodeId).map(|n| (n, 0)).collect()),
         }
     }
 
     /// Whether a message from `from` at `epoch` is current (and records it).
     pub fn admit(&self, from: NodeId, epoch: u64) -> bool {
         let mut v = self.newest.lock().expect("epoch filter poisoned");
-        match v.get_mut(from as usize) {
+        match v.get_mut(&from) {
             Some(e) if epoch >= *e => {
                 *e = epoch;
                 true
             }
             _ => false,
         }
+    }
+
+    /// A node that joined at run time: its messages are admitted from now
+    /// on (a node known already keeps its newest epoch).
+    pub fn add(&self, node: NodeId) {
+        let mut v = self.newest.lock().expect("epoch filter poisoned");
+        v.entry(node).or_insert(0);
+    }
+
+    /// A joined node forgotten: nothing of it is admitted any more.
+    pub fn remove(&self, node: NodeId) {
+        self.newest
+            .lock()
+            .expect("epoch filter poisoned")
+            .remove(&node);
     }
 }
 

@@ -15,10 +15,11 @@
 //! when it dials the peer: the peer's first act on an accepted control
 //! connection is to send it (the `hello`).
 
+use std::collections::BTreeMap;
 use std::net::SocketAddr;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicBool, AtomicU8, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, RwLock};
 use std::time::Duration;
 
 use bytes::Bytes;
@@ -30,11 +31,13 @@ use quinn::{Connection, Endpoint, RecvStream, VarInt};
 use tokio::sync::mpsc;
 
 use crate::frames::encode_checked;
+use crate::members::{self, JoinPolicy, Refusal, Revocations};
 use crate::tls::{self, TlsMaterial};
 use crate::{
     BoxFuture, BulkError, Counters, EpochFilter, Inbound, NodeId, SendError, SendFailure, Sink,
     Transport, TransportStats,
 };
+use flotilla_proto::wire::JoinedPeer;
 
 /// Close codes a node sends when it refuses a peer.
 mod close {
@@ -115,10 +118,17 @@ pub struct LinkFaults {
 /// validated config (`flotilla/src/node.rs`, `quic_options`).
 #[derive(Clone, Debug)]
 pub struct QuicOptions {
-    /// This node's id (index into `nodes`).
+    /// This node's id: its index into `nodes`, or, for a node that joins
+    /// at run time, `joined_node_id` of its name.
     pub node: NodeId,
-    /// Every node of the cluster, this one included.
+    /// Every node of the config file (index = id), this one included
+    /// unless it joins at run time.
     pub nodes: Vec<PeerSpec>,
+    /// This node, when it joins at run time (is not in `nodes`).
+    pub joining: Option<PeerSpec>,
+    /// Who else may connect: nodes not in the config, and the revocation
+    /// list.
+    pub join: JoinPolicy,
     /// Socket address to bind.
     pub listen: SocketAddr,
     /// UDP port of the bulk endpoint, on `listen`'s address; 0 = any free
@@ -180,9 +190,122 @@ const CONNECTING: u8 = 0;
 const UP: u8 = 1;
 const DOWN: u8 = 2;
 
+#[derive(Clone)]
 struct Link {
     tx: mpsc::Sender<Vec<u8>>,
     state: Arc<LinkState>,
+}
+
+/// The links to every peer: the config's by index, and those of nodes
+/// that joined at run time, by id.
+struct Peers {
+    fixed: Vec<Option<Link>>,
+    joined: RwLock<BTreeMap<NodeId, Link>>,
+}
+
+impl Peers {
+    fn get(&self, to: NodeId) -> Option<Link> {
+        if flotilla_proto::is_joined_id(to) {
+            return self
+                .joined
+                .read()
+                .expect("peers poisoned")
+                .get(&to)
+                .cloned();
+        }
+        self.fixed.get(to as usize).and_then(|l| l.clone())
+    }
+
+    /// The names of the joined nodes, by id.
+    fn joined_names(&self) -> BTreeMap<NodeId, String> {
+        self.joined
+            .read()
+            .expect("peers poisoned")
+            .iter()
+            .map(|(&n, l)| (n, l.state.peer.name.clone()))
+            .collect()
+    }
+
+    /// Every link's state.
+    fn states(&self) -> Vec<Arc<LinkState>> {
+        let mut v: Vec<_> = self
+            .fixed
+            .iter()
+            .flatten()
+            .map(|l| l.state.clone())
+            .collect();
+        v.extend(
+            self.joined
+                .read()
+                .expect("peers poisoned")
+                .values()
+                .map(|l| l.state.clone()),
+        );
+        v
+    }
+}
+
+/// What a new link's task needs.
+struct LinkCtx {
+    endpoint: Endpoint,
+    opts: Arc<QuicOptions>,
+    counters: Arc<Counters>,
+    closed: Arc<AtomicBool>,
+    sink: Sink,
+    revoked: Arc<Revocations>,
+}
+
+impl LinkCtx {
+    /// A link to `peer` (id `to`), its task dialing at once.
+    fn spawn(&self, to: NodeId, peer: PeerSpec) -> Link {
+        let (tx, rx) = mpsc::channel(self.opts.send_queue_len_max);
+        let state = Arc::new(LinkState {
+            phase: AtomicU8::new(CONNECTING),
+            conn: Mutex::new(None),
+            bulk: tokio::sync::Mutex::new(None),
+            bulk_addr: Mutex::new(None),
+            peer,
+            wake: tokio::sync::Notify::new(),
+            reset: tokio::sync::Notify::new(),
+        });
+        tokio::spawn(run_link(
+            self.endpoint.clone(),
+            to,
+            rx,
+            state.clone(),
+            self.opts.clone(),
+            self.counters.clone(),
+            self.closed.clone(),
+            self.sink.clone(),
+            self.revoked.clone(),
+        ));
+        Link { tx, state }
+    }
+}
+
+/// Adds (or, at a new address, replaces) the link to a joined node; true
+/// if the link is new.
+fn add_joined(peers: &Peers, ctx: &LinkCtx, epochs: &EpochFilter, peer: &JoinedPeer) -> bool {
+    let mut joined = peers.joined.write().expect("peers poisoned");
+    if let Some(l) = joined.get(&peer.node)
+        && l.state.peer.addr == peer.addr
+        && l.state.peer.name == peer.name
+    {
+        return false;
+    }
+    let spec = PeerSpec {
+        name: peer.name.clone(),
+        role: peer.role,
+        addr: peer.addr.clone(),
+    };
+    if let Some(old) = joined.insert(peer.node, ctx.spawn(peer.node, spec)) {
+        // Its task ends with its last sender; its connection goes now.
+        if let Some(c) = old.state.conn.lock().expect("link state poisoned").take() {
+            c.close(VarInt::from_u32(close::SHUTDOWN), b"peer moved");
+        }
+    }
+    epochs.add(peer.node);
+    true
 }
 
 struct LinkState {
@@ -421,7 +544,11 @@ pub struct QuicTransport {
     epoch: u64,
     role: Role,
     frame_cap: u32,
-    links: Vec<Option<Link>>,
+    peers: Arc<Peers>,
+    ctx: Arc<LinkCtx>,
+    epochs: Arc<EpochFilter>,
+    /// Connections peers dialed to us, on the control and bulk endpoints.
+    accepted: [Accepted; 2],
     endpoint: Endpoint,
     bulk: BulkPlane,
     counters: Arc<Counters>,
@@ -444,11 +571,23 @@ impl QuicTransport {
         certs: &TlsMaterial,
         sink: Sink,
     ) -> Result<Arc<QuicTransport>, StartError> {
-        let me = opts
-            .nodes
-            .get(opts.node as usize)
-            .ok_or_else(|| StartError::Options(format!("node id {} not in nodes", opts.node)))?
-            .clone();
+        let me = match &opts.joining {
+            Some(me) => {
+                if opts.node != flotilla_proto::joined_node_id(&me.name) {
+                    return Err(StartError::Options(format!(
+                        "a joining node's id is its name's ({}), not {}",
+                        flotilla_proto::joined_node_id(&me.name),
+                        opts.node
+                    )));
+                }
+                me.clone()
+            }
+            None => opts
+                .nodes
+                .get(opts.node as usize)
+                .ok_or_else(|| StartError::Options(format!("node id {} not in nodes", opts.node)))?
+                .clone(),
+        };
         let id = certs.identity()?;
         if id.name != me.name || id.role != me.role {
             return Err(StartError::Identity {
@@ -499,61 +638,64 @@ impl QuicTransport {
         let opts = Arc::new(opts);
         let closed = Arc::new(AtomicBool::new(false));
 
-        let mut links = Vec::with_capacity(opts.nodes.len());
+        let revoked = Arc::new(Revocations::new(opts.join.revoked.clone()));
+        let ctx = Arc::new(LinkCtx {
+            endpoint: endpoint.clone(),
+            opts: opts.clone(),
+            counters: counters.clone(),
+            closed: closed.clone(),
+            sink: in_tx.clone(),
+            revoked: revoked.clone(),
+        });
+        let mut fixed = Vec::with_capacity(opts.nodes.len());
         for (i, peer) in opts.nodes.iter().enumerate() {
             // An empty address: a node this one never dials (a pipeline
             // group's later stage speaks only to its stage 0).
-            if i as NodeId == opts.node || peer.addr.is_empty() {
-                links.push(None);
+            if (i as NodeId == opts.node && opts.joining.is_none()) || peer.addr.is_empty() {
+                fixed.push(None);
                 continue;
             }
-            let (tx, rx) = mpsc::channel(opts.send_queue_len_max);
-            let state = Arc::new(LinkState {
-                phase: AtomicU8::new(CONNECTING),
-                conn: Mutex::new(None),
-                bulk: tokio::sync::Mutex::new(None),
-                bulk_addr: Mutex::new(None),
-                peer: peer.clone(),
-                wake: tokio::sync::Notify::new(),
-                reset: tokio::sync::Notify::new(),
-            });
-            tokio::spawn(run_link(
-                endpoint.clone(),
-                i as NodeId,
-                rx,
-                state.clone(),
-                opts.clone(),
-                counters.clone(),
-                closed.clone(),
-                in_tx.clone(),
-            ));
-            links.push(Some(Link { tx, state }));
+            fixed.push(Some(ctx.spawn(i as NodeId, peer.clone())));
         }
-        let states: Arc<Vec<_>> = Arc::new(
-            links
-                .iter()
-                .map(|l: &Option<Link>| l.as_ref().map(|l| l.state.clone()))
-                .collect(),
-        );
+        let peers = Arc::new(Peers {
+            fixed,
+            joined: RwLock::new(BTreeMap::new()),
+        });
         let accept = |endpoint: Endpoint, plane| Accept {
             endpoint,
             plane,
-            links: states.clone(),
+            peers: peers.clone(),
+            ctx: ctx.clone(),
+            conns: Arc::new(Mutex::new(BTreeMap::new())),
             opts: opts.clone(),
             in_tx: in_tx.clone(),
             epochs: epochs.clone(),
             counters: counters.clone(),
             bufs: Arc::new(RecvBuffers::default()),
         };
-        tokio::spawn(accept(endpoint.clone(), Plane::Control { bulk_port }).run());
-        bulk.handle
-            .spawn(accept(bulk.endpoint.clone(), Plane::Bulk).run());
+        let control = accept(endpoint.clone(), Plane::Control { bulk_port });
+        let on_bulk = accept(bulk.endpoint.clone(), Plane::Bulk);
+        let accepted = [control.conns.clone(), on_bulk.conns.clone()];
+        if opts.join.revoked.is_some() {
+            tokio::spawn(watch_revocations(
+                revoked,
+                peers.clone(),
+                [control.conns.clone(), on_bulk.conns.clone()],
+                opts.keep_alive.max(Duration::from_millis(100)),
+                closed.clone(),
+            ));
+        }
+        tokio::spawn(control.run());
+        bulk.handle.spawn(on_bulk.run());
         Ok(Arc::new(QuicTransport {
             node: opts.node,
             epoch: opts.epoch,
             role: me.role,
             frame_cap: opts.frame_len_max_bytes,
-            links,
+            peers,
+            ctx,
+            epochs,
+            accepted,
             endpoint,
             bulk,
             counters,
@@ -624,8 +766,8 @@ impl QuicTransport {
         }
     }
 
-    fn link(&self, to: NodeId) -> Option<&Link> {
-        self.links.get(to as usize).and_then(|l| l.as_ref())
+    fn link(&self, to: NodeId) -> Option<Link> {
+        self.peers.get(to)
     }
 
     /// Queues an already-encoded frame, skipping this node's own role check
@@ -794,6 +936,51 @@ impl Transport for QuicTransport {
             .is_some_and(|l| l.state.phase.load(Ordering::Acquire) != DOWN)
     }
 
+    fn learn(&self, peer: &JoinedPeer) {
+        if !flotilla_proto::is_joined_id(peer.node)
+            || peer.node != flotilla_proto::joined_node_id(&peer.name)
+            || peer.node == self.node
+        {
+            return;
+        }
+        if add_joined(&self.peers, &self.ctx, &self.epochs, peer) {
+            tracing::info!(peer = %peer.name, addr = %peer.addr, "learned a joined node");
+        }
+    }
+
+    fn forget(&self, node: NodeId) {
+        if !flotilla_proto::is_joined_id(node) {
+            return;
+        }
+        let gone = self
+            .peers
+            .joined
+            .write()
+            .expect("peers poisoned")
+            .remove(&node);
+        if let Some(l) = gone {
+            if let Some(c) = l.state.conn.lock().expect("link state poisoned").take() {
+                c.close(VarInt::from_u32(close::SHUTDOWN), b"forgotten");
+            }
+            self.epochs.remove(node);
+            // Its own connections to us go too: if it is alive after all,
+            // it dials again and joins anew.
+            for a in &self.accepted {
+                let conns: Vec<Connection> = a
+                    .lock()
+                    .expect("accepted poisoned")
+                    .values()
+                    .filter(|(name, _, _)| *name == l.state.peer.name)
+                    .map(|(_, _, c)| c.clone())
+                    .collect();
+                for c in conns {
+                    c.close(VarInt::from_u32(close::SHUTDOWN), b"forgotten");
+                }
+            }
+            tracing::info!(peer = %l.state.peer.name, "forgot a joined node");
+        }
+    }
+
     fn reconnect(&self, to: NodeId) {
         if let Some(l) = self.link(to)
             && l.state.phase.load(Ordering::Acquire) == UP
@@ -886,6 +1073,7 @@ async fn run_link(
     counters: Arc<Counters>,
     closed: Arc<AtomicBool>,
     in_tx: Sink,
+    revoked: Arc<Revocations>,
 ) {
     let peer = state.peer.clone();
     let cap = opts.frame_len_max_bytes;
@@ -896,7 +1084,17 @@ async fn run_link(
         if rx.is_closed() {
             return;
         }
-        let conn = match dial(&endpoint, &peer, opts.connect_timeout).await {
+        let dialed = dial(&endpoint, &peer, opts.connect_timeout)
+            .await
+            .and_then(|c| match revoked_peer(&c, &revoked) {
+                Some(why) => {
+                    tracing::warn!(peer = %peer.name, "not dialing: {why}");
+                    c.close(VarInt::from_u32(close::FORBIDDEN), b"revoked");
+                    Err(why.to_string())
+                }
+                None => Ok(c),
+            });
+        let conn = match dialed {
             Ok(c) => c,
             Err(e) => {
                 if closed.load(Ordering::Acquire) {
@@ -916,18 +1114,21 @@ async fn run_link(
                 continue;
             }
         };
-        backoff = Duration::from_millis(20);
         let bulk_addr = match read_hello(&conn, opts.connect_timeout).await {
             Ok(a) => a,
             Err(e) => {
+                // A peer that refuses us (revoked, unknown) is dialed again
+                // as slowly as one that cannot be reached.
                 tracing::warn!(peer = %peer.name, "no hello: {e}");
                 conn.close(VarInt::from_u32(close::PROTOCOL), b"no hello");
                 state.phase.store(DOWN, Ordering::Release);
                 give_back(&mut rx, to, cap, &in_tx, &counters);
                 tokio::time::sleep(backoff).await;
+                backoff = (backoff * 2).min(opts.reconnect_backoff_max);
                 continue;
             }
         };
+        backoff = Duration::from_millis(20);
         let mut stream = match conn.open_uni().await {
             Ok(s) => s,
             Err(_) => continue,
@@ -1086,12 +1287,84 @@ enum Plane {
     Bulk,
 }
 
+/// The revocation that names the peer on `conn`, if any.
+fn revoked_peer(conn: &Connection, revoked: &Revocations) -> Option<Refusal> {
+    let id = tls::peer_identity(conn).ok()?;
+    let serial = tls::peer_serial(conn).unwrap_or_default();
+    revoked
+        .names(&id.name, &serial)
+        .map(|list| Refusal::Revoked {
+            name: id.name,
+            serial,
+            list,
+        })
+}
+
+/// Connections accepted and open, by quinn's stable id: (name, serial,
+/// connection), so a revocation cuts them off.
+type Accepted = Arc<Mutex<BTreeMap<usize, (String, String, Connection)>>>;
+
+/// Reads the revocation list again each `every`; when it changed, closes
+/// the connections of every peer it now names, both ways (the links'
+/// redials are refused at the handshake check while it stays there).
+async fn watch_revocations(
+    revoked: Arc<Revocations>,
+    peers: Arc<Peers>,
+    accepted: [Accepted; 2],
+    every: Duration,
+    closed: Arc<AtomicBool>,
+) {
+    let mut seen = revoked.generation();
+    loop {
+        tokio::time::sleep(every).await;
+        if closed.load(Ordering::Acquire) {
+            return;
+        }
+        revoked.refresh();
+        let now = revoked.generation();
+        if now == seen {
+            continue;
+        }
+        seen = now;
+        for a in &accepted {
+            let conns: Vec<_> = a
+                .lock()
+                .expect("accepted poisoned")
+                .values()
+                .cloned()
+                .collect();
+            for (name, serial, conn) in conns {
+                if let Some(list) = revoked.names(&name, &serial) {
+                    let why = Refusal::Revoked {
+                        name: name.clone(),
+                        serial,
+                        list,
+                    };
+                    tracing::warn!(peer = %name, "closing connection: {why}");
+                    conn.close(VarInt::from_u32(close::FORBIDDEN), b"revoked");
+                }
+            }
+        }
+        for state in peers.states() {
+            let conn = state.conn.lock().expect("link state poisoned").clone();
+            if let Some(conn) = conn
+                && let Some(why) = revoked_peer(&conn, &revoked)
+            {
+                tracing::warn!(peer = %state.peer.name, "closing link: {why}");
+                conn.close(VarInt::from_u32(close::FORBIDDEN), b"revoked");
+            }
+        }
+    }
+}
+
 /// Accepts peers on one endpoint and reads what they send.
 #[derive(Clone)]
 struct Accept {
     endpoint: Endpoint,
     plane: Plane,
-    links: Arc<Vec<Option<Arc<LinkState>>>>,
+    peers: Arc<Peers>,
+    ctx: Arc<LinkCtx>,
+    conns: Accepted,
     opts: Arc<QuicOptions>,
     in_tx: Sink,
     epochs: Arc<EpochFilter>,
@@ -1104,20 +1377,42 @@ impl Accept {
         while let Some(incoming) = self.endpoint.accept().await {
             let a = self.clone();
             tokio::spawn(async move {
-                let Ok(conn) = incoming.await else {
-                    // Handshake failed: no client certificate, another CA, ...
-                    a.counters
-                        .connections_refused
-                        .fetch_add(1, Ordering::Relaxed);
-                    return;
+                let remote = incoming.remote_address();
+                let conn = match incoming.await {
+                    Ok(c) => c,
+                    Err(e) => {
+                        // Handshake failed: no client certificate, another CA, ...
+                        a.counters
+                            .connections_refused
+                            .fetch_add(1, Ordering::Relaxed);
+                        // Our own TLS check failed (no certificate, another
+                        // CA): say why. A dialer that gave up mid-handshake
+                        // (its timeout, its shutdown) is no refusal.
+                        let ours = matches!(e, quinn::ConnectionError::TransportError(_));
+                        let why = Refusal::Handshake(e.to_string());
+                        if ours {
+                            tracing::warn!(%remote, "refused a connection: {why}");
+                        } else {
+                            tracing::debug!(%remote, "handshake ended: {e}");
+                        }
+                        return;
+                    }
                 };
-                let Some((from, role)) = known_peer(&conn, &a.opts) else {
-                    a.counters
-                        .connections_refused
-                        .fetch_add(1, Ordering::Relaxed);
-                    conn.close(VarInt::from_u32(close::UNKNOWN_NODE), b"unknown node");
-                    return;
+                let (from, role, name, serial) = match a.admit(&conn) {
+                    Ok(v) => v,
+                    Err((code, why)) => {
+                        a.counters
+                            .connections_refused
+                            .fetch_add(1, Ordering::Relaxed);
+                        tracing::warn!(%remote, "refused a connection: {why}");
+                        conn.close(VarInt::from_u32(code), why.to_string().as_bytes());
+                        return;
+                    }
                 };
+                a.conns
+                    .lock()
+                    .expect("accepted poisoned")
+                    .insert(conn.stable_id(), (name, serial, conn.clone()));
                 if let Plane::Control { bulk_port } = a.plane {
                     if let Err(e) = send_hello(&conn, bulk_port).await {
                         tracing::debug!(peer = from, "hello not sent: {e}");
@@ -1125,34 +1420,76 @@ impl Accept {
                     }
                     // A peer that dials us is up: our own link to it redials
                     // now rather than at the end of its backoff.
-                    if let Some(Some(link)) = a.links.get(from as usize)
-                        && link.phase.load(Ordering::Acquire) == DOWN
+                    if let Some(link) = a.peers.get(from)
+                        && link.state.phase.load(Ordering::Acquire) == DOWN
                     {
-                        link.wake.notify_one();
+                        link.state.wake.notify_one();
                     }
                 }
                 while let Ok(recv) = conn.accept_uni().await {
                     tokio::spawn(read_stream(recv, conn.clone(), from, role, a.clone()));
                 }
+                a.conns
+                    .lock()
+                    .expect("accepted poisoned")
+                    .remove(&conn.stable_id());
             });
         }
     }
-}
 
-/// The configured node this connection's certificate names, if its role
-/// matches the config.
-fn known_peer(conn: &Connection, opts: &QuicOptions) -> Option<(NodeId, Role)> {
-    let id = tls::peer_identity(conn).ok()?;
-    let (i, spec) = opts
-        .nodes
-        .iter()
-        .enumerate()
-        .find(|(_, n)| n.name == id.name)?;
-    if spec.role != id.role || i as NodeId == opts.node {
-        tracing::warn!(peer = %id.name, "refused: certificate role {} differs from config", id.role);
-        return None;
+    /// Who the peer on `conn` is, if it may talk to this node: (id, role,
+    /// name, serial). A node not in the config that may join becomes a
+    /// peer here (on the control endpoint; its bulk connection comes
+    /// after), reached back at the address it dialed from: its endpoint's.
+    #[allow(clippy::type_complexity)]
+    fn admit(&self, conn: &Connection) -> Result<(NodeId, Role, String, String), (u32, Refusal)> {
+        let id = tls::peer_identity(conn)
+            .map_err(|e| (close::FORBIDDEN, Refusal::Handshake(e.to_string())))?;
+        let serial = tls::peer_serial(conn).unwrap_or_default();
+        self.ctx.revoked.refresh();
+        let a = members::admit(
+            &id.name,
+            id.role,
+            &serial,
+            &self.opts.nodes,
+            self.opts.node,
+            &self.opts.join,
+            &self.ctx.revoked,
+            &self.peers.joined_names(),
+        )
+        .map_err(|r| {
+            let code = match r {
+                Refusal::Revoked { .. }
+                | Refusal::WrongRole { .. }
+                | Refusal::RoleMayNotJoin { .. } => close::FORBIDDEN,
+                _ => close::UNKNOWN_NODE,
+            };
+            (code, r)
+        })?;
+        if a.joined {
+            let peer = JoinedPeer {
+                node: a.node,
+                name: id.name.clone(),
+                role: a.role,
+                addr: conn.remote_address().to_string(),
+            };
+            match self.plane {
+                Plane::Control { .. } => {
+                    if add_joined(&self.peers, &self.ctx, &self.epochs, &peer) {
+                        tracing::info!(peer = %peer.name, addr = %peer.addr, role = %peer.role, "a node joined");
+                    }
+                    // Before anything it sends: the shell learns who it is.
+                    self.in_tx.deliver(Inbound::Joined(peer));
+                }
+                Plane::Bulk => {
+                    if self.peers.get(a.node).is_none() {
+                        return Err((close::UNKNOWN_NODE, Refusal::NotInConfig { name: id.name }));
+                    }
+                }
+            }
+        }
+        Ok((a.node, a.role, id.name, serial))
     }
-    Some((i as NodeId, id.role))
 }
 
 /// Reads frames from one uni stream: on the control endpoint, a control

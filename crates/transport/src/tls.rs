@@ -328,6 +328,13 @@ pub fn issue_for(
     Ok(not_after)
 }
 
+/// The serial number of `NODE.pem` in `dir` (see [`serial_of`]): what a
+/// revocation list names to revoke this certificate and no other.
+pub fn node_serial(dir: &Path, node: &str) -> Result<String, TlsError> {
+    check_node_name(node)?;
+    serial_of(&read_cert(&dir.join(format!("{node}.pem")))?)
+}
+
 /// True when `dir` already holds the CA certificate and this node's cert and key.
 pub fn has_node(dir: &Path, node: &str) -> bool {
     // Only the CA certificate: the CA key may live on one admin machine only.
@@ -380,6 +387,28 @@ pub fn peer_identity(conn: &quinn::Connection) -> Result<NodeIdentity, TlsError>
         .map_err(|_| TlsError::NoPeerCertificate)?;
     let leaf = chain.first().ok_or(TlsError::NoPeerCertificate)?;
     identity_of(leaf)
+}
+
+/// The verified peer's certificate serial number, as lower-case hex with
+/// colons (as `flotilla certs issue` prints it).
+pub fn peer_serial(conn: &quinn::Connection) -> Result<String, TlsError> {
+    let any = conn.peer_identity().ok_or(TlsError::NoPeerCertificate)?;
+    let chain = any
+        .downcast::<Vec<CertificateDer<'static>>>()
+        .map_err(|_| TlsError::NoPeerCertificate)?;
+    let leaf = chain.first().ok_or(TlsError::NoPeerCertificate)?;
+    serial_of(leaf)
+}
+
+/// A DER certificate's serial number, lower-case hex bytes joined by colons.
+pub fn serial_of(cert_der: &[u8]) -> Result<String, TlsError> {
+    let (_, cert) = parse_x509(cert_der)?;
+    Ok(cert
+        .raw_serial()
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect::<Vec<_>>()
+        .join(":"))
 }
 
 /// Identity from a DER certificate: its one DNS SAN and its one role URI SAN.

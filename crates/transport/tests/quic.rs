@@ -64,6 +64,8 @@ impl Cluster {
             connect_timeout: Duration::from_millis(300),
             reconnect_backoff_max: Duration::from_millis(200),
             faults: LinkFaults::default(),
+            joining: None,
+            join: flotilla_transport::members::JoinPolicy::default(),
         }
     }
 

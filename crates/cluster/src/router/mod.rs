@@ -220,6 +220,7 @@ impl Actor for RouterActor {
             }) => RouterInput::Message { from, epoch, msg },
             // The Router takes no bulk transfers; its life is its handle's.
             RouterMsg::Net(Inbound::Bulk { .. } | Inbound::Closed) => return Ok(()),
+            RouterMsg::Net(Inbound::Joined(peer)) => RouterInput::Joined(peer),
             RouterMsg::Net(Inbound::Undelivered { to, msg, reason }) => {
                 crate::log_undelivered(to, &msg, &reason);
                 RouterInput::Undelivered { to, msg }
@@ -303,6 +304,7 @@ impl RouterState {
                         }
                     }
                     RouterOutput::Reconnect(n) => self.transport.reconnect(n),
+                    RouterOutput::Forget(n) => self.transport.forget(n),
                     RouterOutput::Admitted { id, result } => {
                         let refused = result.is_err();
                         let answered = self

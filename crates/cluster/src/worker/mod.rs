@@ -30,7 +30,7 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use flotilla_engine::{Engine, EventSink, KvMigration, RequestStream};
-use flotilla_proto::wire::KvTransferHeader;
+use flotilla_proto::wire::{KvTransferHeader, Message};
 use flotilla_proto::{Rejection, RequestId, StepEvents};
 use flotilla_transport::{Inbound, NodeId, Sink, Transport};
 use ractor::{Actor, ActorProcessingErr, ActorRef};
@@ -210,6 +210,19 @@ impl Actor for NodeActor {
         st: &mut NodeState,
     ) -> Result<(), ActorProcessingErr> {
         let input = match msg {
+            // Where a node that joined at run time is (a Router's word,
+            // ahead of a request that names it): the transport's business.
+            NodeMsg::Net(Inbound::Message {
+                msg: Message::Peer(peer),
+                ..
+            }) => {
+                st.transport.learn(&peer);
+                return Ok(());
+            }
+            // A node not in the config dialed this one (it will send P/D
+            // or move traffic): the transport knows it now; the core needs
+            // nothing more than its messages.
+            NodeMsg::Net(Inbound::Joined(_)) => return Ok(()),
             NodeMsg::Net(Inbound::Message {
                 from, epoch, msg, ..
             }) => NodeInput::Message { from, epoch, msg },

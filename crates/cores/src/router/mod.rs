@@ -32,7 +32,7 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::time::Duration;
 
-use flotilla_proto::wire::{Held, Message, ReqEvents, Submit};
+use flotilla_proto::wire::{Held, JoinedPeer, Message, ReqEvents, Submit};
 use flotilla_proto::{
     DrainRefusal, EngineEvent, EngineFailure, EngineRequest, EngineStatus, KvDtype, KvUsage,
     NodeId, NodeStatus, PrefixChanges, Rejection, Role, RoutingStats, TierStatus,
@@ -61,7 +61,14 @@ pub struct RouterOptions {
     pub moves_max: u32,
     /// Blocks remembered per worker by the prefix index.
     pub prefix_blocks_max: usize,
+    /// A node that joined at run time (is not in `workers`) and has been
+    /// down this long, with nothing of it left in flight, is forgotten.
+    pub forget_after: Duration,
 }
+
+/// How long a joined node is remembered after it went down, unless the
+/// config says otherwise.
+pub const FORGET_AFTER: Duration = Duration::from_secs(60);
 
 /// Times a request that produced no token yet is re-run after its node failed.
 pub const RERUNS_MAX: u32 = 2;
@@ -143,6 +150,9 @@ pub enum RouterInput {
     /// Time passed: heartbeats, silent nodes, event gaps and admission
     /// deadlines that are due.
     Tick,
+    /// A node that is not in the config connected (the transport checked
+    /// its certificate): it is placed on once its first heartbeat comes.
+    Joined(JoinedPeer),
     /// An operator asks engine node `node` to drain (checked first with
     /// [`RouterCore::drain_target`]; ignored if it no longer holds).
     Drain {
@@ -167,6 +177,8 @@ pub enum RouterOutput {
     },
     /// The node restarted: our connection reaches its old life; dial again.
     Reconnect(NodeId),
+    /// A joined node is forgotten: drop the link to it.
+    Forget(NodeId),
     /// The answer to a client's `Submit`: queued on a node, or refused.
     /// Comes once per request, before any of its events.
     Admitted {
@@ -218,6 +230,11 @@ struct WorkerView {
     /// then may not have reached it, and a Submit held on the cut link may
     /// reach it only after the link heals, when the request runs elsewhere.
     recall: Vec<(u64, u32)>,
+    /// A node that joined at run time: where it was seen, and since when
+    /// it is known (it is forgotten after a silence).
+    joined: Option<(String, Duration)>,
+    /// A joined node forgotten: this slot is free for the next one.
+    gone: bool,
 }
 
 struct Pending {
@@ -337,6 +354,8 @@ impl RouterCore {
                 prefix_seq: None,
                 resync_asked: None,
                 recall: Vec::new(),
+                joined: None,
+                gone: false,
             })
             .collect();
         RouterCore {
@@ -361,7 +380,7 @@ impl RouterCore {
     /// The engine nodes it routes to: those whose reachability the shell
     /// reports in each input's [`Reach`].
     pub fn nodes(&self) -> impl Iterator<Item = NodeId> + '_ {
-        self.workers.iter().map(|w| w.node)
+        self.workers.iter().filter(|w| !w.gone).map(|w| w.node)
     }
 
     /// Handles one input at `now`; `reach` says which nodes the transport
@@ -385,6 +404,7 @@ impl RouterCore {
             }
             RouterInput::Undelivered { to, msg } => self.undelivered(to, msg, reach),
             RouterInput::Tick => self.tick(now, reach),
+            RouterInput::Joined(peer) => self.joined(now, peer),
             RouterInput::Drain { node, grace } => {
                 if let Ok(w) = self.drain_target(&node) {
                     let grace_ms = grace.as_millis().min(u128::from(u64::MAX)) as u64;
@@ -398,10 +418,15 @@ impl RouterCore {
 
     /// The engine node named `name`, if a drain can be asked of it now.
     pub fn drain_target(&self, name: &str) -> Result<usize, DrainRefusal> {
-        let Some(w) = self.workers.iter().position(|w| w.name == name) else {
+        let Some(w) = self.workers.iter().position(|w| w.name == name && !w.gone) else {
             return Err(DrainRefusal::UnknownNode {
                 name: name.to_owned(),
-                nodes: self.workers.iter().map(|w| w.name.clone()).collect(),
+                nodes: self
+                    .workers
+                    .iter()
+                    .filter(|w| !w.gone)
+                    .map(|w| w.name.clone())
+                    .collect(),
             });
         };
         if !self.workers[w].up {
@@ -444,7 +469,7 @@ impl RouterCore {
     pub fn status_reaching(&self, reach: &Reach) -> EngineStatus {
         let mut s = EngineStatus::default();
         let mut tiers: Vec<TierStatus> = Vec::new();
-        for w in &self.workers {
+        for w in self.workers.iter().filter(|w| !w.gone) {
             s.nodes.push(NodeStatus {
                 name: w.name.clone(),
                 up: w.up,
@@ -735,6 +760,13 @@ impl RouterCore {
         };
         let blocks = p.blocks;
         let node = self.workers[w].node;
+        // The node it takes the KV from joined at run time: tell this one
+        // where it is first (it knows only the config's nodes).
+        if let Some(i) = prefill
+            && let Some(peer) = self.joined_peer(i)
+        {
+            self.send(node, 0, Message::Peer(peer));
+        }
         // What the node checks when it lands (its tenant, its placement
         // newer than any it holds): placed only on a node up and taking
         // work, and never back on the node it is moving off with its KV.
@@ -1462,12 +1494,120 @@ impl RouterCore {
             // Workers watch the Router the same way: a silent Router's
             // requests are cancelled on the workers.
             for i in 0..self.workers.len() {
+                if self.workers[i].gone {
+                    continue;
+                }
                 let node = self.workers[i].node;
                 self.send(node, 0, Message::Heartbeat(EngineStatus::default()));
             }
+            self.forget_silent(now);
             self.want_prefixes(now);
         }
         self.checks_to_heartbeat -= 1;
+    }
+
+    /// A node not in the config connected: known from now on, placed on
+    /// once heard (its first heartbeat follows at once).
+    fn joined(&mut self, now: Duration, peer: JoinedPeer) {
+        if let Some(&w) = self.by_node.get(&peer.node) {
+            let v = &mut self.workers[w];
+            if v.name == peer.name && v.role == peer.role {
+                // A reconnect (a restart, a new address): the same node.
+                v.joined = Some((peer.addr, v.joined.as_ref().map_or(now, |j| j.1)));
+            } else {
+                tracing::warn!(
+                    node = %peer.name,
+                    "joined under the id of {} ({}): ignored",
+                    v.name,
+                    v.role
+                );
+            }
+            return;
+        }
+        tracing::info!(node = %peer.name, role = %peer.role, addr = %peer.addr, "a node joined");
+        let view = WorkerView {
+            node: peer.node,
+            name: peer.name,
+            role: peer.role,
+            prefilling: 0,
+            epoch: 0,
+            heard: None,
+            up: false,
+            load: EngineStatus::default(),
+            in_flight: 0,
+            in_flight_blocks: 0,
+            routed: 0,
+            downs: 0,
+            moved_away: 0,
+            moved_by_kv: 0,
+            kv_short: 0,
+            left_epoch: 0,
+            prefix: PrefixIndex::new(self.opts.prefix_blocks_max),
+            prefix_seq: None,
+            resync_asked: None,
+            recall: Vec::new(),
+            joined: Some((peer.addr, now)),
+            gone: false,
+        };
+        // A forgotten node's slot first: nothing refers to it any more.
+        let w = match self.workers.iter().position(|w| w.gone) {
+            Some(w) => {
+                self.workers[w] = view;
+                w
+            }
+            None => {
+                self.workers.push(view);
+                self.workers.len() - 1
+            }
+        };
+        self.by_node.insert(self.workers[w].node, w);
+    }
+
+    /// Where the joined node `w` is, if it joined at run time.
+    fn joined_peer(&self, w: usize) -> Option<JoinedPeer> {
+        let v = &self.workers[w];
+        v.joined.as_ref().map(|(addr, _)| JoinedPeer {
+            node: v.node,
+            name: v.name.clone(),
+            role: v.role,
+            addr: addr.clone(),
+        })
+    }
+
+    /// Joined nodes down (or never heard) for `forget_after`, with nothing
+    /// in flight there: forgotten, their link dropped. A config node is
+    /// never forgotten.
+    fn forget_silent(&mut self, now: Duration) {
+        for w in 0..self.workers.len() {
+            let v = &self.workers[w];
+            let Some((_, since)) = v.joined else { continue };
+            let last = v.heard.map_or(since, |h| h.max(since));
+            if v.gone || v.up || now.saturating_sub(last) < self.opts.forget_after {
+                continue;
+            }
+            let referenced = v.in_flight > 0
+                || v.prefilling > 0
+                || self
+                    .pending
+                    .values()
+                    .chain(self.parked.values().map(|(_, p, _)| p))
+                    .any(|p| p.worker == w || p.prefill == Some(w) || p.paired_prefill == Some(w));
+            if referenced {
+                continue;
+            }
+            let node = v.node;
+            tracing::info!(
+                node = %v.name,
+                "forgotten: not heard for {} s",
+                now.saturating_sub(last).as_secs()
+            );
+            self.by_node.remove(&node);
+            let v = &mut self.workers[w];
+            v.gone = true;
+            v.prefix = PrefixIndex::new(0);
+            v.recall.clear();
+            self.out.push(RouterOutput::Forget(node));
+        }
     }
 
     /// A node up for two heartbeats whose prefix cache the index does not

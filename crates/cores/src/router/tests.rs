@@ -2,7 +2,7 @@
 
 use std::time::Duration;
 
-use flotilla_proto::wire::{Message, ReqEvents, Submit};
+use flotilla_proto::wire::{JoinedPeer, Message, ReqEvents, Submit};
 use flotilla_proto::{
     DrainRefusal, EngineEvent, EngineFailure, EngineRequest, EngineStatus, FinishReason, KvDtype,
     KvUsage, Rejection, Role, Sampled, SamplingParams, TenantId, Usage,
@@ -46,6 +46,7 @@ impl H {
             reruns_max: 2,
             moves_max: 3,
             prefix_blocks_max: 100,
+            forget_after: Duration::from_secs(10),
         };
         f(&mut opts);
         let mut h = H {
@@ -946,4 +947,121 @@ fn a_node_with_no_prefix_report_is_asked_for_one() {
     h.msg(1, 1, prefix(1, true, &[], &[]));
     let out = h.live_until(HB * 12, &[1]);
     assert!(resyncs(&out).is_empty());
+}
+
+fn join(h: &mut H, name: &str, role: Role) -> (u32, Vec<RouterOutput>) {
+    let node = flotilla_proto::joined_node_id(name);
+    let out = h.input(RouterInput::Joined(JoinedPeer {
+        node,
+        name: name.into(),
+        role,
+        addr: "10.0.0.9:7400".into(),
+    }));
+    (node, out)
+}
+
+/// A node not in the config is known from its connection, placed on from
+/// its first heartbeat, and forgotten once it has been silent for
+/// `forget_after` with nothing in flight there; it may come back.
+#[test]
+fn a_joined_node_takes_work_from_its_first_heartbeat_and_is_forgotten_after_its_silence() {
+    let mut h = H::new(&[Role::Worker]);
+    let (j, out) = join(&mut h, "worker-9", Role::Worker);
+    assert!(out.is_empty(), "{out:?}");
+    // Known, not up: nothing goes there before it is heard.
+    let names: Vec<String> = h
+        .core
+        .status()
+        .nodes
+        .iter()
+        .map(|n| n.name.clone())
+        .collect();
+    assert_eq!(names, ["worker-1", "worker-9"]);
+    for id in 1..=4 {
+        assert_eq!(submits(&h.submit(id, 8, 4))[0].0, 1);
+    }
+    h.heartbeat(j, 7);
+    assert_eq!(h.core.up_nodes(), ["worker-1", "worker-9"]);
+    // Now the idle joiner gets the next request (worker-1 holds four).
+    let (to, _, _) = submits(&h.submit(5, 8, 4))[0];
+    assert_eq!(to, j);
+    h.msg(j, 7, Message::Admitted { req: 5 });
+    h.msg(j, 7, batch(5, 0, 0, vec![tok(1), finished(1)]));
+
+    // It goes quiet: down after the bound, forgotten after forget_after
+    // (10 s here), and not before.
+    let out = h.live_until(secs(5), &[1]);
+    assert!(!out.iter().any(|o| matches!(o, RouterOutput::Forget(_))));
+    assert_eq!(h.core.up_nodes(), ["worker-1"]);
+    let out = h.live_until(secs(12), &[1]);
+    let forgot: Vec<_> = out
+        .iter()
+        .filter(|o| matches!(o, RouterOutput::Forget(n) if *n == j))
+        .collect();
+    assert_eq!(forgot.len(), 1, "forgotten once");
+    let names: Vec<String> = h
+        .core
+        .status()
+        .nodes
+        .iter()
+        .map(|n| n.name.clone())
+        .collect();
+    assert_eq!(names, ["worker-1"]);
+    assert!(h.core.drain_target("worker-9").is_err());
+    assert!(h.core.nodes().all(|n| n != j));
+    // Its late words change nothing; heartbeats no longer go to it.
+    assert!(h.heartbeat(j, 7).is_empty());
+    let out = h.live_until(secs(14), &[1]);
+    assert!(
+        !out.iter()
+            .any(|o| matches!(o, RouterOutput::Send { to, .. } if *to == j))
+    );
+    // It joins again (a new connection) and works as before.
+    join(&mut h, "worker-9", Role::Worker);
+    h.heartbeat(j, 8);
+    assert_eq!(h.core.up_nodes(), ["worker-1", "worker-9"]);
+    // A config node is never forgotten, however long it is silent.
+    let out = h.live_until(secs(40), &[j]);
+    assert!(!out.iter().any(|o| matches!(o, RouterOutput::Forget(1))));
+    assert!(h.core.status().nodes.iter().any(|n| n.name == "worker-1"));
+}
+
+/// A node told to take a request's KV from a joined node (P/D here) hears
+/// where that node is first: it knows only the config's nodes.
+#[test]
+fn a_node_told_to_reach_a_joined_node_hears_its_address_first() {
+    let mut h = H::new(&[Role::Decode]);
+    let (p, _) = join(&mut h, "prefill-9", Role::Prefill);
+    h.heartbeat(p, 3);
+    let out = h.submit(1, 8, 4);
+    let sent: Vec<(u32, &Message)> = out
+        .iter()
+        .filter_map(|o| match o {
+            RouterOutput::Send { to, msg, .. } => Some((*to, msg)),
+            _ => None,
+        })
+        .collect();
+    let peer = sent
+        .iter()
+        .position(|(to, m)| *to == 1 && matches!(m, Message::Peer(jp) if jp.node == p && jp.name == "prefill-9" && jp.addr == "10.0.0.9:7400"))
+        .expect("the decode node hears where the prefill node is");
+    let submit = sent
+        .iter()
+        .position(|(to, m)| *to == 1 && matches!(m, Message::Submit(s) if s.prefill == Some(p)))
+        .expect("paired with the joined prefill node");
+    assert!(peer < submit, "{sent:?}");
+    // A pairing with a config node needs no word.
+    let mut h = H::new(&[Role::Prefill, Role::Decode]);
+    let out = h.submit(1, 8, 4);
+    assert!(!out.iter().any(|o| matches!(
+        o,
+        RouterOutput::Send {
+            msg: Message::Peer(_),
+            ..
+        }
+    )));
+}
+
+fn secs(v: u64) -> Duration {
+    Duration::from_secs(v)
 }
