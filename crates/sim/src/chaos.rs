@@ -41,6 +41,13 @@ pub struct ChaosSection {
     /// Router crashes (`[topology] routers` above 1): a Router that is up,
     /// never the last one up; each restarts after `restart_after_s`.
     pub router_crashes: u32,
+    /// Joins of `[topology] joiners` (one that is not in at that time);
+    /// half of the joined nodes leave by draining after `stay_s`, the
+    /// others stay. Joiners are not crashed by `crashes`.
+    pub joins: u32,
+    /// How long a joined node stays before it drains and leaves, seconds
+    /// (min, max); half the joined nodes stay to the end.
+    pub stay_s: (f64, f64),
     /// How long a clog lasts, seconds (min, max).
     pub clog_s: (f64, f64),
     /// Faults begin no earlier than this, seconds.
@@ -61,6 +68,8 @@ impl Default for ChaosSection {
             partition_s: (0.05, 2.0),
             clogs: 0,
             router_crashes: 0,
+            joins: 0,
+            stay_s: (2.0, 10.0),
             clog_s: (0.05, 1.0),
             from_s: 1.0,
             until_s: None,
@@ -80,6 +89,7 @@ impl ChaosSection {
             (self.partitions, "partitions"),
             (self.clogs, "clogs"),
             (self.router_crashes, "router_crashes"),
+            (self.joins, "joins"),
         ] {
             if n > CHAOS_FAULTS_MAX {
                 return Err(format!("[chaos] {name} = {n}: at most {CHAOS_FAULTS_MAX}"));
@@ -97,6 +107,7 @@ impl ChaosSection {
             (self.restart_after_s, "restart_after_s"),
             (self.partition_s, "partition_s"),
             (self.clog_s, "clog_s"),
+            (self.stay_s, "stay_s"),
         ] {
             if !(lo.is_finite() && hi.is_finite() && lo > 0.0 && lo <= hi) {
                 return Err(format!(
@@ -126,17 +137,64 @@ impl ChaosSection {
         let within = |rng: &mut Rng, (lo, hi): (f64, f64)| lo + rng.f64() * (hi - lo);
         let mut out = Vec::new();
 
+        // Joins first: a joiner is down until it joins, and after it
+        // leaves, for the crashes below.
+        let nodes = sc.engine_nodes() as u32;
+        let mut down_until = vec![f64::NEG_INFINITY; nodes as usize + 1];
+        // When each joiner is in: [join, leave) windows.
+        let mut inside: Vec<Vec<(f64, f64)>> = vec![Vec::new(); nodes as usize + 1];
+        let mut join_at: Vec<f64> = (0..self.joins).map(|_| at(rng)).collect();
+        join_at.sort_by(f64::total_cmp);
+        let joiners = sc.joiner_nodes();
+        for t in join_at {
+            let out_now: Vec<u32> = joiners
+                .iter()
+                .copied()
+                .filter(|&n| {
+                    inside[n as usize]
+                        .iter()
+                        .all(|&(a, b)| !(a <= t && t < b + 1.0))
+                })
+                .collect();
+            if out_now.is_empty() {
+                continue;
+            }
+            let node = out_now[rng.range(0, out_now.len() as u64 - 1) as usize];
+            out.push(FaultSection {
+                at_s: t,
+                kind: FaultKind::Join { node },
+            });
+            let leave = if rng.chance(0.5) {
+                let l = t + within(rng, self.stay_s);
+                out.push(FaultSection {
+                    at_s: l,
+                    kind: FaultKind::Drain {
+                        node,
+                        grace_ms: 500,
+                    },
+                });
+                l
+            } else {
+                f64::INFINITY
+            };
+            inside[node as usize].push((t, leave));
+        }
+        for &n in &joiners {
+            // Down outside its windows: never a crash's "other node of
+            // its role", and not crashed itself (a crash of a node that
+            // is out changes nothing).
+            down_until[n as usize] = f64::INFINITY;
+        }
+
         // Crashes (of a node, or of one of its group's later stages): a
         // node that is up at that time, never the last of its role; some
         // restart later.
-        let nodes = sc.engine_nodes() as u32;
         let mut crash_at: Vec<(f64, bool)> = (0..self.crashes).map(|_| (at(rng), false)).collect();
         for _ in 0..self.stage_crashes {
             crash_at.push((at(rng), true));
         }
         crash_at.sort_by(|a, b| a.0.total_cmp(&b.0));
         // When each node is back up (INFINITY: never).
-        let mut down_until = vec![f64::NEG_INFINITY; nodes as usize + 1];
         for (t, of_stage) in crash_at {
             let up = |n: u32, down_until: &[f64]| down_until[n as usize] <= t;
             let candidates: Vec<u32> = (1..=nodes)

@@ -150,6 +150,10 @@ pub struct Report {
     /// Each move's pause from the last token on one engine to the first on
     /// the next, ms (runs with `check_every_step`, which logs decodes).
     pub move_pauses_ms: Vec<f64>,
+    /// The engine nodes a Router that is up knows at the end (a joined
+    /// node that left and was forgotten is not among them): name, up,
+    /// requests placed there.
+    pub nodes: Vec<(String, bool, u64)>,
     /// Events in the trace.
     pub events: u64,
     /// FNV-1a hash of the trace.
@@ -260,6 +264,9 @@ impl std::fmt::Display for Report {
                  each {:?}",
                 x.router_crashes, x.router_restarts, self.cut_by_router, self.placed_by_router
             )?;
+        }
+        if x.joins > 0 {
+            writeln!(f, "joins (nodes in no config): {}", x.joins)?;
         }
         if x.stage_crashes + x.stage_restarts > 0 {
             writeln!(
@@ -497,6 +504,7 @@ async fn simulate(sc: &Scenario, seed: u64) -> Result<Report, SimError> {
         .chain((1..sc.topology.routers.max(1)).map(|_| Role::Router))
         .collect();
     let net = SimNet::new(roles, link, root.split(1));
+    net.set_joiners(sc.joiner_nodes());
     let hb = sc.heartbeat();
     // The Routers' bookkeeping checked after every input each handles, with
     // the schedulers' (`check_every_step`): the first break, with its time.
@@ -551,7 +559,8 @@ async fn simulate(sc: &Scenario, seed: u64) -> Result<Report, SimError> {
     for r in 0..world.routers.len() {
         start_router(&world, r, 1).await?;
     }
-    for i in 1..=n as u32 {
+    // Joiners start when they join.
+    for i in (1..=n as u32).filter(|&i| !world.sc.is_joiner(i)) {
         start_engine(&world, i, 1).await?;
     }
     // Every engine heard by the Router before traffic starts.
@@ -675,6 +684,10 @@ async fn simulate(sc: &Scenario, seed: u64) -> Result<Report, SimError> {
     let moved: u64 = nodes.iter().map(|n| n.moved_away).sum();
     let moved_by_kv: u64 = nodes.iter().map(|n| n.moved_by_kv).sum();
     let kv_short: u64 = nodes.iter().map(|n| n.kv_short).sum();
+    let node_lines: Vec<(String, bool, u64)> = nodes
+        .iter()
+        .map(|n| (n.name.clone(), n.up, n.routed))
+        .collect();
     let (preemptions, offload) = check_engines(&world, true).await;
     check_single_dispatch(&world);
     let engines: Vec<LocalEngine> = lock(&world.engines).iter().flatten().cloned().collect();
@@ -739,6 +752,7 @@ async fn simulate(sc: &Scenario, seed: u64) -> Result<Report, SimError> {
             .filter(|o| o.gap_max > down_after)
             .map(|o| o.gap_max.as_secs_f64() * 1e3)
             .collect(),
+        nodes: node_lines,
         move_pauses_ms: world
             .decodes
             .move_pauses()
@@ -763,7 +777,9 @@ async fn start_router(w: &Arc<World>, r: usize, life: u64) -> Result<(), SimErro
         router_options(
             &sc.config,
             &sc.cluster,
+            // The config's engines: joiners announce themselves.
             (1..=n)
+                .filter(|&i| !sc.is_joiner(i))
                 .map(|i| (i, format!("engine-{i}"), sc.role_of(i)))
                 .collect(),
             sc.engine.block_size,
@@ -966,9 +982,23 @@ async fn apply_fault(w: &Arc<World>, f: &FaultKind) {
                 return;
             }
             w.net.note_restart();
-            let life = w.net.faults().restarts + 1;
+            let f = w.net.faults();
+            let life = f.restarts + f.joins + 1;
             if let Err(e) = start_engine(w, node, life).await {
                 lock(&w.trace).violate(format!("restarting node {node}: {e}"));
+            }
+        }
+        FaultKind::Join { node } => {
+            if lock(&w.engines)[node as usize].is_some() {
+                return;
+            }
+            w.net.note_join();
+            // Lives are numbered across restarts and joins: each new one
+            // is newer than any before it.
+            let f = w.net.faults();
+            let life = f.restarts + f.joins + 1;
+            if let Err(e) = start_engine(w, node, life).await {
+                lock(&w.trace).violate(format!("joining node {node}: {e}"));
             }
         }
         FaultKind::StageCrash { node, stage } => {
@@ -1107,6 +1137,7 @@ fn unfired(sc: &Scenario, f: &FaultCounts) -> Option<String> {
             FaultKind::RouterCrash { .. } => (f.router_crashes, "router_crash"),
             FaultKind::RouterRestart { .. } => (f.router_restarts, "router_restart"),
             FaultKind::Restart { .. } => (f.restarts, "restart"),
+            FaultKind::Join { .. } => (f.joins, "join"),
             FaultKind::StageCrash { .. } => (f.stage_crashes, "stage_crash"),
             FaultKind::StageRestart { .. } => (f.stage_restarts, "stage_restart"),
             // Started, and ended with the node leaving.

@@ -238,6 +238,10 @@ pub struct Topology {
     /// from all; clients go to the Routers that are up in turn, as a load
     /// balancer spreads them.
     pub routers: usize,
+    /// Of the mixed engines, the last this many are in no config: they
+    /// join at run time (a `join` fault, or `[chaos] joins`), the Routers
+    /// learning of them from their connection, and leave by draining.
+    pub joiners: usize,
 }
 
 impl Default for Topology {
@@ -248,6 +252,7 @@ impl Default for Topology {
             prefill: 0,
             decode: 0,
             routers: 1,
+            joiners: 0,
         }
     }
 }
@@ -465,6 +470,14 @@ pub enum FaultKind {
         /// Which Router.
         router: usize,
     },
+    /// Engine node `node`, one of `[topology] joiners`, joins the running
+    /// cluster (it starts; the Routers hear of it from its connection and
+    /// place on it from its first heartbeat). Again after it left or
+    /// crashed: a new life.
+    Join {
+        /// Node id (a joiner).
+        node: u32,
+    },
     /// Hold every message on `a -> b` until `unclog`.
     Clog {
         /// Sender.
@@ -531,6 +544,19 @@ impl Scenario {
     /// The heartbeat period.
     pub fn heartbeat(&self) -> std::time::Duration {
         std::time::Duration::from_millis(self.cluster.heartbeat_interval_ms)
+    }
+
+    /// Whether engine node `node` joins at run time (is in no config).
+    pub fn is_joiner(&self, node: u32) -> bool {
+        let n = node as usize;
+        n <= self.topology.engines && n + self.topology.joiners > self.topology.engines
+    }
+
+    /// The engine nodes that join at run time.
+    pub fn joiner_nodes(&self) -> Vec<u32> {
+        (1..=self.engine_nodes() as u32)
+            .filter(|&n| self.is_joiner(n))
+            .collect()
     }
 
     /// The role of engine node `node` (1-based).
@@ -717,7 +743,8 @@ impl Scenario {
         Ok(m)
     }
 
-    fn validate(&self) -> Result<(), ScenarioError> {
+    /// Checks ranges, names and faults; the error says what is wrong.
+    pub fn validate(&self) -> Result<(), ScenarioError> {
         let bad = |m: String| Err(ScenarioError::Invalid(m));
         let g = self.gpu_params()?;
         let m = self.model_shape()?;
@@ -794,6 +821,13 @@ impl Scenario {
         }
         if c.prefill > 0 && c.decode == 0 {
             return bad("topology.prefill nodes need at least one decode node".into());
+        }
+        if c.joiners > 0 && c.joiners >= c.engines {
+            return bad(format!(
+                "topology.joiners = {} of {} engines: at least one mixed engine is in the \
+                 config, so the cluster serves before anyone joins",
+                c.joiners, c.engines
+            ));
         }
         if self.max_model_len > m.ctx_len {
             return bad(format!(
@@ -888,6 +922,12 @@ impl Scenario {
                     c.router_crashes
                 ));
             }
+            if c.joins > 0 && self.topology.joiners == 0 {
+                return bad(format!(
+                    "[chaos] joins = {}: needs `[topology] joiners`",
+                    c.joins
+                ));
+            }
             if c.stage_crashes > 0 && self.pipeline.is_none() {
                 return bad(format!(
                     "[chaos] stage_crashes = {}: the scenario has no [pipeline] groups",
@@ -912,6 +952,18 @@ impl Scenario {
                 FaultKind::Crash { node }
                 | FaultKind::Restart { node }
                 | FaultKind::Drain { node, .. } => node_ok(node),
+                FaultKind::Join { node } => {
+                    if !self.is_joiner(node) {
+                        return bad(format!(
+                            "fault {:?} at {} s: node {node} is not one of the joiners {:?} \
+                             (`[topology] joiners`)",
+                            f.kind,
+                            f.at_s,
+                            self.joiner_nodes()
+                        ));
+                    }
+                    true
+                }
                 FaultKind::Partition { a, b, .. } | FaultKind::Clog { a, b } => {
                     let last = engines + routers as u32 - 1;
                     a <= last && b <= last && a != b

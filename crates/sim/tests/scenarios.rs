@@ -1174,3 +1174,64 @@ fn a_router_s_death_cuts_only_its_own_streams() {
     .unwrap_err();
     assert!(e.to_string().contains("router 2 is not in 0..2"), "{e}");
 }
+
+/// Three engines, the third in no config: it joins at 1 s (the Routers
+/// learn of it from its connection, as from the QUIC transport) and takes
+/// work; in a second run it also drains at 2.5 s and, down past
+/// `forget_after_ms`, is forgotten. Every request is accounted for, every
+/// block back at the end. A join of a node that is not a joiner, and more
+/// joiners than engines, are refused.
+#[test]
+fn a_node_joins_takes_work_leaves_and_is_forgotten() {
+    use flotilla_sim::scenario::{FaultKind, FaultSection};
+    let mut sc = small("");
+    sc.topology.engines = 3;
+    sc.topology.joiners = 1;
+    sc.cluster.forget_after_ms = 1000;
+    sc.faults.push(FaultSection {
+        at_s: 1.0,
+        kind: FaultKind::Join { node: 3 },
+    });
+    let r = run(&sc, 5).unwrap();
+    eprintln!("{r}");
+    assert_eq!(r.faults.joins, 1, "{r}");
+    let joined = r.nodes.iter().find(|n| n.0 == "engine-3").expect("known");
+    assert!(
+        joined.1 && joined.2 > 0,
+        "the joined node took no work: {:?}",
+        r.nodes
+    );
+    for t in &r.tiers {
+        assert_accounted(t, &r);
+        assert_eq!(t.failed, 0, "{r}");
+    }
+
+    sc.faults.push(FaultSection {
+        at_s: 2.5,
+        kind: FaultKind::Drain {
+            node: 3,
+            grace_ms: 300,
+        },
+    });
+    let r = run(&sc, 5).unwrap();
+    eprintln!("{r}");
+    assert_eq!((r.faults.joins, r.faults.drained), (1, 1), "{r}");
+    let names: Vec<&str> = r.nodes.iter().map(|n| n.0.as_str()).collect();
+    assert_eq!(names, ["engine-1", "engine-2"], "forgotten after it left");
+    for t in &r.tiers {
+        assert_accounted(t, &r);
+        assert_eq!(t.failed, 0, "{r}");
+    }
+
+    let mut bad = sc.clone();
+    bad.faults.push(FaultSection {
+        at_s: 1.0,
+        kind: FaultKind::Join { node: 2 },
+    });
+    let e = bad.validate().unwrap_err().to_string();
+    assert!(e.contains("node 2 is not one of the joiners [3]"), "{e}");
+    let mut bad = sc.clone();
+    bad.topology.joiners = 3;
+    let e = bad.validate().unwrap_err().to_string();
+    assert!(e.contains("topology.joiners = 3 of 3 engines"), "{e}");
+}

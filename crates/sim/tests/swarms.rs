@@ -306,7 +306,8 @@ fn a_swarm_of_the_offload_tier_under_faults_holds() {
 }
 
 /// Two Routers among engine crashes, partitions and clogs, Routers
-/// crashing and coming back: every invariant held in every seed (no block
+/// crashing and coming back, a node in no config joining, leaving and
+/// joining again: every invariant held in every seed (no block
 /// leaked on any engine, no request answered twice, every stream ended
 /// once: whole, refused, failed, or cut with its Router), and the storm
 /// did what it says.
@@ -315,6 +316,7 @@ fn a_swarm_of_the_router_storm_holds() {
     let s = swarm_of("router-storm.toml", 1);
     let n = s.seeds.len() as u64;
     let (mut router_crashes, mut router_restarts, mut cut, mut crashes) = (0, 0, 0, 0);
+    let (mut joins, mut left, mut joined_placed) = (0, 0, 0);
     let mut both_placed = 0;
     for r in &s.seeds {
         let rep = r.result.as_ref().unwrap();
@@ -323,10 +325,29 @@ fn a_swarm_of_the_router_storm_holds() {
         crashes += rep.faults.crashes;
         cut += rep.cut_by_router;
         both_placed += u64::from(rep.placed_by_router.iter().all(|&p| p > 0));
+        joins += rep.faults.joins;
+        left += rep.faults.drained;
+        // The joiner took work in the seeds where the Routers still know
+        // it at the end.
+        joined_placed += rep
+            .nodes
+            .iter()
+            .filter(|n| n.0 == "engine-4" && n.2 > 0)
+            .count() as u64;
     }
     eprintln!(
         "router storm, {n} seeds: {router_crashes} Router crashes, {router_restarts} restarts, \
-         {crashes} engine crashes, {cut} streams cut with their Router"
+         {crashes} engine crashes, {cut} streams cut with their Router; {joins} joins of a node \
+         in no config, {left} drained and left, the joiner placed on in {joined_placed} of the \
+         seeds that ended with it known"
+    );
+    // The joiner joins in every seed (its first join always finds it out),
+    // and the drawn leaves happen.
+    assert!(joins >= n, "{joins} joins over {n} seeds");
+    assert!(left >= n / 4, "{left} leaves over {n} seeds");
+    assert!(
+        joined_placed >= n / 4,
+        "{joined_placed} seeds placed on the joiner"
     );
     // Three Router crashes are drawn per seed (fewer when the other is
     // down then); each comes back.

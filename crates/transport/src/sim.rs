@@ -118,6 +118,8 @@ pub struct FaultCounts {
     pub drains: u64,
     /// Nodes that drained and left.
     pub drained: u64,
+    /// Nodes not in the config that joined (started, a first time or again).
+    pub joins: u64,
     /// Control messages sent (copies included): how many chances the
     /// per-message faults had.
     pub messages: u64,
@@ -172,6 +174,12 @@ struct NetState {
     /// Each directed link's in-order deliveries: one task per link, not
     /// one per message.
     queues: BTreeMap<(NodeId, NodeId), mpsc::UnboundedSender<Delivery>>,
+    /// Nodes that are not in the config: a Router hears `Inbound::Joined`
+    /// before the first message of each of their lives (as the QUIC
+    /// transport announces a new connection from one).
+    joiners: BTreeSet<NodeId>,
+    /// (Router, its epoch, joiner, its epoch) announced.
+    announced: BTreeSet<(NodeId, u64, NodeId, u64)>,
     /// When each node last crashed, until it joins again: a QUIC sender
     /// learns of that only when its connection idles out.
     crashed_at: BTreeMap<NodeId, Instant>,
@@ -206,6 +214,8 @@ impl SimNet {
                 last_arrival: BTreeMap::new(),
                 queues: BTreeMap::new(),
                 crashed_at: BTreeMap::new(),
+                joiners: BTreeSet::new(),
+                announced: BTreeSet::new(),
                 faults: FaultCounts::default(),
             }),
         })
@@ -264,6 +274,16 @@ impl SimNet {
             }
             st.faults.drained += 1;
         }
+    }
+
+    /// Nodes `nodes` are not in the config: they join at run time.
+    pub fn set_joiners(&self, nodes: impl IntoIterator<Item = NodeId>) {
+        self.lock().joiners = nodes.into_iter().collect();
+    }
+
+    /// Counts a join (the caller starts the node).
+    pub fn note_join(&self) {
+        self.lock().faults.joins += 1;
     }
 
     /// Counts a drain started.
@@ -399,6 +419,22 @@ impl NetState {
             }
             (Err(e), _) => return self.refuse(format!("from node {from} to node {to}: {e}")),
         };
+        if let Inbound::Message { from, epoch, .. } = &inbound
+            && self.joiners.contains(from)
+            && self.roles[to as usize] == Role::Router
+            && self
+                .announced
+                .insert((to, to_epoch_of(&self.nodes, to), *from, *epoch))
+            && let Some(slot) = &self.nodes[to as usize]
+        {
+            slot.inbox
+                .deliver(Inbound::Joined(flotilla_proto::wire::JoinedPeer {
+                    node: *from,
+                    name: format!("engine-{from}"),
+                    role,
+                    addr: String::new(),
+                }));
+        }
         if let Some(slot) = &self.nodes[to as usize] {
             slot.inbox.deliver(inbound);
         }
@@ -409,6 +445,11 @@ impl NetState {
         self.faults.frames_refused += 1;
         self.refused = Some(why);
     }
+}
+
+/// The life of `to` now (0: none).
+fn to_epoch_of(nodes: &[Option<NodeSlot>], to: NodeId) -> u64 {
+    nodes[to as usize].as_ref().map_or(0, |s| s.epoch)
 }
 
 impl NetState {
@@ -622,6 +663,16 @@ impl Transport for SimTransport {
 
     fn stats(&self) -> TransportStats {
         TransportStats::default()
+    }
+
+    /// A forgotten joined node's connections close: its next message
+    /// announces it again, as its redial would.
+    fn forget(&self, node: NodeId) {
+        let me = self.node;
+        self.net
+            .lock()
+            .announced
+            .retain(|&(to, _, from, _)| !(to == me && from == node));
     }
 }
 
