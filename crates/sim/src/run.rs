@@ -977,28 +977,23 @@ async fn apply_fault(w: &Arc<World>, f: &FaultKind) {
                 w.net.note_drain();
             }
         }
-        FaultKind::Restart { node } => {
+        FaultKind::Restart { node } | FaultKind::Join { node } => {
             if lock(&w.engines)[node as usize].is_some() {
                 return;
             }
-            w.net.note_restart();
-            let f = w.net.faults();
-            let life = f.restarts + f.joins + 1;
-            if let Err(e) = start_engine(w, node, life).await {
-                lock(&w.trace).violate(format!("restarting node {node}: {e}"));
+            let join = matches!(f, FaultKind::Join { .. });
+            if join {
+                w.net.note_join();
+            } else {
+                w.net.note_restart();
             }
-        }
-        FaultKind::Join { node } => {
-            if lock(&w.engines)[node as usize].is_some() {
-                return;
-            }
-            w.net.note_join();
             // Lives are numbered across restarts and joins: each new one
             // is newer than any before it.
-            let f = w.net.faults();
-            let life = f.restarts + f.joins + 1;
+            let c = w.net.faults();
+            let life = c.restarts + c.joins + 1;
             if let Err(e) = start_engine(w, node, life).await {
-                lock(&w.trace).violate(format!("joining node {node}: {e}"));
+                let what = if join { "joining" } else { "restarting" };
+                lock(&w.trace).violate(format!("{what} node {node}: {e}"));
             }
         }
         FaultKind::StageCrash { node, stage } => {

@@ -237,6 +237,43 @@ struct WorkerView {
     gone: bool,
 }
 
+impl WorkerView {
+    /// A node known, not heard yet; `joined`: where a node that joined at
+    /// run time was seen, and when.
+    fn new(
+        node: NodeId,
+        name: String,
+        role: Role,
+        prefix_blocks_max: usize,
+        joined: Option<(String, Duration)>,
+    ) -> WorkerView {
+        WorkerView {
+            node,
+            name,
+            role,
+            prefilling: 0,
+            epoch: 0,
+            heard: None,
+            up: false,
+            load: EngineStatus::default(),
+            in_flight: 0,
+            in_flight_blocks: 0,
+            routed: 0,
+            downs: 0,
+            moved_away: 0,
+            moved_by_kv: 0,
+            kv_short: 0,
+            left_epoch: 0,
+            prefix: PrefixIndex::new(prefix_blocks_max),
+            prefix_seq: None,
+            resync_asked: None,
+            recall: Vec::new(),
+            joined,
+            gone: false,
+        }
+    }
+}
+
 struct Pending {
     worker: usize,
     epoch: u64,
@@ -333,29 +370,8 @@ impl RouterCore {
         let workers: Vec<WorkerView> = opts
             .workers
             .iter()
-            .map(|(node, name, role)| WorkerView {
-                node: *node,
-                name: name.clone(),
-                role: *role,
-                prefilling: 0,
-                epoch: 0,
-                heard: None,
-                up: false,
-                load: EngineStatus::default(),
-                in_flight: 0,
-                in_flight_blocks: 0,
-                routed: 0,
-                downs: 0,
-                moved_away: 0,
-                moved_by_kv: 0,
-                kv_short: 0,
-                left_epoch: 0,
-                prefix: PrefixIndex::new(opts.prefix_blocks_max),
-                prefix_seq: None,
-                resync_asked: None,
-                recall: Vec::new(),
-                joined: None,
-                gone: false,
+            .map(|(node, name, role)| {
+                WorkerView::new(*node, name.clone(), *role, opts.prefix_blocks_max, None)
             })
             .collect();
         RouterCore {
@@ -1525,30 +1541,13 @@ impl RouterCore {
             return;
         }
         tracing::info!(node = %peer.name, role = %peer.role, addr = %peer.addr, "a node joined");
-        let view = WorkerView {
-            node: peer.node,
-            name: peer.name,
-            role: peer.role,
-            prefilling: 0,
-            epoch: 0,
-            heard: None,
-            up: false,
-            load: EngineStatus::default(),
-            in_flight: 0,
-            in_flight_blocks: 0,
-            routed: 0,
-            downs: 0,
-            moved_away: 0,
-            moved_by_kv: 0,
-            kv_short: 0,
-            left_epoch: 0,
-            prefix: PrefixIndex::new(self.opts.prefix_blocks_max),
-            prefix_seq: None,
-            resync_asked: None,
-            recall: Vec::new(),
-            joined: Some((peer.addr, now)),
-            gone: false,
-        };
+        let view = WorkerView::new(
+            peer.node,
+            peer.name,
+            peer.role,
+            self.opts.prefix_blocks_max,
+            Some((peer.addr, now)),
+        );
         // A forgotten node's slot first: nothing refers to it any more.
         let w = match self.workers.iter().position(|w| w.gone) {
             Some(w) => {
