@@ -329,6 +329,10 @@ async fn read_sse_counting(
         buf.push_str(&String::from_utf8_lossy(&b.unwrap()));
         while let Some(i) = buf.find("\n\n") {
             let ev: String = buf.drain(..i + 2).collect();
+            // A comment (the server's keep-alive while a request waits).
+            if ev.trim_start().starts_with(':') {
+                continue;
+            }
             let data = ev.trim().trim_start_matches("data: ");
             if data == "[DONE]" {
                 done = true;
@@ -831,7 +835,10 @@ async fn read_sse_or_broken(resp: reqwest::Response, seen: Arc<AtomicUsize>) -> 
             if ev.trim() == "data: [DONE]" {
                 return true;
             }
-            seen.fetch_add(1, Ordering::Relaxed);
+            // A keep-alive comment is no chunk.
+            if !ev.trim_start().starts_with(':') {
+                seen.fetch_add(1, Ordering::Relaxed);
+            }
         }
     }
     false

@@ -557,6 +557,12 @@ impl NodeCore {
             Some(&(until, _)) => until.min(self.next_heartbeat),
             None => self.next_heartbeat,
         };
+        // The first Router to pass the down bound, just past it.
+        let next = self
+            .routers
+            .values()
+            .map(|&(_, heard)| heard + self.opts.down_after + Duration::from_micros(1))
+            .fold(next, Duration::min);
         match (self.drain_until, self.leave_by) {
             (Some(d), _) if !self.left => next.min(d),
             (_, Some(d)) if !self.gone => next.min(d),
@@ -868,6 +874,50 @@ impl NodeCore {
         }
     }
 
+    /// Cancels what runs here for every Router silent past the down bound
+    /// and forgets it (a message from it later is a new contact).
+    fn drop_silent_routers(&mut self, now: Duration, out: &mut Vec<NodeOutput>) {
+        let down_after = self.opts.down_after;
+        let silent: Vec<NodeId> = self
+            .routers
+            .iter()
+            .filter(|(_, (_, heard))| now.saturating_sub(*heard) > down_after)
+            .map(|(n, _)| *n)
+            .collect();
+        for n in silent {
+            let before = self.active.map.len() + self.importing.len();
+            // Told to the Router too, in case only its direction of the
+            // link is cut: it runs them again or ends them.
+            let why = format!(
+                "no message from the Router for over {} ms",
+                down_after.as_millis()
+            );
+            self.active
+                .stop_where(|k| k.0 == n, &Stop::RouterSilent(why.clone()), out);
+            let gone: Vec<(NodeId, u64)> = self
+                .importing
+                .keys()
+                .filter(|k| k.0 == n)
+                .copied()
+                .collect();
+            for k in gone {
+                let e = self.importing.remove(&k).expect("listed above");
+                drop_import(k, &e, out);
+                let f = EngineFailure::RouterLost(why.clone());
+                fail_import(&mut self.active.outbox, k, &e, f);
+            }
+            let cancelled = before - self.active.map.len() - self.importing.len();
+            if cancelled > 0 {
+                tracing::warn!(
+                    router = n,
+                    "router silent for over {down_after:?}: cancelled {cancelled} requests"
+                );
+            }
+            self.routers.remove(&n);
+            self.prefix.remove(&n);
+        }
+    }
+
     fn on_tick(&mut self, now: Duration, out: &mut Vec<NodeOutput>) {
         // Sent prefills whose ack never came: the decode node is gone.
         while let Some(&(until, key)) = self.holds.first() {
@@ -877,6 +927,9 @@ impl NodeCore {
             tracing::debug!(req = key.3, "prefill for node {}: no ack", key.0);
             self.end_prefill(key, None, out);
         }
+        // A Router silent past the down bound, at the bound (not at the
+        // next heartbeat): its requests go at once.
+        self.drop_silent_routers(now, out);
         if now < self.next_heartbeat {
             return;
         }
@@ -939,45 +992,6 @@ impl NodeCore {
                     Self::send(out, r, 0, Message::Holding { held: ask });
                 }
             }
-        }
-        let down_after = self.opts.down_after;
-        let silent: Vec<NodeId> = self
-            .routers
-            .iter()
-            .filter(|(_, (_, heard))| now.saturating_sub(*heard) > down_after)
-            .map(|(n, _)| *n)
-            .collect();
-        for n in silent {
-            let before = self.active.map.len() + self.importing.len();
-            // Told to the Router too, in case only its direction of the
-            // link is cut: it runs them again or ends them.
-            let why = format!(
-                "no message from the Router for over {} ms",
-                down_after.as_millis()
-            );
-            self.active
-                .stop_where(|k| k.0 == n, &Stop::RouterSilent(why.clone()), out);
-            let gone: Vec<(NodeId, u64)> = self
-                .importing
-                .keys()
-                .filter(|k| k.0 == n)
-                .copied()
-                .collect();
-            for k in gone {
-                let e = self.importing.remove(&k).expect("listed above");
-                drop_import(k, &e, out);
-                let f = EngineFailure::RouterLost(why.clone());
-                fail_import(&mut self.active.outbox, k, &e, f);
-            }
-            let cancelled = before - self.active.map.len() - self.importing.len();
-            if cancelled > 0 {
-                tracing::warn!(
-                    router = n,
-                    "router silent for over {down_after:?}: cancelled {cancelled} requests"
-                );
-            }
-            self.routers.remove(&n);
-            self.prefix.remove(&n);
         }
         // Reservations whose KV never came.
         let late: Vec<(NodeId, u64)> = self

@@ -481,6 +481,24 @@ fn a_silent_router_loses_its_requests_and_a_restarted_one_its_old_life() {
     }
 }
 
+/// A Router's silence is looked at when it passes the down bound, not at
+/// the node's next heartbeat: its requests end within a tick of the bound.
+#[test]
+fn a_silent_router_s_requests_end_at_the_down_bound_not_at_the_next_heartbeat() {
+    let mut h = H::new(Role::Worker, false, |o| o);
+    // Heard a third of an interval after a heartbeat.
+    let heard = HB + HB / 3;
+    h.run_to(heard);
+    h.msg(ROUTER, 1, submit(1, 0, None));
+    h.take_sent();
+    h.run_to(heard + DOWN);
+    assert!(h.ended.is_empty(), "silent for exactly the bound: not yet");
+    h.run_to(heard + DOWN + Duration::from_micros(1));
+    // Checked at the node's heartbeat instead, it would end at 6 HB, two
+    // thirds of an interval later.
+    assert_eq!(h.ended.len(), 1, "ended at the bound");
+}
+
 #[test]
 fn a_decode_node_reserves_asks_the_prefill_and_checks_what_comes() {
     let mut h = H::new(Role::Decode, true, |o| o);
