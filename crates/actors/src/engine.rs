@@ -12,7 +12,6 @@
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use flotilla_engine::{BoxFuture, Engine, EventSink, KvMigration, RequestStream};
@@ -137,10 +136,12 @@ struct SchedState {
     depth: usize,
     /// A `TryRecover` is on its way (the worker broke).
     recovering: bool,
-    /// Set to end a multi-step plan in flight after the step in progress
+    /// Cut to end a multi-step plan in flight after the step in progress
     /// (`SchedConfig::decode_steps`): anything the Scheduler is told may
-    /// change the next step. Cleared when a plan is sent.
-    cut: Arc<AtomicBool>,
+    /// change the next step. Reset when a plan is sent; it counts the
+    /// steps the worker began, so a cut gives back at once the blocks of
+    /// the steps that will not run.
+    gate: Arc<crate::worker::PlanGate>,
     /// The earliest wake-up armed and not yet received.
     wake_at: Option<Duration>,
     /// The worker is alive and its executor trusted; once false, never true again.
@@ -230,7 +231,7 @@ impl Actor for SchedulerActor {
         myself: ActorRef<SchedMsg>,
         a: SchedArgs,
     ) -> Result<SchedState, ActorProcessingErr> {
-        let cut = Arc::new(AtomicBool::new(false));
+        let gate = Arc::new(crate::worker::PlanGate::default());
         let depth = a.exec.pipeline_depth().max(1);
         // Linked, so its death reaches `handle_supervisor_evt`.
         let (worker, _) = Actor::spawn_linked(
@@ -240,7 +241,7 @@ impl Actor for SchedulerActor {
                 exec: a.exec,
                 clock: a.clock.clone(),
                 offload: a.offload,
-                cut: cut.clone(),
+                gate: gate.clone(),
                 draft: a.draft,
             },
             myself.get_cell(),
@@ -258,7 +259,7 @@ impl Actor for SchedulerActor {
             in_flight: 0,
             depth,
             recovering: false,
-            cut,
+            gate,
             wake_at: None,
             worker_ok: true,
             events: Vec::new(),
@@ -298,7 +299,9 @@ impl Actor for SchedulerActor {
                     | SchedMsg::PrefixChanges { .. }
             )
         {
-            st.cut.store(true, Ordering::Relaxed);
+            // What the plan's later steps held goes back now.
+            let begun = st.gate.cut();
+            st.sched.cut_in_flight(begun);
         }
         match msg {
             SchedMsg::Submit { req, sink, reply } => {
@@ -800,6 +803,11 @@ fn step_done(st: &mut SchedState, now: Duration, r: StepResult) {
 /// The engine's status as `/ready` and the heartbeats report it.
 fn status(st: &mut SchedState) -> EngineStatus {
     let mut s = st.sched.status();
+    // Blocks a multi-step plan holds for steps not begun yet count as free,
+    // as one-step plans would have them.
+    let ahead = st.sched.blocks_ahead(st.gate.begun());
+    s.kv.free += ahead;
+    s.kv.used = s.kv.used.saturating_sub(ahead);
     s.ready = st.worker_ok;
     s.kv.dtype = st.kv_dtype;
     if s.kv.offload.total > 0 {
@@ -863,7 +871,7 @@ fn pump(myself: &ActorRef<SchedMsg>, st: &mut SchedState, now: Duration) {
             break;
         }
         st.in_flight += 1;
-        st.cut.store(false, Ordering::Relaxed);
+        st.gate.reset();
         st.traces.step_planned(&plan.items, now);
         masks.extend(plan.masks());
         if st

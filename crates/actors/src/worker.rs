@@ -4,7 +4,7 @@
 
 use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use flotilla_exec::{ExecError, Executor, OffloadTier, SeqInput, SeqOutput, StepOutputs};
@@ -34,9 +34,9 @@ pub(crate) struct WorkerState {
     /// Moves performed since the last step result, and their time.
     moved: u32,
     move_time: Duration,
-    /// Set by the Scheduler actor: end the multi-step plan in flight after
-    /// the step in progress.
-    cut: Arc<AtomicBool>,
+    /// Shared with the Scheduler actor: the steps of the multi-step plan in
+    /// flight begun, and its cut (begin no more after the step in progress).
+    gate: Arc<PlanGate>,
     /// The executor's pipeline depth: above 1, steps are begun and
     /// finished apart, up to this many at once.
     depth: usize,
@@ -59,8 +59,45 @@ pub(crate) struct WorkerArgs {
     pub exec: Box<dyn Executor>,
     pub clock: Arc<dyn Clock>,
     pub offload: Option<Offload>,
-    pub cut: Arc<AtomicBool>,
+    pub gate: Arc<PlanGate>,
     pub draft: Option<crate::draft::DraftModel>,
+}
+
+/// What the Scheduler actor and its worker share about a multi-step plan
+/// in flight, in one word so that a cut reads the final count: how many of
+/// its steps the worker has begun, and whether the Scheduler cut it (then
+/// the worker begins no more after the step in progress).
+#[derive(Debug, Default)]
+pub(crate) struct PlanGate(AtomicU64);
+
+impl PlanGate {
+    const CUT: u64 = 1 << 63;
+
+    /// A new plan: nothing begun, not cut.
+    pub(crate) fn reset(&self) {
+        self.0.store(0, Ordering::SeqCst);
+    }
+
+    /// The worker begins a step; false (and no step) if the plan was cut
+    /// after one began. The first step always runs.
+    fn begin(&self) -> bool {
+        self.0
+            .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |s| {
+                (s & Self::CUT == 0 || s & !Self::CUT == 0).then_some(s + 1)
+            })
+            .is_ok()
+    }
+
+    /// Cuts the plan: the steps begun, which are all it runs (at least
+    /// one: the first always runs).
+    pub(crate) fn cut(&self) -> usize {
+        ((self.0.fetch_or(Self::CUT, Ordering::SeqCst) & !Self::CUT) as usize).max(1)
+    }
+
+    /// Steps begun so far (at least one).
+    pub(crate) fn begun(&self) -> usize {
+        ((self.0.load(Ordering::SeqCst) & !Self::CUT) as usize).max(1)
+    }
 }
 
 /// Where the KV offload tier's bytes are.
@@ -94,7 +131,7 @@ impl Actor for GpuWorker {
             offload: args.offload,
             moved: 0,
             move_time: Duration::ZERO,
-            cut: args.cut,
+            gate: args.gate,
             draft: args.draft,
         })
     }
@@ -417,7 +454,7 @@ async fn run_steps(st: &mut WorkerState, plan: &Plan) -> (Result<Vec<SeqOutput>,
     let mut outs: Vec<SeqOutput> = plan.items.iter().map(|_| SeqOutput::default()).collect();
     let mut last: Vec<u32> = plan.items.iter().map(|it| it.tokens[0]).collect();
     let mut ran = 0;
-    while ran < plan.steps && (ran == 0 || !st.cut.load(Ordering::Relaxed)) {
+    while ran < plan.steps && (ran == 0 || !st.exec.simulated_single_steps()) && st.gate.begin() {
         let step = {
             let inputs: Vec<SeqInput<'_>> = plan
                 .items

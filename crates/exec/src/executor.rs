@@ -676,6 +676,14 @@ pub trait Executor: Send {
     fn simulated_wait(&self) -> Option<std::time::Duration> {
         None
     }
+    /// For a modelled backend: whether a multi-step plan must end after
+    /// the step in progress now, as if the Scheduler had cut it (the
+    /// simulator's fast mode runs step by step around a scheduled fault,
+    /// where a client must see each step's tokens when the exact mode
+    /// would). False for every real backend.
+    fn simulated_single_steps(&self) -> bool {
+        false
+    }
     /// Tries to make a backend that failed with `ExecError::Lost` usable
     /// again (a pipeline group whose lost stage is back): true when it can
     /// run steps again, every KV block's contents lost; false when it

@@ -5,6 +5,7 @@ mod alloc;
 mod bench;
 mod memory;
 mod node;
+mod plan;
 mod serve;
 mod stage;
 mod transport_bench;
@@ -249,6 +250,9 @@ enum Cmd {
     /// Create the cluster CA and node certificates.
     #[command(subcommand)]
     Certs(node::CertsCmd),
+    /// Find the cheapest cluster that serves a workload within its latency
+    /// objectives, from fast-mode simulations.
+    Plan(plan::PlanArgs),
     /// Run a cluster scenario (simulations/*.toml) as a deterministic
     /// simulation: the real actors under a simulated clock, network and GPUs.
     Simulate {
@@ -267,6 +271,17 @@ enum Cmd {
         /// In a swarm, print a line for every passing seed too.
         #[arg(long)]
         verbose: bool,
+        /// Fast mode (as `[sim] mode = "fast"`): the same actors make the
+        /// same decisions, steady decode runs as one plan between them, and
+        /// every request's outcome, TTFT, TPOT and finish equal the exact
+        /// mode's; refused, with the reason, for a scenario it cannot honour.
+        #[arg(long)]
+        fast: bool,
+        /// Run the seed both ways, exact and fast, and compare them request
+        /// by request (the worst request of each figure); exit status 1 if
+        /// fast mode strays beyond 1%.
+        #[arg(long, conflicts_with = "seeds")]
+        compare: bool,
     },
 }
 
@@ -326,7 +341,10 @@ fn run() -> Result<()> {
             seeds,
             jobs,
             verbose,
-        } => simulate(&scenario, seed, seeds, jobs, verbose),
+            fast,
+            compare,
+        } => simulate(&scenario, seed, seeds, jobs, verbose, fast, compare),
+        Cmd::Plan(args) => plan::run(&args),
         Cmd::FetchModel { model } => {
             println!("{}", resolve_model(model.as_deref())?.display());
             Ok(())
@@ -351,8 +369,18 @@ fn simulate(
     seeds: u64,
     jobs: usize,
     verbose: bool,
+    fast: bool,
+    compare: bool,
 ) -> Result<()> {
-    let sc = flotilla_sim::Scenario::load(path)?;
+    let mut sc = flotilla_sim::Scenario::load(path)?;
+    if fast {
+        sc.sim.mode = flotilla_sim::SimMode::Fast;
+    }
+    if sc.sim.mode == flotilla_sim::SimMode::Fast
+        && let Some(why) = sc.fast_refusal()
+    {
+        bail!("{}: {why}", path.display());
+    }
     // Replaying a seed with FLOTILLA_LOG=debug shows what the actors did.
     if let Ok(filter) = tracing_subscriber::EnvFilter::try_from_env("FLOTILLA_LOG") {
         tracing_subscriber::fmt()
@@ -367,12 +395,29 @@ fn simulate(
     if seeds == 0 {
         bail!("--seeds must be at least 1");
     }
+    if compare {
+        let c = flotilla_sim::compare(&sc, seed)?;
+        println!("{} seed {seed}, exact against fast", path.display());
+        println!("{}", c.exact);
+        println!("{c}");
+        if !c.equal() {
+            bail!("fast mode strays from the exact mode (above)");
+        }
+        return Ok(());
+    }
     if seeds == 1 {
         let t0 = std::time::Instant::now();
         let report = flotilla_sim::run(&sc, seed)?;
         let wall = t0.elapsed().as_secs_f64();
-        println!("{} seed {seed}", path.display());
+        let mode = match sc.sim.mode {
+            flotilla_sim::SimMode::Fast => ", fast mode",
+            flotilla_sim::SimMode::Exact => "",
+        };
+        println!("{} seed {seed}{mode}", path.display());
         println!("{report}");
+        for (a, b) in &report.exact_spans {
+            println!("fast mode ran step by step from {a:.1} s to {b:.1} s (a fault)");
+        }
         println!(
             "wall {wall:.2} s for {:.1} simulated s ({:.0}x), {:.0} trace events/s",
             report.sim_s,

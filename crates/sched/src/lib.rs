@@ -78,6 +78,9 @@ pub struct Scheduler {
     in_flight: Vec<u64>,
     /// Sequences in those steps: no other plan takes or preempts them.
     busy: BTreeSet<RequestId>,
+    /// The steps of the multi-step plan in flight, if one is (once it is
+    /// cut, the steps its worker began: [`Scheduler::cut_in_flight`]).
+    multi_step: Option<usize>,
     /// Most steps in flight at once (see [`Scheduler::set_depth`]).
     depth: usize,
     events: Vec<SchedEvent>,
@@ -164,6 +167,7 @@ impl Scheduler {
             next_step: 0,
             in_flight: Vec::new(),
             busy: BTreeSet::new(),
+            multi_step: None,
             depth: 1,
             events: Vec::new(),
             counters: Counters::default(),
@@ -218,6 +222,45 @@ impl Scheduler {
     /// Events since the last drain, in order.
     pub fn drain_events(&mut self) -> std::vec::Drain<'_, SchedEvent> {
         self.events.drain(..)
+    }
+
+    /// The multi-step plan in flight was cut after its worker began
+    /// `begun` of its steps (it begins no more): the blocks only its later
+    /// steps would have written go back now, not at its end, so that what
+    /// comes next (a KV reservation, an admission) sees the pool as it
+    /// would be after one-step plans. Nothing without such a plan.
+    pub fn cut_in_flight(&mut self, begun: usize) {
+        let Some(planned) = self.multi_step else {
+            return;
+        };
+        let steps = begun.clamp(1, planned);
+        self.multi_step = Some(steps);
+        for id in self.running.iter().filter(|id| self.busy.contains(id)) {
+            let seq = self.seqs.get_mut(id).expect("running sequence exists");
+            let lease = seq.lease.as_mut().expect("running sequence has a lease");
+            // Step k writes position num_computed + k - 1.
+            self.pool.truncate(lease, seq.num_computed + steps);
+        }
+    }
+
+    /// Blocks the multi-step plan in flight holds for its steps after the
+    /// first `begun` (none without such a plan): a status reports them
+    /// free, as one-step plans would have them.
+    pub fn blocks_ahead(&self, begun: usize) -> u32 {
+        let Some(planned) = self.multi_step else {
+            return 0;
+        };
+        let steps = begun.clamp(1, planned);
+        let bs = self.cfg.block_size as usize;
+        self.running
+            .iter()
+            .filter(|id| self.busy.contains(id))
+            .filter_map(|id| {
+                let seq = &self.seqs[id];
+                let held = seq.lease.as_ref()?.blocks().len();
+                Some(held.saturating_sub((seq.num_computed + steps).div_ceil(bs)) as u32)
+            })
+            .sum()
     }
 
     /// What `/ready` reports.
@@ -520,6 +563,7 @@ impl Scheduler {
     pub fn fail_all(&mut self, now: Duration, failure: EngineFailure) {
         self.in_flight.clear();
         self.busy.clear();
+        self.multi_step = None;
         let ids: Vec<RequestId> = self.seqs.keys().copied().collect();
         for id in ids {
             self.fail(now, id, failure.clone());

@@ -357,8 +357,10 @@ impl Scheduler {
     /// a cached prefix or preempts). The leases are grown here.
     fn decode_steps(&mut self, draft: &Draft) -> usize {
         let max = self.cfg.decode_steps;
+        // A draft may come at any step while speculation is on.
         if max <= 1
             || self.depth > 1
+            || self.cfg.speculation.max_draft > 0
             || self.cfg.batching != Batching::Continuous
             || !draft.guesses.is_empty()
             || draft.chunks.len() != self.running.len()
@@ -1039,6 +1041,7 @@ impl Scheduler {
             self.next_step += 1;
             self.in_flight.push(step);
             self.busy.extend(items.iter().map(|it| it.id));
+            self.multi_step = (steps > 1).then_some(steps);
             self.counters.steps += 1;
         }
         Plan { step, items, steps }

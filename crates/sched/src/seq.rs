@@ -190,9 +190,13 @@ impl Seq {
     /// next sample changes but the position (no constraint to advance, no
     /// penalties to fold in; a plain `logit_bias` stays the same), and only
     /// its length can end it (no stop token to catch, the model's
-    /// end-of-sequence tokens ignored or none).
+    /// end-of-sequence tokens ignored or none); and its first token is out:
+    /// a prompt whose KV was cached but for its last token computes as a
+    /// decode does, but its first token must reach its client after that
+    /// one step (its time to first token), not at the end of a plan.
     pub(crate) fn may_multi_step(&self, stop_tokens: &[u32]) -> bool {
-        self.constraint.is_none()
+        self.generated() > 0
+            && self.constraint.is_none()
             && !self.penalised()
             && self.stop_token_ids.is_empty()
             && (self.ignore_eos || stop_tokens.is_empty())

@@ -158,6 +158,17 @@ impl Scheduler {
                 || (!seq.ignore_eos && self.cfg.stop_tokens.contains(&token.token));
             let length =
                 seq.generated() >= seq.max_tokens || seq.tokens.len() >= self.cfg.max_model_len;
+            if stop || length {
+                // The KV this step wrote past its first position (a
+                // multi-step plan's later steps, accepted draft tokens)
+                // enters the prefix cache before the blocks go back, as
+                // it would have one step at a time.
+                let salt = self.cfg.tenants[seq.tenant].prefix_salt;
+                if let Some(lease) = seq.lease.as_mut() {
+                    self.pool
+                        .commit(lease, salt, &seq.tokens[..seq.num_computed]);
+                }
+            }
             let (tier, tenant) = (seq.tier, seq.tenant);
             self.charge(tier, tenant, 1);
             self.events.push(SchedEvent::Token {
@@ -205,6 +216,7 @@ impl Scheduler {
             "results for a step that is not the oldest in flight"
         );
         self.in_flight.remove(0);
+        self.multi_step = None;
         for it in &plan.items {
             self.busy.remove(&it.id);
         }

@@ -130,6 +130,9 @@ pub struct SimExecutor {
     /// Where it verifies a draft model's guesses: how often each request's
     /// are right.
     acceptance: Option<std::sync::Arc<Acceptance>>,
+    /// Fast mode's exact spans: set while multi-step plans must end
+    /// after each step ([`SimExecutor::single_steps_when`]).
+    single: Option<std::sync::Arc<std::sync::atomic::AtomicBool>>,
 }
 
 /// The per-token acceptance of a draft model's guesses for each request
@@ -359,6 +362,7 @@ impl SimExecutor {
             tap: None,
             pipe: None,
             acceptance: None,
+            single: None,
         })
     }
 
@@ -409,6 +413,17 @@ impl SimExecutor {
         )?;
         d.kv.num_blocks = target.kv.num_blocks;
         Ok(d)
+    }
+
+    /// Ends every multi-step plan after its step in progress while `flag`
+    /// is set (fast mode's spans around a scheduled fault, where the
+    /// tokens must reach clients step by step as in the exact mode).
+    pub fn single_steps_when(
+        mut self,
+        flag: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    ) -> SimExecutor {
+        self.single = Some(flag);
+        self
     }
 
     /// Makes this engine a pipeline group of `model.stages` stages whose
@@ -619,6 +634,12 @@ impl Executor for SimExecutor {
 
     fn simulated_step_time(&self) -> Option<Duration> {
         self.last
+    }
+
+    fn simulated_single_steps(&self) -> bool {
+        self.single
+            .as_ref()
+            .is_some_and(|f| f.load(std::sync::atomic::Ordering::Relaxed))
     }
 
     // The tier holds no bytes here: a move costs the block's real size

@@ -6,12 +6,15 @@
 //! same trace hash.
 
 pub mod chaos;
+pub mod compare;
 pub mod cost;
 pub mod exec;
+pub mod plan;
 pub mod run;
 pub mod scenario;
 pub mod swarm;
 
-pub use run::{Report, SimError, TenantReport, TierReport, run};
-pub use scenario::Scenario;
+pub use compare::{Comparison, compare};
+pub use run::{End, Report, RequestRecord, SimError, TenantReport, TierReport, run};
+pub use scenario::{Scenario, SimMode};
 pub use swarm::{SeedResult, SwarmReport, SwarmTotals, swarm};

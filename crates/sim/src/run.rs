@@ -29,7 +29,7 @@ use tokio::task::JoinSet;
 use tokio::time::Instant;
 
 use crate::exec::{DecodeLog, DecodeTap, SimExecutor};
-use crate::scenario::{Arrivals, FaultKind, Lengths, Scenario, ScenarioError};
+use crate::scenario::{Arrivals, FaultKind, Lengths, Scenario, ScenarioError, SimMode};
 use flotilla_exec::rng::Rng;
 use flotilla_transport::Transport;
 use flotilla_transport::sim::{FaultCounts, SimNet};
@@ -154,10 +154,41 @@ pub struct Report {
     /// node that left and was forgotten is not among them): name, up,
     /// requests placed there.
     pub nodes: Vec<(String, bool, u64)>,
+    /// Every request, by key.
+    pub requests: Vec<RequestRecord>,
+    /// Fast mode: the spans it ran step by step around faults, simulated
+    /// seconds from the first arrival (none in the exact mode).
+    pub exact_spans: Vec<(f64, f64)>,
     /// Events in the trace.
     pub events: u64,
     /// FNV-1a hash of the trace.
     pub trace_hash: u64,
+}
+
+/// One request as its client saw it.
+#[derive(Clone, Debug, PartialEq)]
+pub struct RequestRecord {
+    /// Its id (the simulator numbers requests as it sends them).
+    pub id: u64,
+    /// Its tenant (high 16 bits) and its place in the tenant's traffic:
+    /// the same request in any run of the scenario and seed, whatever
+    /// the timing.
+    pub key: u64,
+    /// Its tier (an index into the scenario's tiers).
+    pub tier: usize,
+    /// How it ended.
+    pub end: End,
+    /// Tokens its client received.
+    pub tokens: u64,
+    /// When it was sent, since the run's start.
+    pub sent: Duration,
+    /// Time to its first token.
+    pub ttft: Option<Duration>,
+    /// Its mean time per output token after the first.
+    pub tpot: Option<Duration>,
+    /// When its stream ended (its terminal event, its refusal or its
+    /// client's cancel), since the run's start.
+    pub ended: Duration,
 }
 
 impl Report {
@@ -385,6 +416,10 @@ impl Trace {
 /// One request's outcome, for the report.
 #[derive(Clone, Debug)]
 struct Outcome {
+    id: u64,
+    key: u64,
+    sent: Duration,
+    ended: Duration,
     tier: usize,
     tenant: usize,
     end: End,
@@ -395,11 +430,16 @@ struct Outcome {
     gap_max: Duration,
 }
 
-#[derive(Clone, Debug, PartialEq)]
-enum End {
+/// How a request ended.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum End {
+    /// Its last token came with its finish.
     Finished,
+    /// Refused at admission.
     Refused,
+    /// Ended with an error after admission.
     Failed,
+    /// Its client dropped it mid-stream.
     Cancelled,
 }
 
@@ -443,6 +483,9 @@ struct World {
     stages: Vec<Arc<crate::exec::StageHealth>>,
     /// With a draft model: each request's acceptance (its tenant's).
     acceptance: Arc<crate::exec::Acceptance>,
+    /// Fast mode: set inside its exact spans (every engine's multi-step
+    /// plans end after each step).
+    single: Option<Arc<std::sync::atomic::AtomicBool>>,
 }
 
 /// One Router: its node, its engine while it is up, and its life (bumped
@@ -458,6 +501,10 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 }
 
 async fn simulate(sc: &Scenario, seed: u64) -> Result<Report, SimError> {
+    let fast = sc.sim.mode == SimMode::Fast;
+    if fast && let Some(why) = sc.fast_refusal() {
+        return Err(SimError::Scenario(ScenarioError::Invalid(why)));
+    }
     let root = Rng::new(seed);
     let gpu = sc.gpu_params()?;
     let shape = sc.model_shape()?;
@@ -487,7 +534,7 @@ async fn simulate(sc: &Scenario, seed: u64) -> Result<Report, SimError> {
     // and checked by the same code as `flotilla serve`'s.
     let cfg = &sc.config;
     let invalid = |m: String| SimError::Scenario(ScenarioError::Invalid(m));
-    let sched = cfg
+    let mut sched = cfg
         .sched_config(
             e,
             sc.max_model_len,
@@ -495,6 +542,10 @@ async fn simulate(sc: &Scenario, seed: u64) -> Result<Report, SimError> {
             Vec::new(),
         )
         .map_err(invalid)?;
+    if fast {
+        // Steady decode as one plan until something happens.
+        sched.decode_steps = flotilla_sched::DECODE_STEPS_MAX;
+    }
     let n = sc.engine_nodes();
     let mut link = sc.network.clone();
     link.kv_bytes_per_token = shape.kv_bytes_per_token() as u64;
@@ -555,6 +606,7 @@ async fn simulate(sc: &Scenario, seed: u64) -> Result<Report, SimError> {
             .map(|_| Arc::new(crate::exec::StageHealth::new(sc.stages())))
             .collect(),
         acceptance,
+        single: fast.then(Arc::default),
     });
     for r in 0..world.routers.len() {
         start_router(&world, r, 1).await?;
@@ -572,6 +624,26 @@ async fn simulate(sc: &Scenario, seed: u64) -> Result<Report, SimError> {
     if let Some(c) = &world.sc.chaos {
         faults.extend(c.draw(&world.sc, &mut world.rng.split(2)));
     }
+    // Fast mode goes step by step around every fault.
+    let exact_spans = match &world.single {
+        Some(_) => sc.exact_spans(&faults)?,
+        None => Vec::new(),
+    };
+    let spans_task = world.single.clone().map(|flag| {
+        let spans = exact_spans.clone();
+        tokio::spawn(async move {
+            use std::sync::atomic::Ordering;
+            for (a, b) in spans {
+                tokio::time::sleep_until(start + Duration::from_secs_f64(a)).await;
+                flag.store(true, Ordering::Relaxed);
+                if !b.is_finite() {
+                    break;
+                }
+                tokio::time::sleep_until(start + Duration::from_secs_f64(b)).await;
+                flag.store(false, Ordering::Relaxed);
+            }
+        })
+    });
     for f in faults {
         let w = world.clone();
         tasks.spawn(async move {
@@ -593,6 +665,7 @@ async fn simulate(sc: &Scenario, seed: u64) -> Result<Report, SimError> {
                         // Staggered starts, so the clients do not march in step.
                         let skew = Duration::from_secs_f64(crng.f64() * 0.1);
                         tokio::time::sleep(skew).await;
+                        let mut j = 0u64;
                         while Instant::now() < end_of_arrivals {
                             {
                                 let mut n = lock(&left);
@@ -601,7 +674,9 @@ async fn simulate(sc: &Scenario, seed: u64) -> Result<Report, SimError> {
                                 }
                                 *n -= 1;
                             }
-                            one_request(&w, ti, &mut crng).await;
+                            let key = request_key(ti, (c as u64) << 24 | j);
+                            j += 1;
+                            one_request(&w, ti, key, &mut crng).await;
                         }
                     });
                 }
@@ -629,7 +704,7 @@ async fn simulate(sc: &Scenario, seed: u64) -> Result<Report, SimError> {
                     let mut rrng = rng.split(k as u64);
                     tasks.spawn(async move {
                         tokio::time::sleep_until(start + Duration::from_secs_f64(a)).await;
-                        one_request(&w, ti, &mut rrng).await;
+                        one_request(&w, ti, request_key(ti, k as u64), &mut rrng).await;
                     });
                 }
             }
@@ -655,6 +730,9 @@ async fn simulate(sc: &Scenario, seed: u64) -> Result<Report, SimError> {
     })
     .await;
     sampler.abort();
+    if let Some(t) = spans_task {
+        t.abort();
+    }
     if drained.is_err() {
         lock(&world.trace).violate(format!(
             "{} requests or faults still pending {} s after arrivals stopped",
@@ -759,6 +837,25 @@ async fn simulate(sc: &Scenario, seed: u64) -> Result<Report, SimError> {
             .iter()
             .map(|d| d.as_secs_f64() * 1e3)
             .collect(),
+        requests: {
+            let mut r: Vec<RequestRecord> = outcomes
+                .iter()
+                .map(|o| RequestRecord {
+                    id: o.id,
+                    key: o.key,
+                    tier: o.tier,
+                    end: o.end,
+                    tokens: o.tokens,
+                    sent: o.sent,
+                    ttft: o.ttft,
+                    tpot: o.tpot,
+                    ended: o.ended,
+                })
+                .collect();
+            r.sort_by_key(|r| r.key);
+            r
+        },
+        exact_spans,
         events: trace.events,
         trace_hash: trace.hash,
     })
@@ -813,6 +910,9 @@ async fn start_engine(w: &Arc<World>, node: u32, life: u64) -> Result<(), SimErr
     .map_err(SimError::Start)?;
     if let Some(pipe) = w.sc.pipe_model()? {
         exec = exec.pipelined(pipe, w.stages[node as usize].clone());
+    }
+    if let Some(flag) = &w.single {
+        exec = exec.single_steps_when(flag.clone());
     }
     // A decode node's draft model (a prefill node never drafts).
     let mut draft: Option<Box<dyn flotilla_exec::Executor>> = None;
@@ -1169,7 +1269,14 @@ fn draw(l: &Lengths, rng: &mut Rng) -> u32 {
 
 /// One client request: submit through the Router, read the stream, check
 /// it, record it.
-async fn one_request(w: &Arc<World>, tenant: usize, rng: &mut Rng) {
+/// A request's key: its tenant and its place in that tenant's traffic
+/// (the arrival's index; a closed client's index and its request's), the
+/// same whatever the timing.
+fn request_key(tenant: usize, n: u64) -> u64 {
+    (tenant as u64) << 48 | (n & ((1 << 48) - 1))
+}
+
+async fn one_request(w: &Arc<World>, tenant: usize, key: u64, rng: &mut Rng) {
     let t = &w.sc.traffic[tenant];
     let tier = w.sc.tier_of(tenant);
     let prompt_len = draw(&t.prompt, rng);
@@ -1205,11 +1312,23 @@ async fn one_request(w: &Arc<World>, tenant: usize, rng: &mut Rng) {
         generated: 0,
         constraint,
         ignore_eos: true,
-        stop_token_ids: Vec::new(),
+        // Fast mode: a client that will cancel watches each token, so its
+        // request's engine plans one step at a time while it runs (a
+        // stop token the simulated model never draws: ids 0..3 never are),
+        // and the cancel comes when the exact mode's would.
+        stop_token_ids: if cancel_after.is_some() && w.single.is_some() {
+            vec![0]
+        } else {
+            Vec::new()
+        },
         speculative: true,
         trace: None,
     };
     let mut out = Outcome {
+        id,
+        key,
+        sent: sent.saturating_duration_since(w.t0),
+        ended: sent.saturating_duration_since(w.t0),
         tier,
         tenant,
         end: End::Refused,
@@ -1232,6 +1351,7 @@ async fn one_request(w: &Arc<World>, tenant: usize, rng: &mut Rng) {
         .collect();
     if up.is_empty() {
         lock(&w.trace).record(id, REFUSED, 503);
+        out.ended = Instant::now().saturating_duration_since(w.t0);
         lock(&w.outcomes).push(out);
         return;
     }
@@ -1249,6 +1369,7 @@ async fn one_request(w: &Arc<World>, tenant: usize, rng: &mut Rng) {
                 Rejection::QueueFull { .. } | Rejection::Unavailable => 503,
             };
             lock(&w.trace).record(id, REFUSED, code);
+            out.ended = Instant::now().saturating_duration_since(w.t0);
             lock(&w.outcomes).push(out);
             return;
         }
@@ -1342,6 +1463,7 @@ async fn one_request(w: &Arc<World>, tenant: usize, rng: &mut Rng) {
             out.tpot = Some((l - f) / (out.tokens as u32 - 1));
         }
     }
+    out.ended = Instant::now().saturating_duration_since(w.t0);
     lock(&w.outcomes).push(out);
 }
 

@@ -48,6 +48,8 @@ pub struct Scenario {
     pub chaos: Option<crate::chaos::ChaosSection>,
     /// Every engine node a pipeline group (`[pipeline]`), or none.
     pub pipeline: Option<PipelineSection>,
+    /// How the simulator advances time (`[sim]`).
+    pub sim: SimSection,
 }
 
 /// The scenario's own top-level tables, read by serde; the config's are
@@ -76,6 +78,8 @@ struct RawScenario {
     chaos: Option<crate::chaos::ChaosSection>,
     #[serde(default)]
     pipeline: Option<PipelineSection>,
+    #[serde(default)]
+    sim: SimSection,
     // The config's tables: `flotilla_config` reads them.
     #[serde(default, rename = "engine")]
     _engine: serde::de::IgnoredAny,
@@ -88,9 +92,9 @@ struct RawScenario {
 }
 
 /// The scenario's own top-level tables (beside the config's).
-const OWN_TABLES: [&str; 11] = [
+const OWN_TABLES: [&str; 12] = [
     "run", "model", "gpu", "topology", "flags", "network", "slos", "traffic", "faults", "chaos",
-    "pipeline",
+    "pipeline", "sim",
 ];
 
 /// What the simulator takes where `[engine]` says nothing: a GPU
@@ -256,6 +260,37 @@ impl Default for Topology {
         }
     }
 }
+
+/// `[sim]`: how the simulator advances time.
+#[derive(Clone, Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct SimSection {
+    /// `exact` (the default) or `fast` (`flotilla simulate --fast`).
+    pub mode: SimMode,
+}
+
+/// How the simulator advances time.
+#[derive(Clone, Copy, Debug, Default, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "snake_case")]
+pub enum SimMode {
+    /// Every engine step is its own event, with its tokens' messages (as
+    /// the scenario's `[engine] decode_steps` says): the test mode, whose
+    /// trace hashes the tests hold.
+    #[default]
+    Exact,
+    /// The same actors make the same decisions at every arrival, finish,
+    /// preemption and fault; between them an engine's steady decode runs
+    /// as one plan of up to `DECODE_STEPS_MAX` steps, its tokens reaching
+    /// their clients together at the plan's end (each with the time its
+    /// step ended). Around each scheduled or drawn fault it runs step by
+    /// step ([`Scenario::exact_spans`]). Per request the outcome, TTFT,
+    /// TPOT and finish equal the exact mode's (`sim::compare`).
+    Fast,
+}
+
+/// How long before a fault fast mode goes step by step, beyond the
+/// longest decode step: a plan in flight then ends before the fault.
+const EXACT_LEAD: std::time::Duration = std::time::Duration::from_millis(500);
 
 /// `[pipeline]`: every engine node is a pipeline group (issue 45) of
 /// `stages` stages over links of their own, the layers split evenly
@@ -577,6 +612,93 @@ impl Scenario {
         self.config.tenants.get(tenant).map_or(0, |t| t.tier)
     }
 
+    /// Why fast mode cannot run this scenario, if it cannot: faults drawn
+    /// per message (loss, duplication, reordering) fire at any step, so
+    /// no span is free of them.
+    pub fn fast_refusal(&self) -> Option<String> {
+        let n = &self.network;
+        let per_message = [
+            ("network.loss", n.loss),
+            ("network.duplicate", n.duplicate),
+            ("network.reorder", n.reorder),
+        ];
+        let set: Vec<&str> = per_message
+            .iter()
+            .filter(|(_, x)| *x > 0.0)
+            .map(|(k, _)| *k)
+            .collect();
+        (!set.is_empty()).then(|| {
+            format!(
+                "fast mode cannot honour this scenario: {} draw a fault for every message, \
+                 at any step, so no span of the run could skip steps and stay equal to the \
+                 exact mode; run it without --fast",
+                set.join(", ")
+            )
+        })
+    }
+
+    /// The spans of simulated time (from the start of arrivals) that fast
+    /// mode runs step by step, given the run's faults (scheduled and
+    /// drawn): from `EXACT_LEAD` plus the longest decode step before each
+    /// fault to the recovery after it (twice the down bound, four
+    /// heartbeats and a drain's grace), a cut link's span lasting until the
+    /// heal or unclog that ends it. Sorted, merged.
+    pub fn exact_spans(&self, faults: &[FaultSection]) -> Result<Vec<(f64, f64)>, ScenarioError> {
+        let lead = (EXACT_LEAD + self.longest_decode_step()?).as_secs_f64();
+        let hb = self.heartbeat().as_secs_f64();
+        let tail = 2.0 * hb * self.cluster.down_after_missed as f64 + 4.0 * hb;
+        let mut sorted: Vec<&FaultSection> = faults.iter().collect();
+        sorted.sort_by(|a, b| a.at_s.total_cmp(&b.at_s));
+        let mut spans: Vec<(f64, f64)> = Vec::new();
+        // A partition or clog holds its span open until what ends it.
+        let mut open_cut: Option<f64> = None;
+        for f in sorted {
+            let t = f.at_s;
+            let grace = match f.kind {
+                FaultKind::Drain { grace_ms, .. } => grace_ms as f64 / 1e3,
+                _ => 0.0,
+            };
+            match f.kind {
+                FaultKind::Partition { .. } | FaultKind::Clog { .. } => {
+                    open_cut.get_or_insert(t);
+                    continue;
+                }
+                FaultKind::Heal | FaultKind::Unclog => {
+                    let from = open_cut.take().unwrap_or(t);
+                    spans.push((from - lead, t + tail));
+                    continue;
+                }
+                _ => {}
+            }
+            spans.push((t - lead, t + grace + tail));
+        }
+        if let Some(from) = open_cut {
+            spans.push((from - lead, f64::INFINITY));
+        }
+        spans.sort_by(|a, b| a.0.total_cmp(&b.0));
+        let mut merged: Vec<(f64, f64)> = Vec::new();
+        for (a, b) in spans {
+            match merged.last_mut() {
+                Some(last) if a <= last.1 => last.1 = last.1.max(b),
+                _ => merged.push((a.max(0.0), b)),
+            }
+        }
+        Ok(merged)
+    }
+
+    /// The longest decode step the cost model gives an engine: every seat
+    /// taken, every sequence at the longest context.
+    fn longest_decode_step(&self) -> Result<std::time::Duration, ScenarioError> {
+        let (g, m) = (self.gpu_params()?, self.model_shape()?);
+        let seqs: Vec<crate::cost::SeqCost> = (0..self.engine.max_num_seqs)
+            .map(|_| crate::cost::SeqCost {
+                start_pos: self.max_model_len.saturating_sub(1),
+                tokens: 1,
+            })
+            .collect();
+        Ok(crate::cost::step_time_masked(&g, &m, &seqs, 0))
+    }
+
     /// Reads and validates a scenario file.
     pub fn load(path: &Path) -> Result<Scenario, ScenarioError> {
         let text = std::fs::read_to_string(path).map_err(|err| ScenarioError::Read {
@@ -645,6 +767,7 @@ impl Scenario {
             faults: raw.faults,
             chaos: raw.chaos,
             pipeline: raw.pipeline,
+            sim: raw.sim,
         };
         sc.validate()?;
         Ok(sc)

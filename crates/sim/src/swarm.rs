@@ -130,6 +130,11 @@ pub fn swarm(
                                     what: format!("the run panicked: {what}"),
                                 })
                             });
+                    // A swarm keeps every seed's figures, not its requests.
+                    let result = result.map(|mut rep| {
+                        rep.requests = Vec::new();
+                        rep
+                    });
                     let r = SeedResult {
                         seed,
                         result,

@@ -1235,3 +1235,79 @@ fn a_node_joins_takes_work_leaves_and_is_forgotten() {
     let e = bad.validate().unwrap_err().to_string();
     assert!(e.contains("topology.joiners = 3 of 3 engines"), "{e}");
 }
+
+/// Fast mode equals the exact mode on every shipped scenario whose faults
+/// are not drawn at random: each request ends the same way, and its TTFT,
+/// TPOT and latency are within 1% (or the clock's 1 ms grain). A scenario
+/// whose arrivals last long is cut to its first `CAP_S` seconds (and its
+/// faults' times), so the exact runs stay short; the report lists each
+/// scenario's worst request.
+#[test]
+fn fast_mode_equals_the_exact_mode_on_every_scenario_without_random_faults() {
+    const CAP_S: f64 = 20.0;
+    let mut paths: Vec<std::path::PathBuf> = std::fs::read_dir(shipped())
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.extension().is_some_and(|x| x == "toml"))
+        .collect();
+    paths.sort();
+    let mut compared = Vec::new();
+    let mut failures = Vec::new();
+    for p in &paths {
+        let mut sc = Scenario::load(p).unwrap();
+        let name = p.file_name().unwrap().to_string_lossy().to_string();
+        if sc.chaos.is_some() {
+            continue;
+        }
+        if let Some(why) = sc.fast_refusal() {
+            // Refused, with the reason: its faults are per message.
+            assert!(why.contains("network."), "{name}: {why}");
+            continue;
+        }
+        let last_fault = sc.faults.iter().map(|f| f.at_s).fold(0.0, f64::max);
+        sc.run.duration_s = sc.run.duration_s.min(CAP_S.max(last_fault + 5.0));
+        let c = flotilla_sim::compare(&sc, 1).unwrap_or_else(|e| panic!("{name}: {e}"));
+        eprintln!("{name}:\n{c}");
+        assert!(
+            c.compared > 0,
+            "{name}: no request finished in both modes\n{c}"
+        );
+        if !c.equal() {
+            failures.push(format!("{name}:\n{c}"));
+        }
+        compared.push(name);
+    }
+    assert!(compared.len() >= 8, "only {compared:?} compared");
+    assert!(failures.is_empty(), "{}", failures.join("\n"));
+}
+
+/// Fast mode is refused, with the reason, for a scenario whose faults are
+/// drawn per message; a scheduled fault makes it run step by step around
+/// that fault's time, and the crash still moves the node's streams.
+#[test]
+fn fast_mode_refuses_per_message_faults_and_goes_step_by_step_around_a_crash() {
+    let mut lossy = small("[network]\nloss = 0.01\n");
+    lossy.sim.mode = flotilla_sim::SimMode::Fast;
+    match run(&lossy, 1) {
+        Err(SimError::Scenario(e)) => {
+            let m = e.to_string();
+            assert!(
+                m.contains("network.loss") && m.contains("without --fast"),
+                "{m}"
+            );
+        }
+        other => panic!("a lossy scenario ran fast: {other:?}"),
+    }
+    let mut sc = small(
+        "[[faults]]\nat_s = 2.0\nkind = \"crash\"\nnode = 1\n\n\
+         [[faults]]\nat_s = 3.0\nkind = \"restart\"\nnode = 1\n",
+    );
+    sc.sim.mode = flotilla_sim::SimMode::Fast;
+    let r = run(&sc, 1).unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(r.exact_spans.len(), 1, "{:?}", r.exact_spans);
+    let (a, b) = r.exact_spans[0];
+    assert!(a < 2.0 && a > 1.0 && b > 3.0, "{:?}", r.exact_spans);
+    assert_eq!(r.faults.crashes, 1, "{r}");
+    let c = flotilla_sim::compare(&sc, 1).unwrap_or_else(|e| panic!("{e}"));
+    assert!(c.equal(), "{c}");
+}

@@ -165,6 +165,10 @@ struct NetState {
     refused: Option<String>,
     link: LinkConfig,
     rng: Rng,
+    /// Keys each message's jitter ([`NetState::jitter`]).
+    jitter_salt: u64,
+    /// When the network was made: the origin of jitter's times.
+    t0: Instant,
     /// Directed links that drop everything.
     cut: BTreeSet<(NodeId, NodeId)>,
     /// Directed links that hold everything until they are unclogged.
@@ -208,6 +212,8 @@ impl SimNet {
                 roles,
                 refused: None,
                 link,
+                jitter_salt: rng.split(0x6a17).next_u64(),
+                t0: Instant::now(),
                 rng,
                 cut: BTreeSet::new(),
                 clogged: BTreeSet::new(),
@@ -453,6 +459,26 @@ fn to_epoch_of(nodes: &[Option<NodeSlot>], to: NodeId) -> u64 {
 }
 
 impl NetState {
+    /// A message's jitter, us: a function of its link and the time it is
+    /// sent, not a draw in turn, so that a message sent at the same time
+    /// on the same link is delayed the same however many others were sent
+    /// before it elsewhere (fast mode sends fewer token messages than the
+    /// exact mode, and must not move every later message by it).
+    fn jitter(&self, (from, to): (NodeId, NodeId), now: Instant) -> u64 {
+        let j = self.link.jitter_us;
+        if j == 0 {
+            return 0;
+        }
+        let t = now.saturating_duration_since(self.t0).as_nanos() as u64;
+        let mut x =
+            self.jitter_salt ^ u64::from(from).rotate_left(40) ^ u64::from(to).rotate_left(20) ^ t;
+        // SplitMix64's finaliser.
+        x = (x ^ (x >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        x = (x ^ (x >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        x ^= x >> 31;
+        x % (j + 1)
+    }
+
     /// Until when a transfer to `to` waits before it fails: a node that
     /// crashed (and has not come back: a new life answers at once) is
     /// noticed by QUIC only when the connection idles out, so the transfer
@@ -534,7 +560,7 @@ impl Transport for SimTransport {
         let now = Instant::now();
         st.faults.messages += copies;
         for _ in 0..copies {
-            let lat = cfg.latency_us + st.rng.range(0, cfg.jitter_us);
+            let lat = cfg.latency_us + st.jitter(link, now);
             let mut at = now + Duration::from_micros(lat);
             if let Some(&l) = st.last_arrival.get(&link)
                 && l > at
@@ -630,7 +656,7 @@ impl Transport for SimTransport {
                     }
                     Ok(to_epoch) => {
                         let cfg = st.link.clone();
-                        let lat = cfg.latency_us + st.rng.range(0, cfg.jitter_us);
+                        let lat = cfg.latency_us + st.jitter((from, to), Instant::now());
                         let bytes = (u64::from(header.token_count) * cfg.kv_bytes_per_token)
                             .max(data.len() as u64);
                         st.faults.transfers += 1;

@@ -604,6 +604,45 @@ fn a_multi_step_plan_holds_the_decodes_until_anything_else_is_to_do() {
 }
 
 #[test]
+fn a_first_token_is_never_held_for_a_multi_step_plan() {
+    // A prompt cached but for its last token computes one position, as a
+    // decode does; its first token still goes out after that one step.
+    let mut c = two_tiers(64, 4);
+    c.max_num_seqs = 4;
+    c.max_num_batched_tokens = 64;
+    c.decode_steps = 16;
+    let mut sim = Sim::new(c);
+    let prompt = sim.unique_prompt(8);
+    let mut first = Sim::request(0, prompt.clone(), 1);
+    first.ignore_eos = true;
+    let a = sim.submit_req(first).unwrap();
+    sim.run_until_idle(100);
+    assert!(sim.reqs[&a].end.is_some());
+    assert_eq!(
+        sim.s.status().kv.cached,
+        2,
+        "the prompt's two blocks stay cached"
+    );
+    let mut longer = prompt;
+    longer.push(7);
+    let mut second = Sim::request(0, longer, 20);
+    second.ignore_eos = true;
+    let b = sim.submit_req(second).unwrap();
+    let p = sim.plan();
+    let it = item(&p, b).unwrap();
+    assert_eq!((it.start_pos, it.tokens.len()), (8, 1), "one position left");
+    assert_eq!(p.steps, 1, "its first token waits for no later step");
+    sim.execute(&p);
+    assert_eq!(sim.reqs[&b].out.len(), 1);
+    // From its second token on, a plan may hold several.
+    let p = sim.plan();
+    assert!(p.steps > 1, "{}", p.steps);
+    sim.execute(&p);
+    sim.run_until_idle(100);
+    sim.assert_all_done();
+}
+
+#[test]
 fn a_multi_step_plan_never_evicts_a_cached_prefix_for_its_later_steps() {
     // 6 blocks of 4: two prompts of 8 (4 blocks), then the second ends and
     // its 2 blocks stay in the prefix cache.
