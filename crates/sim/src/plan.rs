@@ -483,6 +483,14 @@ pub fn search(
                 h = m;
             }
         }
+        // Whether it serves the target is asked directly where the
+        // bounds straddle it: the answer must not depend on the precision.
+        if let Some(t) = opts.target_rate
+            && l < t
+            && t < h
+        {
+            try_rate(t, &mut probes)?;
+        }
     }
     let best = probes
         .iter()
