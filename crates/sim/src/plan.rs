@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use flotilla_exec::KvDtype;
 
-use crate::run::{End, Report, SimError, run};
+use crate::run::{End, Report, SimError, percentile, run};
 use crate::scenario::{Arrivals, Scenario, ScenarioError, SimMode};
 
 /// Which latency an objective bounds.
@@ -416,16 +416,6 @@ pub fn judge(sc: &Scenario, report: &Report, rate: f64, opts: &PlanOptions) -> P
         lost,
         tokens_per_s: report.throughput(),
     }
-}
-
-/// The `p`th percentile (nearest rank); 0 for no values.
-fn percentile(v: &mut [f64], p: f64) -> f64 {
-    if v.is_empty() {
-        return 0.0;
-    }
-    v.sort_by(f64::total_cmp);
-    let i = ((p / 100.0) * (v.len() - 1) as f64).round() as usize;
-    v[i.min(v.len() - 1)]
 }
 
 /// One run of `config` at `rate`, judged.

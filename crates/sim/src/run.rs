@@ -1533,7 +1533,8 @@ async fn check_engines(w: &Arc<World>, at_end: bool) -> (u64, flotilla_proto::Kv
     (preemptions, offload)
 }
 
-fn percentile(v: &mut [f64], p: f64) -> f64 {
+/// The `p`th percentile (0..=100) of `v`, nearest rank; 0 for none.
+pub(crate) fn percentile(v: &mut [f64], p: f64) -> f64 {
     if v.is_empty() {
         return 0.0;
     }
