@@ -230,25 +230,72 @@ impl Pool {
                 return;
             }
             let outcome = self.one(index as u64).await;
-            let (ok, failed) = if outcome.is_ok() {
-                (
-                    self.ok.fetch_add(1, Ordering::Relaxed) + 1,
-                    self.failed.load(Ordering::Relaxed),
-                )
-            } else {
-                (
-                    self.ok.load(Ordering::Relaxed),
-                    self.failed.fetch_add(1, Ordering::Relaxed) + 1,
-                )
-            };
-            self.outcomes
-                .lock()
-                .unwrap_or_else(|e| e.into_inner())
-                .push(outcome);
-            self.progress
-                .set_message(format!("ok {ok}, failed {failed}"));
-            self.progress.inc(1);
+            self.record(outcome);
         }
+    }
+
+    /// The open loop: request `i` sent at the `i`-th time of a Poisson
+    /// process of `rate` per second (seeded), whatever the server's pace;
+    /// at most `cap` in flight (beyond it the next waits for a slot).
+    /// Ends when every request sent has ended; dropping it drops them.
+    pub async fn open_loop(self: std::sync::Arc<Self>, rate: f64, cap: usize, seed: u64) {
+        let start = tokio::time::Instant::now();
+        let slots = std::sync::Arc::new(tokio::sync::Semaphore::new(cap));
+        let mut rng = flotilla_exec::rng::SplitMix64(seed ^ 0x6f70_656e_6c6f_6f70);
+        let mut at = 0.0f64;
+        let mut inflight = tokio::task::JoinSet::new();
+        for index in 0..self.requests {
+            // Exponential gaps: -ln(U) / rate, U in (0, 1].
+            let u = 1.0 - rng.f64();
+            at += -u.ln() / rate;
+            tokio::time::sleep_until(start + Duration::from_secs_f64(at)).await;
+            let Ok(slot) = std::sync::Arc::clone(&slots).acquire_owned().await else {
+                return;
+            };
+            self.next.fetch_add(1, Ordering::Relaxed);
+            let pool = std::sync::Arc::clone(&self);
+            inflight.spawn(async move {
+                let outcome = pool.one(index as u64).await;
+                pool.record(outcome);
+                drop(slot);
+            });
+            while let Some(done) = inflight.try_join_next() {
+                if let Err(e) = done
+                    && e.is_panic()
+                {
+                    std::panic::resume_unwind(e.into_panic());
+                }
+            }
+        }
+        while let Some(done) = inflight.join_next().await {
+            if let Err(e) = done
+                && e.is_panic()
+            {
+                std::panic::resume_unwind(e.into_panic());
+            }
+        }
+    }
+
+    /// Counts one request's outcome and keeps it.
+    fn record(&self, outcome: Outcome) {
+        let (ok, failed) = if outcome.is_ok() {
+            (
+                self.ok.fetch_add(1, Ordering::Relaxed) + 1,
+                self.failed.load(Ordering::Relaxed),
+            )
+        } else {
+            (
+                self.ok.load(Ordering::Relaxed),
+                self.failed.fetch_add(1, Ordering::Relaxed) + 1,
+            )
+        };
+        self.outcomes
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .push(outcome);
+        self.progress
+            .set_message(format!("ok {ok}, failed {failed}"));
+        self.progress.inc(1);
     }
 
     fn body(&self, index: u64) -> Value {

@@ -37,8 +37,8 @@ use thiserror::Error;
 use tokio::task::JoinSet;
 
 pub use report::{
-    Cdfs, Flags, Ratio, Report, SpecCounts, THRESHOLD_DEFAULT, Verdict, compare, render,
-    render_with,
+    Cdfs, Flags, Ratio, Report, SloCheck, SloVerdict, SpecCounts, THRESHOLD_DEFAULT, Verdict,
+    compare, judge, render, render_with,
 };
 pub use request::ErrorKind;
 pub use stats::{Summary, percentile};
@@ -61,6 +61,22 @@ pub struct BenchArgs {
     /// list (`1,4,8,16,32`) sweeps the levels one after another.
     #[arg(long, value_delimiter = ',', default_value = "8")]
     pub concurrency: Vec<usize>,
+    /// Open loop instead of --concurrency: send requests at this rate,
+    /// requests/s, at Poisson times (seeded by --seed) whatever the
+    /// server's pace, as users arrive (at most 4096 in flight). A list
+    /// (`1,2,4`) sweeps the rates one after another.
+    #[arg(long, value_delimiter = ',')]
+    pub rate: Vec<f64>,
+    /// Judge each run against these objectives, METRIC_pN=VALUE[,...]
+    /// (metrics ttft, tpot; values in s or ms), e.g.
+    /// `ttft_p99=1s,tpot_p99=60ms`, over every finished request; the report
+    /// says whether each held. A run that loses more than --max-lost of its
+    /// requests (refused or failed) misses.
+    #[arg(long)]
+    pub slo: Option<String>,
+    /// Requests refused or failed allowed under --slo, as a fraction.
+    #[arg(long, default_value_t = 0.01)]
+    pub max_lost: f64,
     /// Run each level this many times (a stability check: the report
     /// gives each figure's spread across the runs).
     #[arg(long, default_value_t = 1)]
@@ -241,7 +257,44 @@ impl BenchArgs {
         if self.duration_s == Some(0) {
             return bad("--duration-s must be at least 1".into());
         }
+        if self
+            .rate
+            .iter()
+            .any(|r| !(r.is_finite() && *r > 0.0 && *r <= 1e6))
+        {
+            return bad(
+                "--rate must be one rate or a list, each in (0, 1000000] requests/s".into(),
+            );
+        }
+        if !self.rate.is_empty() && self.concurrency.len() > 1 {
+            return bad("sweep --rate or --concurrency, not both".into());
+        }
+        self.objectives()?;
+        if !(0.0..1.0).contains(&self.max_lost) {
+            return bad("--max-lost must be a fraction in [0, 1)".into());
+        }
         Ok(())
+    }
+
+    /// The `--slo` objectives (none without it).
+    fn objectives(&self) -> Result<Vec<flotilla_exec::slo::Objective>, BenchError> {
+        match &self.slo {
+            None => Ok(Vec::new()),
+            Some(s) => flotilla_exec::slo::parse_any_tier(s).map_err(BenchError::InvalidArgs),
+        }
+    }
+
+    /// The loads to run, in order: each rate (open loop, at most the first
+    /// --concurrency in flight) or each concurrency.
+    fn loads(&self) -> Vec<Load> {
+        if self.rate.is_empty() {
+            self.concurrency.iter().map(|&c| Load::Closed(c)).collect()
+        } else {
+            self.rate
+                .iter()
+                .map(|&r| Load::Open(r, CONCURRENCY_MAX))
+                .collect()
+        }
     }
 
     fn endpoint(&self) -> &'static str {
@@ -255,12 +308,13 @@ impl BenchArgs {
     /// Whether the run is a sweep (several levels or repeats) rather than
     /// one report.
     pub fn is_sweep(&self) -> bool {
-        self.concurrency.len() > 1 || self.repeat > 1
+        self.loads().len() > 1 || self.repeat > 1
     }
 
-    fn flags(&self, concurrency: usize) -> Flags {
+    fn flags(&self, load: Load) -> Flags {
         Flags {
-            concurrency,
+            concurrency: load.in_flight(),
+            rate: load.rate(),
             requests: self.requests,
             max_tokens: self.max_tokens,
             max_tokens_min: self.max_tokens_min,
@@ -292,12 +346,43 @@ fn progress_bar(total: usize, quiet: bool) -> ProgressBar {
     pb
 }
 
-/// Runs the benchmark at the first `--concurrency` level: exactly
-/// `--requests` requests (fewer if `--duration-s` runs out), at most that
-/// many in flight.
+/// How requests are sent.
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum Load {
+    /// A fixed pool of this many workers, each sending its next request
+    /// when its last ends.
+    Closed(usize),
+    /// Requests/s at Poisson times, at most this many in flight.
+    Open(f64, usize),
+}
+
+impl Load {
+    fn in_flight(self) -> usize {
+        match self {
+            Load::Closed(c) | Load::Open(_, c) => c,
+        }
+    }
+
+    fn rate(self) -> Option<f64> {
+        match self {
+            Load::Closed(_) => None,
+            Load::Open(r, _) => Some(r),
+        }
+    }
+
+    fn name(self) -> String {
+        match self {
+            Load::Closed(c) => format!("concurrency {c}"),
+            Load::Open(r, _) => format!("rate {r} req/s"),
+        }
+    }
+}
+
+/// Runs the benchmark at the first level (`--rate` or `--concurrency`):
+/// exactly `--requests` requests (fewer if `--duration-s` runs out).
 pub async fn run(args: &BenchArgs) -> Result<Report, BenchError> {
     args.validate()?;
-    run_level(args, args.concurrency[0]).await
+    run_level(args, args.loads()[0]).await
 }
 
 /// A task that is aborted when this is dropped (a run that ends by a panic
@@ -314,19 +399,20 @@ impl Drop for AbortOnDrop {
 pub async fn run_sweep(args: &BenchArgs) -> Result<Sweep, BenchError> {
     args.validate()?;
     let mut levels = Vec::new();
-    for &c in &args.concurrency {
+    for load in args.loads() {
         let mut runs = Vec::new();
         for i in 0..args.repeat {
             if !args.quiet && args.is_sweep() {
                 eprintln!(
-                    "flotilla-bench: concurrency {c}, run {} of {}",
+                    "flotilla-bench: {}, run {} of {}",
+                    load.name(),
                     i + 1,
                     args.repeat
                 );
             }
-            runs.push(run_level(args, c).await?);
+            runs.push(run_level(args, load).await?);
         }
-        levels.push(Level::new(format!("concurrency {c}"), runs));
+        levels.push(Level::new(load.name(), runs));
     }
     Ok(Sweep {
         label: args.label.clone(),
@@ -334,10 +420,10 @@ pub async fn run_sweep(args: &BenchArgs) -> Result<Sweep, BenchError> {
     })
 }
 
-/// One run at `concurrency`.
-async fn run_level(args: &BenchArgs, concurrency: usize) -> Result<Report, BenchError> {
+/// One run at `load`.
+async fn run_level(args: &BenchArgs, load: Load) -> Result<Report, BenchError> {
     let base = args.url.trim_end_matches('/');
-    let workers = concurrency.min(args.requests);
+    let objectives = args.objectives()?;
     let timeout = Duration::from_secs(args.timeout_s);
     // No proxy: a benchmark measures the server, not a proxy picked up from
     // the environment.
@@ -364,7 +450,7 @@ async fn run_level(args: &BenchArgs, concurrency: usize) -> Result<Report, Bench
         server_url: args.url.clone(),
         endpoint: args.endpoint().to_owned(),
         quantisation: server.quantisation,
-        flags: args.flags(concurrency),
+        flags: args.flags(load),
         prompt_distribution: prompt::describe(args.prompt_len_min, args.prompt_len_max),
     };
     let json_schema = match &args.json_schema {
@@ -392,7 +478,8 @@ async fn run_level(args: &BenchArgs, concurrency: usize) -> Result<Report, Bench
         timeout,
         cancel_fraction: args.cancel_fraction,
         json_schema,
-        backoff: !args.no_backoff,
+        // An open loop's next request does not wait for this one's answer.
+        backoff: !args.no_backoff && matches!(load, Load::Closed(_)),
         requests: args.requests,
         next: AtomicUsize::new(0),
         outcomes: Mutex::new(Vec::with_capacity(args.requests.min(1 << 16))),
@@ -432,9 +519,18 @@ async fn run_level(args: &BenchArgs, concurrency: usize) -> Result<Report, Bench
     });
     // A JoinSet aborts its tasks when shut down or dropped: nothing outlives the run.
     let mut set = JoinSet::new();
-    for _ in 0..workers {
-        let pool = Arc::clone(&pool);
-        set.spawn(async move { pool.worker().await });
+    match load {
+        Load::Closed(concurrency) => {
+            for _ in 0..concurrency.min(args.requests) {
+                let pool = Arc::clone(&pool);
+                set.spawn(async move { pool.worker().await });
+            }
+        }
+        Load::Open(rate, cap) => {
+            let pool = Arc::clone(&pool);
+            let seed = args.seed;
+            set.spawn(async move { pool.open_loop(rate, cap, seed).await });
+        }
     }
     let all_done = async {
         while let Some(joined) = set.join_next().await {
@@ -477,6 +573,9 @@ async fn run_level(args: &BenchArgs, concurrency: usize) -> Result<Report, Bench
         .map(|(b, a)| report::SpecCounts::between(b, a));
     report.server = server::summarise(config, last_page.as_deref(), &timeline);
     report.timeline = timeline;
+    if args.slo.is_some() {
+        report.slo = Some(report::judge(&outcomes, &objectives, args.max_lost));
+    }
     Ok(report)
 }
 

@@ -7,7 +7,9 @@ use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 
-use crate::request::Outcome;
+use flotilla_exec::slo::{Metric, Objective};
+
+use crate::request::{ErrorKind, Outcome};
 use crate::server::{Sample, ServerSide};
 use crate::stats::{Summary, percentile, round_to};
 
@@ -34,6 +36,10 @@ pub struct Flags {
     /// The JSON Schema file every request was constrained to, if any.
     #[serde(default)]
     pub json_schema: Option<String>,
+    /// Open loop: requests/s sent at Poisson times whatever the server's
+    /// pace (`concurrency` is then the most in flight allowed).
+    #[serde(default)]
+    pub rate: Option<f64>,
 }
 
 /// Everything one run measured. Latencies are in milliseconds; a summary is
@@ -92,6 +98,87 @@ pub struct Report {
     /// batch, KV use and memory.
     #[serde(default)]
     pub timeline: Vec<Sample>,
+    /// The run judged against `--slo`, where given.
+    #[serde(default)]
+    pub slo: Option<SloVerdict>,
+}
+
+/// A run judged against latency objectives: each held over the finished
+/// requests, and no more than `max_lost` of them refused or failed.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct SloVerdict {
+    /// Every objective held and few enough were lost.
+    pub met: bool,
+    /// Requests refused or failed (not dropped on purpose) over those that
+    /// ended.
+    pub lost: f64,
+    /// The most that may be.
+    pub max_lost: f64,
+    /// Each objective.
+    pub objectives: Vec<SloCheck>,
+}
+
+/// One objective's figure in a run.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct SloCheck {
+    /// As given, e.g. `ttft_p99<=1000ms`.
+    pub objective: String,
+    /// Its bound, ms.
+    pub limit_ms: f64,
+    /// The run's figure (nearest rank), ms; `null` without a sample.
+    pub measured_ms: Option<f64>,
+    /// Whether it held (a figure without samples does not).
+    pub met: bool,
+}
+
+/// `outcomes` judged against `objectives` (every tier together: one
+/// server's requests) and `max_lost`.
+pub fn judge(outcomes: &[Outcome], objectives: &[Objective], max_lost: f64) -> SloVerdict {
+    let ended = outcomes
+        .iter()
+        .filter(|o| !matches!(o, Err(ErrorKind::Dropped)))
+        .count();
+    let failed = outcomes
+        .iter()
+        .filter(|o| matches!(o, Err(k) if !matches!(k, ErrorKind::Dropped)))
+        .count();
+    let lost = if ended == 0 {
+        1.0
+    } else {
+        failed as f64 / ended as f64
+    };
+    let mut met = lost <= max_lost;
+    let checks = objectives
+        .iter()
+        .map(|o| {
+            let mut v: Vec<f64> = outcomes
+                .iter()
+                .filter_map(|r| r.as_ref().ok())
+                .filter_map(|s| match o.metric {
+                    Metric::Ttft => Some(s.ttft),
+                    Metric::Tpot => s.tpot,
+                })
+                .map(ms)
+                .collect();
+            v.sort_by(f64::total_cmp);
+            let measured = percentile(&v, o.pct).map(|x| round_to(x, 3));
+            let limit_ms = o.limit.as_secs_f64() * 1e3;
+            let ok = measured.is_some_and(|x| x <= limit_ms);
+            met &= ok;
+            SloCheck {
+                objective: o.to_string(),
+                limit_ms,
+                measured_ms: measured,
+                met: ok,
+            }
+        })
+        .collect();
+    SloVerdict {
+        met,
+        lost: round_to(lost, 6),
+        max_lost,
+        objectives: checks,
+    }
 }
 
 /// Latency distributions as their percentiles 0, 1, ..., 100 (ms, nearest
@@ -243,6 +330,7 @@ impl Report {
             speculation: None,
             server: ServerSide::default(),
             timeline: Vec::new(),
+            slo: None,
         }
     }
 }
@@ -426,9 +514,15 @@ pub fn render_with(r: &Report, baseline: Option<&Report>, threshold: f64) -> Str
     );
     let _ = writeln!(
         s,
-        "  load        {} requests, concurrency {}, max_tokens {}, ignore_eos {}, seed {}, timeout {} s{}",
+        "  load        {} requests, {}, max_tokens {}, ignore_eos {}, seed {}, timeout {} s{}",
         f.requests,
-        f.concurrency,
+        f.rate.map_or_else(
+            || format!("concurrency {}", f.concurrency),
+            |r| format!(
+                "open loop at {r} req/s (Poisson, at most {} in flight)",
+                f.concurrency
+            )
+        ),
         f.max_tokens_min.map_or_else(
             || f.max_tokens.to_string(),
             |m| format!("{m}..={}", f.max_tokens)
@@ -513,6 +607,26 @@ pub fn render_with(r: &Report, baseline: Option<&Report>, threshold: f64) -> Str
                 let _ = writeln!(s, "  {name:<8}{:>10}", "-");
             }
         }
+    }
+    if let Some(v) = &r.slo {
+        let _ = writeln!(s);
+        let _ = writeln!(
+            s,
+            "  SLO         {}: lost {:.2}% (at most {:.2}%){}",
+            if v.met { "met" } else { "missed" },
+            v.lost * 100.0,
+            v.max_lost * 100.0,
+            v.objectives
+                .iter()
+                .map(|c| format!(
+                    "; {} {} ({})",
+                    c.objective,
+                    if c.met { "held" } else { "missed" },
+                    c.measured_ms
+                        .map_or_else(|| "no sample".into(), |x| format!("{x:.1} ms"))
+                ))
+                .collect::<String>()
+        );
     }
     if let Some(old) = baseline {
         let _ = writeln!(s);
@@ -599,6 +713,7 @@ mod tests {
                 duration_s: None,
                 cancel_fraction: 0.0,
                 json_schema: None,
+                rate: None,
             },
             prompt_distribution: "uniform".into(),
         }

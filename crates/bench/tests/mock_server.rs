@@ -850,3 +850,66 @@ async fn warmup_requests_are_sent_first_and_left_out() {
     // Output chunks over time count the run's tokens only.
     assert_eq!(r.timeline.last().map(|s| s.output_chunks), Some(12));
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_open_loop_sends_at_its_poisson_times_and_a_run_is_judged_against_its_slo() {
+    // Request 3 is refused: 1 in 10 lost.
+    fn plan(i: usize) -> Reply {
+        if i == 3 {
+            Reply::Status(429)
+        } else {
+            Reply::Stream {
+                tokens: 6,
+                usage: true,
+            }
+        }
+    }
+    let mock = start(plan).await;
+    let run_at = |url: &str, extra: &[&str]| {
+        let mut v = vec!["--requests", "10", "--rate", "20", "--seed", "4"];
+        v.extend_from_slice(extra);
+        args(url, &v)
+    };
+    let a = run_at(
+        &mock.url,
+        &["--slo", "ttft_p99=5s,tpot_p50=1ms", "--max-lost", "0.2"],
+    );
+    let r = run(&a).await.unwrap();
+    assert_eq!((r.requests_ok, r.requests_failed), (9, 1));
+    assert_eq!(r.flags.rate, Some(20.0));
+    // The last request went at its Poisson time, not before: the run lasts
+    // at least the sum of the seeded gaps (~0.5 s at 20/s), and a closed
+    // pool of 8 would have finished 10 short requests in ~0.05 s.
+    let mut rng = flotilla_exec::rng::SplitMix64(4 ^ 0x6f70_656e_6c6f_6f70);
+    let span: f64 = (0..10).map(|_| -(1.0 - rng.f64()).ln() / 20.0).sum();
+    assert!(span > 0.1, "{span}");
+    assert!(
+        r.wall_s >= span && r.wall_s < span + 5.0,
+        "wall {} s, arrivals over {span} s",
+        r.wall_s
+    );
+    // TTFT holds, TPOT (2 ms a token) misses 1 ms; 10% lost is within 20%.
+    let v = r.slo.clone().expect("judged");
+    assert!(!v.met);
+    assert_eq!(v.lost, 0.1);
+    assert!(v.objectives[0].met && !v.objectives[1].met, "{v:?}");
+    assert!(v.objectives[1].measured_ms.unwrap() >= 1.0);
+    assert!(flotilla_bench::render(&r, None).contains("SLO         missed"));
+    // Every objective held, but 10% lost is beyond the default 1%.
+    let again = start(plan).await;
+    let r = run(&run_at(&again.url, &["--slo", "ttft_p99=5s,tpot_p99=1s"]))
+        .await
+        .unwrap();
+    let v = r.slo.unwrap();
+    assert!(v.objectives.iter().all(|c| c.met) && !v.met, "{v:?}");
+    // Bad objectives and rates are refused before anything is sent.
+    for bad in [
+        &["--rate", "0"][..],
+        &["--rate", "1", "--concurrency", "1,2"],
+        &["--slo", "ttft_p99=soon"],
+        &["--slo", "itl_p50=1s"],
+        &["--max-lost", "1"],
+    ] {
+        assert!(args(&mock.url, bad).validate().is_err(), "{bad:?}");
+    }
+}

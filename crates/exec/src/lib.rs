@@ -10,6 +10,7 @@ pub mod offload;
 pub mod rate;
 pub mod rng;
 pub mod sampling;
+pub mod slo;
 
 pub use constraint::{
     Constraint, ConstraintCompiler, MaskCell, MaskWords, SharedConstraint, TokenConstraint,

@@ -52,6 +52,13 @@ pub struct BenchArgs {
     /// Skip the llama.cpp runs.
     #[arg(long)]
     no_peer: bool,
+    /// Instead of the tests above, time the steps the simulator's cost
+    /// model is fitted to (prompt chunks and decode batches at several
+    /// depths), fit this machine's figures at these threads, and write
+    /// them to this file: a `[gpu]` for `flotilla simulate` and `flotilla
+    /// plan --gpu FILE`.
+    #[arg(long)]
+    fit: Option<PathBuf>,
 }
 
 struct Row {
@@ -92,6 +99,9 @@ pub fn run(a: &BenchArgs) -> Result<()> {
     }
     let path = a.model.path()?;
     let g = flotilla_gguf::GgufFile::open(&path)?;
+    if let Some(out) = &a.fit {
+        return fit(a, &g, out);
+    }
     // Every test's sequence fits the model's context, checked before the
     // KV cache is sized from them.
     let ctx = flotilla_model::arch::ModelConfig::from_gguf(&g)?.ctx_len;
@@ -398,6 +408,222 @@ pub fn run(a: &BenchArgs) -> Result<()> {
     Ok(())
 }
 
+/// `bench-model --fit`: times each of the cost model's fit steps (median
+/// of `--reps`, at least 5), fits the CPU backend's figures, prints each
+/// step measured beside the fit, and writes the figures as TOML.
+fn fit(a: &BenchArgs, g: &flotilla_gguf::GgufFile, out: &Path) -> Result<()> {
+    use flotilla_sim::cost::{self, GpuParams, ModelShape};
+    let config = flotilla_model::arch::ModelConfig::from_gguf(g)?;
+    let steps = cost::fit_steps();
+    // Each sequence slot's blocks: as many as its longest use.
+    let slots = steps.iter().map(Vec::len).max().unwrap_or(1);
+    let bs = a.model.block_size;
+    let need: Vec<usize> = (0..slots)
+        .map(|i| {
+            steps
+                .iter()
+                .filter_map(|b| b.get(i).map(|s| (s.start_pos + s.tokens).div_ceil(bs)))
+                .max()
+                .unwrap_or(1)
+        })
+        .collect();
+    if need.iter().max().unwrap_or(&0) * bs > config.ctx_len {
+        bail!(
+            "--fit needs contexts of {} tokens; the model's is {}",
+            need.iter().max().unwrap_or(&0) * bs,
+            config.ctx_len
+        );
+    }
+    let blocks: usize = need.iter().sum();
+    let budget = steps
+        .iter()
+        .map(|b| b.iter().map(|s| s.tokens).sum::<usize>())
+        .max()
+        .unwrap_or(1);
+    let cfg = a.model.cpu_config(blocks, budget)?;
+    let mut e =
+        crate::alloc::loading(|| CpuExecutor::from_gguf(g, &cfg)).context("loading the model")?;
+    let threads = e.threads();
+    let vocab = e.model_spec().vocab;
+    let weights = e.model_spec().weight_bytes;
+    // Linear FLOPs a token: the layers' matrices and the output head (which
+    // runs for each sampled token, and once for a prompt chunk: the fitted
+    // prefill rate takes that in).
+    let params = (e.matmul_macs_per_token() + config.vocab * config.n_embd) as f64;
+    let mut first = 0u32;
+    let tables: Vec<Vec<u32>> = need
+        .iter()
+        .map(|&n| {
+            let t: Vec<u32> = (first..first + n as u32).collect();
+            first += n as u32;
+            t
+        })
+        .collect();
+    let mut o = StepOutputs::default();
+    // Every slot's context written once, untimed: the timed steps read it.
+    for (i, t) in tables.iter().enumerate() {
+        let ctx = tokens(need[i] * bs, 50 + i as u64, vocab);
+        for (k, c) in ctx.chunks(budget).enumerate() {
+            e.step(
+                &[SeqInput {
+                    tokens: c,
+                    start_pos: k * budget,
+                    block_table: t,
+                    output: OutputKind::None,
+                    bias: &[],
+                    draft_bias: &[],
+                    allow: None,
+                }],
+                &mut o,
+            )?;
+        }
+    }
+    let greedy = OutputKind::Sample(SamplingParams::greedy());
+    let reps = a.reps.max(5);
+    let mut measured = Vec::new();
+    for batch in &steps {
+        let toks: Vec<Vec<u32>> = batch
+            .iter()
+            .enumerate()
+            .map(|(i, s)| tokens(s.tokens, 900 + i as u64, vocab))
+            .collect();
+        let mut times = Vec::new();
+        for rep in 0..=reps {
+            let inputs: Vec<SeqInput<'_>> = batch
+                .iter()
+                .enumerate()
+                .map(|(i, s)| SeqInput {
+                    tokens: &toks[i],
+                    start_pos: s.start_pos,
+                    block_table: &tables[i],
+                    // A prompt's last chunk gives logits; a decode token is sampled.
+                    output: if s.tokens > 1 {
+                        OutputKind::Logits
+                    } else {
+                        greedy
+                    },
+                    bias: &[],
+                    draft_bias: &[],
+                    allow: None,
+                })
+                .collect();
+            let t = Instant::now();
+            e.step(&inputs, &mut o)?;
+            if rep > 0 {
+                times.push(t.elapsed().as_secs_f64());
+            }
+        }
+        times.sort_by(f64::total_cmp);
+        measured.push((batch.clone(), times[times.len() / 2]));
+    }
+    drop(e);
+    let shape = ModelShape {
+        name: path_name(&a.model.path()?),
+        params,
+        weight_bytes_per_param: weights as f64 / params,
+        n_layer: config.n_layer,
+        q_width: config.n_head * config.head_dim,
+        n_head_kv: config.n_head_kv,
+        head_dim: config.head_dim,
+        kv_dtype: cfg.kv_dtype,
+        vocab: config.vocab,
+        ctx_len: config.ctx_len,
+        window: config
+            .layers
+            .iter()
+            .filter_map(|l| l.window)
+            .max()
+            .unwrap_or(0),
+        window_layers: config.layers.iter().filter(|l| l.window.is_some()).count(),
+    };
+    let mem_bw = read_bandwidth_gbs(weights, threads) * 1e9;
+    // The KV cache `serve` makes by default: 10% of the memory it sees.
+    let kv = crate::memory::MemoryBudget::detect(weights as u64)
+        .map(|m| m.bytes as f64 * 0.1)
+        .map_err(anyhow::Error::msg)?;
+    let name = format!("cpu-fit-{threads}t");
+    let gpu: GpuParams = cost::fit_unoverlapped(
+        &name,
+        &shape,
+        &measured,
+        mem_bw,
+        (weights as f64 + kv) / 0.9,
+    )
+    .map_err(anyhow::Error::msg)?;
+    println!("| step | measured ms | fitted ms | fitted/measured |");
+    println!("|---|---:|---:|---:|");
+    let mut worst = 0f64;
+    for (b, t) in &measured {
+        let f = cost::step_time(&gpu, &shape, b).as_secs_f64();
+        worst = worst.max((f / t - 1.0).abs());
+        let what = if b[0].tokens > 1 {
+            format!("prompt chunk {} @ depth {}", b[0].tokens, b[0].start_pos)
+        } else {
+            format!("decode batch {} @ context {}", b.len(), b[0].start_pos)
+        };
+        println!(
+            "| {what} | {:.2} | {:.2} | {:.2} |",
+            t * 1e3,
+            f * 1e3,
+            f / t
+        );
+    }
+    println!(
+        "fit: overhead {:.3} ms, linear {:.3e} FLOP/s prefill and {:.3e} decode, attention \
+         {:.3e} prefill and {:.3e} decode, memory {:.3e} B/s (measured); worst step {:.1}% off",
+        gpu.overhead_s * 1e3,
+        gpu.prefill_flops,
+        gpu.decode_flops,
+        gpu.attn_prefill_flops.unwrap_or(0.0),
+        gpu.attn_decode_flops.unwrap_or(0.0),
+        gpu.mem_bw,
+        worst * 100.0
+    );
+    let cpu_model = std::fs::read_to_string("/proc/cpuinfo")
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find(|l| l.starts_with("model name"))
+                .and_then(|l| l.split(':').nth(1))
+                .map(|m| m.trim().to_string())
+        })
+        .unwrap_or_else(|| "unknown CPU".into());
+    let text = format!(
+        "# Written by `flotilla bench-model --fit` on {cpu_model}, {threads} threads, model {}\n\
+         # ({} layers, {:.3e} parameters in the matrices, {:.1} MB of weights, KV {}).\n\
+         # [gpu]: this machine's figures for [model], the shape they were fitted with\n\
+         # (use the two together). mem_bytes: the weights and the KV cache `serve`\n\
+         # sizes by default here, + 10%. Use both tables in a scenario, or\n\
+         # `flotilla plan --gpu THIS_FILE` (which takes its [model] too).\n{}",
+        shape.name,
+        shape.n_layer,
+        shape.params,
+        weights as f64 / 1e6,
+        shape.kv_dtype,
+        toml::to_string(&Fitted {
+            gpu,
+            model: shape.clone()
+        })
+        .context("writing the fit as TOML")?
+    );
+    std::fs::write(out, text).with_context(|| format!("writing {}", out.display()))?;
+    println!("wrote {}", out.display());
+    Ok(())
+}
+
+/// What `--fit` writes: the figures and the shape they go with.
+#[derive(serde::Serialize)]
+struct Fitted {
+    gpu: flotilla_sim::cost::GpuParams,
+    model: flotilla_sim::cost::ModelShape,
+}
+
+fn path_name(p: &Path) -> String {
+    p.file_stem()
+        .map(|s| s.to_string_lossy().into_owned())
+        .unwrap_or_else(|| "model".into())
+}
+
 /// What `threads` threads read from a buffer of `bytes`, GB/s: the best
 /// of nine passes after one that pages it in, each thread summing its own
 /// part (the sum is kept, so the reads cannot be dropped).
@@ -640,6 +866,13 @@ pub struct KvQualityArgs {
     /// Skip the llama.cpp runs.
     #[arg(long)]
     no_peer: bool,
+    /// Instead of the tests above, time the steps the simulator's cost
+    /// model is fitted to (prompt chunks and decode batches at several
+    /// depths), fit this machine's figures at these threads, and write
+    /// them to this file: a `[gpu]` for `flotilla simulate` and `flotilla
+    /// plan --gpu FILE`.
+    #[arg(long)]
+    fit: Option<PathBuf>,
 }
 
 /// `flotilla bench-kv-quality`: how far the next-token distributions with

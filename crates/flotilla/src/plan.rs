@@ -15,6 +15,13 @@ pub struct PlanArgs {
     /// model and GPU are planned for; its rates are scaled to each rate
     /// tried, its topology and faults replaced by each configuration's.
     pub workload: PathBuf,
+    /// A JSONL trace to replay in place of the workload's arrivals: one
+    /// request a line, `{"t": 0.25, "prompt_tokens": 812,
+    /// "output_tokens": 140, "tenant": "acme"}` (`t` in seconds; tenants of
+    /// the workload), its times scaled to each rate tried and looped to
+    /// fill the run.
+    #[arg(long)]
+    pub trace: Option<PathBuf>,
     /// A tier's objectives, TIER:METRIC_pN=VALUE[,...], e.g.
     /// `paid:ttft_p99=1s,tpot_p99=60ms` (metrics ttft, tpot; values in s or
     /// ms). Repeat for each tier; every one must hold.
@@ -43,7 +50,9 @@ pub struct PlanArgs {
     /// KV cache dtypes to try (f16, int8, f32).
     #[arg(long, value_delimiter = ',', default_values_t = ["f16".to_string(), "int8".to_string()])]
     pub kv_dtypes: Vec<String>,
-    /// A GPU preset in place of the workload's `[gpu]` (h100, h200, a100, cpu).
+    /// A GPU preset in place of the workload's `[gpu]` (h100, h200, a100,
+    /// cpu), or a file `flotilla bench-model --fit` wrote (its `[gpu]`, and
+    /// the `[model]` it was fitted with unless --model is given).
     #[arg(long)]
     pub gpu: Option<String>,
     /// A model preset in place of the workload's `[model]`.
@@ -70,16 +79,44 @@ pub struct PlanArgs {
     pub out: Option<PathBuf>,
 }
 
+/// The `[gpu]` and `[model]` of a file `bench-model --fit` wrote.
+fn fitted(
+    path: &str,
+) -> Result<(
+    flotilla_sim::cost::GpuParams,
+    flotilla_sim::cost::ModelShape,
+)> {
+    #[derive(serde::Deserialize)]
+    struct Fitted {
+        gpu: flotilla_sim::cost::GpuParams,
+        model: flotilla_sim::cost::ModelShape,
+    }
+    let text = std::fs::read_to_string(path).with_context(|| format!("--gpu {path}"))?;
+    let f: Fitted = toml::from_str(&text).with_context(|| {
+        format!("--gpu {path}: not a file `flotilla bench-model --fit` wrote ([gpu] and [model])")
+    })?;
+    Ok((f.gpu, f.model))
+}
+
 /// Runs `flotilla plan`.
 pub fn run(args: &PlanArgs) -> Result<()> {
     let text = std::fs::read_to_string(&args.workload)
         .with_context(|| format!("reading {}", args.workload.display()))?;
     let mut sc = flotilla_sim::Scenario::load(&args.workload)?;
     if let Some(g) = &args.gpu {
-        sc.gpu = flotilla_sim::scenario::Named::Preset {
-            preset: g.clone(),
-            set: Default::default(),
-        };
+        if g.ends_with(".toml") || std::path::Path::new(g).is_file() {
+            let (gpu, model) = fitted(g)?;
+            println!("--gpu {g}: {} (fitted with model {})", gpu.name, model.name);
+            sc.gpu = flotilla_sim::scenario::Named::Gpu(gpu);
+            if args.model.is_none() {
+                sc.model = flotilla_sim::scenario::Named::Model(model);
+            }
+        } else {
+            sc.gpu = flotilla_sim::scenario::Named::Preset {
+                preset: g.clone(),
+                set: Default::default(),
+            };
+        }
     }
     if let Some(m) = &args.model {
         sc.model = flotilla_sim::scenario::Named::Preset {
@@ -92,6 +129,14 @@ pub fn run(args: &PlanArgs) -> Result<()> {
             bail!("--duration-s {d} must be a positive number of seconds");
         }
         sc.run.duration_s = d;
+    }
+    if let Some(t) = &args.trace {
+        sc.replay(t)?;
+        println!(
+            "replaying {} ({:.2} req/s as recorded)",
+            t.display(),
+            flotilla_sim::plan::offered_rate(&sc)?
+        );
     }
     sc.validate()?;
     let mut objectives: Vec<Objective> = Vec::new();

@@ -308,6 +308,189 @@ pub struct SeqCost {
     pub tokens: usize,
 }
 
+/// What one step costs before any rate divides it: FLOPs of the linear
+/// layers and of attention, bytes read.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct StepTerms {
+    /// FLOPs of the linear layers (`2 * params` a token).
+    pub linear: f64,
+    /// Whether a sequence computes more than one token (a prefill chunk):
+    /// the linear layers run at the prefill rate.
+    pub prefill: bool,
+    /// Attention FLOPs of the prefill chunks.
+    pub attn_prefill: f64,
+    /// Attention FLOPs of the one-token sequences.
+    pub attn_decode: f64,
+    /// Bytes read: the weights once, each sequence's KV once.
+    pub bytes: f64,
+}
+
+impl StepTerms {
+    /// The terms of `batch` for model `m`.
+    pub fn of(m: &ModelShape, batch: &[SeqCost]) -> StepTerms {
+        let mut t = StepTerms {
+            bytes: m.weight_bytes(),
+            ..StepTerms::default()
+        };
+        for s in batch {
+            let n = s.tokens as f64;
+            t.linear += 2.0 * m.params * n;
+            // Attention over positions 0..=p (or the window) for each new token at p.
+            let ctx_sum: f64 = if m.window > 0 && m.window_layers > 0 {
+                (s.start_pos..s.start_pos + s.tokens)
+                    .map(|p| m.attended(p as f64 + 1.0))
+                    .sum()
+            } else {
+                m.n_layer as f64 * (n * s.start_pos as f64 + n * (n + 1.0) / 2.0)
+            };
+            let attn = 4.0 * m.q_width as f64 * ctx_sum;
+            if s.tokens > 1 {
+                t.prefill = true;
+                t.attn_prefill += attn;
+            } else {
+                t.attn_decode += attn;
+            }
+            // Windowed layers read only the blocks inside their window.
+            t.bytes += m.attended((s.start_pos + s.tokens) as f64) * m.kv_bytes_per_token() as f64
+                / m.n_layer as f64;
+        }
+        t
+    }
+}
+
+/// The steps `flotilla bench-model --fit` times to fit a CPU backend's
+/// figures: prompt chunks of 32..512 tokens at depths 0..1024 (the linear
+/// layers' prefill rate and prefill attention), and decode batches of 1..32
+/// sequences at contexts 128..1024 (the decode rate and decode attention).
+pub fn fit_steps() -> Vec<Vec<SeqCost>> {
+    let mut out = Vec::new();
+    for (tokens, start_pos) in [
+        (32, 0),
+        (64, 0),
+        (128, 0),
+        (256, 0),
+        (512, 0),
+        (128, 512),
+        (128, 1024),
+        (512, 512),
+    ] {
+        out.push(vec![SeqCost { start_pos, tokens }]);
+    }
+    for (batch, ctx) in [
+        (1, 128),
+        (2, 128),
+        (4, 128),
+        (8, 128),
+        (16, 128),
+        (32, 128),
+        (1, 1024),
+        (4, 512),
+        (8, 1024),
+    ] {
+        out.push(vec![
+            SeqCost {
+                start_pos: ctx,
+                tokens: 1,
+            };
+            batch
+        ]);
+    }
+    out
+}
+
+/// A CPU backend's figures (compute and memory traffic add up) fitted to
+/// measured step times: `mem_bw` is measured apart (it and the fixed
+/// overhead are both a constant per step, which step times alone cannot
+/// tell apart); the overhead and the four FLOP rates are the non-negative
+/// least-squares fit of the relative errors. Each step of `steps` must
+/// hold one kind (prefill chunks or decode tokens). `mem_bytes` is what
+/// the simulated node holds (weights + KV cache + 10% headroom).
+pub fn fit_unoverlapped(
+    name: &str,
+    m: &ModelShape,
+    steps: &[(Vec<SeqCost>, f64)],
+    mem_bw: f64,
+    mem_bytes: f64,
+) -> Result<GpuParams, String> {
+    if !(mem_bw.is_finite() && mem_bw > 0.0) {
+        return Err(format!("memory bandwidth {mem_bw} B/s is not positive"));
+    }
+    // Unknowns: overhead, 1/prefill, 1/decode, 1/attn prefill, 1/attn decode.
+    let mut rows: Vec<([f64; 5], f64)> = Vec::new();
+    for (batch, secs) in steps {
+        if !(secs.is_finite() && *secs > 0.0) {
+            return Err(format!("a step time of {secs} s is not positive"));
+        }
+        let t = StepTerms::of(m, batch);
+        let (lp, ld) = if t.prefill {
+            (t.linear, 0.0)
+        } else {
+            (0.0, t.linear)
+        };
+        // Relative error: each row divided by its measured time.
+        let rest = secs - t.bytes / mem_bw;
+        rows.push((
+            [1.0, lp, ld, t.attn_prefill, t.attn_decode].map(|x| x / secs),
+            rest / secs,
+        ));
+    }
+    // Columns scaled to a largest entry of 1, so the unknowns are of one size.
+    let mut scale = [0.0f64; 5];
+    for (a, _) in &rows {
+        for j in 0..5 {
+            scale[j] = scale[j].max(a[j]);
+        }
+    }
+    if let Some(j) = (0..5).find(|&j| scale[j] == 0.0) {
+        return Err(format!(
+            "the steps do not exercise term {j} of the cost model (prefill, decode and both \
+             attentions each need steps)"
+        ));
+    }
+    let mut h = [[0.0f64; 5]; 5];
+    let mut g = [0.0f64; 5];
+    for (a, b) in &rows {
+        let a: [f64; 5] = std::array::from_fn(|j| a[j] / scale[j]);
+        for i in 0..5 {
+            g[i] += a[i] * b;
+            for j in 0..5 {
+                h[i][j] += a[i] * a[j];
+            }
+        }
+    }
+    // Non-negative least squares by projected coordinate descent (a convex
+    // problem of five unknowns: it converges).
+    let mut x = [0.0f64; 5];
+    for _ in 0..20_000 {
+        let mut moved = 0.0f64;
+        for i in 0..5 {
+            let grad: f64 = (0..5).map(|j| h[i][j] * x[j]).sum::<f64>() - g[i];
+            let next = (x[i] - grad / h[i][i]).max(0.0);
+            moved = moved.max((next - x[i]).abs());
+            x[i] = next;
+        }
+        if moved < 1e-13 {
+            break;
+        }
+    }
+    let x: [f64; 5] = std::array::from_fn(|j| x[j] / scale[j]);
+    // A term the fit finds free costs nothing: a rate beyond any machine.
+    let rate = |inv: f64| if inv > 1e-18 { 1.0 / inv } else { 1e18 };
+    Ok(GpuParams {
+        name: name.into(),
+        prefill_flops: rate(x[1]),
+        decode_flops: rate(x[2]),
+        mem_bw,
+        overhead_s: x[0],
+        attn_prefill_flops: Some(rate(x[3])),
+        attn_decode_flops: Some(rate(x[4])),
+        overlap: false,
+        mem_bytes,
+        mask_us: default_mask_us(),
+        host_link_bw: 1.0e10,
+    })
+}
+
 /// The time of one step.
 pub fn step_time(gpu: &GpuParams, m: &ModelShape, batch: &[SeqCost]) -> Duration {
     step_time_masked(gpu, m, batch, 0)
@@ -323,42 +506,16 @@ pub fn step_time_masked(
     batch: &[SeqCost],
     masks: usize,
 ) -> Duration {
-    let mut linear = 0.0;
-    let mut attn_prefill = 0.0;
-    let mut attn_decode = 0.0;
-    let mut prefill = false;
-    let mut kv_read = 0.0;
-    for s in batch {
-        let n = s.tokens as f64;
-        linear += 2.0 * m.params * n;
-        // Attention over positions 0..=p (or the window) for each new token at p.
-        let ctx_sum: f64 = if m.window > 0 && m.window_layers > 0 {
-            (s.start_pos..s.start_pos + s.tokens)
-                .map(|p| m.attended(p as f64 + 1.0))
-                .sum()
-        } else {
-            m.n_layer as f64 * (n * s.start_pos as f64 + n * (n + 1.0) / 2.0)
-        };
-        let attn = 4.0 * m.q_width as f64 * ctx_sum;
-        if s.tokens > 1 {
-            prefill = true;
-            attn_prefill += attn;
-        } else {
-            attn_decode += attn;
-        }
-        // Windowed layers read only the blocks inside their window.
-        kv_read += m.attended((s.start_pos + s.tokens) as f64) * m.kv_bytes_per_token() as f64
-            / m.n_layer as f64;
-    }
-    let linear_rate = if prefill {
+    let t = StepTerms::of(m, batch);
+    let linear_rate = if t.prefill {
         gpu.prefill_flops
     } else {
         gpu.decode_flops
     };
-    let compute = linear / linear_rate
-        + attn_prefill / gpu.attn_prefill_flops.unwrap_or(gpu.prefill_flops)
-        + attn_decode / gpu.attn_decode_flops.unwrap_or(gpu.decode_flops);
-    let memory = (m.weight_bytes() + kv_read) / gpu.mem_bw;
+    let compute = t.linear / linear_rate
+        + t.attn_prefill / gpu.attn_prefill_flops.unwrap_or(gpu.prefill_flops)
+        + t.attn_decode / gpu.attn_decode_flops.unwrap_or(gpu.decode_flops);
+    let memory = t.bytes / gpu.mem_bw;
     let masking = masks as f64 * gpu.mask_us * 1e-6;
     let busy = if gpu.overlap {
         compute.max(memory).max(masking)
@@ -507,6 +664,46 @@ mod tests {
             ms(step_time(&g, &full, &batch)),
         );
         assert!(a < b * 0.5, "windowed {a} ms vs full {b} ms");
+    }
+
+    #[test]
+    fn a_fit_to_step_times_recovers_the_figures_that_made_them() {
+        let m = ModelShape::preset("smollm2-135m").unwrap();
+        let cpu = GpuParams::preset("cpu").unwrap();
+        // The times the preset gives each fit step.
+        let steps: Vec<(Vec<SeqCost>, f64)> = fit_steps()
+            .into_iter()
+            .map(|b| {
+                let t = step_time(&cpu, &m, &b).as_secs_f64();
+                (b, t)
+            })
+            .collect();
+        let fit = fit_unoverlapped("fitted", &m, &steps, cpu.mem_bw, cpu.mem_bytes).unwrap();
+        let near = |a: f64, b: f64| (a / b - 1.0).abs() < 0.01;
+        assert!(near(fit.prefill_flops, cpu.prefill_flops), "{fit:?}");
+        assert!(near(fit.decode_flops, cpu.decode_flops), "{fit:?}");
+        assert!(near(fit.attn_prefill_flops.unwrap(), 6.3e10), "{fit:?}");
+        assert!(near(fit.attn_decode_flops.unwrap(), 1.3e10), "{fit:?}");
+        assert!((fit.overhead_s - cpu.overhead_s).abs() < 5e-6, "{fit:?}");
+        // With noise the fit still gives every step within the noise.
+        let noisy: Vec<(Vec<SeqCost>, f64)> = steps
+            .iter()
+            .enumerate()
+            .map(|(i, (b, t))| (b.clone(), t * if i % 2 == 0 { 1.03 } else { 0.97 }))
+            .collect();
+        let fit = fit_unoverlapped("fitted", &m, &noisy, cpu.mem_bw, cpu.mem_bytes).unwrap();
+        for (b, t) in &noisy {
+            let p = step_time(&fit, &m, b).as_secs_f64();
+            assert!((p / t - 1.0).abs() < 0.07, "{b:?}: {p} vs {t}");
+        }
+        // Steps without decode tokens cannot fit the decode rate.
+        let prefill_only: Vec<_> = steps
+            .iter()
+            .filter(|(b, _)| b[0].tokens > 1)
+            .cloned()
+            .collect();
+        let e = fit_unoverlapped("x", &m, &prefill_only, cpu.mem_bw, cpu.mem_bytes).unwrap_err();
+        assert!(e.contains("do not exercise"), "{e}");
     }
 
     #[test]

@@ -5,107 +5,11 @@
 //! down by doubling, then bisect), and the cheapest configuration that
 //! serves a target rate.
 
-use std::time::Duration;
-
 use flotilla_exec::KvDtype;
 
 use crate::run::{End, Report, SimError, percentile, run};
 use crate::scenario::{Arrivals, Scenario, ScenarioError, SimMode};
-
-/// Which latency an objective bounds.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Metric {
-    /// Time to first token.
-    Ttft,
-    /// A request's mean time per output token after the first.
-    Tpot,
-}
-
-/// One objective: `tier`'s `metric` at percentile `pct` at most `limit`.
-#[derive(Clone, Debug, PartialEq)]
-pub struct Objective {
-    /// The tier's name.
-    pub tier: String,
-    /// The latency.
-    pub metric: Metric,
-    /// The percentile (0 < pct <= 100).
-    pub pct: f64,
-    /// The bound.
-    pub limit: Duration,
-}
-
-impl std::fmt::Display for Objective {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        let m = match self.metric {
-            Metric::Ttft => "ttft",
-            Metric::Tpot => "tpot",
-        };
-        write!(
-            f,
-            "{}:{m}_p{}<={}ms",
-            self.tier,
-            self.pct,
-            self.limit.as_secs_f64() * 1e3
-        )
-    }
-}
-
-/// Parses `TIER:METRIC_pPCT=VALUE[,METRIC_pPCT=VALUE...]`, e.g.
-/// `paid:ttft_p99=1s,tpot_p99=60ms` (values in `s` or `ms`).
-pub fn parse_objectives(arg: &str) -> Result<Vec<Objective>, String> {
-    let (tier, rest) = arg.split_once(':').ok_or_else(|| {
-        format!("--slo '{arg}': expected TIER:METRIC_pN=VALUE, e.g. paid:ttft_p99=1s")
-    })?;
-    if tier.is_empty() {
-        return Err(format!("--slo '{arg}': no tier before ':'"));
-    }
-    let mut out = Vec::new();
-    for part in rest.split(',') {
-        let (key, value) = part
-            .split_once('=')
-            .ok_or_else(|| format!("--slo '{arg}': '{part}' is not METRIC_pN=VALUE"))?;
-        let (metric, pct) = key
-            .split_once("_p")
-            .ok_or_else(|| format!("--slo '{arg}': '{key}' is not ttft_pN or tpot_pN"))?;
-        let metric = match metric {
-            "ttft" => Metric::Ttft,
-            "tpot" => Metric::Tpot,
-            other => {
-                return Err(format!(
-                    "--slo '{arg}': unknown metric '{other}' (ttft, tpot)"
-                ));
-            }
-        };
-        let pct: f64 = pct
-            .parse()
-            .ok()
-            .filter(|p: &f64| *p > 0.0 && *p <= 100.0)
-            .ok_or_else(|| format!("--slo '{arg}': percentile '{pct}' is not in (0, 100]"))?;
-        let limit = parse_duration(value)
-            .ok_or_else(|| format!("--slo '{arg}': '{value}' is not a time like 1s or 60ms"))?;
-        out.push(Objective {
-            tier: tier.to_string(),
-            metric,
-            pct,
-            limit,
-        });
-    }
-    Ok(out)
-}
-
-fn parse_duration(v: &str) -> Option<Duration> {
-    let (num, scale) = if let Some(n) = v.strip_suffix("ms") {
-        (n, 1e-3)
-    } else if let Some(n) = v.strip_suffix("us") {
-        (n, 1e-6)
-    } else if let Some(n) = v.strip_suffix('s') {
-        (n, 1.0)
-    } else {
-        return None;
-    };
-    let x: f64 = num.parse().ok()?;
-    (x.is_finite() && x > 0.0).then(|| Duration::from_secs_f64(x * scale))
-}
+pub use flotilla_exec::slo::{Metric, Objective, parse_objectives};
 
 /// One cluster shape: how many engine nodes, of which roles, with which
 /// engine settings.
@@ -312,6 +216,12 @@ pub fn offered_rate(sc: &Scenario) -> Result<f64, ScenarioError> {
                 burst,
                 every_s,
             } => rate_per_s + burst as f64 / every_s,
+            Arrivals::Trace {
+                ref rows,
+                speed,
+                period_s,
+                ..
+            } => rows.len() as f64 / period_s * speed,
             Arrivals::Closed { .. } => {
                 return Err(ScenarioError::Invalid(format!(
                     "tenant '{}' has closed-loop clients: a plan scales open arrivals \
@@ -346,6 +256,17 @@ pub fn at_rate(sc: &Scenario, rate: f64) -> Result<Scenario, ScenarioError> {
                 rate_per_s: rate_per_s * k,
                 burst,
                 every_s: every_s / k,
+            },
+            Arrivals::Trace {
+                file,
+                speed,
+                rows,
+                period_s,
+            } => Arrivals::Trace {
+                file,
+                speed: speed * k,
+                rows,
+                period_s,
             },
             a @ Arrivals::Closed { .. } => a,
         };
@@ -797,28 +718,6 @@ pub fn cluster_config(scenario_text: &str, config: &Config) -> Result<String, St
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn objectives_parse_and_bad_ones_say_why() {
-        let o = parse_objectives("paid:ttft_p99=1s,tpot_p99=60ms").unwrap();
-        assert_eq!(o.len(), 2);
-        assert_eq!(o[0].metric, Metric::Ttft);
-        assert_eq!(o[0].limit, Duration::from_secs(1));
-        assert_eq!(o[1].metric, Metric::Tpot);
-        assert_eq!(o[1].pct, 99.0);
-        assert_eq!(o[1].limit, Duration::from_millis(60));
-        for (bad, why) in [
-            ("ttft_p99=1s", "expected TIER"),
-            ("paid:ttft=1s", "not ttft_pN"),
-            ("paid:itl_p99=1s", "unknown metric"),
-            ("paid:ttft_p0=1s", "percentile"),
-            ("paid:ttft_p99=fast", "not a time"),
-            ("paid:ttft_p99", "not METRIC_pN=VALUE"),
-        ] {
-            let e = parse_objectives(bad).unwrap_err();
-            assert!(e.contains(why), "{bad}: {e}");
-        }
-    }
 
     #[test]
     fn the_space_lists_each_shape_once_and_splits_keep_both_roles() {

@@ -676,7 +676,7 @@ async fn simulate(sc: &Scenario, seed: u64) -> Result<Report, SimError> {
                             }
                             let key = request_key(ti, (c as u64) << 24 | j);
                             j += 1;
-                            one_request(&w, ti, key, &mut crng).await;
+                            one_request(&w, ti, key, &mut crng, None).await;
                         }
                     });
                 }
@@ -699,14 +699,32 @@ async fn simulate(sc: &Scenario, seed: u64) -> Result<Report, SimError> {
                     }
                 }
                 at.sort_by(f64::total_cmp);
-                for (k, a) in at.into_iter().enumerate() {
-                    let w = world.clone();
-                    let mut rrng = rng.split(k as u64);
-                    tasks.spawn(async move {
-                        tokio::time::sleep_until(start + Duration::from_secs_f64(a)).await;
-                        one_request(&w, ti, request_key(ti, k as u64), &mut rrng).await;
-                    });
+                let at: Vec<(f64, Option<(u32, u32)>)> =
+                    at.into_iter().map(|a| (a, None)).collect();
+                tasks.spawn(feed(world.clone(), ti, start, at, rng));
+            }
+            Arrivals::Trace {
+                ref rows,
+                speed,
+                period_s,
+                ..
+            } => {
+                // The trace looped until the arrivals stop.
+                let dur = sc.run.duration_s;
+                let mut at = Vec::new();
+                'fill: for lap in 0u32.. {
+                    if rows.is_empty() {
+                        break;
+                    }
+                    for r in rows.iter() {
+                        let a = (r.t + f64::from(lap) * period_s) / speed;
+                        if a >= dur {
+                            break 'fill;
+                        }
+                        at.push((a, Some((r.prompt_tokens, r.output_tokens))));
+                    }
                 }
+                tasks.spawn(feed(world.clone(), ti, start, at, rng));
             }
         }
     }
@@ -1267,6 +1285,38 @@ fn draw(l: &Lengths, rng: &mut Rng) -> u32 {
     }
 }
 
+/// One tenant's open arrivals: request `k` starts at `at[k]` (seconds from
+/// `start`; with its lengths where a trace gives them), each its own task,
+/// spawned when it arrives (so a long run holds only the requests in
+/// flight). Ends when every one has ended.
+async fn feed(
+    w: Arc<World>,
+    ti: usize,
+    start: Instant,
+    at: Vec<(f64, Option<(u32, u32)>)>,
+    rng: Rng,
+) {
+    let mut live = JoinSet::new();
+    for (k, (a, lengths)) in at.into_iter().enumerate() {
+        let mut rrng = rng.split(k as u64);
+        tokio::time::sleep_until(start + Duration::from_secs_f64(a)).await;
+        let client = w.clone();
+        live.spawn(async move {
+            one_request(&client, ti, request_key(ti, k as u64), &mut rrng, lengths).await;
+        });
+        while let Some(done) = live.try_join_next() {
+            if let Err(e) = done {
+                lock(&w.trace).violate(format!("a client task panicked: {e}"));
+            }
+        }
+    }
+    while let Some(done) = live.join_next().await {
+        if let Err(e) = done {
+            lock(&w.trace).violate(format!("a client task panicked: {e}"));
+        }
+    }
+}
+
 /// One client request: submit through the Router, read the stream, check
 /// it, record it.
 /// A request's key: its tenant and its place in that tenant's traffic
@@ -1276,12 +1326,24 @@ fn request_key(tenant: usize, n: u64) -> u64 {
     (tenant as u64) << 48 | (n & ((1 << 48) - 1))
 }
 
-async fn one_request(w: &Arc<World>, tenant: usize, key: u64, rng: &mut Rng) {
+async fn one_request(
+    w: &Arc<World>,
+    tenant: usize,
+    key: u64,
+    rng: &mut Rng,
+    lengths: Option<(u32, u32)>,
+) {
     let t = &w.sc.traffic[tenant];
     let tier = w.sc.tier_of(tenant);
-    let prompt_len = draw(&t.prompt, rng);
+    let (prompt_len, output_len) = match lengths {
+        Some(l) => l,
+        None => {
+            let p = draw(&t.prompt, rng);
+            (p, draw(&t.output, rng))
+        }
+    };
     let max_len = w.sc.max_model_len as u32;
-    let max_tokens = draw(&t.output, rng).min(max_len.saturating_sub(prompt_len).max(1));
+    let max_tokens = output_len.min(max_len.saturating_sub(prompt_len).max(1));
     let cancel_after = rng
         .chance(t.cancel_fraction)
         .then(|| rng.range(1, u64::from(max_tokens)));

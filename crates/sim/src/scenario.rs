@@ -2,6 +2,7 @@
 //! workload and the faults of one simulation.
 
 use std::path::Path;
+use std::sync::Arc;
 
 use serde::Deserialize;
 
@@ -346,9 +347,11 @@ pub struct TrafficSection {
     pub tenant: String,
     /// How requests arrive.
     pub arrivals: Arrivals,
-    /// Prompt lengths, tokens.
+    /// Prompt lengths, tokens (a trace's lines give their own).
+    #[serde(default = "Lengths::unset")]
     pub prompt: Lengths,
-    /// Output lengths, tokens.
+    /// Output lengths, tokens (a trace's lines give their own).
+    #[serde(default = "Lengths::unset")]
     pub output: Lengths,
     /// Fraction of requests whose client leaves mid-stream.
     #[serde(default)]
@@ -398,6 +401,85 @@ pub enum Arrivals {
         /// Seconds between bursts.
         every_s: f64,
     },
+    /// A recorded trace replayed: a JSONL file, one request a line,
+    /// `{"t": 0.25, "prompt_tokens": 812, "output_tokens": 140, "tenant":
+    /// "acme"}` (`t`: seconds from the trace's start), of which this
+    /// tenant's lines; its times divided by `speed`, the trace looped to
+    /// fill `[run] duration_s`. Each request's lengths are its line's (the
+    /// traffic's `prompt` and `output` may be left out).
+    Trace {
+        /// The file, relative to the scenario's directory.
+        file: String,
+        /// Replay speed (2: twice the trace's rate).
+        #[serde(default = "one")]
+        speed: f64,
+        /// This tenant's lines, read when the scenario is loaded.
+        #[serde(skip)]
+        rows: Arc<Vec<TraceRow>>,
+        /// One loop of the whole trace (every tenant's lines), seconds.
+        #[serde(skip)]
+        period_s: f64,
+    },
+}
+
+fn one() -> f64 {
+    1.0
+}
+
+/// One request of a trace.
+#[derive(Clone, Debug, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TraceRow {
+    /// Seconds from the trace's start.
+    pub t: f64,
+    /// Prompt tokens.
+    pub prompt_tokens: u32,
+    /// Output tokens.
+    pub output_tokens: u32,
+    /// The tenant's name.
+    pub tenant: String,
+}
+
+/// The rows of a JSONL trace, each checked, in time order.
+pub fn read_trace(path: &Path) -> Result<Vec<TraceRow>, ScenarioError> {
+    let text = std::fs::read_to_string(path).map_err(|err| ScenarioError::Read {
+        path: path.display().to_string(),
+        err,
+    })?;
+    let mut rows = Vec::new();
+    for (i, line) in text.lines().enumerate() {
+        if line.trim().is_empty() {
+            continue;
+        }
+        let bad = |why: String| {
+            ScenarioError::Invalid(format!("{} line {}: {why}", path.display(), i + 1))
+        };
+        let r: TraceRow = serde_json::from_str(line).map_err(|e| bad(e.to_string()))?;
+        if !(r.t.is_finite() && r.t >= 0.0) {
+            return Err(bad(format!("t {} is not a time >= 0", r.t)));
+        }
+        if r.prompt_tokens == 0 || r.output_tokens == 0 {
+            return Err(bad(
+                "prompt_tokens and output_tokens must be at least 1".into()
+            ));
+        }
+        rows.push(r);
+    }
+    if rows.is_empty() {
+        return Err(ScenarioError::Invalid(format!(
+            "{}: the trace holds no requests",
+            path.display()
+        )));
+    }
+    rows.sort_by(|a, b| a.t.total_cmp(&b.t));
+    Ok(rows)
+}
+
+impl Lengths {
+    /// No lengths given (refused unless a trace gives them).
+    fn unset() -> Lengths {
+        Lengths::Fixed { tokens: 0 }
+    }
 }
 
 /// A length distribution, in tokens (clamped to `min..=max`).
@@ -705,16 +787,73 @@ impl Scenario {
             path: path.display().to_string(),
             err,
         })?;
-        Scenario::parse_named(&text, &path.display().to_string())
+        let dir = path.parent().unwrap_or(Path::new("."));
+        Scenario::parse_named(&text, &path.display().to_string(), dir)
     }
 
-    /// Parses and validates scenario text.
+    /// Parses and validates scenario text (trace files relative to the
+    /// working directory).
     pub fn parse(text: &str) -> Result<Scenario, ScenarioError> {
-        Scenario::parse_named(text, "scenario")
+        Scenario::parse_named(text, "scenario", Path::new("."))
     }
 
-    /// Parses and validates scenario text; `origin` names it in errors.
-    fn parse_named(text: &str, origin: &str) -> Result<Scenario, ScenarioError> {
+    /// Every traffic's arrivals replaced by `file`'s lines of its tenant
+    /// (a tenant without lines sends nothing), at the trace's own speed.
+    pub fn replay(&mut self, file: &Path) -> Result<(), ScenarioError> {
+        let rows = read_trace(file)?;
+        for t in &mut self.traffic {
+            t.arrivals = Arrivals::Trace {
+                file: file.display().to_string(),
+                speed: 1.0,
+                rows: Arc::default(),
+                period_s: 0.0,
+            };
+        }
+        self.fill_traces(&rows)?;
+        self.validate()
+    }
+
+    /// Each trace traffic's rows and the loop period, from the whole
+    /// trace's `rows`.
+    fn fill_traces(&mut self, all: &[TraceRow]) -> Result<(), ScenarioError> {
+        let (first, last) = match (all.first(), all.last()) {
+            (Some(a), Some(b)) if b.t > a.t => (a.t, b.t),
+            _ => {
+                return Err(ScenarioError::Invalid(
+                    "a trace's requests all arrive at one instant: it has no rate".into(),
+                ));
+            }
+        };
+        // One loop: to the last request and one mean gap beyond, so the
+        // next loop's first request does not land on the last one.
+        let period_s = last + (last - first) / (all.len() - 1) as f64;
+        let names: Vec<String> = self.config.tenants.iter().map(|t| t.name.clone()).collect();
+        if let Some(r) = all.iter().find(|r| !names.contains(&r.tenant)) {
+            return Err(ScenarioError::Invalid(format!(
+                "the trace names tenant '{}', which the scenario does not have",
+                r.tenant
+            )));
+        }
+        for t in &mut self.traffic {
+            if let Arrivals::Trace {
+                rows, period_s: p, ..
+            } = &mut t.arrivals
+            {
+                *rows = Arc::new(
+                    all.iter()
+                        .filter(|r| r.tenant == t.tenant)
+                        .cloned()
+                        .collect(),
+                );
+                *p = period_s;
+            }
+        }
+        Ok(())
+    }
+
+    /// Parses and validates scenario text; `origin` names it in errors,
+    /// trace files are relative to `dir`.
+    fn parse_named(text: &str, origin: &str, dir: &Path) -> Result<Scenario, ScenarioError> {
         let raw: RawScenario = toml::from_str(text).map_err(|e| ScenarioError::Parse {
             path: origin.into(),
             err: e.to_string(),
@@ -769,6 +908,25 @@ impl Scenario {
             pipeline: raw.pipeline,
             sim: raw.sim,
         };
+        let mut sc = sc;
+        // Trace files, each read once (every tenant's lines in it).
+        let files: std::collections::BTreeSet<String> = sc
+            .traffic
+            .iter()
+            .filter_map(|t| match &t.arrivals {
+                Arrivals::Trace { file, .. } => Some(file.clone()),
+                _ => None,
+            })
+            .collect();
+        if files.len() > 1 {
+            return Err(ScenarioError::Invalid(
+                "every traced tenant must replay the same trace file".into(),
+            ));
+        }
+        if let Some(f) = files.first() {
+            let rows = read_trace(&dir.join(f))?;
+            sc.fill_traces(&rows)?;
+        }
         sc.validate()?;
         Ok(sc)
     }
@@ -994,9 +1152,25 @@ impl Scenario {
                     burst,
                     every_s,
                 } => rate_per_s >= 0.0 && burst > 0 && every_s > 0.0,
+                Arrivals::Trace {
+                    speed, period_s, ..
+                } => speed.is_finite() && speed > 0.0 && period_s > 0.0,
             };
             if !positive {
                 return bad(format!("tenant '{}': arrivals must be positive", t.tenant));
+            }
+            if let Arrivals::Trace { rows, .. } = &t.arrivals {
+                if let Some(r) = rows
+                    .iter()
+                    .find(|r| r.prompt_tokens.saturating_add(1) > self.max_model_len as u32)
+                {
+                    return bad(format!(
+                        "tenant '{}': a trace request of {} prompt tokens leaves no room in \
+                         max_model_len {}",
+                        t.tenant, r.prompt_tokens, self.max_model_len
+                    ));
+                }
+                continue;
             }
             for (what, l) in [("prompt", &t.prompt), ("output", &t.output)] {
                 let (lo, hi) = match *l {

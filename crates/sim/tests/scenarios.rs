@@ -1311,3 +1311,92 @@ fn fast_mode_refuses_per_message_faults_and_goes_step_by_step_around_a_crash() {
     let c = flotilla_sim::compare(&sc, 1).unwrap_or_else(|e| panic!("{e}"));
     assert!(c.equal(), "{c}");
 }
+
+/// A JSONL trace replays its requests at their times with their lengths,
+/// looped to fill the run; `speed` scales its rate, and a plan's rate
+/// scaling is a speed.
+#[test]
+fn a_trace_replays_its_requests_at_their_times_with_their_lengths() {
+    let dir = std::env::temp_dir().join(format!("flotilla-trace-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let trace = dir.join("trace.jsonl");
+    std::fs::write(
+        &trace,
+        "{\"t\": 0.0, \"prompt_tokens\": 40, \"output_tokens\": 5, \"tenant\": \"p\"}\n\
+         {\"t\": 0.5, \"prompt_tokens\": 60, \"output_tokens\": 9, \"tenant\": \"f\"}\n\
+         \n\
+         {\"t\": 1.0, \"prompt_tokens\": 80, \"output_tokens\": 7, \"tenant\": \"p\"}\n",
+    )
+    .unwrap();
+    let mut sc = small("");
+    sc.replay(&trace).unwrap();
+    for t in &mut sc.traffic {
+        t.cancel_fraction = 0.0;
+    }
+    // One lap: 1 s and one mean gap (0.5 s); 4 s of arrivals: laps at 0,
+    // 1.5 and 3 s, each p at +0 and +1 s, f at +0.5 s.
+    let r = run(&sc, 3).unwrap_or_else(|e| panic!("{e}"));
+    let of = |tenant: u64| -> Vec<(f64, u64)> {
+        r.requests
+            .iter()
+            .filter(|q| q.key >> 48 == tenant)
+            .map(|q| (q.sent.as_secs_f64(), q.tokens))
+            .collect()
+    };
+    let p = of(0);
+    // Sent times from the first request's (at the trace's t = 0; the run's
+    // clock starts before, while the engines first report).
+    let t0 = p[0].0;
+    let sent = |v: &[(f64, u64)]| {
+        v.iter()
+            .map(|x| ((x.0 - t0) * 1000.0).round() / 1000.0)
+            .collect::<Vec<_>>()
+    };
+    assert_eq!(sent(&p), [0.0, 1.0, 1.5, 2.5, 3.0], "{r}");
+    assert_eq!(
+        p.iter().map(|x| x.1).collect::<Vec<_>>(),
+        [5, 7, 5, 7, 5],
+        "{r}"
+    );
+    let f = of(1);
+    assert_eq!(sent(&f), [0.5, 2.0, 3.5], "{r}");
+    assert!(f.iter().all(|x| x.1 == 9), "{r}");
+    // At twice the recorded rate: twice the requests, the same lengths.
+    assert!((flotilla_sim::plan::offered_rate(&sc).unwrap() - 2.0).abs() < 1e-9);
+    let fast = flotilla_sim::plan::at_rate(&sc, 4.0).unwrap();
+    let r2 = run(&fast, 3).unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(r2.requests.len(), 16, "{r2}");
+    // What a trace cannot be: each refused with its line or its reason.
+    for (text, why) in [
+        (
+            "{\"t\": -1, \"prompt_tokens\": 4, \"output_tokens\": 4, \"tenant\": \"p\"}",
+            "line 1",
+        ),
+        (
+            "{\"t\": 0, \"prompt_tokens\": 0, \"output_tokens\": 4, \"tenant\": \"p\"}",
+            "at least 1",
+        ),
+        (
+            "{\"t\": 0, \"prompt_tokens\": 4, \"tenant\": \"p\"}",
+            "output_tokens",
+        ),
+        (
+            "{\"t\": 0, \"prompt_tokens\": 4, \"output_tokens\": 4, \"tenant\": \"x\"}\n{\"t\": 1, \"prompt_tokens\": 4, \"output_tokens\": 4, \"tenant\": \"x\"}",
+            "tenant 'x'",
+        ),
+        (
+            "{\"t\": 2, \"prompt_tokens\": 4, \"output_tokens\": 4, \"tenant\": \"p\"}\n{\"t\": 2, \"prompt_tokens\": 4, \"output_tokens\": 4, \"tenant\": \"p\"}",
+            "one instant",
+        ),
+        ("", "no requests"),
+        (
+            "{\"t\": 0, \"prompt_tokens\": 5000, \"output_tokens\": 4, \"tenant\": \"p\"}\n{\"t\": 1, \"prompt_tokens\": 4, \"output_tokens\": 4, \"tenant\": \"p\"}",
+            "max_model_len",
+        ),
+    ] {
+        std::fs::write(&trace, text).unwrap();
+        let e = small("").replay(&trace).unwrap_err().to_string();
+        assert!(e.contains(why), "{text}: {e}");
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
