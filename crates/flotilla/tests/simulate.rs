@@ -203,3 +203,113 @@ fn plan_refuses_what_it_cannot_plan_with_the_reason() {
         assert!(err.contains(why), "{args:?}: {err}");
     }
 }
+
+/// The highest rate of the one configuration a plan printed.
+fn planned_rate(out: &std::process::Output) -> f64 {
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{text}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let line = text
+        .lines()
+        .skip_while(|l| !l.starts_with("Pareto front"))
+        .nth(1)
+        .unwrap_or_else(|| panic!("no front: {text}"));
+    let at = line.find(" req/s").unwrap();
+    line[..at]
+        .split_whitespace()
+        .last()
+        .unwrap()
+        .parse()
+        .unwrap()
+}
+
+#[test]
+fn plan_takes_a_fitted_machine_file_and_a_recorded_trace() {
+    let dir = scratch("plan-fit-trace");
+    let one = [
+        "--nodes",
+        "1",
+        "--prefill-shares",
+        "0",
+        "--max-num-seqs",
+        "16",
+        "--kv-dtypes",
+        "f16",
+        "--slo",
+        "paid:ttft_p99=1s",
+    ];
+    let preset = planned_rate(&plan(&dir, PLAN_WORKLOAD, &one));
+    // A machine half as fast as the `cpu` preset in every FLOP rate, as
+    // `bench-model --fit` writes one: its plan serves less.
+    let fit = dir.join("fit.toml");
+    std::fs::write(
+        &fit,
+        r#"[gpu]
+name = "half-cpu"
+prefill_flops = 1.45e11
+decode_flops = 1.2e11
+mem_bw = 1.5e10
+overhead_s = 0.0003
+attn_prefill_flops = 3.15e10
+attn_decode_flops = 6.5e9
+overlap = false
+mem_bytes = 2.678e9
+
+[model]
+name = "smollm2"
+params = 1.35e8
+weight_bytes_per_param = 0.726
+n_layer = 30
+q_width = 576
+n_head_kv = 3
+head_dim = 64
+vocab = 49152
+ctx_len = 8192
+window = 0
+window_layers = 0
+"#,
+    )
+    .unwrap();
+    let mut args = one.to_vec();
+    let fit_arg = fit.display().to_string();
+    args.extend(["--gpu", fit_arg.as_str()]);
+    let fitted = planned_rate(&plan(&dir, PLAN_WORKLOAD, &args));
+    assert!(
+        fitted < 0.8 * preset,
+        "half the FLOP/s served {fitted} req/s against {preset}"
+    );
+    // A file without the shape it was fitted with is refused.
+    let bad = dir.join("bad.toml");
+    std::fs::write(&bad, "[gpu]\nname = \"x\"\n").unwrap();
+    let bad_arg = bad.display().to_string();
+    let mut args = one.to_vec();
+    args.extend(["--gpu", bad_arg.as_str()]);
+    let out = plan(&dir, PLAN_WORKLOAD, &args);
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("bench-model --fit"), "{err}");
+    // A recorded trace in place of the Poisson arrivals: 2 req/s as
+    // recorded (a request every 0.5 s), planned at its own scale.
+    let trace = dir.join("trace.jsonl");
+    let rows: String = (0..40)
+        .map(|i| {
+            format!(
+                "{{\"t\": {}, \"prompt_tokens\": {}, \"output_tokens\": 32, \"tenant\": \"app\"}}\n",
+                f64::from(i) * 0.5,
+                64 + 4 * i
+            )
+        })
+        .collect();
+    std::fs::write(&trace, rows).unwrap();
+    let trace_arg = trace.display().to_string();
+    let mut args = one.to_vec();
+    args.extend(["--trace", trace_arg.as_str()]);
+    let out = plan(&dir, PLAN_WORKLOAD, &args);
+    let text = String::from_utf8_lossy(&out.stdout).into_owned();
+    assert!(text.contains("(2.00 req/s as recorded)"), "{text}");
+    assert!(planned_rate(&out) > 0.5, "{text}");
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -348,6 +348,14 @@ pub fn probe(
 ) -> Result<Probe, SimError> {
     let mut sc = at_rate(&config.apply(base)?, rate)?;
     sc.sim.mode = SimMode::Fast;
+    // A rate beyond the configuration fills its queues: what waits at the
+    // end of the arrivals times out after the queue timeout, and what runs
+    // must then finish, so the run drains for that long and two minutes
+    // more (a run that cannot drain breaks an invariant).
+    sc.run.drain_s = sc
+        .run
+        .drain_s
+        .max(sc.engine.queue_timeout.as_secs_f64() + 120.0);
     let report = run(&sc, opts.seed)?;
     Ok(judge(&sc, &report, rate, opts))
 }
